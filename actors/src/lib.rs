@@ -1,0 +1,1 @@
+//! `handoff-actors`: the request lifecycle.

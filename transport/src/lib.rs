@@ -1,0 +1,18 @@
+//! `handoff-transport`: everything that crosses a process boundary.
+//!
+//! It defines the shared vocabulary (request ids, ranks, blocks, failure reasons), the
+//! versioned wire protocol for control messages, the ZeroMQ control channels, and the data
+//! transports that move KV blocks: UCX (libucp loaded at run time), TCP, and in-process.
+//! Nothing here knows about request lifecycles; the `handoff-actors` crate drives these
+//! pieces.
+//!
+//! # Layout
+//! - [`types`]: identities, ranks, blocks, [`types::FailureReason`].
+
+pub mod types;
+
+pub use types::{BlockId, EngineId, FailureReason, Rank, RankInfo, RequestId, Role, TransferMode};
+
+/// The version of the wire protocol this build speaks. A peer on another version is
+/// refused at connect time with an error that names both versions.
+pub const PROTOCOL_VERSION: u16 = 1;

@@ -1,1 +1,35 @@
-//! `handoff-actors`: the request lifecycle.
+//! `handoff-actors`: the request lifecycle, its actors, and the API an engine embeds.
+//!
+//! Each request is a state machine ([`machine`]) driven by its own actor, supervised by the
+//! runtime's root actor. The engine talks to a [`Runtime`]: it opens senders (prefill) and
+//! receivers (decode), hands blocks over, polls or awaits them, and drains [`Event`]s once
+//! per step.
+//!
+//! # Layout
+//! - [`machine`]: sans-IO sender and receiver machines, [`machine::State`], [`machine::merge`].
+//! - [`runtime`]: the root actor (supervision policy in its docs), [`Runtime`] and the handles.
+//! - `request`: the request actor that drives one machine.
+//! - `ledger`: the per-request record that makes "released exactly once" hold across panics.
+//! - [`event`]: lifecycle events and their bounded queue.
+//! - [`link`]: what the runtime needs from a transport; [`inproc`]: the in-process one.
+//! - [`config`]: configuration and named limits; [`Error`]: the API's errors.
+
+pub mod config;
+mod error;
+pub mod event;
+pub mod inproc;
+mod ledger;
+pub mod link;
+pub mod machine;
+mod request;
+pub mod runtime;
+
+pub use config::{RuntimeConfig, TransportChoice};
+pub use error::Error;
+pub use event::Event;
+pub use handoff_transport::{
+    BlockId, EngineId, FailureReason, HostRegion, RankInfo, RequestId, Role, TransferMode,
+};
+pub use inproc::Fabric;
+pub use machine::{merge, merge_all, State, Timeouts};
+pub use runtime::{ReceiverHandle, ReceiverSpec, Runtime, RuntimeBuilder, SenderHandle};

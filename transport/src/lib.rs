@@ -8,9 +8,12 @@
 //!
 //! # Layout
 //! - [`types`]: identities, ranks, blocks, [`types::FailureReason`].
+//! - [`region`]: block-addressed host memory ([`region::HostRegion`]), bounds-checked copies.
 
+pub mod region;
 pub mod types;
 
+pub use region::{HostRegion, RegionError};
 pub use types::{BlockId, EngineId, FailureReason, Rank, RankInfo, RequestId, Role, TransferMode};
 
 /// The version of the wire protocol this build speaks. A peer on another version is

@@ -1,0 +1,101 @@
+//! Lifecycle events, collected without blocking by the engine once per step.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use handoff_transport::{BlockId, RequestId, Role};
+
+use crate::machine::State;
+
+/// One thing the engine should know about.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// A request changed state on this rank. `Done` and `Failed` are final.
+    State {
+        /// The request.
+        id: RequestId,
+        /// Which side this runtime is.
+        role: Role,
+        /// The new state.
+        state: State,
+    },
+    /// The runtime no longer holds these blocks: on prefill the engine may free them; on
+    /// decode, after `Done`, they hold the KV cache and are the engine's to decode from.
+    /// Every block handed to the runtime appears in exactly one `Released` event.
+    Released {
+        /// The request they belonged to.
+        id: RequestId,
+        /// The blocks.
+        blocks: Vec<BlockId>,
+    },
+}
+
+impl Event {
+    /// The request this event is about.
+    pub fn id(&self) -> &RequestId {
+        match self {
+            Event::State { id, .. } | Event::Released { id, .. } => id,
+        }
+    }
+}
+
+/// The queue between the runtime's actors and the engine.
+///
+/// Bounded by admission, not by dropping: a request counts as open from its creation until
+/// the engine drains its final `State` event, and the runtime refuses new requests past
+/// its limit; each request emits at most a handful of events. So the queue holds at most
+/// `requests_open_max × EVENTS_PER_REQUEST_MAX` events and never loses one.
+#[derive(Debug, Default)]
+pub struct EventQueue {
+    events: Mutex<VecDeque<Event>>,
+    open: AtomicUsize,
+}
+
+/// Events one request can emit: four state changes, one release at the end, one for blocks
+/// handed over after the end (which the API refuses, but a race with the end can let one in).
+pub const EVENTS_PER_REQUEST_MAX: usize = 6;
+
+impl EventQueue {
+    pub(crate) fn push(&self, event: Event) {
+        self.lock().push_back(event);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Event>> {
+        // A poisoned lock only means a panic elsewhere while holding it; the queue itself
+        // is always in a consistent state between pushes and pops.
+        self.events.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Counts a new request if the runtime is under `max`; `Err(open)` otherwise.
+    pub(crate) fn admit(&self, max: usize) -> Result<(), usize> {
+        self.open
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .map(|_| ())
+    }
+
+    /// Un-counts a request that was admitted but never created.
+    pub(crate) fn unadmit(&self) {
+        let _ = self
+            .open
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+    }
+
+    /// Requests open now (live, or ended with their final event not drained).
+    pub fn open(&self) -> usize {
+        self.open.load(Ordering::Acquire)
+    }
+
+    /// Takes every queued event, oldest first. Never blocks on the runtime.
+    pub fn drain(&self) -> Vec<Event> {
+        let events: Vec<Event> = self.lock().drain(..).collect();
+        for e in &events {
+            if matches!(e, Event::State { state, .. } if state.is_terminal()) {
+                self.unadmit();
+            }
+        }
+        events
+    }
+}

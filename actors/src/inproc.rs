@@ -1,0 +1,221 @@
+//! The in-process transport: prefill and decode runtimes in one process.
+//!
+//! A [`Fabric`] is a directory of the runtimes attached to it. Control messages become
+//! messages to the destination runtime's root actor; data moves by bounds-checked copies
+//! between the runtimes' [`HostRegion`]s. It is a real transport for P and D in one process
+//! (tests, examples, single-host setups), not a stand-in: the runtime above it is the same.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use handoff_transport::{BlockId, EngineId, FailureReason, HostRegion, RankInfo, RequestId, Role};
+use ractor::ActorRef;
+
+use crate::link::{Link, LinkError, ResolveError, ResolveFuture, TransferFuture};
+use crate::machine::{Outbound, Peer};
+use crate::runtime::RootMsg;
+use crate::Error;
+
+struct Node {
+    role: Role,
+    root: ActorRef<RootMsg>,
+    region: Arc<HostRegion>,
+}
+
+/// Decides whether one control message is delivered (`true`) or lost (`false`).
+/// Arguments: sender, receiver, request, message.
+pub type MessageFilter = dyn Fn(&Peer, &Peer, &RequestId, &Outbound) -> bool + Send + Sync;
+
+/// The runtimes of one process that can reach each other. Share it with `Arc`.
+#[derive(Default)]
+pub struct Fabric {
+    nodes: Mutex<BTreeMap<RankInfo, Node>>,
+    filter: Mutex<Option<Arc<MessageFilter>>>,
+}
+
+impl Fabric {
+    /// An empty fabric.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    fn nodes(&self) -> std::sync::MutexGuard<'_, BTreeMap<RankInfo, Node>> {
+        // The map is consistent between operations; a panic elsewhere cannot tear it.
+        self.nodes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Attaches a runtime's root actor and region; returns its link.
+    pub(crate) fn attach(
+        self: &Arc<Self>,
+        rank: RankInfo,
+        role: Role,
+        root: ActorRef<RootMsg>,
+        region: Arc<HostRegion>,
+    ) -> Result<Arc<InProcessLink>, Error> {
+        let mut nodes = self.nodes();
+        if nodes.contains_key(&rank) {
+            return Err(Error::AlreadyAttached(rank));
+        }
+        nodes.insert(
+            rank.clone(),
+            Node {
+                role,
+                root,
+                region: region.clone(),
+            },
+        );
+        Ok(Arc::new(InProcessLink {
+            fabric: self.clone(),
+            me: rank,
+            region,
+        }))
+    }
+
+    /// Fault injection: from now on, control messages for which `filter` returns false are
+    /// lost in flight (the sender sees success, as on a real network).
+    pub fn set_filter(
+        &self,
+        filter: impl Fn(&Peer, &Peer, &RequestId, &Outbound) -> bool + Send + Sync + 'static,
+    ) {
+        *self.filter.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(filter));
+    }
+
+    /// Removes the message filter: every message is delivered again.
+    pub fn clear_filter(&self) {
+        *self.filter.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    fn delivers(&self, from: &Peer, to: &Peer, id: &RequestId, msg: &Outbound) -> bool {
+        let filter = self
+            .filter
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        filter.is_none_or(|f| f(from, to, id, msg))
+    }
+
+    /// The runtimes attached now, with their roles.
+    pub fn attached(&self) -> Vec<(RankInfo, Role)> {
+        self.nodes()
+            .iter()
+            .map(|(r, n)| (r.clone(), n.role))
+            .collect()
+    }
+
+    fn region_of(&self, peer: &Peer) -> Result<Arc<HostRegion>, String> {
+        self.nodes()
+            .get(peer)
+            .map(|n| n.region.clone())
+            .ok_or_else(|| format!("peer {peer} is not attached"))
+    }
+
+    fn resolve_now(
+        &self,
+        me: &RankInfo,
+        prefill: &EngineId,
+        dp: Option<u32>,
+    ) -> Result<Vec<Peer>, ResolveError> {
+        let nodes = self.nodes();
+        let ranks: Vec<&RankInfo> = nodes
+            .iter()
+            .filter(|(r, n)| n.role == Role::Prefill && r.engine_id == *prefill)
+            .map(|(r, _)| r)
+            .collect();
+        let Some(first) = ranks.first() else {
+            return Err(ResolveError::NotReady {
+                detail: format!("no prefill rank of engine {prefill} registered"),
+            });
+        };
+        if first.tp_size != me.tp_size {
+            return Err(ResolveError::Fatal(FailureReason::Protocol {
+                detail: format!(
+                    "prefill {prefill} has tp_size {}, decode has {}: heterogeneous TP is not supported",
+                    first.tp_size, me.tp_size
+                ),
+            }));
+        }
+        let dp = dp.unwrap_or_else(|| ranks.iter().map(|r| r.dp_rank).min().unwrap_or(0));
+        let peers: Vec<Peer> = ranks
+            .iter()
+            .filter(|r| r.dp_rank == dp && r.tp_rank == me.tp_rank)
+            .map(|r| (*r).clone())
+            .collect();
+        if peers.len() < first.pp_size as usize {
+            return Err(ResolveError::NotReady {
+                detail: format!(
+                    "{} of {} pipeline ranks of {prefill} dp{dp} tp{} registered",
+                    peers.len(),
+                    first.pp_size,
+                    me.tp_rank
+                ),
+            });
+        }
+        Ok(peers)
+    }
+}
+
+/// One runtime's view of a [`Fabric`].
+pub struct InProcessLink {
+    fabric: Arc<Fabric>,
+    me: RankInfo,
+    region: Arc<HostRegion>,
+}
+
+impl Link for InProcessLink {
+    fn me(&self) -> &RankInfo {
+        &self.me
+    }
+
+    fn send(&self, to: &Peer, id: &RequestId, msg: Outbound) -> Result<(), LinkError> {
+        let root = self.fabric.nodes().get(to).map(|n| n.root.clone());
+        let root = root.ok_or_else(|| LinkError::PeerGone(to.to_string()))?;
+        if !self.fabric.delivers(&self.me, to, id, &msg) {
+            tracing::debug!(request = %id, from = %self.me, %to, ?msg, "message lost (injected)");
+            return Ok(());
+        }
+        root.cast(RootMsg::Inbound {
+            from: self.me.clone(),
+            id: id.clone(),
+            msg,
+        })
+        .map_err(|_| LinkError::PeerGone(to.to_string()))
+    }
+
+    fn siblings(&self) -> Vec<Peer> {
+        self.fabric
+            .nodes()
+            .keys()
+            .filter(|r| {
+                r.engine_id == self.me.engine_id && r.dp_rank == self.me.dp_rank && **r != self.me
+            })
+            .cloned()
+            .collect()
+    }
+
+    fn resolve(&self, prefill: &EngineId, dp_rank: Option<u32>) -> ResolveFuture {
+        let answer = self.fabric.resolve_now(&self.me, prefill, dp_rank);
+        Box::pin(async move { answer })
+    }
+
+    fn write(&self, to: &Peer, src: Vec<BlockId>, dst: Vec<BlockId>) -> TransferFuture {
+        let target = self.fabric.region_of(to);
+        let local = self.region.clone();
+        Box::pin(async move {
+            let target = target?;
+            HostRegion::copy_blocks(&local, &src, &target, &dst).map_err(|e| e.to_string())
+        })
+    }
+
+    fn read(&self, from: &Peer, src: Vec<BlockId>, dst: Vec<BlockId>) -> TransferFuture {
+        let source = self.fabric.region_of(from);
+        let local = self.region.clone();
+        Box::pin(async move {
+            let source = source?;
+            HostRegion::copy_blocks(&source, &src, &local, &dst).map_err(|e| e.to_string())
+        })
+    }
+
+    fn detach(&self) {
+        self.fabric.nodes().remove(&self.me);
+    }
+}

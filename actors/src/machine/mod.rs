@@ -1,0 +1,335 @@
+//! The request lifecycle as sans-IO state machines.
+//!
+//! A [`SenderMachine`] (one per request per prefill rank) and a [`ReceiverMachine`] (one per
+//! request per decode rank) are plain data: they read no clock, do no IO and spawn nothing.
+//! Their driver (the request actor, the simulator, a property test) calls, in any order:
+//! - `handle(now, event)` when something happened,
+//! - `handle_timeout(now)` when the instant from `poll_timeout()` has passed,
+//! - `poll_action()` until it returns `None`, performing each action,
+//! - `poll_timeout()` to learn when to call `handle_timeout` next.
+//!
+//! States only move forward (`Bootstrapping → WaitingForInput → Transferring → Done`);
+//! `Failed` can be reached from any non-terminal state. Every non-terminal state has a
+//! deadline. On entering a terminal state the machine emits exactly one
+//! [`Action::Release`] holding every block it held; blocks handed to it after that are
+//! released at once. Nothing a peer sends can make a machine panic: input that does not fit
+//! the state is either ignored (duplicates, stale messages) or fails the request with
+//! [`FailureReason::Protocol`].
+
+mod receiver;
+mod sender;
+
+pub use receiver::{ReceiverEvent, ReceiverMachine};
+pub use sender::{SenderEvent, SenderMachine};
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use handoff_transport::{BlockId, FailureReason, RankInfo, TransferMode};
+
+/// Default time a request may spend in `Bootstrapping`: SGLang's
+/// `SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT` default, 300 s. With admission control a
+/// saturated decode answers `Rejected(Busy)` at once, so this is the bound for a peer that is
+/// silent, not for one that is busy (seed 003).
+pub const BOOTSTRAP_TIMEOUT_DEFAULT: Duration = Duration::from_secs(300);
+
+/// Default time a request may spend in `WaitingForInput`: SGLang's waiting timeout, 300 s.
+/// On prefill this bounds the engine's prefill; on decode it bounds the wait for prefill's
+/// data (seed 001: a receive without a timeout hangs forever).
+pub const WAITING_TIMEOUT_DEFAULT: Duration = Duration::from_secs(300);
+
+/// Default time one push transfer (or one pull read, on decode) may take once started.
+/// A long prompt's KV cache is a few GB; even at 1 GB/s that is seconds, so 60 s means a
+/// transfer that is stuck, not one that is slow.
+pub const TRANSFER_TIMEOUT_DEFAULT: Duration = Duration::from_secs(60);
+
+/// Default time prefill holds blocks in pull mode waiting for decode to read them: vLLM's
+/// `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`, 480 s (seed 002).
+pub const PULL_TTL_DEFAULT: Duration = Duration::from_secs(480);
+
+/// The deadlines of every non-terminal state. Each is measured from entering the state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Timeouts {
+    /// Bound on `Bootstrapping`.
+    pub bootstrap: Duration,
+    /// Bound on `WaitingForInput`.
+    pub waiting: Duration,
+    /// Bound on `Transferring` in push mode, and on decode's reads in pull mode.
+    pub transfer: Duration,
+    /// Bound on prefill's `Transferring` in pull mode: how long blocks wait to be read.
+    pub pull_ttl: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Self {
+            bootstrap: BOOTSTRAP_TIMEOUT_DEFAULT,
+            waiting: WAITING_TIMEOUT_DEFAULT,
+            transfer: TRANSFER_TIMEOUT_DEFAULT,
+            pull_ttl: PULL_TTL_DEFAULT,
+        }
+    }
+}
+
+impl Timeouts {
+    /// The longest a request can live: the sum of every stage's bound. A machine is terminal
+    /// by `created + lifetime_max()` whatever its inputs (the property tests check it).
+    pub fn lifetime_max(&self) -> Duration {
+        self.bootstrap + self.waiting + self.transfer.max(self.pull_ttl)
+    }
+}
+
+/// Where a request is in its lifecycle, on one rank.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum State {
+    /// Waiting for the other side: prefill for decode's transfer info; decode for the
+    /// bootstrap answer and its own block allocation.
+    Bootstrapping,
+    /// Waiting for the input: prefill for the engine's `send(blocks)`; decode for prefill's
+    /// `Done` (push) or `Ready` (pull).
+    WaitingForInput,
+    /// Bytes are moving (or, pull mode on prefill, waiting to be read under a TTL).
+    Transferring,
+    /// The blocks arrived (decode) or were delivered (prefill).
+    Done,
+    /// The request ended without its blocks being delivered, for the reason given.
+    Failed(FailureReason),
+}
+
+/// The phase of a [`State`], without the failure reason: what "forward only" is measured in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Phase {
+    /// See [`State::Bootstrapping`].
+    Bootstrapping,
+    /// See [`State::WaitingForInput`].
+    WaitingForInput,
+    /// See [`State::Transferring`].
+    Transferring,
+    /// Terminal: [`State::Done`] or [`State::Failed`].
+    Terminal,
+}
+
+impl State {
+    /// The state's phase.
+    pub fn phase(&self) -> Phase {
+        match self {
+            State::Bootstrapping => Phase::Bootstrapping,
+            State::WaitingForInput => Phase::WaitingForInput,
+            State::Transferring => Phase::Transferring,
+            State::Done | State::Failed(_) => Phase::Terminal,
+        }
+    }
+
+    /// True for `Done` and `Failed`.
+    pub fn is_terminal(&self) -> bool {
+        self.phase() == Phase::Terminal
+    }
+
+    /// The failure reason, if the state is `Failed`.
+    pub fn failure(&self) -> Option<&FailureReason> {
+        match self {
+            State::Failed(reason) => Some(reason),
+            _ => None,
+        }
+    }
+
+    /// Position in the merge order: `Failed` (by reason) below everything, then the least
+    /// advanced state first.
+    fn merge_rank(&self) -> u8 {
+        match self {
+            State::Failed(_) => 0,
+            State::Bootstrapping => 1,
+            State::WaitingForInput => 2,
+            State::Transferring => 3,
+            State::Done => 4,
+        }
+    }
+}
+
+impl fmt::Display for State {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            State::Bootstrapping => f.write_str("Bootstrapping"),
+            State::WaitingForInput => f.write_str("WaitingForInput"),
+            State::Transferring => f.write_str("Transferring"),
+            State::Done => f.write_str("Done"),
+            State::Failed(reason) => write!(f, "Failed({reason})"),
+        }
+    }
+}
+
+/// Merges the states of two ranks of one request into the request's state.
+///
+/// A total function: `Failed` dominates (of two failures, the smaller reason in
+/// [`FailureReason`]'s order, so the result does not depend on merge order); otherwise the
+/// least advanced state. It is the minimum under one total order, hence commutative,
+/// associative and idempotent. One rank `Failed` while another is still `Bootstrapping`
+/// (seed 003) is an ordinary input: the request is `Failed`.
+pub fn merge(a: &State, b: &State) -> State {
+    let key = |s: &State| (s.merge_rank(), s.failure().cloned());
+    if key(b) < key(a) {
+        b.clone()
+    } else {
+        a.clone()
+    }
+}
+
+/// Merges the states of every rank of one request; `None` for no ranks.
+pub fn merge_all<'a>(states: impl IntoIterator<Item = &'a State>) -> Option<State> {
+    states.into_iter().fold(None, |acc, s| match acc {
+        None => Some(s.clone()),
+        Some(a) => Some(merge(&a, s)),
+    })
+}
+
+/// A peer rank, as the machines see it: who to send to, and whose messages to believe.
+pub type Peer = RankInfo;
+
+/// A control message a machine asks its driver to send to a peer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outbound {
+    /// Decode → prefill: where to put the blocks, and how.
+    TransferInfo {
+        /// Push or pull.
+        mode: TransferMode,
+        /// Decode's destination blocks, in order.
+        blocks: Vec<BlockId>,
+    },
+    /// Decode → prefill: alive, but no blocks allocated yet (saturated).
+    Queued,
+    /// Prefill → decode (pull): the blocks are ready to be read.
+    Ready {
+        /// Prefill's source blocks, in order.
+        blocks: Vec<BlockId>,
+    },
+    /// Prefill → decode (push): every block has been written.
+    Done,
+    /// Decode → prefill (pull): every block has been read.
+    ReadDone,
+    /// Decode → prefill: decode is saturated and refuses the request (sent by decode's
+    /// admission control, never by a machine).
+    Rejected {
+        /// Why.
+        reason: FailureReason,
+    },
+    /// Either way: this request has failed here; free its blocks.
+    Abort {
+        /// Why.
+        reason: FailureReason,
+    },
+}
+
+/// What a machine asks its driver to do. Drained with `poll_action()`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Send a control message to a peer.
+    Send {
+        /// The peer.
+        to: Peer,
+        /// The message.
+        msg: Outbound,
+    },
+    /// Prefill, push mode: write `src` blocks into the peer's `dst` blocks, then report
+    /// `TransferComplete` or `TransferFailed`.
+    Write {
+        /// The peer that granted `dst`.
+        to: Peer,
+        /// Local blocks, in order.
+        src: Vec<BlockId>,
+        /// The peer's blocks, in order; same length as `src`.
+        dst: Vec<BlockId>,
+    },
+    /// Decode, pull mode: read the peer's `src` blocks into local `dst` blocks, then report
+    /// `ReadComplete` or `TransferFailed`.
+    Read {
+        /// The peer holding `src`.
+        from: Peer,
+        /// The peer's blocks, in order.
+        src: Vec<BlockId>,
+        /// Local blocks, in order; same length as `src`.
+        dst: Vec<BlockId>,
+    },
+    /// The machine no longer holds these blocks: the engine may free or reuse them.
+    /// Emitted exactly once for every block the machine was given.
+    Release {
+        /// The blocks.
+        blocks: Vec<BlockId>,
+    },
+    /// The state changed (emitted after every transition, for events and logs).
+    StateChanged(State),
+}
+
+/// The part shared by both machines: the state, its deadline, the held blocks, the queue
+/// of actions, and the one way to move to a new state.
+#[derive(Debug)]
+struct Core {
+    state: State,
+    deadline: Option<Instant>,
+    held: Vec<BlockId>,
+    actions: VecDeque<Action>,
+    timeouts: Timeouts,
+}
+
+impl Core {
+    fn new(now: Instant, timeouts: Timeouts) -> Self {
+        Self {
+            state: State::Bootstrapping,
+            deadline: Some(now + timeouts.bootstrap),
+            held: Vec::new(),
+            actions: VecDeque::new(),
+            timeouts,
+        }
+    }
+
+    /// Moves forward to a non-terminal state and arms its deadline.
+    fn advance(&mut self, now: Instant, next: State, limit: Duration) {
+        debug_assert!(!next.is_terminal());
+        debug_assert!(
+            next.phase() > self.state.phase(),
+            "{} -> {next}",
+            self.state
+        );
+        self.state = next.clone();
+        self.deadline = Some(now + limit);
+        self.actions.push_back(Action::StateChanged(next));
+    }
+
+    /// Moves to `Done` or `Failed`, disarms the deadline and releases every held block.
+    fn finish(&mut self, end: State) {
+        debug_assert!(end.is_terminal());
+        if self.state.is_terminal() {
+            return;
+        }
+        self.state = end.clone();
+        self.deadline = None;
+        self.actions.push_back(Action::StateChanged(end));
+        let blocks = std::mem::take(&mut self.held);
+        self.actions.push_back(Action::Release { blocks });
+    }
+
+    /// Takes blocks that arrive after the end: they are released at once.
+    fn release_late(&mut self, blocks: Vec<BlockId>) {
+        if !blocks.is_empty() {
+            self.actions.push_back(Action::Release { blocks });
+        }
+    }
+
+    fn send(&mut self, to: &Peer, msg: Outbound) {
+        self.actions.push_back(Action::Send {
+            to: to.clone(),
+            msg,
+        });
+    }
+
+    fn timed_out(&self, now: Instant) -> bool {
+        self.deadline.is_some_and(|d| now >= d)
+    }
+}
+
+/// A protocol failure naming the peer.
+fn protocol(peer: &Peer, detail: impl fmt::Display) -> FailureReason {
+    FailureReason::Protocol {
+        detail: format!("{peer}: {detail}"),
+    }
+}

@@ -1,0 +1,364 @@
+//! The decode side of one request on one decode rank.
+//!
+//! A decode rank receives from every prefill rank that holds part of the request's KV cache
+//! (e.g. each pipeline stage of prefill), so the receiver tracks each of them.
+//!
+//! ```text
+//!                peers resolved + blocks allocated
+//! Bootstrapping ──────────────────────────────────▶ WaitingForInput ──▶ Transferring ──▶ Done
+//!   (peers known, no blocks yet: Queued to each)      push: first Done   push: Done from every peer
+//!                                                     pull: first Ready  pull: every read complete
+//!       └───────────────── any state ───────────────▶ Failed(reason)
+//! ```
+
+use std::time::Instant;
+
+use handoff_transport::{BlockId, FailureReason, TransferMode};
+
+use super::{protocol, Action, Core, Outbound, Peer, State, Timeouts};
+
+/// What can happen to a receiver. Fed with [`ReceiverMachine::handle`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReceiverEvent {
+    /// The bootstrap answer: the prefill ranks this request receives from.
+    PeersResolved {
+        /// The prefill ranks.
+        peers: Vec<Peer>,
+    },
+    /// The bootstrap server could not answer in time.
+    BootstrapFailed {
+        /// Why.
+        reason: FailureReason,
+    },
+    /// The engine allocated the destination blocks.
+    Allocated {
+        /// The blocks, in order.
+        blocks: Vec<BlockId>,
+    },
+    /// Push: a prefill rank finished writing.
+    Done {
+        /// The prefill rank.
+        from: Peer,
+    },
+    /// Pull: a prefill rank's blocks are ready to be read.
+    Ready {
+        /// The prefill rank.
+        from: Peer,
+        /// Its source blocks.
+        blocks: Vec<BlockId>,
+    },
+    /// Pull: the read from one prefill rank finished.
+    ReadComplete {
+        /// The prefill rank.
+        from: Peer,
+    },
+    /// The data plane failed.
+    TransferFailed {
+        /// What it said.
+        detail: String,
+    },
+    /// The engine aborted the request.
+    Abort,
+    /// A peer (prefill, or another rank of this request) aborted or failed it.
+    PeerAbort {
+        /// Who.
+        from: Peer,
+        /// Why, as the peer said.
+        reason: FailureReason,
+    },
+    /// A peer stopped answering heartbeats.
+    PeerLost {
+        /// Who.
+        peer: Peer,
+    },
+    /// A peer sent a message that has no place on this side of the protocol.
+    Unexpected {
+        /// Who.
+        from: Peer,
+        /// What it sent.
+        what: String,
+    },
+    /// Something broke inside this runtime.
+    Internal {
+        /// What.
+        detail: String,
+    },
+}
+
+/// How far one prefill rank has got.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Progress {
+    Waiting,
+    Reading,
+    Complete,
+}
+
+/// One request's lifecycle on one decode rank. See the [module docs](super).
+#[derive(Debug)]
+pub struct ReceiverMachine {
+    core: Core,
+    mode: TransferMode,
+    /// The prefill ranks and how far each has got, once resolved.
+    peers: Vec<(Peer, Progress)>,
+    allocated: bool,
+    queued_sent: bool,
+}
+
+impl ReceiverMachine {
+    /// A new receiver in `Bootstrapping`, with its bootstrap deadline armed from `now`.
+    pub fn new(now: Instant, timeouts: Timeouts, mode: TransferMode) -> Self {
+        Self {
+            core: Core::new(now, timeouts),
+            mode,
+            peers: Vec::new(),
+            allocated: false,
+            queued_sent: false,
+        }
+    }
+
+    /// The current state.
+    pub fn state(&self) -> &State {
+        &self.core.state
+    }
+
+    /// The prefill ranks this request receives from, once resolved.
+    pub fn peers(&self) -> impl Iterator<Item = &Peer> {
+        self.peers.iter().map(|(p, _)| p)
+    }
+
+    /// Blocks the machine holds now (released on the terminal state).
+    pub fn held(&self) -> &[BlockId] {
+        &self.core.held
+    }
+
+    /// The next action to perform, if any.
+    pub fn poll_action(&mut self) -> Option<Action> {
+        self.core.actions.pop_front()
+    }
+
+    /// When to call [`handle_timeout`](Self::handle_timeout); `None` once terminal.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.core.deadline
+    }
+
+    /// Fails the request if the current state's deadline has passed at `now`.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if !self.core.timed_out(now) {
+            return;
+        }
+        let reason = match self.core.state {
+            State::Bootstrapping => FailureReason::BootstrapTimeout,
+            State::WaitingForInput => FailureReason::WaitingTimeout,
+            State::Transferring => FailureReason::TransferTimeout,
+            State::Done | State::Failed(_) => return,
+        };
+        self.fail(reason, None);
+    }
+
+    /// Feeds one event. Never panics, whatever the event and state.
+    pub fn handle(&mut self, now: Instant, event: ReceiverEvent) {
+        if self.core.state.is_terminal() {
+            if let ReceiverEvent::Allocated { blocks } = event {
+                self.core.release_late(blocks);
+            }
+            return;
+        }
+        match event {
+            ReceiverEvent::PeersResolved { peers } => self.on_peers(now, peers),
+            ReceiverEvent::BootstrapFailed { reason } => {
+                if self.core.state == State::Bootstrapping {
+                    self.fail(reason, None);
+                }
+            }
+            ReceiverEvent::Allocated { blocks } => self.on_allocated(now, blocks),
+            ReceiverEvent::Done { from } => self.on_done(now, from),
+            ReceiverEvent::Ready { from, blocks } => self.on_ready(now, from, blocks),
+            ReceiverEvent::ReadComplete { from } => self.on_read_complete(from),
+            ReceiverEvent::TransferFailed { detail } => {
+                if self.core.state == State::Transferring {
+                    self.fail(FailureReason::TransferFailed { detail }, None);
+                }
+            }
+            ReceiverEvent::Abort => self.fail(FailureReason::AbortedByEngine, None),
+            ReceiverEvent::PeerAbort { from, reason } => {
+                let cause = reason.to_string();
+                let peer = from.to_string();
+                self.fail(FailureReason::AbortedByPeer { peer, cause }, Some(&from));
+            }
+            ReceiverEvent::PeerLost { peer } => {
+                if self.index(&peer).is_some() {
+                    let name = peer.to_string();
+                    self.fail(FailureReason::PeerLost { peer: name }, Some(&peer));
+                }
+            }
+            ReceiverEvent::Unexpected { from, what } => {
+                self.fail(protocol(&from, format!("unexpected {what}")), None)
+            }
+            ReceiverEvent::Internal { detail } => {
+                self.fail(FailureReason::Internal { detail }, None)
+            }
+        }
+    }
+
+    fn on_peers(&mut self, now: Instant, peers: Vec<Peer>) {
+        if self.core.state != State::Bootstrapping || !self.peers.is_empty() {
+            return; // a repeated answer
+        }
+        if peers.is_empty() {
+            return self.fail(internal("bootstrap resolved no prefill ranks"), None);
+        }
+        self.peers = peers.into_iter().map(|p| (p, Progress::Waiting)).collect();
+        self.try_send_info(now);
+    }
+
+    fn on_allocated(&mut self, now: Instant, blocks: Vec<BlockId>) {
+        if self.allocated {
+            return self.core.release_late(blocks);
+        }
+        self.allocated = true;
+        self.core.held = blocks;
+        self.try_send_info(now);
+    }
+
+    /// Sends the transfer info once both the peers and the blocks are known; with peers
+    /// but no blocks, says `Queued` once so prefill knows this side lives (seed 003).
+    fn try_send_info(&mut self, now: Instant) {
+        if self.peers.is_empty() {
+            return;
+        }
+        if !self.allocated {
+            if !self.queued_sent {
+                self.queued_sent = true;
+                for (peer, _) in self.peers.clone() {
+                    self.core.send(&peer, Outbound::Queued);
+                }
+            }
+            return;
+        }
+        for (peer, _) in self.peers.clone() {
+            let msg = Outbound::TransferInfo {
+                mode: self.mode,
+                blocks: self.core.held.clone(),
+            };
+            self.core.send(&peer, msg);
+        }
+        let limit = self.core.timeouts.waiting;
+        self.core.advance(now, State::WaitingForInput, limit);
+    }
+
+    fn index(&self, peer: &Peer) -> Option<usize> {
+        self.peers.iter().position(|(p, _)| p == peer)
+    }
+
+    /// Checks that `from` is one of our prefill ranks, that the input fits the mode, and
+    /// that we have asked for it; fails the request otherwise.
+    fn expect_input(&mut self, from: &Peer, mode: TransferMode, what: &str) -> Option<usize> {
+        let Some(i) = self.index(from) else {
+            self.fail(
+                protocol(from, format!("{what} from a rank not serving this request")),
+                None,
+            );
+            return None;
+        };
+        if self.mode != mode {
+            let detail = format!("{what} in {:?} mode", self.mode);
+            self.fail(protocol(from, detail), None);
+            return None;
+        }
+        if self.core.state == State::Bootstrapping {
+            self.fail(
+                protocol(from, format!("{what} before transfer info was sent")),
+                None,
+            );
+            return None;
+        }
+        Some(i)
+    }
+
+    fn enter_transferring(&mut self, now: Instant) {
+        if self.core.state == State::WaitingForInput {
+            let limit = self.core.timeouts.transfer;
+            self.core.advance(now, State::Transferring, limit);
+        }
+    }
+
+    fn on_done(&mut self, now: Instant, from: Peer) {
+        let Some(i) = self.expect_input(&from, TransferMode::Push, "Done") else {
+            return;
+        };
+        self.peers[i].1 = Progress::Complete;
+        self.finish_if_complete(now);
+    }
+
+    fn on_ready(&mut self, now: Instant, from: Peer, blocks: Vec<BlockId>) {
+        let Some(i) = self.expect_input(&from, TransferMode::Pull, "Ready") else {
+            return;
+        };
+        if self.peers[i].1 != Progress::Waiting {
+            return; // a duplicate
+        }
+        if blocks.len() != self.core.held.len() {
+            let detail = format!(
+                "Ready with {} blocks for {} granted",
+                blocks.len(),
+                self.core.held.len()
+            );
+            return self.fail(protocol(&from, detail), None);
+        }
+        self.peers[i].1 = Progress::Reading;
+        self.enter_transferring(now);
+        let dst = self.core.held.clone();
+        self.core.actions.push_back(Action::Read {
+            from,
+            src: blocks,
+            dst,
+        });
+    }
+
+    fn on_read_complete(&mut self, from: Peer) {
+        let Some(i) = self.index(&from) else {
+            return;
+        };
+        if self.peers[i].1 != Progress::Reading {
+            return; // stale
+        }
+        self.peers[i].1 = Progress::Complete;
+        self.core.send(&from, Outbound::ReadDone);
+        if self.peers.iter().all(|(_, p)| *p == Progress::Complete) {
+            self.core.finish(State::Done);
+        }
+    }
+
+    fn finish_if_complete(&mut self, now: Instant) {
+        if self.peers.iter().all(|(_, p)| *p == Progress::Complete) {
+            self.core.finish(State::Done);
+        } else {
+            self.enter_transferring(now);
+        }
+    }
+
+    /// Fails the request: tells every prefill rank but the one that caused the failure,
+    /// and releases every held block.
+    fn fail(&mut self, reason: FailureReason, caused_by: Option<&Peer>) {
+        if self.core.state.is_terminal() {
+            return;
+        }
+        for (peer, progress) in self.peers.clone() {
+            if caused_by != Some(&peer) && progress != Progress::Complete {
+                self.core.send(
+                    &peer,
+                    Outbound::Abort {
+                        reason: reason.clone(),
+                    },
+                );
+            }
+        }
+        self.core.finish(State::Failed(reason));
+    }
+}
+
+fn internal(detail: &str) -> FailureReason {
+    FailureReason::Internal {
+        detail: detail.to_string(),
+    }
+}

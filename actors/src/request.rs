@@ -1,0 +1,346 @@
+//! The request actor: one per live request, supervised by the runtime's root actor.
+//!
+//! It owns its request's machine and does nothing else: it feeds the machine the events
+//! the root routes to it, performs the actions the machine emits (control messages through
+//! the [`Link`], data transfers as tasks that report back, state and releases into the
+//! [`Ledger`]), and keeps exactly one timer armed at the machine's next deadline. When the
+//! machine is terminal it tells the root, which stops it.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use handoff_transport::{EngineId, Role, TransferMode};
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use tokio::task::JoinHandle;
+use tracing::{debug, warn};
+
+use crate::ledger::Ledger;
+use crate::link::{Link, ResolveError};
+use crate::machine::{
+    Action, ReceiverEvent, ReceiverMachine, SenderEvent, SenderMachine, State, Timeouts,
+};
+use crate::runtime::RootMsg;
+
+/// First wait between bootstrap lookups that answer "not ready".
+pub const RESOLVE_BACKOFF_MIN: Duration = Duration::from_millis(10);
+/// Cap on the wait between bootstrap lookups; the request's bootstrap deadline caps the total.
+pub const RESOLVE_BACKOFF_MAX: Duration = Duration::from_secs(1);
+
+/// Extra time a transfer task may outlive the transfer deadline before it is dropped:
+/// the machine fails the request at the deadline; this only bounds the task's lifetime.
+const TRANSFER_TASK_GRACE: Duration = Duration::from_secs(1);
+
+/// An event for either machine.
+#[derive(Debug)]
+pub(crate) enum MachineEvent {
+    Sender(SenderEvent),
+    Receiver(ReceiverEvent),
+}
+
+/// Messages a request actor handles.
+#[derive(Debug)]
+pub(crate) enum RequestMsg {
+    /// Something happened to the request.
+    Event(MachineEvent),
+    /// The armed deadline may have passed.
+    Timeout,
+    /// Fault injection: panic inside the handler (tests and the simulator).
+    Panic,
+}
+
+/// What a request actor is built from.
+pub(crate) struct RequestArgs {
+    pub(crate) ledger: Ledger,
+    pub(crate) link: Arc<dyn Link>,
+    pub(crate) root: ActorRef<RootMsg>,
+    pub(crate) timeouts: Timeouts,
+    pub(crate) kind: Kind,
+    /// Events that arrived before the request existed.
+    pub(crate) backlog: Vec<MachineEvent>,
+}
+
+/// Which side, and what that side needs to start.
+pub(crate) enum Kind {
+    Sender,
+    Receiver {
+        mode: TransferMode,
+        prefill: EngineId,
+        prefill_dp_rank: Option<u32>,
+    },
+}
+
+/// The task `send_after` spawns for the armed deadline.
+type TimerHandle = JoinHandle<Result<(), ractor::MessagingErr<RequestMsg>>>;
+
+enum Machine {
+    Sender(SenderMachine),
+    Receiver(ReceiverMachine),
+}
+
+pub(crate) struct RequestState {
+    ledger: Ledger,
+    link: Arc<dyn Link>,
+    root: ActorRef<RootMsg>,
+    machine: Machine,
+    timeouts: Timeouts,
+    timer: Option<(Instant, TimerHandle)>,
+    tasks: Vec<JoinHandle<()>>,
+    ended: bool,
+}
+
+/// The actor (data-free; its state is [`RequestState`]).
+pub(crate) struct RequestActor;
+
+fn now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
+
+impl Actor for RequestActor {
+    type Msg = RequestMsg;
+    type State = RequestState;
+    type Arguments = RequestArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<RequestMsg>,
+        args: RequestArgs,
+    ) -> Result<RequestState, ActorProcessingErr> {
+        let t = now();
+        let machine = match &args.kind {
+            Kind::Sender => Machine::Sender(SenderMachine::new(t, args.timeouts)),
+            Kind::Receiver { mode, .. } => {
+                Machine::Receiver(ReceiverMachine::new(t, args.timeouts, *mode))
+            }
+        };
+        let mut state = RequestState {
+            ledger: args.ledger,
+            link: args.link,
+            root: args.root,
+            machine,
+            timeouts: args.timeouts,
+            timer: None,
+            tasks: Vec::new(),
+            ended: false,
+        };
+        if let Kind::Receiver {
+            prefill,
+            prefill_dp_rank,
+            ..
+        } = args.kind
+        {
+            let deadline = t + args.timeouts.bootstrap;
+            state.tasks.push(spawn_resolve(
+                &myself,
+                &state.link,
+                prefill,
+                prefill_dp_rank,
+                deadline,
+            ));
+        }
+        for event in args.backlog {
+            state.feed(t, event);
+        }
+        state.pump(&myself);
+        Ok(state)
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<RequestMsg>,
+        msg: RequestMsg,
+        state: &mut RequestState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            RequestMsg::Event(event) => state.feed(now(), event),
+            RequestMsg::Timeout => {
+                state.timer = None;
+                state.handle_timeout(now());
+            }
+            RequestMsg::Panic => panic!("injected fault in request {}", state.ledger.id),
+        }
+        state.pump(&myself);
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<RequestMsg>,
+        state: &mut RequestState,
+    ) -> Result<(), ActorProcessingErr> {
+        if let Some((_, timer)) = state.timer.take() {
+            timer.abort();
+        }
+        for task in state.tasks.drain(..) {
+            task.abort();
+        }
+        Ok(())
+    }
+}
+
+impl RequestState {
+    fn feed(&mut self, now: Instant, event: MachineEvent) {
+        match (&mut self.machine, event) {
+            (Machine::Sender(m), MachineEvent::Sender(e)) => m.handle(now, e),
+            (Machine::Receiver(m), MachineEvent::Receiver(e)) => m.handle(now, e),
+            (_, event) => {
+                warn!(request = %self.ledger.id, ?event, "event for the other side dropped")
+            }
+        }
+    }
+
+    fn handle_timeout(&mut self, now: Instant) {
+        match &mut self.machine {
+            Machine::Sender(m) => m.handle_timeout(now),
+            Machine::Receiver(m) => m.handle_timeout(now),
+        }
+    }
+
+    fn poll_action(&mut self) -> Option<Action> {
+        match &mut self.machine {
+            Machine::Sender(m) => m.poll_action(),
+            Machine::Receiver(m) => m.poll_action(),
+        }
+    }
+
+    fn poll_timeout(&self) -> Option<Instant> {
+        match &self.machine {
+            Machine::Sender(m) => m.poll_timeout(),
+            Machine::Receiver(m) => m.poll_timeout(),
+        }
+    }
+
+    fn state(&self) -> &State {
+        match &self.machine {
+            Machine::Sender(m) => m.state(),
+            Machine::Receiver(m) => m.state(),
+        }
+    }
+
+    /// Performs every pending action, re-arms the timer, and reports the end.
+    fn pump(&mut self, myself: &ActorRef<RequestMsg>) {
+        while let Some(action) = self.poll_action() {
+            self.perform(myself, action);
+        }
+        self.arm(myself);
+        if self.state().is_terminal() && !self.ended {
+            self.ended = true;
+            // The root stops this actor; until then late events are absorbed by the machine.
+            let _ = self.root.cast(RootMsg::Ended {
+                id: self.ledger.id.clone(),
+            });
+        }
+    }
+
+    fn perform(&mut self, myself: &ActorRef<RequestMsg>, action: Action) {
+        let id = &self.ledger.id;
+        match action {
+            Action::Send { to, msg } => {
+                self.ledger.add_peer(&to);
+                if let Err(e) = self.link.send(&to, id, msg) {
+                    debug!(request = %id, peer = %to, error = %e, "send failed: peer lost");
+                    let event = match self.ledger.role {
+                        Role::Prefill => MachineEvent::Sender(SenderEvent::PeerLost { peer: to }),
+                        Role::Decode => {
+                            MachineEvent::Receiver(ReceiverEvent::PeerLost { peer: to })
+                        }
+                    };
+                    // Delivered as a message so this pump's actions stay in order.
+                    let _ = myself.cast(RequestMsg::Event(event));
+                }
+            }
+            Action::Write { to, src, dst } => {
+                self.ledger.add_peer(&to);
+                let fut = self.link.write(&to, src, dst);
+                let done = |r: Result<(), String>| match r {
+                    Ok(()) => SenderEvent::TransferComplete,
+                    Err(detail) => SenderEvent::TransferFailed { detail },
+                };
+                self.spawn_transfer(myself, fut, move |r| MachineEvent::Sender(done(r)));
+            }
+            Action::Read { from, src, dst } => {
+                let fut = self.link.read(&from, src, dst);
+                let done = move |r: Result<(), String>| match r {
+                    Ok(()) => ReceiverEvent::ReadComplete { from },
+                    Err(detail) => ReceiverEvent::TransferFailed { detail },
+                };
+                self.spawn_transfer(myself, fut, move |r| MachineEvent::Receiver(done(r)));
+            }
+            Action::Release { blocks } => self.ledger.release(&blocks),
+            Action::StateChanged(state) => {
+                debug!(request = %id, role = %self.ledger.role, %state, "state changed");
+                self.ledger.transition(state);
+            }
+        }
+    }
+
+    fn spawn_transfer(
+        &mut self,
+        myself: &ActorRef<RequestMsg>,
+        fut: crate::link::TransferFuture,
+        report: impl FnOnce(Result<(), String>) -> MachineEvent + Send + 'static,
+    ) {
+        let me = myself.clone();
+        let limit = self.timeouts.transfer.max(self.timeouts.pull_ttl) + TRANSFER_TASK_GRACE;
+        self.tasks.retain(|t| !t.is_finished());
+        self.tasks.push(tokio::spawn(async move {
+            let result = match tokio::time::timeout(limit, fut).await {
+                Ok(r) => r,
+                Err(_) => Err(format!("transfer did not finish in {limit:?}")),
+            };
+            let _ = me.cast(RequestMsg::Event(report(result)));
+        }));
+    }
+
+    /// Keeps exactly one timer armed at the machine's deadline.
+    fn arm(&mut self, myself: &ActorRef<RequestMsg>) {
+        let want = self.poll_timeout();
+        if self.timer.as_ref().map(|(at, _)| *at) == want {
+            return;
+        }
+        if let Some((_, old)) = self.timer.take() {
+            old.abort();
+        }
+        if let Some(at) = want {
+            let wait = at.saturating_duration_since(now());
+            let handle = myself.send_after(wait, || RequestMsg::Timeout);
+            self.timer = Some((at, handle));
+        }
+    }
+}
+
+/// Asks the bootstrap for the prefill ranks until it answers, fails for good, or the
+/// bootstrap deadline passes (then the machine's own deadline fails the request).
+fn spawn_resolve(
+    myself: &ActorRef<RequestMsg>,
+    link: &Arc<dyn Link>,
+    prefill: EngineId,
+    dp_rank: Option<u32>,
+    deadline: Instant,
+) -> JoinHandle<()> {
+    let me = myself.clone();
+    let link = link.clone();
+    let deadline = tokio::time::Instant::from_std(deadline);
+    tokio::spawn(async move {
+        let mut backoff = RESOLVE_BACKOFF_MIN;
+        loop {
+            let event = match tokio::time::timeout_at(deadline, link.resolve(&prefill, dp_rank))
+                .await
+            {
+                Err(_) => return,
+                Ok(Ok(peers)) => ReceiverEvent::PeersResolved { peers },
+                Ok(Err(ResolveError::Fatal(reason))) => ReceiverEvent::BootstrapFailed { reason },
+                Ok(Err(ResolveError::NotReady { detail })) => {
+                    debug!(%prefill, %detail, "bootstrap not ready; asking again");
+                    if tokio::time::Instant::now() + backoff >= deadline {
+                        return;
+                    }
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(RESOLVE_BACKOFF_MAX);
+                    continue;
+                }
+            };
+            let _ = me.cast(RequestMsg::Event(MachineEvent::Receiver(event)));
+            return;
+        }
+    })
+}

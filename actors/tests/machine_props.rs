@@ -1,0 +1,365 @@
+//! Property tests for the lifecycle machines: arbitrary interleavings of events and
+//! timeouts, driven as a correct driver would (a timeout is delivered when its deadline
+//! passes), checking after every step that
+//! - nothing panics,
+//! - the state never moves backward, and every `StateChanged` action agrees with `state()`,
+//! - every non-terminal state has a pending deadline,
+//! - the machine is terminal no later than `created + Timeouts::lifetime_max()`,
+//! - every block handed in is released exactly once, and none before the end (except
+//!   blocks handed in twice or after the end, which go back at once),
+//! - `merge` is commutative, associative and idempotent, and `Failed` dominates.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use handoff_actors::machine::{
+    merge, merge_all, Action, Phase, ReceiverEvent, ReceiverMachine, SenderEvent, SenderMachine,
+    State, Timeouts,
+};
+use handoff_transport::{BlockId, FailureReason, RankInfo, TransferMode};
+use proptest::prelude::*;
+
+fn peer(i: u8) -> RankInfo {
+    let mut r = RankInfo::single("peer");
+    r.pp_rank = u32::from(i);
+    r.pp_size = 2;
+    r
+}
+
+fn timeouts() -> Timeouts {
+    Timeouts {
+        bootstrap: Duration::from_secs(10),
+        waiting: Duration::from_secs(20),
+        transfer: Duration::from_secs(5),
+        pull_ttl: Duration::from_secs(30),
+    }
+}
+
+fn reason() -> impl Strategy<Value = FailureReason> {
+    prop_oneof![
+        Just(FailureReason::RejectedBusy),
+        Just(FailureReason::BootstrapTimeout),
+        Just(FailureReason::TtlExpired),
+        "[a-z]{0,4}".prop_map(|detail| FailureReason::Protocol { detail }),
+        "[a-z]{0,4}".prop_map(|detail| FailureReason::Internal { detail }),
+    ]
+}
+
+fn mode() -> impl Strategy<Value = TransferMode> {
+    prop_oneof![Just(TransferMode::Push), Just(TransferMode::Pull)]
+}
+
+/// Block lists are drawn by length; ids are made unique per draw by the driver, so that
+/// "released exactly once" can be checked per block.
+fn len() -> impl Strategy<Value = usize> {
+    0usize..4
+}
+
+#[derive(Clone, Debug)]
+enum SOp {
+    Info(u8, TransferMode, usize),
+    Queued(u8),
+    Rejected(u8, FailureReason),
+    Input(usize),
+    Complete,
+    TransferFailed,
+    ReadDone(u8),
+    Abort,
+    PeerAbort(u8, FailureReason),
+    PeerLost(u8),
+    Internal,
+}
+
+fn sender_op() -> impl Strategy<Value = SOp> {
+    prop_oneof![
+        4 => (0u8..2, mode(), len()).prop_map(|(p, m, n)| SOp::Info(p, m, n)),
+        1 => (0u8..2).prop_map(SOp::Queued),
+        1 => (0u8..2, reason()).prop_map(|(p, r)| SOp::Rejected(p, r)),
+        4 => len().prop_map(SOp::Input),
+        3 => Just(SOp::Complete),
+        1 => Just(SOp::TransferFailed),
+        3 => (0u8..2).prop_map(SOp::ReadDone),
+        1 => Just(SOp::Abort),
+        1 => (0u8..2, reason()).prop_map(|(p, r)| SOp::PeerAbort(p, r)),
+        1 => (0u8..2).prop_map(SOp::PeerLost),
+        1 => Just(SOp::Internal),
+    ]
+}
+
+#[derive(Clone, Debug)]
+enum ROp {
+    Peers(u8),
+    BootstrapFailed(FailureReason),
+    Allocated(usize),
+    Done(u8),
+    Ready(u8, usize),
+    ReadComplete(u8),
+    TransferFailed,
+    Abort,
+    PeerAbort(u8, FailureReason),
+    PeerLost(u8),
+    Internal,
+}
+
+fn receiver_op() -> impl Strategy<Value = ROp> {
+    prop_oneof![
+        3 => (0u8..3).prop_map(ROp::Peers),
+        1 => reason().prop_map(ROp::BootstrapFailed),
+        3 => len().prop_map(ROp::Allocated),
+        3 => (0u8..3).prop_map(ROp::Done),
+        3 => (0u8..3, len()).prop_map(|(p, n)| ROp::Ready(p, n)),
+        3 => (0u8..3).prop_map(ROp::ReadComplete),
+        1 => Just(ROp::TransferFailed),
+        1 => Just(ROp::Abort),
+        1 => (0u8..3, reason()).prop_map(|(p, r)| ROp::PeerAbort(p, r)),
+        1 => (0u8..3).prop_map(ROp::PeerLost),
+        1 => Just(ROp::Internal),
+    ]
+}
+
+/// What the checker remembers across steps.
+struct Ledger {
+    created: Instant,
+    next_block: u32,
+    given: BTreeMap<BlockId, u32>,
+    released: BTreeMap<BlockId, u32>,
+    phase: Phase,
+    terminal_at: Option<Instant>,
+}
+
+impl Ledger {
+    fn new(created: Instant) -> Self {
+        Self {
+            created,
+            next_block: 0,
+            given: BTreeMap::new(),
+            released: BTreeMap::new(),
+            phase: Phase::Bootstrapping,
+            terminal_at: None,
+        }
+    }
+
+    fn blocks(&mut self, n: usize, handed_in: bool) -> Vec<BlockId> {
+        let blocks: Vec<BlockId> = (0..n)
+            .map(|_| {
+                self.next_block += 1;
+                BlockId(self.next_block)
+            })
+            .collect();
+        if handed_in {
+            for b in &blocks {
+                *self.given.entry(*b).or_default() += 1;
+            }
+        }
+        blocks
+    }
+
+    /// Checks the actions of one step against the state the machine reports.
+    fn check(
+        &mut self,
+        now: Instant,
+        state: &State,
+        deadline: Option<Instant>,
+        actions: Vec<Action>,
+    ) {
+        let mut last_change = None;
+        for action in actions {
+            match action {
+                Action::Release { blocks } => {
+                    for b in blocks {
+                        let n = self.released.entry(b).or_default();
+                        *n += 1;
+                        assert_eq!(*n, 1, "block {b} released twice");
+                        assert!(
+                            self.given.contains_key(&b),
+                            "block {b} released but never given"
+                        );
+                    }
+                }
+                Action::StateChanged(s) => {
+                    assert!(
+                        s.phase() > self.phase,
+                        "not forward: {:?} -> {s}",
+                        self.phase
+                    );
+                    self.phase = s.phase();
+                    last_change = Some(s);
+                }
+                Action::Write { src, dst, .. } | Action::Read { src, dst, .. } => {
+                    assert_eq!(src.len(), dst.len(), "transfer with mismatched block lists");
+                }
+                Action::Send { .. } => {}
+            }
+        }
+        if let Some(s) = last_change {
+            assert_eq!(&s, state, "last StateChanged disagrees with state()");
+        }
+        assert_eq!(
+            state.phase(),
+            self.phase,
+            "state() changed without a StateChanged action"
+        );
+        if state.is_terminal() {
+            assert!(deadline.is_none(), "terminal state with a deadline");
+            if self.terminal_at.is_none() {
+                self.terminal_at = Some(now);
+            }
+        } else {
+            assert!(
+                deadline.is_some(),
+                "non-terminal state {state} without a deadline"
+            );
+            assert!(
+                self.released.is_empty()
+                    || self.released.keys().all(|b| self.given.contains_key(b))
+            );
+        }
+    }
+
+    /// At the end: terminal in time, and every block given released exactly once.
+    fn check_end(&self, timeouts: &Timeouts) {
+        let at = self
+            .terminal_at
+            .expect("machine never reached a terminal state");
+        assert!(
+            at.duration_since(self.created) <= timeouts.lifetime_max(),
+            "terminal after {:?}, bound {:?}",
+            at.duration_since(self.created),
+            timeouts.lifetime_max()
+        );
+        assert_eq!(self.given, self.released, "blocks given != blocks released");
+    }
+}
+
+fn drain_sender(m: &mut SenderMachine) -> Vec<Action> {
+    std::iter::from_fn(|| m.poll_action()).collect()
+}
+
+fn drain_receiver(m: &mut ReceiverMachine) -> Vec<Action> {
+    std::iter::from_fn(|| m.poll_action()).collect()
+}
+
+/// Delivers every timeout due by `until`, as a correct driver would.
+macro_rules! fire_due {
+    ($m:expr, $ledger:expr, $drain:ident, $until:expr) => {
+        while let Some(d) = $m.poll_timeout() {
+            if d > $until {
+                break;
+            }
+            $m.handle_timeout(d);
+            let actions = $drain(&mut $m);
+            $ledger.check(d, $m.state(), $m.poll_timeout(), actions);
+        }
+    };
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    #[test]
+    fn sender_machine_properties(ops in prop::collection::vec((0u64..8_000, sender_op()), 0..24)) {
+        let t = timeouts();
+        let start = Instant::now();
+        let mut now = start;
+        let mut m = SenderMachine::new(now, t);
+        let mut ledger = Ledger::new(start);
+        for (dt_ms, op) in ops {
+            let next = now + Duration::from_millis(dt_ms);
+            fire_due!(m, ledger, drain_sender, next);
+            now = next;
+            let event = match op {
+                SOp::Info(p, mode, n) => SenderEvent::TransferInfo { from: peer(p), mode, blocks: ledger.blocks(n, false) },
+                SOp::Queued(p) => SenderEvent::Queued { from: peer(p) },
+                SOp::Rejected(p, reason) => SenderEvent::Rejected { from: peer(p), reason },
+                SOp::Input(n) => SenderEvent::Input { blocks: ledger.blocks(n, true) },
+                SOp::Complete => SenderEvent::TransferComplete,
+                SOp::TransferFailed => SenderEvent::TransferFailed { detail: "x".into() },
+                SOp::ReadDone(p) => SenderEvent::ReadDone { from: peer(p) },
+                SOp::Abort => SenderEvent::Abort,
+                SOp::PeerAbort(p, reason) => SenderEvent::PeerAbort { from: peer(p), reason },
+                SOp::PeerLost(p) => SenderEvent::PeerLost { peer: peer(p) },
+                SOp::Internal => SenderEvent::Internal { detail: "x".into() },
+            };
+            m.handle(now, event);
+            let actions = drain_sender(&mut m);
+            ledger.check(now, m.state(), m.poll_timeout(), actions);
+        }
+        // With no more input, the deadlines alone must end it.
+        fire_due!(m, ledger, drain_sender, start + t.lifetime_max() + Duration::from_secs(1));
+        ledger.check_end(&t);
+    }
+
+    #[test]
+    fn receiver_machine_properties(
+        mode in mode(),
+        ops in prop::collection::vec((0u64..8_000, receiver_op()), 0..24),
+    ) {
+        let t = timeouts();
+        let start = Instant::now();
+        let mut now = start;
+        let mut m = ReceiverMachine::new(now, t, mode);
+        let mut ledger = Ledger::new(start);
+        for (dt_ms, op) in ops {
+            let next = now + Duration::from_millis(dt_ms);
+            fire_due!(m, ledger, drain_receiver, next);
+            now = next;
+            let event = match op {
+                ROp::Peers(n) => ReceiverEvent::PeersResolved { peers: (0..n).map(peer).collect() },
+                ROp::BootstrapFailed(reason) => ReceiverEvent::BootstrapFailed { reason },
+                ROp::Allocated(n) => ReceiverEvent::Allocated { blocks: ledger.blocks(n, true) },
+                ROp::Done(p) => ReceiverEvent::Done { from: peer(p) },
+                ROp::Ready(p, n) => ReceiverEvent::Ready { from: peer(p), blocks: ledger.blocks(n, false) },
+                ROp::ReadComplete(p) => ReceiverEvent::ReadComplete { from: peer(p) },
+                ROp::TransferFailed => ReceiverEvent::TransferFailed { detail: "x".into() },
+                ROp::Abort => ReceiverEvent::Abort,
+                ROp::PeerAbort(p, reason) => ReceiverEvent::PeerAbort { from: peer(p), reason },
+                ROp::PeerLost(p) => ReceiverEvent::PeerLost { peer: peer(p) },
+                ROp::Internal => ReceiverEvent::Internal { detail: "x".into() },
+            };
+            m.handle(now, event);
+            let actions = drain_receiver(&mut m);
+            ledger.check(now, m.state(), m.poll_timeout(), actions);
+        }
+        fire_due!(m, ledger, drain_receiver, start + t.lifetime_max() + Duration::from_secs(1));
+        ledger.check_end(&t);
+    }
+
+    #[test]
+    fn merge_is_a_semilattice(a in state(), b in state(), c in state()) {
+        prop_assert_eq!(merge(&a, &b), merge(&b, &a));
+        prop_assert_eq!(merge(&merge(&a, &b), &c), merge(&a, &merge(&b, &c)));
+        prop_assert_eq!(merge(&a, &a), a.clone());
+        if a.failure().is_some() || b.failure().is_some() {
+            prop_assert!(merge(&a, &b).failure().is_some(), "Failed must dominate");
+        }
+        if !a.is_terminal() || !b.is_terminal() {
+            prop_assert_ne!(merge(&a, &b), State::Done);
+        }
+        let all = merge_all([&a, &b, &c]);
+        prop_assert_eq!(all, Some(merge(&a, &merge(&b, &c))));
+    }
+}
+
+fn state() -> impl Strategy<Value = State> {
+    prop_oneof![
+        Just(State::Bootstrapping),
+        Just(State::WaitingForInput),
+        Just(State::Transferring),
+        Just(State::Done),
+        reason().prop_map(State::Failed),
+    ]
+}
+
+/// Seed 003: one pipeline rank `Failed`, the other still `Bootstrapping`. An ordinary
+/// input: the request is `Failed`, and nothing asserts.
+#[test]
+fn merge_of_failed_and_bootstrapping_is_failed() {
+    let failed = State::Failed(FailureReason::BootstrapTimeout);
+    assert_eq!(merge(&failed, &State::Bootstrapping), failed);
+    assert_eq!(merge(&State::Bootstrapping, &failed), failed);
+    assert_eq!(
+        merge_all([&State::Done, &State::Transferring]),
+        Some(State::Transferring)
+    );
+    assert_eq!(merge_all(std::iter::empty()), None);
+}

@@ -1,0 +1,469 @@
+//! The runtime end to end in one process, in virtual time (`start_paused`): prefill and
+//! decode runtimes on one in-process fabric, real bytes moved between their regions.
+//! Includes the actor-level reproductions of the three seeds.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use handoff_actors::machine::Outbound;
+use handoff_actors::{
+    merge, BlockId, EngineId, Error, Event, Fabric, FailureReason, HostRegion, RankInfo,
+    ReceiverSpec, RequestId, Role, Runtime, State, Timeouts, TransferMode, TransportChoice,
+};
+
+const BLOCKS: u32 = 64;
+const BLOCK_BYTES: usize = 256;
+
+fn timeouts() -> Timeouts {
+    Timeouts {
+        bootstrap: Duration::from_secs(30),
+        waiting: Duration::from_secs(30),
+        transfer: Duration::from_secs(10),
+        pull_ttl: Duration::from_secs(60),
+    }
+}
+
+fn rank(engine: &str, pp: u32, pp_size: u32) -> RankInfo {
+    let mut r = RankInfo::single(engine);
+    r.pp_rank = pp;
+    r.pp_size = pp_size;
+    r
+}
+
+async fn start(fabric: &Arc<Fabric>, role: Role, rank: RankInfo, mode: TransferMode) -> Runtime {
+    let region = Arc::new(HostRegion::new(BLOCKS, BLOCK_BYTES).unwrap());
+    Runtime::builder(role, rank)
+        .timeouts(timeouts())
+        .mode(mode)
+        .transport(TransportChoice::InProcess(fabric.clone()))
+        .region(region)
+        .start()
+        .await
+        .unwrap()
+}
+
+fn fill(rt: &Runtime, blocks: &[BlockId], seed: u8) {
+    for b in blocks {
+        let byte = seed.wrapping_add(b.0 as u8);
+        rt.region().write_block(*b, &[byte; BLOCK_BYTES]).unwrap();
+    }
+}
+
+fn blocks(range: std::ops::Range<u32>) -> Vec<BlockId> {
+    range.map(BlockId).collect()
+}
+
+fn spec(prefill: &str, blocks: Option<Vec<BlockId>>) -> ReceiverSpec {
+    ReceiverSpec {
+        prefill: EngineId::new(prefill),
+        prefill_dp_rank: None,
+        blocks,
+    }
+}
+
+/// Final states and released blocks per request, from a runtime's events; also checks that
+/// no block is released twice.
+#[derive(Default, Debug)]
+struct Outcomes {
+    last: BTreeMap<RequestId, State>,
+    released: BTreeMap<RequestId, Vec<BlockId>>,
+}
+
+impl Outcomes {
+    fn absorb(&mut self, events: Vec<Event>) {
+        for e in events {
+            match e {
+                Event::State { id, state, .. } => {
+                    if let Some(prev) = self.last.get(&id) {
+                        assert!(state.phase() > prev.phase(), "{id}: {prev} -> {state}");
+                    }
+                    self.last.insert(id, state);
+                }
+                Event::Released { id, blocks } => {
+                    let all = self.released.entry(id).or_default();
+                    for b in blocks {
+                        assert!(!all.contains(&b), "block {b} released twice");
+                        all.push(b);
+                    }
+                }
+            }
+        }
+    }
+
+    fn state(&self, id: &str) -> &State {
+        &self.last[&RequestId::new(id)]
+    }
+
+    fn released(&self, id: &str) -> Vec<BlockId> {
+        let mut b = self
+            .released
+            .get(&RequestId::new(id))
+            .cloned()
+            .unwrap_or_default();
+        b.sort();
+        b
+    }
+}
+
+async fn settle() {
+    // Lets every actor run; in paused time this advances no clock.
+    for _ in 0..50 {
+        tokio::task::yield_now().await;
+    }
+}
+
+async fn transfers_requests(mode: TransferMode) {
+    let fabric = Fabric::new();
+    let p = start(&fabric, Role::Prefill, rank("P", 0, 1), mode).await;
+    let d = start(&fabric, Role::Decode, rank("D", 0, 1), mode).await;
+    let mut handles = Vec::new();
+    for i in 0..4u32 {
+        let id = format!("req-{i}");
+        let src = blocks(i * 4..i * 4 + 4);
+        let dst = blocks(32 + i * 4..32 + i * 4 + 4);
+        fill(&p, &src, 7);
+        // Decode first for some, prefill first for others: both orders must work.
+        let (s, r) = if i % 2 == 0 {
+            let r = d
+                .receiver(id.as_str(), spec("P", Some(dst.clone())))
+                .unwrap();
+            (p.sender(id.as_str()).unwrap(), r)
+        } else {
+            let s = p.sender(id.as_str()).unwrap();
+            (
+                s,
+                d.receiver(id.as_str(), spec("P", Some(dst.clone())))
+                    .unwrap(),
+            )
+        };
+        s.send(src.clone()).unwrap();
+        handles.push((s, r, src, dst));
+    }
+    for (s, r, src, dst) in &handles {
+        assert_eq!(r.completion().await, State::Done, "decode {}", r.id());
+        assert_eq!(s.completion().await, State::Done, "prefill {}", s.id());
+        for (a, b) in src.iter().zip(dst) {
+            assert_eq!(
+                p.region().read_block(*a).unwrap(),
+                d.region().read_block(*b).unwrap()
+            );
+        }
+    }
+    settle().await;
+    let (mut po, mut dout) = (Outcomes::default(), Outcomes::default());
+    po.absorb(p.drain_events());
+    dout.absorb(d.drain_events());
+    for (i, (_, _, src, dst)) in handles.iter().enumerate() {
+        let id = format!("req-{i}");
+        assert_eq!(po.state(&id), &State::Done);
+        assert_eq!(dout.state(&id), &State::Done);
+        assert_eq!(&po.released(&id), src);
+        assert_eq!(&dout.released(&id), dst);
+    }
+    assert_eq!(p.open_requests(), 0);
+    assert_eq!(d.open_requests(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn push_mode_moves_the_bytes_and_releases_every_block_once() {
+    transfers_requests(TransferMode::Push).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn pull_mode_moves_the_bytes_and_releases_every_block_once() {
+    transfers_requests(TransferMode::Pull).await;
+}
+
+/// Seed 002: decode never reads (its abort, and prefill's `Ready`, are lost in flight).
+/// Prefill frees the blocks when their TTL ends, and the engine is told.
+#[tokio::test(start_paused = true)]
+async fn sender_frees_blocks_at_ttl_when_decode_never_reads() {
+    let fabric = Fabric::new();
+    let p = start(&fabric, Role::Prefill, rank("P", 0, 1), TransferMode::Pull).await;
+    let d = start(&fabric, Role::Decode, rank("D", 0, 1), TransferMode::Pull).await;
+    // Only decode's transfer info gets through; everything after it is lost.
+    fabric.set_filter(|_, _, _, msg| matches!(msg, Outbound::TransferInfo { .. }));
+    let s = p.sender("r").unwrap();
+    let r = d.receiver("r", spec("P", Some(blocks(10..13)))).unwrap();
+    s.send(blocks(0..3)).unwrap();
+    let t0 = tokio::time::Instant::now();
+    assert_eq!(
+        r.completion().await,
+        State::Failed(FailureReason::WaitingTimeout)
+    );
+    assert_eq!(
+        s.completion().await,
+        State::Failed(FailureReason::TtlExpired)
+    );
+    let held_for = t0.elapsed();
+    assert!(
+        held_for >= timeouts().pull_ttl && held_for < timeouts().pull_ttl + Duration::from_secs(1),
+        "{held_for:?}"
+    );
+    settle().await;
+    let mut po = Outcomes::default();
+    po.absorb(p.drain_events());
+    assert_eq!(
+        po.released("r"),
+        blocks(0..3),
+        "prefill must free its blocks at the TTL"
+    );
+    let mut dout = Outcomes::default();
+    dout.absorb(d.drain_events());
+    assert_eq!(dout.released("r"), blocks(10..13));
+}
+
+/// Seed 003: decode is saturated (never allocates), prefill runs PP=2 and its ranks start
+/// the request at different times (skew). The first rank to time out fails the request on
+/// every rank at once, as messages: no rank waits out its own timeout, nothing asserts,
+/// and each rank frees its blocks.
+#[tokio::test(start_paused = true)]
+async fn pipeline_ranks_that_disagree_in_time_fail_together() {
+    let fabric = Fabric::new();
+    let p0 = start(&fabric, Role::Prefill, rank("P", 0, 2), TransferMode::Push).await;
+    let p1 = start(&fabric, Role::Prefill, rank("P", 1, 2), TransferMode::Push).await;
+    let d = start(&fabric, Role::Decode, rank("D", 0, 1), TransferMode::Push).await;
+    let s0 = p0.sender("r").unwrap();
+    s0.send(blocks(0..4)).unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Decode is saturated: it opens the request late and has no blocks for it.
+    let r = d.receiver("r", spec("P", None)).unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await; // rank 1 is 5 s behind rank 0
+    let s1 = p1.sender("r").unwrap();
+    s1.send(blocks(8..12)).unwrap();
+    settle().await;
+    // Decode said Queued to both ranks; both still bootstrapping; the merge is total.
+    assert_eq!(s0.poll(), State::Bootstrapping);
+    assert_eq!(s1.poll(), State::Bootstrapping);
+    let first = s0.completion().await;
+    let t0 = tokio::time::Instant::now();
+    assert_eq!(first, State::Failed(FailureReason::BootstrapTimeout));
+    // Seed 003's crash: one rank Failed while the other may still be Bootstrapping.
+    assert!(merge(&first, &s1.poll()).failure().is_some());
+    let second = s1.completion().await;
+    assert!(
+        t0.elapsed() < Duration::from_secs(1),
+        "rank 1 waited out its own timeout"
+    );
+    assert!(
+        matches!(second, State::Failed(FailureReason::AbortedByPeer { .. })),
+        "{second}"
+    );
+    let on_decode = r.completion().await;
+    assert!(
+        t0.elapsed() < Duration::from_secs(1),
+        "decode waited out its own timeout"
+    );
+    assert!(
+        matches!(
+            on_decode,
+            State::Failed(FailureReason::AbortedByPeer { .. })
+        ),
+        "{on_decode}"
+    );
+    settle().await;
+    let (mut o0, mut o1) = (Outcomes::default(), Outcomes::default());
+    o0.absorb(p0.drain_events());
+    o1.absorb(p1.drain_events());
+    assert_eq!(o0.released("r"), blocks(0..4));
+    assert_eq!(o1.released("r"), blocks(8..12));
+    // A late allocation on decode is refused and the blocks stay the engine's.
+    match r.allocate(blocks(0..2)) {
+        Err(Error::RequestEnded { blocks: b, .. }) => assert_eq!(b, blocks(0..2)),
+        other => panic!("expected RequestEnded, got {other:?}"),
+    }
+}
+
+/// Seed 001: prefill never answers (its engine never opens the request). Decode fails at
+/// its waiting deadline with a named reason instead of waiting forever.
+#[tokio::test(start_paused = true)]
+async fn receiver_fails_at_waiting_deadline_when_prefill_never_answers() {
+    let fabric = Fabric::new();
+    let _p = start(&fabric, Role::Prefill, rank("P", 0, 1), TransferMode::Push).await;
+    let d = start(&fabric, Role::Decode, rank("D", 0, 1), TransferMode::Push).await;
+    let r = d.receiver("r", spec("P", Some(blocks(0..2)))).unwrap();
+    let t0 = tokio::time::Instant::now();
+    assert_eq!(
+        r.completion().await,
+        State::Failed(FailureReason::WaitingTimeout)
+    );
+    assert!(t0.elapsed() <= timeouts().waiting + Duration::from_millis(10));
+    settle().await;
+    let mut o = Outcomes::default();
+    o.absorb(d.drain_events());
+    assert_eq!(o.released("r"), blocks(0..2));
+}
+
+/// Seed 001: no prefill registered at all: decode keeps asking (bounded backoff) and fails
+/// at its bootstrap deadline; nothing crashes.
+#[tokio::test(start_paused = true)]
+async fn receiver_fails_at_bootstrap_deadline_when_no_prefill_is_registered() {
+    let fabric = Fabric::new();
+    let d = start(&fabric, Role::Decode, rank("D", 0, 1), TransferMode::Push).await;
+    let r = d.receiver("r", spec("nobody", Some(blocks(0..2)))).unwrap();
+    assert_eq!(
+        r.completion().await,
+        State::Failed(FailureReason::BootstrapTimeout)
+    );
+}
+
+/// A panic inside one request's actor fails that request (`Internal`), releases its blocks
+/// on both sides, tells the engine, and nothing else notices.
+#[tokio::test(start_paused = true)]
+async fn a_panicking_request_actor_fails_only_its_request() {
+    let fabric = Fabric::new();
+    let p = start(&fabric, Role::Prefill, rank("P", 0, 1), TransferMode::Pull).await;
+    let d = start(&fabric, Role::Decode, rank("D", 0, 1), TransferMode::Pull).await;
+    // Hold every Ready so the requests stay in flight while we inject the fault.
+    fabric.set_filter(|_, _, _, msg| !matches!(msg, Outbound::Ready { .. }));
+    let mut pairs = Vec::new();
+    for i in 0..3u32 {
+        let id = format!("r{i}");
+        let s = p.sender(id.as_str()).unwrap();
+        let r = d
+            .receiver(id.as_str(), spec("P", Some(blocks(20 + i * 2..22 + i * 2))))
+            .unwrap();
+        s.send(blocks(i * 2..i * 2 + 2)).unwrap();
+        pairs.push((s, r));
+    }
+    settle().await;
+    assert_eq!(pairs[1].0.poll(), State::Transferring);
+    p.inject_panic(&RequestId::new("r1"));
+    let failed = pairs[1].0.completion().await;
+    assert!(
+        matches!(failed, State::Failed(FailureReason::Internal { .. })),
+        "{failed}"
+    );
+    // Decode hears of it as a message, not at its deadline.
+    let on_decode = pairs[1].1.completion().await;
+    assert!(
+        matches!(
+            on_decode,
+            State::Failed(FailureReason::AbortedByPeer { .. })
+        ),
+        "{on_decode}"
+    );
+    // The others finish once Ready flows again (the runtime is intact). They resend
+    // nothing, so let their Ready through by starting fresh requests after the fault.
+    fabric.clear_filter();
+    let s = p.sender("after").unwrap();
+    let r = d
+        .receiver("after", spec("P", Some(blocks(40..42))))
+        .unwrap();
+    s.send(blocks(50..52)).unwrap();
+    assert_eq!(r.completion().await, State::Done);
+    assert_eq!(s.completion().await, State::Done);
+    assert_eq!(
+        pairs[0].0.poll(),
+        State::Transferring,
+        "an unrelated request was disturbed"
+    );
+    settle().await;
+    let mut po = Outcomes::default();
+    po.absorb(p.drain_events());
+    assert_eq!(po.released("r1"), blocks(2..4));
+    assert!(po.released("r0").is_empty(), "r0 still holds its blocks");
+}
+
+/// A lost peer fails every request depending on it at once, not at each request's deadline.
+#[tokio::test(start_paused = true)]
+async fn a_lost_peer_fails_its_requests_at_once() {
+    let fabric = Fabric::new();
+    let p = start(&fabric, Role::Prefill, rank("P", 0, 1), TransferMode::Push).await;
+    let d = start(&fabric, Role::Decode, rank("D", 0, 1), TransferMode::Push).await;
+    let r1 = d.receiver("a", spec("P", Some(blocks(0..1)))).unwrap();
+    let r2 = d.receiver("b", spec("P", Some(blocks(1..2)))).unwrap();
+    settle().await;
+    let t0 = tokio::time::Instant::now();
+    d.peer_lost(rank("P", 0, 1));
+    for r in [&r1, &r2] {
+        assert!(matches!(
+            r.completion().await,
+            State::Failed(FailureReason::PeerLost { .. })
+        ));
+    }
+    assert_eq!(t0.elapsed(), Duration::ZERO);
+    drop(p);
+}
+
+/// Prefill's runtime stops mid-request: decode's sends to it fail and its requests end
+/// `PeerLost` promptly; prefill's own live requests end `Failed` with blocks released.
+#[tokio::test(start_paused = true)]
+async fn a_stopped_runtime_fails_its_requests_and_its_peers_notice() {
+    let fabric = Fabric::new();
+    let p = start(&fabric, Role::Prefill, rank("P", 0, 1), TransferMode::Pull).await;
+    let d = start(&fabric, Role::Decode, rank("D", 0, 1), TransferMode::Pull).await;
+    let s = p.sender("r").unwrap();
+    s.send(blocks(0..2)).unwrap();
+    p.shutdown().await;
+    assert!(
+        matches!(s.poll(), State::Failed(FailureReason::Internal { .. })),
+        "{}",
+        s.poll()
+    );
+    let mut po = Outcomes::default();
+    po.absorb(p.drain_events());
+    assert_eq!(po.released("r"), blocks(0..2));
+    assert!(matches!(p.sender("x"), Err(Error::Stopped)));
+    // Decode cannot find prefill any more: bootstrap deadline, no hang.
+    let r = d.receiver("r", spec("P", Some(blocks(0..2)))).unwrap();
+    assert_eq!(
+        r.completion().await,
+        State::Failed(FailureReason::BootstrapTimeout)
+    );
+}
+
+/// Bad calls from the engine are named errors, and nothing is taken from the caller.
+#[tokio::test(start_paused = true)]
+async fn bad_engine_calls_are_named_errors() {
+    let fabric = Fabric::new();
+    let region = Arc::new(HostRegion::new(8, 16).unwrap());
+    let p = Runtime::builder(Role::Prefill, "P")
+        .transport(TransportChoice::InProcess(fabric.clone()))
+        .region(region.clone())
+        .requests_open_max(2)
+        .start()
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            Runtime::builder(Role::Prefill, "P")
+                .transport(TransportChoice::InProcess(fabric.clone()))
+                .region(region)
+                .start()
+                .await,
+            Err(Error::Spawn(_))
+        ),
+        "a second runtime with the same ranks must be refused"
+    );
+    let s = p.sender("a").unwrap();
+    assert!(matches!(p.sender("a"), Err(Error::DuplicateRequest(_))));
+    assert!(matches!(s.send(vec![BlockId(8)]), Err(Error::Region(_))));
+    s.send(vec![BlockId(1)]).unwrap();
+    assert!(matches!(
+        s.send(vec![BlockId(2)]),
+        Err(Error::AlreadyHandedOver(_))
+    ));
+    let _b = p.sender("b").unwrap();
+    assert!(matches!(
+        p.sender("c"),
+        Err(Error::TooManyRequests { open: 2 })
+    ));
+    assert!(matches!(
+        p.receiver("d", spec("P", None)),
+        Err(Error::WrongRole(Role::Prefill))
+    ));
+    s.abort();
+    assert_eq!(
+        s.completion().await,
+        State::Failed(FailureReason::AbortedByEngine)
+    );
+    settle().await;
+    // The aborted request stays open until its final event is drained.
+    assert!(matches!(p.sender("c"), Err(Error::TooManyRequests { .. })));
+    let mut o = Outcomes::default();
+    o.absorb(p.drain_events());
+    assert_eq!(o.released("a"), vec![BlockId(1)]);
+    assert!(p.sender("c").is_ok());
+}

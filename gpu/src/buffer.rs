@@ -164,7 +164,15 @@ pub fn copy_transfers<S: KvBuffer, D: KvBuffer>(
                 region: transfer.dst.region,
                 count: dst_count,
             })?;
-        checked_range(transfer.dst.offset, transfer.src.len, to.len())?;
+        if transfer.src.len != transfer.dst.len {
+            return Err(GpuError::TransferLengthMismatch {
+                src: transfer.src.len,
+                dst: transfer.dst.len,
+            });
+        }
+        // Both ranges are checked before any byte moves, so a bad plan writes nothing.
+        checked_range(transfer.src.offset, transfer.src.len, from.len())?;
+        checked_range(transfer.dst.offset, transfer.dst.len, to.len())?;
         for chunk in chunks(0, transfer.src.len) {
             staging.resize(chunk.len, 0);
             from.read_into(transfer.src.offset + chunk.offset, &mut staging)?;

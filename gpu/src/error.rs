@@ -123,6 +123,14 @@ pub enum GpuError {
         /// Which quantity differs, with both values.
         reason: String,
     },
+    /// A copy whose source and destination lengths differ.
+    #[error("transfer of {src} source bytes into {dst} destination bytes")]
+    TransferLengthMismatch {
+        /// Source length.
+        src: u64,
+        /// Destination length.
+        dst: u64,
+    },
     /// A segment names a region that the caller did not supply.
     #[error("segment names region {region}, but only {count} region(s) were given")]
     NoSuchRegion {

@@ -13,7 +13,7 @@
 //!
 //! # Layout
 //! - [`MemoryKind`]: where a region's bytes live.
-//! - [`probe`] (`probe.rs`): [`probe()`], [`GpuInfo`], [`DeviceInfo`], the
+//! - [`mod@probe`] (`probe.rs`): [`probe()`], [`GpuInfo`], [`DeviceInfo`], the
 //!   `HANDOFF_CUDA_DISABLE` override. Creates no CUDA context.
 //! - [`layout`] (`layout.rs`): [`KvShape`], [`LayoutKind`] (vLLM's per-layer tensors or
 //!   one block-contiguous allocation), [`KvLayout`] with checked byte arithmetic,
@@ -35,6 +35,8 @@
 //! matter. And one checksum function over host bytes means a host buffer and a device
 //! buffer holding the same bytes give the same value, so the two sides of a transfer,
 //! whatever their memory kinds, compare directly.
+
+#![warn(missing_docs)]
 
 pub mod buffer;
 pub mod checksum;
@@ -66,4 +68,18 @@ pub enum MemoryKind {
     Host,
     /// CUDA device memory.
     Cuda,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Transports move buffers to their I/O threads and share them for reads.
+    #[test]
+    fn buffers_can_cross_threads() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<HostBuffer>();
+        assert_send_sync::<DeviceBuffer>();
+        assert_send_sync::<GpuError>();
+    }
 }

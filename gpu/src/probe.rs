@@ -3,7 +3,7 @@
 //! cudarc loads `libcuda` lazily and panics when it cannot. So every entry point here
 //! first asks cudarc whether the library can be loaded at all
 //! ([`cudarc::driver::sys::is_culib_present`]), and every call into cudarc runs under
-//! [`guarded`], which turns both driver error codes and panics into [`GpuError`] values.
+//! `guarded`, which turns both driver error codes and panics into [`GpuError`] values.
 
 use std::ffi::c_int;
 use std::panic::{self, AssertUnwindSafe};

@@ -3,10 +3,62 @@
 //! It probes for a CUDA driver and devices at run time (through cudarc, never linking
 //! CUDA at build time), describes an engine's KV-cache layout so that a request's block
 //! list becomes a list of address ranges, allocates KV caches for tests and benchmarks,
-//! and names the memory kinds (host, CUDA) that transports register.
+//! checks their contents with a checksum, and names the memory kinds (host, CUDA) that
+//! transports register.
+//!
+//! No GPU, no driver, or `HANDOFF_CUDA_DISABLE=1` is an error value
+//! ([`GpuError::NoDriver`], [`GpuError::NoDevice`]), never a panic: cudarc panics when
+//! `libcuda` is missing, so the library's presence is checked before any driver call,
+//! and every driver call also runs under `catch_unwind`.
 //!
 //! # Layout
 //! - [`MemoryKind`]: where a region's bytes live.
+//! - [`mod@probe`] (`probe.rs`): [`probe()`], [`GpuInfo`], [`DeviceInfo`], the
+//!   `HANDOFF_CUDA_DISABLE` override. Creates no CUDA context.
+//! - [`layout`] (`layout.rs`): [`KvShape`], [`LayoutKind`] (vLLM's per-layer tensors or
+//!   one block-contiguous allocation), [`KvLayout`] with checked byte arithmetic,
+//!   [`Segment`]s of a block list, [`coalesce`], and [`transfer_plan`] pairing a
+//!   prefill block list with a decode block list.
+//! - [`buffer`] (`buffer.rs`): the [`KvBuffer`] trait, [`HostBuffer`] (page-aligned heap
+//!   memory), [`checksum_segments`] and [`copy_transfers`].
+//! - [`device`] (`device.rs`): [`DeviceBuffer`], CUDA memory through cudarc.
+//! - [`checksum`] (`checksum.rs`): [`Checksum64`] / [`checksum64`] and the
+//!   deterministic fill pattern.
+//! - `error.rs`: [`GpuError`], the crate's one error type.
+//!
+//! # Why integrity is checked by copying back
+//! A device buffer's checksum copies its bytes to the host (in bounded chunks) and
+//! hashes them on the CPU, rather than hashing on the GPU with a kernel compiled by
+//! NVRTC. The GPU machines we run on carry only the driver: NVRTC (part of the CUDA
+//! toolkit) may be absent, and a missing NVRTC must not cost us verification.
+//! Verification also runs outside the timed regions, so the copy's cost does not
+//! matter. And one checksum function over host bytes means a host buffer and a device
+//! buffer holding the same bytes give the same value, so the two sides of a transfer,
+//! whatever their memory kinds, compare directly.
+
+#![warn(missing_docs)]
+
+pub mod buffer;
+pub mod checksum;
+pub mod device;
+mod error;
+pub mod layout;
+pub mod probe;
+
+pub use buffer::{
+    checksum_segments, copy_transfers, HostBuffer, KvBuffer, HOST_ALIGN_BYTES, STAGING_BYTES_MAX,
+};
+pub use checksum::{checksum64, Checksum64};
+pub use device::DeviceBuffer;
+pub use error::GpuError;
+pub use layout::{
+    coalesce, transfer_plan, KvLayout, KvShape, LayoutKind, Segment, Transfer,
+    BLOCKS_PER_REQUEST_MAX, LAYERS_MAX,
+};
+pub use probe::{
+    cuda_disabled_by_env, probe, DeviceInfo, DriverVersion, GpuInfo, CUDA_DISABLE_ENV,
+    DEVICE_COUNT_MAX,
+};
 
 /// Where the bytes of a registered region live.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -16,4 +68,18 @@ pub enum MemoryKind {
     Host,
     /// CUDA device memory.
     Cuda,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Transports move buffers to their I/O threads and share them for reads.
+    #[test]
+    fn buffers_can_cross_threads() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<HostBuffer>();
+        assert_send_sync::<DeviceBuffer>();
+        assert_send_sync::<GpuError>();
+    }
 }

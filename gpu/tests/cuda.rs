@@ -1,0 +1,229 @@
+//! Tests on real CUDA devices. Each one probes first: on a machine without a driver or a
+//! device it prints why and returns (a skip, not a pass that pretends); with a GPU it
+//! really allocates, fills, copies and checksums device memory.
+
+use handoff_gpu::checksum::fill_pattern;
+use handoff_gpu::{
+    checksum64, checksum_segments, copy_transfers, probe, transfer_plan, DeviceBuffer, GpuError,
+    GpuInfo, HostBuffer, KvBuffer, KvLayout, KvShape, LayoutKind, MemoryKind, Segment,
+    STAGING_BYTES_MAX,
+};
+
+/// The probe result, or `None` after printing why these tests cannot run here. Any
+/// other probe error on a machine that has a driver is a real failure.
+fn gpu() -> Option<GpuInfo> {
+    match probe() {
+        Ok(info) => Some(info),
+        Err(reason @ (GpuError::NoDriver { .. } | GpuError::NoDevice)) => {
+            eprintln!("skipping: {reason}");
+            None
+        }
+        Err(other) => panic!("CUDA probe failed with a driver present: {other}"),
+    }
+}
+
+fn device(len: usize) -> DeviceBuffer {
+    DeviceBuffer::alloc_zeroed(0, len)
+        .unwrap_or_else(|e| panic!("device allocation of {len} bytes: {e}"))
+}
+
+fn host(len: usize) -> HostBuffer {
+    HostBuffer::alloc_zeroed(len).unwrap_or_else(|e| panic!("host allocation of {len} bytes: {e}"))
+}
+
+#[test]
+fn device_allocation_without_a_gpu_returns_the_probe_error() {
+    let Err(reason) = probe() else {
+        eprintln!("skipping: a GPU is present, so there is no missing-driver path to check");
+        return;
+    };
+    assert_eq!(DeviceBuffer::alloc_zeroed(0, 4096).err(), Some(reason));
+}
+
+#[test]
+fn probe_describes_every_device() {
+    let Some(info) = gpu() else { return };
+    eprintln!("driver {}: {:?}", info.driver_version, info.devices);
+    assert!(info.driver_version.major >= 11, "{}", info.driver_version);
+    assert!(!info.devices.is_empty());
+    for (index, device) in info.devices.iter().enumerate() {
+        assert_eq!(device.ordinal as usize, index);
+        assert!(!device.name.is_empty());
+        assert!(device.total_memory_bytes >= 1 << 30, "{device:?}");
+        assert!(device.compute_capability.0 >= 3, "{device:?}");
+    }
+}
+
+#[test]
+fn device_buffer_starts_zeroed_and_round_trips_host_bytes() {
+    let Some(_) = gpu() else { return };
+    let len = (1 << 20) + 3;
+    let mut buffer = device(len);
+    assert_eq!(buffer.memory_kind(), MemoryKind::Cuda);
+    assert_eq!(buffer.len(), len);
+    assert_ne!(buffer.addr(), 0);
+    let mut back = vec![0xAAu8; len];
+    assert_eq!(buffer.read_into(0, &mut back), Ok(()));
+    assert!(
+        back.iter().all(|&b| b == 0),
+        "fresh device memory is zeroed"
+    );
+
+    let mut data = vec![0u8; len];
+    fill_pattern(&mut data, 5, 0);
+    assert_eq!(buffer.write_from(0, &data), Ok(()));
+    assert_eq!(buffer.write_from(1001, b"handoff"), Ok(()));
+    data[1001..1008].copy_from_slice(b"handoff");
+    assert_eq!(buffer.read_into(0, &mut back), Ok(()));
+    assert!(back == data);
+    let mut middle = [0u8; 7];
+    assert_eq!(buffer.read_into(1001, &mut middle), Ok(()));
+    assert_eq!(&middle, b"handoff");
+}
+
+#[test]
+fn device_and_host_checksums_agree_for_the_same_pattern() {
+    let Some(_) = gpu() else { return };
+    let len = 3 * 4096 + 11;
+    let mut on_device = device(len);
+    let mut on_host = host(len);
+    assert_eq!(on_device.fill_pattern(77), Ok(()));
+    assert_eq!(on_host.fill_pattern(77), Ok(()));
+    for (offset, span) in [(0, len as u64), (5, 4096), (4095, 2), (len as u64 - 1, 1)] {
+        assert_eq!(
+            on_device.checksum(offset, span),
+            on_host.checksum(offset, span),
+            "{offset}+{span}"
+        );
+    }
+    assert_eq!(on_device.checksum(0, 0), Ok(checksum64(&[])));
+    assert_ne!(
+        on_device.checksum(0, len as u64),
+        on_device.checksum(1, len as u64 - 1)
+    );
+}
+
+#[test]
+fn device_checksum_spans_staging_chunks() {
+    let Some(_) = gpu() else { return };
+    let len = 2 * STAGING_BYTES_MAX + 12_345;
+    let mut on_device = device(len);
+    assert_eq!(on_device.fill_pattern(3), Ok(()));
+    let mut expected = vec![0u8; len];
+    fill_pattern(&mut expected, 3, 0);
+    assert_eq!(on_device.checksum(0, len as u64), Ok(checksum64(&expected)));
+}
+
+#[test]
+fn device_errors_are_values_not_panics() {
+    let Some(info) = gpu() else { return };
+    let mut buffer = device(4096);
+    assert!(matches!(
+        buffer.write_from(4095, &[1, 2]),
+        Err(GpuError::OutOfBounds { .. })
+    ));
+    assert!(matches!(
+        buffer.read_into(u64::MAX, &mut [0u8; 1]),
+        Err(GpuError::OutOfBounds { .. })
+    ));
+    assert!(matches!(
+        buffer.checksum(1, 4096),
+        Err(GpuError::OutOfBounds { .. })
+    ));
+    let count = info.devices.len() as u32;
+    assert_eq!(
+        DeviceBuffer::alloc_zeroed(count, 4096).err(),
+        Some(GpuError::NoSuchDevice {
+            ordinal: count,
+            count
+        })
+    );
+    assert_eq!(
+        DeviceBuffer::alloc_zeroed(0, 0).err(),
+        Some(GpuError::EmptyBuffer)
+    );
+    // Twice the device's memory cannot be had: a driver error, named.
+    let too_much = usize::try_from(info.devices[0].total_memory_bytes * 2).unwrap_or(usize::MAX);
+    match DeviceBuffer::alloc_zeroed(0, too_much) {
+        Err(GpuError::Driver { name, .. }) => assert!(name.contains("OUT_OF_MEMORY"), "{name}"),
+        other => panic!("expected an out-of-memory driver error, got {other:?}"),
+    }
+    // And the device still works afterwards.
+    assert_eq!(buffer.write_from(0, &[1, 2, 3]), Ok(()));
+}
+
+fn shape(num_blocks: u32) -> KvShape {
+    KvShape {
+        layers: 4,
+        num_blocks,
+        block_size_tokens: 16,
+        kv_heads: 8,
+        head_dim: 128,
+        dtype_bytes: 2,
+        tp_rank: 0,
+        tp_size: 1,
+    }
+}
+
+#[test]
+fn kv_blocks_move_between_device_caches_of_different_layouts() {
+    let Some(_) = gpu() else { return };
+    let src = KvLayout::new(shape(32), LayoutKind::PerLayer).unwrap_or_else(|e| panic!("{e}"));
+    let dst =
+        KvLayout::new(shape(48), LayoutKind::BlockContiguous).unwrap_or_else(|e| panic!("{e}"));
+    let mut src_cache: Vec<DeviceBuffer> = (0..src.region_count())
+        .map(|_| device(src.region_bytes() as usize))
+        .collect();
+    for (region, buffer) in src_cache.iter_mut().enumerate() {
+        assert_eq!(buffer.fill_pattern(region as u64), Ok(()));
+    }
+    let mut dst_cache = vec![device(dst.total_bytes() as usize)];
+    let (src_blocks, dst_blocks) = ([1, 2, 3, 9, 31], [40, 41, 0, 7, 8]);
+    let plan =
+        transfer_plan(&src, &src_blocks, &dst, &dst_blocks).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(copy_transfers(&src_cache, &mut dst_cache, &plan), Ok(()));
+
+    let sent: Vec<Segment> = plan.iter().map(|t| t.src).collect();
+    let landed: Vec<Segment> = plan.iter().map(|t| t.dst).collect();
+    let sent_sum = checksum_segments(&src_cache, &sent);
+    assert!(sent_sum.is_ok());
+    assert_eq!(sent_sum, checksum_segments(&dst_cache, &landed));
+    // Blocks that were not granted are still zero.
+    let others: Vec<u32> = (0..48).filter(|b| !dst_blocks.contains(b)).collect();
+    let others = dst.segments(&others).unwrap_or_else(|e| panic!("{e}"));
+    let zeros = host(dst.total_bytes() as usize);
+    assert_eq!(
+        checksum_segments(&dst_cache, &others),
+        checksum_segments(&[zeros], &others)
+    );
+}
+
+#[test]
+fn kv_blocks_move_from_host_to_device_and_back() {
+    let Some(_) = gpu() else { return };
+    let layout =
+        KvLayout::new(shape(16), LayoutKind::BlockContiguous).unwrap_or_else(|e| panic!("{e}"));
+    let bytes = layout.total_bytes() as usize;
+    let mut host_cache = vec![host(bytes)];
+    assert_eq!(host_cache[0].fill_pattern(11), Ok(()));
+    let mut device_cache = vec![device(bytes)];
+    let blocks = [0, 5, 6, 15];
+    let plan = transfer_plan(&layout, &blocks, &layout, &blocks).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        copy_transfers(&host_cache, &mut device_cache, &plan),
+        Ok(())
+    );
+    let segments = layout.segments(&blocks).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        checksum_segments(&device_cache, &segments),
+        checksum_segments(&host_cache, &segments)
+    );
+    let mut returned = vec![host(bytes)];
+    assert_eq!(copy_transfers(&device_cache, &mut returned, &plan), Ok(()));
+    for segment in &segments {
+        assert_eq!(
+            returned[0].bytes(segment.offset, segment.len),
+            host_cache[0].bytes(segment.offset, segment.len)
+        );
+    }
+}

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use handoff_transport::{HostRegion, RankInfo, Role, TransferMode};
 
 use crate::inproc::Fabric;
+use crate::link::Attach;
 use crate::machine::Timeouts;
 
 /// Default bound on requests a runtime holds at once: live requests plus finished ones whose
@@ -36,12 +37,15 @@ pub enum TransportChoice {
     /// Prefill and decode runtimes in one process, attached to the same [`Fabric`]:
     /// control messages are actor messages, data moves by `memcpy` between host regions.
     InProcess(Arc<Fabric>),
+    /// Any other transport: the simulator's network, or one an embedder writes.
+    Custom(Arc<dyn Attach>),
 }
 
 impl std::fmt::Debug for TransportChoice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             TransportChoice::InProcess(_) => f.write_str("InProcess"),
+            TransportChoice::Custom(_) => f.write_str("Custom"),
         }
     }
 }

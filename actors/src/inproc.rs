@@ -9,16 +9,14 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use handoff_transport::{BlockId, EngineId, FailureReason, HostRegion, RankInfo, RequestId, Role};
-use ractor::ActorRef;
 
-use crate::link::{Link, LinkError, ResolveError, ResolveFuture, TransferFuture};
+use crate::link::{Attach, Inbox, Link, LinkError, ResolveError, ResolveFuture, TransferFuture};
 use crate::machine::{Outbound, Peer};
-use crate::runtime::RootMsg;
 use crate::Error;
 
 struct Node {
     role: Role,
-    root: ActorRef<RootMsg>,
+    root: Inbox,
     region: Arc<HostRegion>,
 }
 
@@ -44,12 +42,12 @@ impl Fabric {
         self.nodes.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Attaches a runtime's root actor and region; returns its link.
-    pub(crate) fn attach(
+    /// Attaches a runtime's inbox and region; returns its link.
+    fn attach_node(
         self: &Arc<Self>,
         rank: RankInfo,
         role: Role,
-        root: ActorRef<RootMsg>,
+        root: Inbox,
         region: Arc<HostRegion>,
     ) -> Result<Arc<InProcessLink>, Error> {
         let mut nodes = self.nodes();
@@ -173,12 +171,11 @@ impl Link for InProcessLink {
             tracing::debug!(request = %id, from = %self.me, %to, ?msg, "message lost (injected)");
             return Ok(());
         }
-        root.cast(RootMsg::Inbound {
-            from: self.me.clone(),
-            id: id.clone(),
-            msg,
-        })
-        .map_err(|_| LinkError::PeerGone(to.to_string()))
+        if root.deliver(self.me.clone(), id.clone(), msg) {
+            Ok(())
+        } else {
+            Err(LinkError::PeerGone(to.to_string()))
+        }
     }
 
     fn siblings(&self) -> Vec<Peer> {
@@ -217,5 +214,18 @@ impl Link for InProcessLink {
 
     fn detach(&self) {
         self.fabric.nodes().remove(&self.me);
+    }
+}
+
+/// Attaching through `Arc<Fabric>` (the fabric hands each link a clone of itself).
+impl Attach for Arc<Fabric> {
+    fn attach(
+        &self,
+        rank: RankInfo,
+        role: Role,
+        inbox: Inbox,
+        region: Arc<HostRegion>,
+    ) -> Result<Arc<dyn Link>, Error> {
+        Ok(self.attach_node(rank, role, inbox, region)?)
     }
 }

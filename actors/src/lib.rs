@@ -31,5 +31,6 @@ pub use handoff_transport::{
     BlockId, EngineId, FailureReason, HostRegion, RankInfo, RequestId, Role, TransferMode,
 };
 pub use inproc::Fabric;
+pub use link::{Attach, Inbox, Link};
 pub use machine::{merge, merge_all, State, Timeouts};
 pub use runtime::{ReceiverHandle, ReceiverSpec, Runtime, RuntimeBuilder, SenderHandle};

@@ -7,9 +7,14 @@
 use std::future::Future;
 use std::pin::Pin;
 
-use handoff_transport::{BlockId, EngineId, FailureReason, RankInfo, RequestId};
+use std::sync::Arc;
+
+use handoff_transport::{BlockId, EngineId, FailureReason, HostRegion, RankInfo, RequestId, Role};
+use ractor::ActorRef;
 
 use crate::machine::{Outbound, Peer};
+use crate::runtime::RootMsg;
+use crate::Error;
 
 /// The outcome of a data transfer: `Err` carries what the data plane said.
 pub type TransferFuture = Pin<Box<dyn Future<Output = Result<(), String>> + Send>>;
@@ -61,4 +66,33 @@ pub trait Link: Send + Sync + 'static {
 
     /// Leaves the transport: peers see this runtime as gone from now on.
     fn detach(&self);
+}
+
+/// A transport a runtime can attach to: the in-process [`crate::Fabric`], the simulator's
+/// network, and (next) the ZeroMQ control plane.
+pub trait Attach: Send + Sync + 'static {
+    /// Attaches one runtime; messages for it go to `inbox`. Returns its link.
+    fn attach(
+        &self,
+        rank: RankInfo,
+        role: Role,
+        inbox: Inbox,
+        region: Arc<HostRegion>,
+    ) -> Result<Arc<dyn Link>, Error>;
+}
+
+/// Where a transport delivers what arrives for one runtime. Cheap to clone.
+#[derive(Clone)]
+pub struct Inbox(pub(crate) ActorRef<RootMsg>);
+
+impl Inbox {
+    /// Delivers a peer's control message about request `id`. False if the runtime is gone.
+    pub fn deliver(&self, from: Peer, id: RequestId, msg: Outbound) -> bool {
+        self.0.cast(RootMsg::Inbound { from, id, msg }).is_ok()
+    }
+
+    /// Reports a peer as gone: every request depending on it fails at once.
+    pub fn peer_lost(&self, peer: Peer) -> bool {
+        self.0.cast(RootMsg::PeerLost { peer }).is_ok()
+    }
 }

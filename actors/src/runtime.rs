@@ -31,7 +31,7 @@ use crate::config::{
 };
 use crate::event::{Event, EventQueue};
 use crate::ledger::{Ledger, Record};
-use crate::link::Link;
+use crate::link::{Attach, Inbox, Link};
 use crate::machine::{Outbound, Peer, ReceiverEvent, SenderEvent, State, Timeouts};
 use crate::request::{Kind, MachineEvent, RequestActor, RequestArgs, RequestMsg};
 use crate::Error;
@@ -143,13 +143,15 @@ impl Actor for RootActor {
         myself: ActorRef<RootMsg>,
         args: RootArgs,
     ) -> Result<RootState, ActorProcessingErr> {
+        let (rank, role, region) = (
+            args.cfg.rank.clone(),
+            args.cfg.role,
+            args.cfg.region.clone(),
+        );
+        let inbox = Inbox(myself);
         let link: Arc<dyn Link> = match &args.cfg.transport {
-            TransportChoice::InProcess(fabric) => fabric.attach(
-                args.cfg.rank.clone(),
-                args.cfg.role,
-                myself,
-                args.cfg.region.clone(),
-            )?,
+            TransportChoice::InProcess(fabric) => fabric.attach(rank, role, inbox, region)?,
+            TransportChoice::Custom(transport) => transport.attach(rank, role, inbox, region)?,
         };
         info!(role = %args.cfg.role, rank = %args.cfg.rank, transport = ?args.cfg.transport, "runtime started");
         Ok(RootState {

@@ -1,0 +1,298 @@
+//! The machines' main paths, action by action: what each side sends, when it moves bytes,
+//! and when it lets go of its blocks.
+
+use std::time::{Duration, Instant};
+
+use handoff_actors::machine::{
+    Action, Outbound, ReceiverEvent, ReceiverMachine, SenderEvent, SenderMachine, State, Timeouts,
+};
+use handoff_transport::{BlockId, FailureReason, RankInfo, TransferMode};
+
+fn b(ids: &[u32]) -> Vec<BlockId> {
+    ids.iter().copied().map(BlockId).collect()
+}
+
+fn rank(engine: &str, pp: u32) -> RankInfo {
+    let mut r = RankInfo::single(engine);
+    r.pp_rank = pp;
+    r.pp_size = 2;
+    r
+}
+
+fn drain_s(m: &mut SenderMachine) -> Vec<Action> {
+    std::iter::from_fn(|| m.poll_action()).collect()
+}
+
+fn drain_r(m: &mut ReceiverMachine) -> Vec<Action> {
+    std::iter::from_fn(|| m.poll_action()).collect()
+}
+
+fn changed(s: State) -> Action {
+    Action::StateChanged(s)
+}
+
+#[test]
+fn sender_push_writes_then_says_done_then_releases() {
+    let t = Instant::now();
+    let d = rank("D", 0);
+    let mut m = SenderMachine::new(t, Timeouts::default());
+    m.handle(
+        t,
+        SenderEvent::TransferInfo {
+            from: d.clone(),
+            mode: TransferMode::Push,
+            blocks: b(&[7, 8]),
+        },
+    );
+    assert_eq!(drain_s(&mut m), vec![changed(State::WaitingForInput)]);
+    m.handle(t, SenderEvent::Input { blocks: b(&[1, 2]) });
+    assert_eq!(
+        drain_s(&mut m),
+        vec![
+            changed(State::Transferring),
+            Action::Write {
+                to: d.clone(),
+                src: b(&[1, 2]),
+                dst: b(&[7, 8])
+            }
+        ]
+    );
+    m.handle(t, SenderEvent::TransferComplete);
+    assert_eq!(
+        drain_s(&mut m),
+        vec![
+            Action::Send {
+                to: d,
+                msg: Outbound::Done
+            },
+            changed(State::Done),
+            Action::Release { blocks: b(&[1, 2]) }
+        ]
+    );
+    assert_eq!(m.poll_timeout(), None);
+}
+
+#[test]
+fn sender_given_blocks_before_transfer_info_goes_straight_to_transferring() {
+    let t = Instant::now();
+    let d = rank("D", 0);
+    let mut m = SenderMachine::new(t, Timeouts::default());
+    m.handle(t, SenderEvent::Input { blocks: b(&[1]) });
+    assert_eq!(drain_s(&mut m), vec![]);
+    assert_eq!(m.state(), &State::Bootstrapping);
+    m.handle(
+        t,
+        SenderEvent::TransferInfo {
+            from: d.clone(),
+            mode: TransferMode::Pull,
+            blocks: b(&[9]),
+        },
+    );
+    assert_eq!(
+        drain_s(&mut m),
+        vec![
+            changed(State::Transferring),
+            Action::Send {
+                to: d.clone(),
+                msg: Outbound::Ready { blocks: b(&[1]) }
+            }
+        ]
+    );
+    // Pull: the TTL, not the transfer timeout, bounds how long the blocks are held.
+    assert_eq!(m.poll_timeout(), Some(t + Timeouts::default().pull_ttl));
+    m.handle(t, SenderEvent::ReadDone { from: d });
+    assert_eq!(
+        drain_s(&mut m),
+        vec![changed(State::Done), Action::Release { blocks: b(&[1]) }]
+    );
+}
+
+#[test]
+fn sender_refuses_a_block_count_mismatch_and_tells_decode() {
+    let t = Instant::now();
+    let d = rank("D", 0);
+    let mut m = SenderMachine::new(t, Timeouts::default());
+    m.handle(
+        t,
+        SenderEvent::TransferInfo {
+            from: d.clone(),
+            mode: TransferMode::Push,
+            blocks: b(&[7]),
+        },
+    );
+    m.handle(t, SenderEvent::Input { blocks: b(&[1, 2]) });
+    let actions = drain_s(&mut m);
+    assert!(
+        matches!(m.state(), State::Failed(FailureReason::Protocol { detail }) if detail.contains("granted 1 blocks"))
+    );
+    assert!(actions.iter().any(|a| matches!(
+        a,
+        Action::Send {
+            msg: Outbound::Abort { .. },
+            ..
+        }
+    )));
+    assert_eq!(
+        actions.last(),
+        Some(&Action::Release { blocks: b(&[1, 2]) })
+    );
+}
+
+#[test]
+fn sender_that_was_told_queued_aborts_that_decode_when_bootstrap_times_out() {
+    let t = Instant::now();
+    let d = rank("D", 0);
+    let timeouts = Timeouts::default();
+    let mut m = SenderMachine::new(t, timeouts);
+    m.handle(t, SenderEvent::Queued { from: d.clone() });
+    m.handle_timeout(t + timeouts.bootstrap - Duration::from_millis(1));
+    assert_eq!(m.state(), &State::Bootstrapping, "not before the deadline");
+    m.handle_timeout(t + timeouts.bootstrap);
+    let reason = FailureReason::BootstrapTimeout;
+    assert_eq!(
+        drain_s(&mut m),
+        vec![
+            Action::Send {
+                to: d,
+                msg: Outbound::Abort {
+                    reason: reason.clone()
+                }
+            },
+            changed(State::Failed(reason)),
+            Action::Release { blocks: vec![] }
+        ]
+    );
+}
+
+#[test]
+fn receiver_push_waits_for_done_from_every_pipeline_rank() {
+    let t = Instant::now();
+    let (p0, p1) = (rank("P", 0), rank("P", 1));
+    let mut m = ReceiverMachine::new(t, Timeouts::default(), TransferMode::Push);
+    m.handle(
+        t,
+        ReceiverEvent::PeersResolved {
+            peers: vec![p0.clone(), p1.clone()],
+        },
+    );
+    assert_eq!(
+        drain_r(&mut m),
+        vec![
+            Action::Send {
+                to: p0.clone(),
+                msg: Outbound::Queued
+            },
+            Action::Send {
+                to: p1.clone(),
+                msg: Outbound::Queued
+            }
+        ],
+        "peers known but no blocks: tell prefill we live"
+    );
+    m.handle(t, ReceiverEvent::Allocated { blocks: b(&[4, 5]) });
+    let info = Outbound::TransferInfo {
+        mode: TransferMode::Push,
+        blocks: b(&[4, 5]),
+    };
+    assert_eq!(
+        drain_r(&mut m),
+        vec![
+            Action::Send {
+                to: p0.clone(),
+                msg: info.clone()
+            },
+            Action::Send {
+                to: p1.clone(),
+                msg: info
+            },
+            changed(State::WaitingForInput)
+        ]
+    );
+    m.handle(t, ReceiverEvent::Done { from: p1.clone() });
+    assert_eq!(drain_r(&mut m), vec![changed(State::Transferring)]);
+    m.handle(t, ReceiverEvent::Done { from: p1 });
+    assert_eq!(drain_r(&mut m), vec![], "a duplicate Done changes nothing");
+    m.handle(t, ReceiverEvent::Done { from: p0 });
+    assert_eq!(
+        drain_r(&mut m),
+        vec![changed(State::Done), Action::Release { blocks: b(&[4, 5]) }]
+    );
+}
+
+#[test]
+fn receiver_pull_reads_then_acknowledges_each_rank() {
+    let t = Instant::now();
+    let p0 = rank("P", 0);
+    let mut m = ReceiverMachine::new(t, Timeouts::default(), TransferMode::Pull);
+    m.handle(t, ReceiverEvent::Allocated { blocks: b(&[4]) });
+    m.handle(
+        t,
+        ReceiverEvent::PeersResolved {
+            peers: vec![p0.clone()],
+        },
+    );
+    drain_r(&mut m);
+    m.handle(
+        t,
+        ReceiverEvent::Ready {
+            from: p0.clone(),
+            blocks: b(&[9]),
+        },
+    );
+    assert_eq!(
+        drain_r(&mut m),
+        vec![
+            changed(State::Transferring),
+            Action::Read {
+                from: p0.clone(),
+                src: b(&[9]),
+                dst: b(&[4])
+            }
+        ]
+    );
+    m.handle(t, ReceiverEvent::ReadComplete { from: p0.clone() });
+    assert_eq!(
+        drain_r(&mut m),
+        vec![
+            Action::Send {
+                to: p0,
+                msg: Outbound::ReadDone
+            },
+            changed(State::Done),
+            Action::Release { blocks: b(&[4]) }
+        ]
+    );
+}
+
+#[test]
+fn receiver_names_a_stranger_and_a_wrong_mode_as_protocol_errors() {
+    let t = Instant::now();
+    let p0 = rank("P", 0);
+    for (event, expect) in [
+        (
+            ReceiverEvent::Done { from: rank("X", 0) },
+            "from a rank not serving this request",
+        ),
+        (
+            ReceiverEvent::Ready {
+                from: p0.clone(),
+                blocks: b(&[1]),
+            },
+            "Ready in Push mode",
+        ),
+    ] {
+        let mut m = ReceiverMachine::new(t, Timeouts::default(), TransferMode::Push);
+        m.handle(
+            t,
+            ReceiverEvent::PeersResolved {
+                peers: vec![p0.clone()],
+            },
+        );
+        m.handle(t, ReceiverEvent::Allocated { blocks: b(&[1]) });
+        m.handle(t, event);
+        let State::Failed(FailureReason::Protocol { detail }) = m.state() else {
+            panic!("expected a protocol error, got {}", m.state());
+        };
+        assert!(detail.contains(expect), "{detail}");
+    }
+}

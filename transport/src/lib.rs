@@ -8,8 +8,10 @@
 //!
 //! # Layout
 //! - [`types`]: identities, ranks, blocks, [`types::FailureReason`].
+//! - [`ucx`]: our bindings to libucp (loaded at run time) and the batched RMA transfer.
 
 pub mod types;
+pub mod ucx;
 
 pub use types::{BlockId, EngineId, FailureReason, Rank, RankInfo, RequestId, Role, TransferMode};
 

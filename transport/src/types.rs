@@ -78,7 +78,9 @@ impl From<&str> for EngineId {
 }
 
 /// Which side of the handoff a worker is on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, bincode::Encode, bincode::Decode)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, bincode::Encode, bincode::Decode,
+)]
 pub enum Role {
     /// Computes the prompt's KV cache and sends it.
     Prefill,
@@ -161,7 +163,9 @@ impl fmt::Display for RankInfo {
 }
 
 /// A worker's (dp, tp, pp) position inside its engine.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, bincode::Encode, bincode::Decode)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, bincode::Encode, bincode::Decode,
+)]
 pub struct Rank {
     /// Data-parallel rank.
     pub dp: u32,
@@ -178,7 +182,9 @@ impl fmt::Display for Rank {
 }
 
 /// The index of one KV block inside a registered region.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, bincode::Encode, bincode::Decode)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, bincode::Encode, bincode::Decode,
+)]
 pub struct BlockId(pub u32);
 
 impl fmt::Display for BlockId {
@@ -188,7 +194,19 @@ impl fmt::Display for BlockId {
 }
 
 /// Who moves the bytes.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, bincode::Encode, bincode::Decode)]
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    bincode::Encode,
+    bincode::Decode,
+)]
 pub enum TransferMode {
     /// Prefill writes into decode's blocks, then tells decode `Done`.
     #[default]
@@ -285,7 +303,9 @@ impl fmt::Display for FailureReason {
             FailureReason::WaitingTimeout => f.write_str("waiting timeout"),
             FailureReason::TransferTimeout => f.write_str("transfer timeout"),
             FailureReason::TransferFailed { detail } => write!(f, "transfer failed: {detail}"),
-            FailureReason::TtlExpired => f.write_str("TTL expired before the decode side read the blocks"),
+            FailureReason::TtlExpired => {
+                f.write_str("TTL expired before the decode side read the blocks")
+            }
             FailureReason::PeerLost { peer } => write!(f, "peer lost: {peer}"),
             FailureReason::RejectedBusy => f.write_str("rejected: decode busy"),
             FailureReason::AbortedByEngine => f.write_str("aborted by engine"),

@@ -303,3 +303,58 @@ fn ucx_coalesces_contiguous_runs_only() {
     ]);
     assert_eq!(merged, vec![s(0, 100, 15), s(15, 200, 10), s(0, 0, 1)]);
 }
+
+/// Env var telling a re-executed copy of this binary to check the env-driven loader.
+const EXPECT_NOT_FOUND_ENV: &str = "HANDOFF_UCX_TEST_EXPECT_NOT_FOUND";
+
+/// Child half of `ucx_env_pointing_nowhere_gives_library_not_found` (no-op otherwise).
+#[test]
+fn ucx_env_child_expect_not_found() {
+    if std::env::var_os(EXPECT_NOT_FOUND_ENV).is_none() {
+        return;
+    }
+    match handoff_transport::ucx::Context::new() {
+        Err(UcxError::LibraryNotFound { tried, detail }) => {
+            assert_eq!(tried, vec!["/nonexistent".to_string()], "{detail}");
+            println!("LIBRARY_NOT_FOUND_AS_EXPECTED {tried:?}: {detail}");
+        }
+        other => panic!("expected LibraryNotFound, got {other:?}"),
+    }
+}
+
+/// `HANDOFF_UCX_LIB=/nonexistent` through the cached, process-wide loader (in a fresh
+/// process, since this one may have loaded the real library already).
+#[test]
+fn ucx_env_pointing_nowhere_gives_library_not_found() {
+    let exe = std::env::current_exe().expect("current exe");
+    let out = std::process::Command::new(exe)
+        .args([
+            "--exact",
+            "ucx_env_child_expect_not_found",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(EXPECT_NOT_FOUND_ENV, "1")
+        .env(handoff_transport::ucx::sys::LIB_ENV, "/nonexistent")
+        .output()
+        .expect("run child");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "child failed: {stdout}");
+    assert!(stdout.contains("LIBRARY_NOT_FOUND_AS_EXPECTED"), "{stdout}");
+}
+
+/// Prints which libucp was loaded; with `HANDOFF_UCX_EXPECT_VERSION=1.22` set, checks it.
+#[test]
+fn ucx_reports_loaded_version() {
+    let Some(ctx) = context_or_skip("ucx_reports_loaded_version", &ContextOptions::default())
+    else {
+        return;
+    };
+    let version = ctx.version();
+    eprintln!("loaded UCX {version} from {}", ctx.library());
+    assert!((version.major, version.minor) >= handoff_transport::ucx::sys::VERSION_MIN);
+    if let Ok(expected) = std::env::var("HANDOFF_UCX_EXPECT_VERSION") {
+        let found = format!("{}.{}", version.major, version.minor);
+        assert_eq!(found, expected, "loaded {version} from {}", ctx.library());
+    }
+}

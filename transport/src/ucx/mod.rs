@@ -29,6 +29,8 @@
 //! - `memory`: [`MemoryRegion`], [`MemoryType`].
 //! - `batch`: [`Segment`], [`Direction`], [`coalesce`], the batched transfer.
 
+#![warn(missing_docs)]
+
 mod batch;
 mod context;
 mod memory;

@@ -35,6 +35,8 @@ unsafe extern "C" fn on_endpoint_error(
     }
 }
 
+// Boxed error slots in `graveyard`: UCX holds each slot's address, so they must not move.
+#[allow(clippy::vec_box)]
 pub(crate) struct WorkerInner {
     pub(crate) api: &'static Api,
     pub(crate) ctx: Rc<ContextInner>,

@@ -27,12 +27,12 @@ const STEP_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long the child lives without commands before it exits by itself.
 const CHILD_LIFETIME: Duration = Duration::from_secs(120);
 
-/// Options both sides use: a short keepalive so a dead peer on a transport that cannot
-/// see the death by itself (shared memory) is noticed within a second or two.
+/// Options both sides use: the defaults (shared memory with peer-failure handling) with a
+/// short keepalive, so a death the shared-memory transport cannot see is noticed quickly.
 fn options() -> ContextOptions {
     ContextOptions {
-        config: vec![("KEEPALIVE_INTERVAL".into(), "200ms".into())],
-        estimated_endpoints: None,
+        keepalive_interval: Some(Duration::from_millis(200)),
+        ..ContextOptions::default()
     }
 }
 

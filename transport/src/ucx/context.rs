@@ -2,6 +2,7 @@
 
 use std::ffi::CString;
 use std::rc::Rc;
+use std::time::Duration;
 
 use super::sys::{self, Api};
 use super::UcxError;
@@ -23,15 +24,59 @@ impl std::fmt::Display for Version {
     }
 }
 
+/// UCX keepalive interval set by default. UCX's own default (20 s) is longer than a
+/// transfer deadline; the runtime's heartbeats remain the main liveness signal, and this
+/// only has to catch a peer death that a transport cannot see by itself (shared memory)
+/// within one transfer's deadline.
+pub const KEEPALIVE_INTERVAL_DEFAULT: Duration = Duration::from_secs(2);
+
 /// How to build a [`Context`]. `UCX_*` environment variables apply first (UCX reads them
-/// in `ucp_config_read`); `config` entries then override them.
-#[derive(Debug, Clone, Default)]
+/// in `ucp_config_read`), then the fields below, then `config` entries.
+#[derive(Debug, Clone)]
 pub struct ContextOptions {
-    /// UCX configuration overrides, names without the `UCX_` prefix, e.g.
-    /// `("TLS", "sm,self")` or `("KEEPALIVE_INTERVAL", "1s")`.
+    /// Let the shared-memory transports (posix, sysv) serve endpoints created with
+    /// peer-failure handling (`MM_ERROR_HANDLING=y`). UCX (1.13 through 1.22) leaves this
+    /// off, so every endpoint we create (always `UCP_ERR_HANDLING_MODE_PEER`) would fall
+    /// back to TCP between processes on one host: 0.3 GB/s instead of several GB/s. A
+    /// dead peer is still seen, through the TCP wireup lane and keepalive. Default: on.
+    pub shared_memory_error_handling: bool,
+    /// UCX keepalive interval (`KEEPALIVE_INTERVAL`); `None` keeps UCX's default.
+    /// Default: [`KEEPALIVE_INTERVAL_DEFAULT`].
+    pub keepalive_interval: Option<Duration>,
+    /// Further UCX configuration, names without the `UCX_` prefix (e.g. `("TLS", "sm,tcp")`),
+    /// applied last so they override the fields above.
     pub config: Vec<(String, String)>,
     /// Expected number of endpoints (`estimated_num_eps`), a sizing hint for UCX.
     pub estimated_endpoints: Option<usize>,
+}
+
+impl Default for ContextOptions {
+    fn default() -> Self {
+        Self {
+            shared_memory_error_handling: true,
+            keepalive_interval: Some(KEEPALIVE_INTERVAL_DEFAULT),
+            config: Vec::new(),
+            estimated_endpoints: None,
+        }
+    }
+}
+
+impl ContextOptions {
+    /// Every `(name, value)` passed to `ucp_config_modify`, in order.
+    fn settings(&self) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        if self.shared_memory_error_handling {
+            out.push(("MM_ERROR_HANDLING".to_string(), "y".to_string()));
+        }
+        if let Some(interval) = self.keepalive_interval {
+            out.push((
+                "KEEPALIVE_INTERVAL".to_string(),
+                format!("{}us", interval.as_micros().max(1)),
+            ));
+        }
+        out.extend(self.config.iter().cloned());
+        out
+    }
 }
 
 /// Shared by the context's workers and memory regions so the context outlives them.
@@ -100,7 +145,7 @@ impl Context {
         let status = unsafe { (api.ucp_config_read)(std::ptr::null(), std::ptr::null(), &mut raw) };
         api.check("ucp_config_read", status)?;
         let config = Config { api, handle: raw };
-        for (name, value) in &options.config {
+        for (name, value) in &options.settings() {
             let (c_name, c_value) = (c_string(name)?, c_string(value)?);
             // SAFETY: valid config handle and NUL-terminated strings that outlive the call.
             let status = unsafe {

@@ -40,7 +40,7 @@ mod worker;
 use std::time::Duration;
 
 pub use batch::{coalesce, Direction, Segment, TransferStats};
-pub use context::{Context, ContextOptions, Version};
+pub use context::{Context, ContextOptions, Version, KEEPALIVE_INTERVAL_DEFAULT};
 pub use memory::{MemoryRegion, MemoryType};
 pub use worker::{Endpoint, RemoteKey, Worker};
 

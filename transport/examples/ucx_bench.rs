@@ -170,7 +170,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let ctx = Context::new()?;
     println!("UCX {} from {}", ctx.version(), ctx.library());
     drop(ctx);
-    for mem in ["alloc", "heap"] {
+    let mems = std::env::var("HANDOFF_UCX_BENCH_MEM").unwrap_or_else(|_| "alloc,heap".into());
+    for mem in mems.split(',') {
         bench(mem, total_mib << 20)?;
     }
     Ok(())

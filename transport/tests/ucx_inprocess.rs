@@ -254,6 +254,36 @@ fn put_get_between_threads(kind: Kind) {
     ep.flush(Instant::now() + DEADLINE)
         .expect("flush after refusals");
 
+    // A deadline that has passed: the batch stops with `Timeout`, the endpoint is
+    // force-closed (cancelling what was posted) and says so afterwards.
+    let ep2 = worker.connect(&info.address).expect("second endpoint");
+    let key2 = ep2
+        .unpack_rkey(&info.rkey, info.base, REGION_BYTES as u64)
+        .expect("unpack rkey");
+    let err = ep2
+        .transfer(Direction::Put, &local, &key2, &segments, Instant::now())
+        .expect_err("deadline already passed");
+    assert!(matches!(err, UcxError::Timeout { .. }), "{err}");
+    let err = ep2
+        .flush(Instant::now() + DEADLINE)
+        .expect_err("closed endpoint");
+    match err {
+        UcxError::EndpointClosed { reason } => {
+            assert!(matches!(*reason, UcxError::Timeout { .. }), "{reason}")
+        }
+        other => panic!("expected EndpointClosed, got {other}"),
+    }
+    // The key of a force-closed endpoint is refused, not used.
+    let err = ep2
+        .get(&local, 0, &key2, info.base, 8, Instant::now() + DEADLINE)
+        .expect_err("closed endpoint");
+    assert!(matches!(err, UcxError::EndpointClosed { .. }), "{err}");
+    // The first endpoint is unaffected.
+    ep.flush(Instant::now() + DEADLINE)
+        .expect("other endpoint still fine");
+
+    drop(key2);
+    drop(ep2);
     drop(rkey);
     drop(ep);
     cmd_tx.send(Cmd::Stop).expect("stop");

@@ -22,6 +22,19 @@
 //! what they need alive (an endpoint keeps its worker, a worker its context, a remote key
 //! its endpoint), so any drop order is safe.
 //!
+//! # ABI notes (checked against UCX 1.13.1 and 1.22.0)
+//! - `ucs_status_t` is a *packed* enum: one byte (`i8`), in returns and callback arguments.
+//! - Parameter structs are the 1.13 layouts (1.22's `ucp_params_t`, `ucp_mem_map_params_t`
+//!   and `ucp_request_param_t` are longer); only 1.13 `field_mask` bits are ever set.
+//! - `ucp_init` and `UCS_PTR_IS_ERR`/`UCS_PTR_STATUS` are header inlines/macros:
+//!   `ucp_init_version` and [`sys::ptr_is_err`] stand in for them.
+//! - `ucp_worker_get_address` and `ucp_rkey_pack` moved to `ucp_compat.h` (deprecated) by
+//!   1.22 but are still exported.
+//! - With `UCP_ERR_HANDLING_MODE_PEER`, UCX drops the posix/sysv shared-memory transports
+//!   unless `MM_ERROR_HANDLING=y`; [`ContextOptions`] sets it by default.
+//! - A libucp loaded from a directory has its libucm/libucs/libuct loaded from the same
+//!   directory first, so the system loader cannot pair it with another version's libucs.
+//!
 //! # Layout
 //! - [`sys`]: raw types, constants, the function table ([`sys::api`], [`sys::load_from`]).
 //! - `context`: [`Context`], [`ContextOptions`], [`Version`].

@@ -9,9 +9,11 @@
 //! # Layout
 //! - [`types`]: identities, ranks, blocks, [`types::FailureReason`].
 //! - [`region`]: block-addressed host memory ([`region::HostRegion`]), bounds-checked copies.
+//! - [`ucx`]: our bindings to libucp (loaded at run time) and the batched RMA transfer.
 
 pub mod region;
 pub mod types;
+pub mod ucx;
 
 pub use region::{HostRegion, RegionError};
 pub use types::{BlockId, EngineId, FailureReason, Rank, RankInfo, RequestId, Role, TransferMode};

@@ -1,0 +1,324 @@
+//! The batched transfer the runtime uses: many (local offset, remote address, length)
+//! segments between one local region and one remote region, coalesced, posted with a
+//! bound on operations in flight, flushed, all within one deadline.
+
+use std::ffi::c_void;
+use std::time::Instant;
+
+use super::memory::MemoryRegion;
+use super::sys;
+use super::worker::{Endpoint, EndpointInner, RemoteKey};
+use super::{UcxError, OPS_INFLIGHT_MAX, SEGMENTS_PER_BATCH_MAX};
+
+/// One contiguous piece of a transfer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Segment {
+    /// Offset into the local [`MemoryRegion`].
+    pub local_offset: usize,
+    /// Absolute address in the peer's region (the peer's `MemoryRegion::address` + offset).
+    pub remote_addr: u64,
+    /// Length in bytes (non-zero).
+    pub len: usize,
+}
+
+/// Which way the bytes go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Direction {
+    /// Local region → peer region (RDMA write, `ucp_put_nbx`), then an endpoint flush.
+    Put,
+    /// Peer region → local region (RDMA read, `ucp_get_nbx`).
+    Get,
+}
+
+/// What a batched transfer did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TransferStats {
+    /// Segments given.
+    pub segments: usize,
+    /// UCX operations posted after coalescing.
+    pub ops: usize,
+    /// Bytes moved.
+    pub bytes: u64,
+}
+
+/// Merges each segment into the previous one when both its local and its remote range
+/// continue the previous segment's, in the given order. Lengths are summed with overflow
+/// checks (a run that would overflow starts a new segment).
+pub fn coalesce(segments: &[Segment]) -> Vec<Segment> {
+    let mut out: Vec<Segment> = Vec::with_capacity(segments.len());
+    for seg in segments {
+        if let Some(last) = out.last_mut() {
+            let local_next = last.local_offset.checked_add(last.len);
+            let remote_next = u64::try_from(last.len)
+                .ok()
+                .and_then(|l| last.remote_addr.checked_add(l));
+            let merged_len = last.len.checked_add(seg.len);
+            if local_next == Some(seg.local_offset) && remote_next == Some(seg.remote_addr) {
+                if let Some(len) = merged_len {
+                    last.len = len;
+                    continue;
+                }
+            }
+        }
+        out.push(*seg);
+    }
+    out
+}
+
+/// Checks every segment against both regions before anything is posted.
+fn validate(
+    local: &MemoryRegion,
+    remote: &RemoteKey,
+    segments: &[Segment],
+) -> Result<u64, UcxError> {
+    if segments.len() > SEGMENTS_PER_BATCH_MAX {
+        return Err(UcxError::TooManySegments {
+            count: segments.len(),
+            max: SEGMENTS_PER_BATCH_MAX,
+        });
+    }
+    let mut bytes = 0u64;
+    for seg in segments {
+        if seg.len == 0 {
+            return Err(UcxError::InvalidArgument {
+                what: format!("zero-length segment {seg:?}"),
+            });
+        }
+        local.range_ptr(seg.local_offset, seg.len)?;
+        let len = seg.len as u64;
+        let offset = seg.remote_addr.wrapping_sub(remote.base());
+        let inside = seg.remote_addr >= remote.base()
+            && offset
+                .checked_add(len)
+                .is_some_and(|end| end <= remote.len());
+        if !inside {
+            return Err(UcxError::OutOfRange {
+                what: "remote region",
+                offset,
+                len,
+                limit: remote.len(),
+            });
+        }
+        bytes = bytes.saturating_add(len);
+    }
+    Ok(bytes)
+}
+
+/// Requests posted and not yet complete; freed (and their endpoint force-closed) on error.
+struct InFlight<'a> {
+    ep: &'a EndpointInner,
+    op: &'static str,
+    requests: Vec<*mut c_void>,
+}
+
+impl InFlight<'_> {
+    /// Polls every request once, dropping completed ones; the first failure is returned.
+    fn reap(&mut self) -> Result<usize, UcxError> {
+        let before = self.requests.len();
+        let mut i = 0;
+        while i < self.requests.len() {
+            match self.ep.worker.poll(self.op, self.requests[i]) {
+                None => i += 1,
+                Some(result) => {
+                    self.requests.swap_remove(i);
+                    result?;
+                }
+            }
+        }
+        Ok(before - self.requests.len())
+    }
+
+    /// Waits until at most `target` requests remain, or the deadline passes.
+    fn drain_to(
+        &mut self,
+        target: usize,
+        started: Instant,
+        deadline: Instant,
+    ) -> Result<(), UcxError> {
+        let mut idle = 0;
+        while self.requests.len() > target {
+            if self.reap()? > 0 {
+                continue;
+            }
+            if Instant::now() >= deadline {
+                return Err(UcxError::Timeout {
+                    op: self.op,
+                    after: started.elapsed(),
+                });
+            }
+            self.ep.worker.progress_or_yield(&mut idle);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if self.requests.is_empty() {
+            return;
+        }
+        // Only an error leaves requests behind. Release them (UCX frees one still in flight
+        // when it completes); `transfer` then force-closes the endpoint, which cancels them.
+        for request in self.requests.drain(..) {
+            self.ep.worker.free(request);
+        }
+    }
+}
+
+impl Endpoint {
+    /// Writes `len` bytes from `local` at `local_offset` to the peer's `remote_addr`, then
+    /// flushes, all before `deadline`.
+    pub fn put(
+        &self,
+        local: &MemoryRegion,
+        local_offset: usize,
+        remote: &RemoteKey,
+        remote_addr: u64,
+        len: usize,
+        deadline: Instant,
+    ) -> Result<(), UcxError> {
+        let seg = [Segment {
+            local_offset,
+            remote_addr,
+            len,
+        }];
+        self.transfer(Direction::Put, local, remote, &seg, deadline)
+            .map(|_| ())
+    }
+
+    /// Reads `len` bytes from the peer's `remote_addr` into `local` at `local_offset`,
+    /// before `deadline`.
+    pub fn get(
+        &self,
+        local: &MemoryRegion,
+        local_offset: usize,
+        remote: &RemoteKey,
+        remote_addr: u64,
+        len: usize,
+        deadline: Instant,
+    ) -> Result<(), UcxError> {
+        let seg = [Segment {
+            local_offset,
+            remote_addr,
+            len,
+        }];
+        self.transfer(Direction::Get, local, remote, &seg, deadline)
+            .map(|_| ())
+    }
+
+    /// The batched transfer: validates every segment against both regions (nothing is
+    /// posted if one is out of range), coalesces contiguous runs, posts them with at most
+    /// [`OPS_INFLIGHT_MAX`] in flight, waits for all, and for [`Direction::Put`] flushes
+    /// the endpoint, all before `deadline`. On any error or timeout the endpoint is
+    /// force-closed (cancelling what was in flight) and the error returned.
+    pub fn transfer(
+        &self,
+        direction: Direction,
+        local: &MemoryRegion,
+        remote: &RemoteKey,
+        segments: &[Segment],
+        deadline: Instant,
+    ) -> Result<TransferStats, UcxError> {
+        if !std::rc::Rc::ptr_eq(local.context(), &self.inner.worker.ctx) {
+            return Err(UcxError::ContextMismatch);
+        }
+        if !remote.belongs_to(self) {
+            return Err(UcxError::InvalidArgument {
+                what: "remote key was unpacked on another endpoint".into(),
+            });
+        }
+        let bytes = validate(local, remote, segments)?;
+        let ops = coalesce(segments);
+        let ep = self.inner.live()?;
+        let rkey = remote
+            .inner
+            .handle()
+            .ok_or_else(|| UcxError::EndpointClosed {
+                reason: Box::new(UcxError::InvalidArgument {
+                    what: "remote key destroyed with its endpoint".into(),
+                }),
+            })?;
+        let result = self.post_all(direction, local, ep, rkey, &ops, deadline);
+        if let Err(error) = &result {
+            self.inner.fail(error.clone());
+        }
+        result?;
+        if direction == Direction::Put {
+            self.flush(deadline)?;
+        }
+        // A peer failure recorded while we waited must not read as success.
+        self.inner.live()?;
+        Ok(TransferStats {
+            segments: segments.len(),
+            ops: ops.len(),
+            bytes,
+        })
+    }
+
+    fn post_all(
+        &self,
+        direction: Direction,
+        local: &MemoryRegion,
+        ep: sys::ucp_ep_h,
+        rkey: sys::ucp_rkey_h,
+        ops: &[Segment],
+        deadline: Instant,
+    ) -> Result<(), UcxError> {
+        let worker = &self.inner.worker;
+        let api = worker.api;
+        let op = match direction {
+            Direction::Put => "ucp_put_nbx",
+            Direction::Get => "ucp_get_nbx",
+        };
+        let mut param = sys::ucp_request_param_t::empty();
+        param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+        param.memory_type = match local.memory_type() {
+            super::MemoryType::Host => sys::UCS_MEMORY_TYPE_HOST,
+            super::MemoryType::Cuda => sys::UCS_MEMORY_TYPE_CUDA,
+        };
+        if worker.ctx.memh_param {
+            param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_MEMH;
+            param.memh = local.memh();
+        }
+        let started = Instant::now();
+        let mut in_flight = InFlight {
+            ep: &self.inner,
+            op,
+            requests: Vec::with_capacity(OPS_INFLIGHT_MAX),
+        };
+        for seg in ops {
+            if in_flight.requests.len() >= OPS_INFLIGHT_MAX {
+                in_flight.drain_to(OPS_INFLIGHT_MAX - 1, started, deadline)?;
+            }
+            let buffer = local.range_ptr(seg.local_offset, seg.len)?;
+            // SAFETY: live endpoint and rkey of this endpoint; `buffer..+len` lies in the
+            // registered local region (validated), which outlives the operation: we wait
+            // for it here, or force-close the endpoint (cancelling it) before returning.
+            let ptr = unsafe {
+                match direction {
+                    Direction::Put => (api.ucp_put_nbx)(
+                        ep,
+                        buffer.cast_const().cast(),
+                        seg.len,
+                        seg.remote_addr,
+                        rkey,
+                        &param,
+                    ),
+                    Direction::Get => {
+                        (api.ucp_get_nbx)(ep, buffer.cast(), seg.len, seg.remote_addr, rkey, &param)
+                    }
+                }
+            };
+            if let Some(request) = worker.poll_start(op, ptr)? {
+                in_flight.requests.push(request);
+            }
+            if Instant::now() >= deadline {
+                return Err(UcxError::Timeout {
+                    op,
+                    after: started.elapsed(),
+                });
+            }
+        }
+        in_flight.drain_to(0, started, deadline)
+    }
+}

@@ -8,8 +8,14 @@
 //!
 //! # Layout
 //! - [`types`]: identities, ranks, blocks, [`types::FailureReason`].
+//! - [`wire`]: frames, control messages, limits and wire errors.
+//! - [`codec`]: the one place that touches bincode (payload bytes to messages and back).
+//! - [`auth`]: optional HMAC-SHA256 frame authentication with a shared key.
 
+pub mod auth;
+pub mod codec;
 pub mod types;
+pub mod wire;
 
 pub use types::{BlockId, EngineId, FailureReason, Rank, RankInfo, RequestId, Role, TransferMode};
 

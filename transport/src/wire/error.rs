@@ -19,7 +19,8 @@ pub enum WireError {
     /// The buffer holds the start of a frame but not all of it: read more bytes and retry.
     #[error("incomplete frame: need at least {need} bytes")]
     Incomplete {
-        /// The smallest buffer length (from the start of the frame) that could hold the frame.
+        /// The smallest buffer length (from the start of the frame) that could hold the frame;
+        /// never more than [`crate::wire::FRAME_BYTES_MAX`], so it is safe to reserve.
         need: usize,
     },
     /// The bytes were all there is (a whole message, or the end of a stream) and they stop

@@ -163,14 +163,8 @@ pub struct Frame<'a> {
 
 impl Frame<'_> {
     /// Length of the whole frame in bytes.
-    pub fn len(&self) -> FrameLen {
+    pub fn frame_len(&self) -> FrameLen {
         self.header.frame_len()
-    }
-
-    /// Whether the frame is empty; never, a frame has at least a header. For clippy's
-    /// `len_without_is_empty`.
-    pub fn is_empty(&self) -> bool {
-        false
     }
 }
 
@@ -304,7 +298,7 @@ mod tests {
         assert_eq!(frame.payload, &[1, 2, 3]);
         assert_eq!(frame.signed.len(), HEADER_BYTES + 3);
         assert_eq!(frame.trailer, Some(&[9; TAG_BYTES]));
-        assert_eq!(frame.len(), buf.len());
+        assert_eq!(frame.frame_len(), buf.len());
         assert_eq!(
             parse(&buf[..buf.len() - 1]),
             Err(WireError::Incomplete { need: buf.len() })

@@ -340,6 +340,67 @@ pub struct ProtocolError {
     pub detail: String,
 }
 
+impl ProtocolError {
+    /// A `ProtocolError` whose detail is cut to [`DETAIL_BYTES_MAX`], so it always encodes.
+    pub fn new(detail: impl Into<String>) -> ProtocolError {
+        ProtocolError {
+            detail: bounded_text(detail.into()),
+        }
+    }
+}
+
+/// Cuts free text to at most [`DETAIL_BYTES_MAX`] bytes, at a character boundary, marking the
+/// cut with `…`. Failure texts are built from error chains of any length, and a message that
+/// carries one (an abort, a rejection) must never fail to encode because of it.
+pub fn bounded_text(mut text: String) -> String {
+    const ELLIPSIS: &str = "…";
+    if text.len() <= DETAIL_BYTES_MAX {
+        return text;
+    }
+    let mut cut = DETAIL_BYTES_MAX - ELLIPSIS.len();
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    text.truncate(cut);
+    text.push_str(ELLIPSIS);
+    text
+}
+
+/// `reason` with every free-text field cut by [`bounded_text`].
+pub fn bounded_reason(reason: FailureReason) -> FailureReason {
+    match reason {
+        FailureReason::BootstrapUnavailable {
+            address,
+            last_error,
+        } => FailureReason::BootstrapUnavailable {
+            address: bounded_text(address),
+            last_error: bounded_text(last_error),
+        },
+        FailureReason::TransferFailed { detail } => FailureReason::TransferFailed {
+            detail: bounded_text(detail),
+        },
+        FailureReason::PeerLost { peer } => FailureReason::PeerLost {
+            peer: bounded_text(peer),
+        },
+        FailureReason::AbortedByPeer { peer, cause } => FailureReason::AbortedByPeer {
+            peer: bounded_text(peer),
+            cause: bounded_text(cause),
+        },
+        FailureReason::Protocol { detail } => FailureReason::Protocol {
+            detail: bounded_text(detail),
+        },
+        FailureReason::Internal { detail } => FailureReason::Internal {
+            detail: bounded_text(detail),
+        },
+        other @ (FailureReason::BootstrapTimeout
+        | FailureReason::WaitingTimeout
+        | FailureReason::TransferTimeout
+        | FailureReason::TtlExpired
+        | FailureReason::RejectedBusy
+        | FailureReason::AbortedByEngine) => other,
+    }
+}
+
 /// What the bootstrap server knows about one worker: payload of [`Message::Register`].
 #[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
 pub struct WorkerRecord {
@@ -585,6 +646,16 @@ pub struct Rejected {
     pub reason: FailureReason,
 }
 
+impl Rejected {
+    /// A rejection whose reason's texts are cut by [`bounded_text`], so it always encodes.
+    pub fn new(request_id: RequestId, reason: FailureReason) -> Rejected {
+        Rejected {
+            request_id,
+            reason: bounded_reason(reason),
+        }
+    }
+}
+
 /// Payload of [`Message::Ready`].
 #[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
 pub struct Ready {
@@ -618,6 +689,16 @@ pub struct Abort {
     pub request_id: RequestId,
     /// Why the sender gave up.
     pub reason: FailureReason,
+}
+
+impl Abort {
+    /// An abort whose reason's texts are cut by [`bounded_text`], so it always encodes.
+    pub fn new(request_id: RequestId, reason: FailureReason) -> Abort {
+        Abort {
+            request_id,
+            reason: bounded_reason(reason),
+        }
+    }
 }
 
 // ---- Validation: every bound and consistency rule, one impl per payload type. ----
@@ -1001,6 +1082,25 @@ mod tests {
         rank.tp_size = u32::MAX;
         rank.dp_size = u32::MAX;
         assert!(rank.validate().is_err());
+    }
+
+    #[test]
+    fn long_failure_texts_are_cut_to_fit_at_a_char_boundary() {
+        let long = "é".repeat(DETAIL_BYTES_MAX); // 2 bytes each
+        let abort = Abort::new(
+            RequestId::new("r"),
+            FailureReason::AbortedByPeer {
+                peer: "p".into(),
+                cause: long.clone(),
+            },
+        );
+        assert_eq!(abort.validate(), Ok(()));
+        let FailureReason::AbortedByPeer { cause, .. } = &abort.reason else {
+            panic!("reason kind changed: {:?}", abort.reason);
+        };
+        assert!(cause.len() <= DETAIL_BYTES_MAX && cause.ends_with('…'));
+        assert_eq!(ProtocolError::new(long).validate(), Ok(()));
+        assert_eq!(bounded_text("short".into()), "short");
     }
 
     #[test]

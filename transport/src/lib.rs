@@ -9,11 +9,17 @@
 //! # Layout
 //! - [`types`]: identities, ranks, blocks, [`types::FailureReason`].
 //! - [`region`]: block-addressed host memory ([`region::HostRegion`]), bounds-checked copies.
+//! - [`wire`]: frames, control messages, limits and wire errors.
+//! - [`codec`]: the one place that touches bincode (payload bytes to messages and back).
+//! - [`auth`]: optional HMAC-SHA256 frame authentication with a shared key.
 //! - [`ucx`]: our bindings to libucp (loaded at run time) and the batched RMA transfer.
 
+pub mod auth;
+pub mod codec;
 pub mod region;
 pub mod types;
 pub mod ucx;
+pub mod wire;
 
 pub use region::{HostRegion, RegionError};
 pub use types::{BlockId, EngineId, FailureReason, Rank, RankInfo, RequestId, Role, TransferMode};

@@ -1,0 +1,1125 @@
+//! Every control message handoff sends, who sends it, when, and what the receiver does.
+//!
+//! One [`Message`] enum; each variant wraps a payload struct and has a stable numeric type
+//! code ([`MessageType`]) that travels in the frame header, so the payload itself carries no
+//! variant tag. Codes are grouped by conversation: `0x00xx` connection, `0x01xx` bootstrap
+//! server, `0x02xx` per-request peer messages. A code is never reused for another meaning;
+//! changing a payload's fields is a protocol change (bump [`PROTOCOL_VERSION`]).
+//!
+//! Every message is validated after decoding and before encoding ([`Message::validate`]):
+//! lists and strings are bounded by the limits in [`crate::wire::limits`], block lists hold no
+//! duplicates and fit inside the region they are addressed through.
+
+use crate::codec;
+use crate::types::{
+    BlockId, EngineId, FailureReason, Rank, RankInfo, RequestId, Role, TransferMode,
+};
+use crate::wire::limits::{
+    ADDRESS_BYTES_MAX, BLOCKS_PER_MESSAGE_MAX, DATA_DESCRIPTOR_BYTES_MAX, DETAIL_BYTES_MAX,
+    ENGINES_MAX, ENGINE_ID_BYTES_MAX, REMOTE_KEY_BYTES_MAX, REQUEST_ID_BYTES_MAX,
+    WORKERS_PER_ENGINE_MAX,
+};
+use crate::wire::WireError;
+use crate::PROTOCOL_VERSION;
+use std::fmt;
+use std::ops::Range;
+
+/// Declares [`Message`], [`MessageType`] and the dispatch between them from one table, so a
+/// variant, its code and its codec arm cannot drift apart.
+macro_rules! messages {
+    ($( $(#[$meta:meta])* $variant:ident($payload:ty) = $code:literal, )+) => {
+        /// A control message: what one frame carries.
+        ///
+        /// Built by the request, peer and bootstrap actors; turned into bytes by
+        /// [`crate::wire::encode`] and back by [`crate::wire::decode`].
+        #[derive(Clone, Debug, PartialEq, Eq)]
+        pub enum Message {
+            $( $(#[$meta])* $variant($payload), )+
+        }
+
+        /// The type code of each [`Message`] variant, as it travels in the frame header.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+        #[repr(u16)]
+        pub enum MessageType {
+            $(
+                #[doc = concat!("[`Message::", stringify!($variant), "`], code `", stringify!($code), "`.")]
+                $variant = $code,
+            )+
+        }
+
+        impl MessageType {
+            /// Every message type, in code order.
+            pub const ALL: &'static [MessageType] = &[$(MessageType::$variant),+];
+
+            /// The message type for a header's code, or `None` for a code this version does
+            /// not know.
+            pub fn from_code(code: u16) -> Option<MessageType> {
+                match code {
+                    $( $code => Some(MessageType::$variant), )+
+                    _ => None,
+                }
+            }
+
+            /// The code that travels in the frame header.
+            pub fn code(self) -> u16 {
+                self as u16
+            }
+
+            /// The variant's name, for logs and errors.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $( MessageType::$variant => stringify!($variant), )+
+                }
+            }
+        }
+
+        impl Message {
+            /// This message's type.
+            pub fn message_type(&self) -> MessageType {
+                match self {
+                    $( Message::$variant(_) => MessageType::$variant, )+
+                }
+            }
+
+            /// Checks every bound and consistency rule of the payload. Run on every decoded
+            /// message, and on every message before it is encoded.
+            pub fn validate(&self) -> Result<(), WireError> {
+                match self {
+                    $( Message::$variant(m) => m.validate(), )+
+                }
+            }
+
+            /// Appends the payload's encoding to `out` (the frame header is not written).
+            pub(crate) fn encode_body(&self, out: &mut Vec<u8>) -> Result<(), WireError> {
+                let msg_type = self.message_type();
+                match self {
+                    $( Message::$variant(m) => codec::encode_value(msg_type, m, out), )+
+                }
+            }
+
+            /// Decodes a payload of type `msg_type`, which must consume all of `payload`.
+            pub(crate) fn decode_body(
+                msg_type: MessageType,
+                payload: &[u8],
+            ) -> Result<Message, WireError> {
+                match msg_type {
+                    $( MessageType::$variant => {
+                        codec::decode_value::<$payload>(msg_type, payload).map(Message::$variant)
+                    } )+
+                }
+            }
+        }
+    };
+}
+
+messages! {
+    // ---- Connection: every control connection, peer to peer and worker to bootstrap. ----
+
+    /// Sent by the connecting side as the first frame on every connection. The receiver runs
+    /// [`check_hello`] (a version mismatch fails there, naming both versions), answers
+    /// [`HelloAck`], and from then on knows the peer as `rank` at `incarnation`: a known rank
+    /// with a new incarnation is a restarted peer, whose old requests are failed at once.
+    Hello(Hello) = 0x0001,
+    /// The accepting side's answer to [`Hello`]. The connecting side checks it with
+    /// [`check_hello_ack`] and compares the incarnation with the one the bootstrap server
+    /// gave it: a different one means the record was stale (the worker restarted) and is
+    /// re-queried; a bootstrap server with a new incarnation lost its registrations, and every
+    /// worker registers again.
+    HelloAck(HelloAck) = 0x0002,
+    /// Sent by both sides of a peer connection every heartbeat interval. The receiver
+    /// notes the time; a peer silent past the liveness deadline is lost, and every request
+    /// that depends on it fails at once with `PeerLost`.
+    Heartbeat(Heartbeat) = 0x0003,
+    /// Sent just before closing a connection on which a malformed or unexpected frame
+    /// arrived, so the peer's log names the cause too. The receiver fails every request on
+    /// the connection with [`FailureReason::Protocol`] and closes it.
+    ProtocolError(ProtocolError) = 0x0004,
+
+    // ---- Bootstrap server: workers register, decode workers and routers query. ----
+
+    /// Sent by every worker to the bootstrap server at startup, and again when the server's
+    /// incarnation changes. Idempotent: the same record again is [`RegisterOk`]; a record
+    /// with a newer incarnation replaces the old one (the worker restarted); anything else
+    /// for a registered rank is [`RegisterConflict`].
+    Register(WorkerRecord) = 0x0101,
+    /// The bootstrap server's answer to an accepted [`Message::Register`]; echoes the rank
+    /// and incarnation so a retried request can be matched to its answer.
+    RegisterOk(RegisterOk) = 0x0102,
+    /// The bootstrap server's answer to a registration that contradicts a record it holds
+    /// (same rank and incarnation with other addresses, an older incarnation, or other engine
+    /// sizes). The worker fails to start with this as a named error; it never retries it.
+    RegisterConflict(RegisterConflict) = 0x0103,
+    /// Sent to the bootstrap server by a decode worker (or a router) that needs an engine's
+    /// workers and has no fresh cached answer. Answered with [`QueryReply`].
+    Query(Query) = 0x0104,
+    /// The bootstrap server's answer to [`Query`]. `NotReady` is retried with backoff until
+    /// the bootstrap deadline; `UnknownEngine` likewise, since prefill and decode start
+    /// concurrently.
+    QueryReply(QueryReply) = 0x0105,
+    /// Sent by `handoff bootstrap status` (or a monitor). Answered with [`StatusReply`].
+    StatusRequest(StatusRequest) = 0x0106,
+    /// The bootstrap server's answer to [`StatusRequest`]: every engine and what it holds.
+    StatusReply(StatusReply) = 0x0107,
+    /// Sent by a worker to the bootstrap server at clean shutdown. The server removes the
+    /// record only if the incarnation matches (a late message from a dead incarnation must
+    /// not remove its successor), and answers [`Unregistered`].
+    Unregister(Unregister) = 0x0108,
+    /// The bootstrap server's answer to [`Unregister`].
+    Unregistered(Unregistered) = 0x0109,
+
+    // ---- Peer: per request, between one decode rank and one prefill rank. ----
+
+    /// Sent by a decode rank to each prefill rank it depends on, once per request, after
+    /// allocating the destination blocks. The prefill rank checks the blocks against the
+    /// region, attaches the info to the request's sender (which leaves `Bootstrapping`), and
+    /// in push mode writes into those blocks when the engine says the KV is ready.
+    TransferInfo(TransferInfo) = 0x0201,
+    /// Sent by a decode rank that knows the request but cannot yet allocate its blocks
+    /// (saturated). The prefill rank learns the decode side is alive and the request is
+    /// queued, and keeps waiting up to its bootstrap deadline (seed 003).
+    Queued(Queued) = 0x0202,
+    /// Sent by either side that refuses a request (a saturated decode: `RejectedBusy`). The
+    /// receiver fails the request at once with the reason given, instead of waiting out its
+    /// deadline, and frees its blocks.
+    Rejected(Rejected) = 0x0203,
+    /// Pull mode: sent by the prefill rank when the request's KV is ready, naming the source
+    /// blocks. The decode rank reads them, then answers [`ReadDone`]. The prefill rank holds
+    /// the blocks until then, or until their TTL ends (seed 002).
+    Ready(Ready) = 0x0204,
+    /// Push mode: sent by the prefill rank after every write into the decode rank's blocks
+    /// has completed. The decode rank, once every prefill rank it depends on said `Done`,
+    /// reports the request finished receiving.
+    Done(Done) = 0x0205,
+    /// Pull mode: sent by the decode rank after it read every block named in [`Ready`]. The
+    /// prefill rank frees the blocks and reports the request finished sending.
+    ReadDone(ReadDone) = 0x0206,
+    /// Sent by either side, at any time, to every peer rank of a request it gives up on. The
+    /// receiver fails the request with `AbortedByPeer` and frees its blocks; an abort for an
+    /// unknown or finished request is ignored (aborts may cross or repeat).
+    Abort(Abort) = 0x0207,
+}
+
+impl fmt::Display for MessageType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl Message {
+    /// The message's type code (see [`MessageType`]).
+    pub fn code(&self) -> u16 {
+        self.message_type().code()
+    }
+
+    /// The request a per-request peer message is about, for routing it to that request's
+    /// actor; `None` for connection and bootstrap messages.
+    pub fn request_id(&self) -> Option<&RequestId> {
+        match self {
+            Message::TransferInfo(m) => Some(&m.request_id),
+            Message::Queued(m) => Some(&m.request_id),
+            Message::Rejected(m) => Some(&m.request_id),
+            Message::Ready(m) => Some(&m.request_id),
+            Message::Done(m) => Some(&m.request_id),
+            Message::ReadDone(m) => Some(&m.request_id),
+            Message::Abort(m) => Some(&m.request_id),
+            Message::Hello(_)
+            | Message::HelloAck(_)
+            | Message::Heartbeat(_)
+            | Message::ProtocolError(_)
+            | Message::Register(_)
+            | Message::RegisterOk(_)
+            | Message::RegisterConflict(_)
+            | Message::Query(_)
+            | Message::QueryReply(_)
+            | Message::StatusRequest(_)
+            | Message::StatusReply(_)
+            | Message::Unregister(_)
+            | Message::Unregistered(_) => None,
+        }
+    }
+}
+
+/// Accepts the first message of a connection: it must be a [`Hello`] in our protocol version.
+///
+/// The frame header's version was already checked by [`crate::wire::frame::check`]; this
+/// also refuses a `Hello` whose own version field disagrees, naming both versions.
+pub fn check_hello(msg: &Message) -> Result<&Hello, WireError> {
+    match msg {
+        Message::Hello(hello) => {
+            check_version(hello.protocol_version)?;
+            Ok(hello)
+        }
+        other => Err(WireError::UnexpectedMessage {
+            expected: "Hello",
+            found: other.message_type(),
+        }),
+    }
+}
+
+/// Accepts the answer to our [`Hello`]: it must be a [`HelloAck`] in our protocol version.
+pub fn check_hello_ack(msg: &Message) -> Result<&HelloAck, WireError> {
+    match msg {
+        Message::HelloAck(ack) => {
+            check_version(ack.protocol_version)?;
+            Ok(ack)
+        }
+        other => Err(WireError::UnexpectedMessage {
+            expected: "HelloAck",
+            found: other.message_type(),
+        }),
+    }
+}
+
+fn check_version(theirs: u16) -> Result<(), WireError> {
+    if theirs != PROTOCOL_VERSION {
+        return Err(WireError::UnsupportedVersion {
+            ours: PROTOCOL_VERSION,
+            theirs,
+        });
+    }
+    Ok(())
+}
+
+/// Payload of [`Message::Hello`].
+#[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct Hello {
+    /// The sender's protocol version; [`PROTOCOL_VERSION`] for this build.
+    pub protocol_version: u16,
+    /// The sender's side.
+    pub role: Role,
+    /// The sender's engine and rank.
+    pub rank: RankInfo,
+    /// The sender's incarnation: a number that changes every time the worker process starts.
+    pub incarnation: u64,
+}
+
+impl Hello {
+    /// A `Hello` for this build's protocol version.
+    pub fn new(role: Role, rank: RankInfo, incarnation: u64) -> Hello {
+        Hello {
+            protocol_version: PROTOCOL_VERSION,
+            role,
+            rank,
+            incarnation,
+        }
+    }
+}
+
+/// Payload of [`Message::HelloAck`].
+#[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct HelloAck {
+    /// The acceptor's protocol version; [`PROTOCOL_VERSION`] for this build.
+    pub protocol_version: u16,
+    /// The acceptor's incarnation (a worker's, or the bootstrap server's).
+    pub incarnation: u64,
+}
+
+impl HelloAck {
+    /// A `HelloAck` for this build's protocol version.
+    pub fn new(incarnation: u64) -> HelloAck {
+        HelloAck {
+            protocol_version: PROTOCOL_VERSION,
+            incarnation,
+        }
+    }
+}
+
+/// Payload of [`Message::Heartbeat`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct Heartbeat {
+    /// The sender's incarnation; a change means the peer restarted.
+    pub incarnation: u64,
+    /// Counts up from 0 on each connection; a gap shows lost heartbeats.
+    pub seq: u64,
+}
+
+/// Payload of [`Message::ProtocolError`].
+#[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct ProtocolError {
+    /// What was wrong with the peer's frame, at most [`DETAIL_BYTES_MAX`] bytes.
+    pub detail: String,
+}
+
+impl ProtocolError {
+    /// A `ProtocolError` whose detail is cut to [`DETAIL_BYTES_MAX`], so it always encodes.
+    pub fn new(detail: impl Into<String>) -> ProtocolError {
+        ProtocolError {
+            detail: bounded_text(detail.into()),
+        }
+    }
+}
+
+/// Cuts free text to at most [`DETAIL_BYTES_MAX`] bytes, at a character boundary, marking the
+/// cut with `…`. Failure texts are built from error chains of any length, and a message that
+/// carries one (an abort, a rejection) must never fail to encode because of it.
+pub fn bounded_text(mut text: String) -> String {
+    const ELLIPSIS: &str = "…";
+    if text.len() <= DETAIL_BYTES_MAX {
+        return text;
+    }
+    let mut cut = DETAIL_BYTES_MAX - ELLIPSIS.len();
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    text.truncate(cut);
+    text.push_str(ELLIPSIS);
+    text
+}
+
+/// `reason` with every free-text field cut by [`bounded_text`].
+pub fn bounded_reason(reason: FailureReason) -> FailureReason {
+    match reason {
+        FailureReason::BootstrapUnavailable {
+            address,
+            last_error,
+        } => FailureReason::BootstrapUnavailable {
+            address: bounded_text(address),
+            last_error: bounded_text(last_error),
+        },
+        FailureReason::TransferFailed { detail } => FailureReason::TransferFailed {
+            detail: bounded_text(detail),
+        },
+        FailureReason::PeerLost { peer } => FailureReason::PeerLost {
+            peer: bounded_text(peer),
+        },
+        FailureReason::AbortedByPeer { peer, cause } => FailureReason::AbortedByPeer {
+            peer: bounded_text(peer),
+            cause: bounded_text(cause),
+        },
+        FailureReason::Protocol { detail } => FailureReason::Protocol {
+            detail: bounded_text(detail),
+        },
+        FailureReason::Internal { detail } => FailureReason::Internal {
+            detail: bounded_text(detail),
+        },
+        other @ (FailureReason::BootstrapTimeout
+        | FailureReason::WaitingTimeout
+        | FailureReason::TransferTimeout
+        | FailureReason::TtlExpired
+        | FailureReason::RejectedBusy
+        | FailureReason::AbortedByEngine) => other,
+    }
+}
+
+/// What the bootstrap server knows about one worker: payload of [`Message::Register`].
+#[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct WorkerRecord {
+    /// The worker's engine and rank. Ranks need not start at zero nor be dense.
+    pub rank: RankInfo,
+    /// The worker's side.
+    pub role: Role,
+    /// The worker's incarnation.
+    pub incarnation: u64,
+    /// Where the worker's control channel listens.
+    pub control_address: String,
+    /// Where the worker's data transport listens (TCP), or its name (UCX, in-process).
+    pub data_address: String,
+    /// Opaque data-transport details, e.g. a UCX worker address; at most
+    /// [`DATA_DESCRIPTOR_BYTES_MAX`] bytes.
+    pub data_descriptor: Vec<u8>,
+}
+
+/// Payload of [`Message::RegisterOk`].
+#[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct RegisterOk {
+    /// The registered worker's rank.
+    pub rank: RankInfo,
+    /// The registered incarnation.
+    pub incarnation: u64,
+}
+
+/// Payload of [`Message::RegisterConflict`].
+#[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct RegisterConflict {
+    /// The record the bootstrap server holds for that rank, and keeps.
+    pub existing: WorkerRecord,
+}
+
+/// Payload of [`Message::Query`].
+#[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct Query {
+    /// The engine whose workers are wanted.
+    pub engine_id: EngineId,
+}
+
+/// Payload of [`Message::QueryReply`].
+#[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct QueryReply {
+    /// The engine asked about (so a retried query can be matched to its answer).
+    pub engine_id: EngineId,
+    /// What the bootstrap server knows.
+    pub answer: QueryAnswer,
+}
+
+/// The bootstrap server's answer about one engine.
+#[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub enum QueryAnswer {
+    /// Every rank of the engine (dp × tp × pp of them) has registered.
+    Ready {
+        /// One record per rank, at most [`WORKERS_PER_ENGINE_MAX`].
+        workers: Vec<WorkerRecord>,
+    },
+    /// Some ranks have registered, not all yet.
+    NotReady {
+        /// The ranks registered so far.
+        registered: Vec<Rank>,
+        /// How many ranks the engine has (dp × tp × pp).
+        expected: u32,
+    },
+    /// No worker of that engine has registered.
+    UnknownEngine,
+}
+
+/// Payload of [`Message::StatusRequest`]: nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct StatusRequest;
+
+/// Payload of [`Message::StatusReply`].
+///
+/// At most [`ENGINES_MAX`] engines; the encoded reply must also fit in one frame, which the
+/// summaries (no data descriptors) allow for about 15,000 workers. A server with more leaves
+/// engines out rather than fail the encode.
+#[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct StatusReply {
+    /// Every engine with at least one registered worker.
+    pub engines: Vec<EngineStatus>,
+}
+
+/// One engine in a [`StatusReply`].
+#[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct EngineStatus {
+    /// The engine.
+    pub engine_id: EngineId,
+    /// The engine's side.
+    pub role: Role,
+    /// How many ranks the engine has (dp × tp × pp).
+    pub expected: u32,
+    /// The registered workers, at most [`WORKERS_PER_ENGINE_MAX`].
+    pub workers: Vec<WorkerSummary>,
+}
+
+/// One registered worker in an [`EngineStatus`].
+#[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct WorkerSummary {
+    /// The worker's rank.
+    pub rank: Rank,
+    /// The worker's incarnation.
+    pub incarnation: u64,
+    /// Where its control channel listens.
+    pub control_address: String,
+    /// Where its data transport listens.
+    pub data_address: String,
+}
+
+/// Payload of [`Message::Unregister`].
+#[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct Unregister {
+    /// The worker leaving.
+    pub rank: RankInfo,
+    /// Its incarnation; the record is removed only if it matches.
+    pub incarnation: u64,
+}
+
+/// Payload of [`Message::Unregistered`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct Unregistered {
+    /// Whether a record was removed (false: unknown rank, or another incarnation).
+    pub removed: bool,
+}
+
+/// Which data transport a region descriptor is reached through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, bincode::Encode, bincode::Decode)]
+pub enum TransportKind {
+    /// Both sides in one process (tests, the simulator).
+    InProcess,
+    /// handoff's TCP data transport.
+    Tcp,
+    /// UCX (RDMA, CUDA IPC, shared memory, ...).
+    Ucx,
+}
+
+/// Where a peer's blocks live: one registered memory region, cut into equal blocks.
+///
+/// Block `b` occupies bytes `[base + b × block_bytes, base + (b + 1) × block_bytes)`, which
+/// must lie inside `[base, base + len)`: [`RegionDescriptor::check_blocks`] refuses any block
+/// that does not, so a peer cannot make us read or write outside the region it registered.
+#[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct RegionDescriptor {
+    /// The data transport that reaches the region.
+    pub transport: TransportKind,
+    /// The transport address of the region's owner.
+    pub address: String,
+    /// The transport's key for remote access (e.g. a packed UCX rkey), at most
+    /// [`REMOTE_KEY_BYTES_MAX`] bytes.
+    pub remote_key: Vec<u8>,
+    /// The region's first byte address, in the owner's address space.
+    pub base: u64,
+    /// The region's length in bytes; `base + len` must not overflow.
+    pub len: u64,
+    /// The size of one block in bytes, not zero.
+    pub block_bytes: u64,
+}
+
+impl RegionDescriptor {
+    /// Refuses the first block whose byte range is not inside the region, and a region that
+    /// is itself malformed (zero block size, `base + len` overflowing). Overflow-safe for any
+    /// field values.
+    pub fn check_blocks(&self, blocks: &[BlockId]) -> Result<(), WireError> {
+        self.check_shape()?;
+        for &block in blocks {
+            self.block_end_offset(block)?;
+        }
+        Ok(())
+    }
+
+    /// The absolute byte range of `block`, or the error [`RegionDescriptor::check_blocks`]
+    /// would give for it.
+    pub fn byte_range(&self, block: BlockId) -> Result<Range<u64>, WireError> {
+        self.check_shape()?;
+        let end_offset = self.block_end_offset(block)?;
+        // Both sums are at most `base + len`, which check_shape proved does not overflow.
+        let start = self.base + (end_offset - self.block_bytes);
+        Ok(start..self.base + end_offset)
+    }
+
+    fn check_shape(&self) -> Result<(), WireError> {
+        if self.block_bytes == 0 {
+            return Err(WireError::Invalid {
+                what: "RegionDescriptor.block_bytes",
+                detail: "zero block size".into(),
+            });
+        }
+        if self.base.checked_add(self.len).is_none() {
+            return Err(WireError::Invalid {
+                what: "RegionDescriptor.len",
+                detail: format!("base {:#x} + len {} overflows", self.base, self.len),
+            });
+        }
+        Ok(())
+    }
+
+    /// The offset just past `block`'s last byte, if it is inside the region.
+    fn block_end_offset(&self, block: BlockId) -> Result<u64, WireError> {
+        let outside = WireError::BlockOutsideRegion {
+            block,
+            block_bytes: self.block_bytes,
+            region_len: self.len,
+        };
+        (u64::from(block.0) + 1)
+            .checked_mul(self.block_bytes)
+            .filter(|&end| end <= self.len)
+            .ok_or(outside)
+    }
+}
+
+/// Payload of [`Message::TransferInfo`].
+#[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct TransferInfo {
+    /// The request.
+    pub request_id: RequestId,
+    /// The decode rank sending this.
+    pub decode: RankInfo,
+    /// The decode rank's incarnation.
+    pub incarnation: u64,
+    /// Who moves the bytes.
+    pub mode: TransferMode,
+    /// The destination blocks, in the order of the request's KV; no duplicates, at most
+    /// [`BLOCKS_PER_MESSAGE_MAX`].
+    pub blocks: Vec<BlockId>,
+    /// The region the destination blocks are in.
+    pub region: RegionDescriptor,
+}
+
+/// Payload of [`Message::Queued`].
+#[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct Queued {
+    /// The request waiting for decode capacity.
+    pub request_id: RequestId,
+}
+
+/// Payload of [`Message::Rejected`].
+#[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct Rejected {
+    /// The refused request.
+    pub request_id: RequestId,
+    /// Why (`RejectedBusy` for a saturated decode).
+    pub reason: FailureReason,
+}
+
+impl Rejected {
+    /// A rejection whose reason's texts are cut by [`bounded_text`], so it always encodes.
+    pub fn new(request_id: RequestId, reason: FailureReason) -> Rejected {
+        Rejected {
+            request_id,
+            reason: bounded_reason(reason),
+        }
+    }
+}
+
+/// Payload of [`Message::Ready`].
+#[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct Ready {
+    /// The request.
+    pub request_id: RequestId,
+    /// The source blocks, in the order of the request's KV; no duplicates, at most
+    /// [`BLOCKS_PER_MESSAGE_MAX`].
+    pub blocks: Vec<BlockId>,
+    /// The region the source blocks are in.
+    pub region: RegionDescriptor,
+}
+
+/// Payload of [`Message::Done`].
+#[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct Done {
+    /// The request whose blocks were all written.
+    pub request_id: RequestId,
+}
+
+/// Payload of [`Message::ReadDone`].
+#[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct ReadDone {
+    /// The request whose blocks were all read.
+    pub request_id: RequestId,
+}
+
+/// Payload of [`Message::Abort`].
+#[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct Abort {
+    /// The request given up on.
+    pub request_id: RequestId,
+    /// Why the sender gave up.
+    pub reason: FailureReason,
+}
+
+impl Abort {
+    /// An abort whose reason's texts are cut by [`bounded_text`], so it always encodes.
+    pub fn new(request_id: RequestId, reason: FailureReason) -> Abort {
+        Abort {
+            request_id,
+            reason: bounded_reason(reason),
+        }
+    }
+}
+
+// ---- Validation: every bound and consistency rule, one impl per payload type. ----
+
+/// Bounds and consistency rules of one wire type; see [`Message::validate`].
+trait Validate {
+    fn validate(&self) -> Result<(), WireError>;
+}
+
+fn check_len(what: &'static str, len: usize, max: usize) -> Result<(), WireError> {
+    if len > max {
+        return Err(WireError::TooLong { what, len, max });
+    }
+    Ok(())
+}
+
+fn check_count(what: &'static str, count: usize, max: usize) -> Result<(), WireError> {
+    if count > max {
+        return Err(WireError::TooMany { what, count, max });
+    }
+    Ok(())
+}
+
+fn check_non_empty(what: &'static str, len: usize) -> Result<(), WireError> {
+    if len == 0 {
+        return Err(WireError::Invalid {
+            what,
+            detail: "empty".into(),
+        });
+    }
+    Ok(())
+}
+
+fn check_request_id(what: &'static str, id: &RequestId) -> Result<(), WireError> {
+    check_non_empty(what, id.as_str().len())?;
+    check_len(what, id.as_str().len(), REQUEST_ID_BYTES_MAX)
+}
+
+fn check_engine_id(id: &EngineId) -> Result<(), WireError> {
+    check_non_empty("EngineId", id.as_str().len())?;
+    check_len("EngineId", id.as_str().len(), ENGINE_ID_BYTES_MAX)
+}
+
+fn check_address(what: &'static str, address: &str) -> Result<(), WireError> {
+    check_len(what, address.len(), ADDRESS_BYTES_MAX)
+}
+
+/// A block list: bounded, and no block twice (two writes into one block would corrupt it).
+fn check_blocks(what: &'static str, blocks: &[BlockId]) -> Result<(), WireError> {
+    check_count(what, blocks.len(), BLOCKS_PER_MESSAGE_MAX)?;
+    // Allocators mostly hand out ascending runs: skip the sort when the list is one.
+    if blocks.windows(2).all(|w| w[0] < w[1]) {
+        return Ok(());
+    }
+    let mut sorted = blocks.to_vec();
+    sorted.sort_unstable();
+    match sorted.windows(2).find(|w| w[0] == w[1]) {
+        Some(w) => Err(WireError::Invalid {
+            what,
+            detail: format!("block {} listed twice", w[0]),
+        }),
+        None => Ok(()),
+    }
+}
+
+impl Validate for RankInfo {
+    fn validate(&self) -> Result<(), WireError> {
+        check_engine_id(&self.engine_id)?;
+        // Ranks need not be below the sizes (non-sequential dp ranks, seed 001); the sizes
+        // must be at least 1 and multiply to at most WORKERS_PER_ENGINE_MAX.
+        let sizes = [self.dp_size, self.tp_size, self.pp_size];
+        let workers = sizes.iter().try_fold(1u64, |acc, &s| {
+            (s != 0).then(|| acc.saturating_mul(u64::from(s)))
+        });
+        match workers {
+            Some(n) if n <= WORKERS_PER_ENGINE_MAX as u64 => Ok(()),
+            _ => Err(WireError::Invalid {
+                what: "RankInfo sizes",
+                detail: format!(
+                    "dp {} × tp {} × pp {} is not within 1..={WORKERS_PER_ENGINE_MAX}",
+                    self.dp_size, self.tp_size, self.pp_size
+                ),
+            }),
+        }
+    }
+}
+
+impl Validate for FailureReason {
+    fn validate(&self) -> Result<(), WireError> {
+        let text = |t: &String| check_len("FailureReason text", t.len(), DETAIL_BYTES_MAX);
+        match self {
+            FailureReason::BootstrapUnavailable {
+                address,
+                last_error,
+            } => text(address).and_then(|()| text(last_error)),
+            FailureReason::AbortedByPeer { peer, cause } => text(peer).and_then(|()| text(cause)),
+            FailureReason::TransferFailed { detail }
+            | FailureReason::Protocol { detail }
+            | FailureReason::Internal { detail } => text(detail),
+            FailureReason::PeerLost { peer } => text(peer),
+            FailureReason::BootstrapTimeout
+            | FailureReason::WaitingTimeout
+            | FailureReason::TransferTimeout
+            | FailureReason::TtlExpired
+            | FailureReason::RejectedBusy
+            | FailureReason::AbortedByEngine => Ok(()),
+        }
+    }
+}
+
+impl Validate for RegionDescriptor {
+    fn validate(&self) -> Result<(), WireError> {
+        check_address("RegionDescriptor.address", &self.address)?;
+        check_len(
+            "RegionDescriptor.remote_key",
+            self.remote_key.len(),
+            REMOTE_KEY_BYTES_MAX,
+        )?;
+        self.check_shape()
+    }
+}
+
+impl Validate for Hello {
+    fn validate(&self) -> Result<(), WireError> {
+        self.rank.validate()
+    }
+}
+
+impl Validate for HelloAck {
+    fn validate(&self) -> Result<(), WireError> {
+        Ok(())
+    }
+}
+
+impl Validate for Heartbeat {
+    fn validate(&self) -> Result<(), WireError> {
+        Ok(())
+    }
+}
+
+impl Validate for ProtocolError {
+    fn validate(&self) -> Result<(), WireError> {
+        check_len("ProtocolError.detail", self.detail.len(), DETAIL_BYTES_MAX)
+    }
+}
+
+impl Validate for WorkerRecord {
+    fn validate(&self) -> Result<(), WireError> {
+        self.rank.validate()?;
+        check_address("WorkerRecord.control_address", &self.control_address)?;
+        check_address("WorkerRecord.data_address", &self.data_address)?;
+        check_len(
+            "WorkerRecord.data_descriptor",
+            self.data_descriptor.len(),
+            DATA_DESCRIPTOR_BYTES_MAX,
+        )
+    }
+}
+
+impl Validate for RegisterOk {
+    fn validate(&self) -> Result<(), WireError> {
+        self.rank.validate()
+    }
+}
+
+impl Validate for RegisterConflict {
+    fn validate(&self) -> Result<(), WireError> {
+        self.existing.validate()
+    }
+}
+
+impl Validate for Query {
+    fn validate(&self) -> Result<(), WireError> {
+        check_engine_id(&self.engine_id)
+    }
+}
+
+impl Validate for QueryReply {
+    fn validate(&self) -> Result<(), WireError> {
+        check_engine_id(&self.engine_id)?;
+        match &self.answer {
+            QueryAnswer::Ready { workers } => {
+                check_count("QueryAnswer.workers", workers.len(), WORKERS_PER_ENGINE_MAX)?;
+                workers.iter().try_for_each(Validate::validate)
+            }
+            QueryAnswer::NotReady {
+                registered,
+                expected,
+            } => {
+                check_count(
+                    "QueryAnswer.registered",
+                    registered.len(),
+                    WORKERS_PER_ENGINE_MAX,
+                )?;
+                check_count(
+                    "QueryAnswer.expected",
+                    *expected as usize,
+                    WORKERS_PER_ENGINE_MAX,
+                )
+            }
+            QueryAnswer::UnknownEngine => Ok(()),
+        }
+    }
+}
+
+impl Validate for StatusRequest {
+    fn validate(&self) -> Result<(), WireError> {
+        Ok(())
+    }
+}
+
+impl Validate for StatusReply {
+    fn validate(&self) -> Result<(), WireError> {
+        check_count("StatusReply.engines", self.engines.len(), ENGINES_MAX)?;
+        self.engines.iter().try_for_each(|engine| {
+            check_engine_id(&engine.engine_id)?;
+            check_count(
+                "EngineStatus.workers",
+                engine.workers.len(),
+                WORKERS_PER_ENGINE_MAX,
+            )?;
+            engine.workers.iter().try_for_each(|w| {
+                check_address("WorkerSummary.control_address", &w.control_address)?;
+                check_address("WorkerSummary.data_address", &w.data_address)
+            })
+        })
+    }
+}
+
+impl Validate for Unregister {
+    fn validate(&self) -> Result<(), WireError> {
+        self.rank.validate()
+    }
+}
+
+impl Validate for Unregistered {
+    fn validate(&self) -> Result<(), WireError> {
+        Ok(())
+    }
+}
+
+impl Validate for TransferInfo {
+    fn validate(&self) -> Result<(), WireError> {
+        check_request_id("TransferInfo.request_id", &self.request_id)?;
+        self.decode.validate()?;
+        self.region.validate()?;
+        check_blocks("TransferInfo.blocks", &self.blocks)?;
+        self.region.check_blocks(&self.blocks)
+    }
+}
+
+impl Validate for Queued {
+    fn validate(&self) -> Result<(), WireError> {
+        check_request_id("Queued.request_id", &self.request_id)
+    }
+}
+
+impl Validate for Rejected {
+    fn validate(&self) -> Result<(), WireError> {
+        check_request_id("Rejected.request_id", &self.request_id)?;
+        self.reason.validate()
+    }
+}
+
+impl Validate for Ready {
+    fn validate(&self) -> Result<(), WireError> {
+        check_request_id("Ready.request_id", &self.request_id)?;
+        self.region.validate()?;
+        check_blocks("Ready.blocks", &self.blocks)?;
+        self.region.check_blocks(&self.blocks)
+    }
+}
+
+impl Validate for Done {
+    fn validate(&self) -> Result<(), WireError> {
+        check_request_id("Done.request_id", &self.request_id)
+    }
+}
+
+impl Validate for ReadDone {
+    fn validate(&self) -> Result<(), WireError> {
+        check_request_id("ReadDone.request_id", &self.request_id)
+    }
+}
+
+impl Validate for Abort {
+    fn validate(&self) -> Result<(), WireError> {
+        check_request_id("Abort.request_id", &self.request_id)?;
+        self.reason.validate()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn region(len: u64, block_bytes: u64) -> RegionDescriptor {
+        RegionDescriptor {
+            transport: TransportKind::Tcp,
+            address: "127.0.0.1:9000".into(),
+            remote_key: vec![],
+            base: 0x1000,
+            len,
+            block_bytes,
+        }
+    }
+
+    #[test]
+    fn codes_are_unique_and_round_trip() {
+        let mut codes: Vec<u16> = MessageType::ALL.iter().map(|t| t.code()).collect();
+        codes.sort_unstable();
+        codes.dedup();
+        assert_eq!(codes.len(), MessageType::ALL.len());
+        for &t in MessageType::ALL {
+            assert_eq!(MessageType::from_code(t.code()), Some(t));
+        }
+        assert_eq!(MessageType::from_code(0), None);
+        assert_eq!(MessageType::from_code(0xffff), None);
+    }
+
+    #[test]
+    fn region_accepts_blocks_inside_and_refuses_the_first_outside() {
+        let r = region(4 * 64, 64);
+        assert_eq!(r.check_blocks(&[BlockId(0), BlockId(3)]), Ok(()));
+        assert_eq!(
+            r.check_blocks(&[BlockId(1), BlockId(4)]),
+            Err(WireError::BlockOutsideRegion {
+                block: BlockId(4),
+                block_bytes: 64,
+                region_len: 256
+            })
+        );
+        assert_eq!(r.byte_range(BlockId(2)), Ok(0x1000 + 128..0x1000 + 192));
+    }
+
+    #[test]
+    fn region_arithmetic_never_overflows() {
+        let huge = region(u64::MAX - 0x1000, u64::MAX);
+        assert!(matches!(
+            huge.check_blocks(&[BlockId(u32::MAX)]),
+            Err(WireError::BlockOutsideRegion { .. })
+        ));
+        let mut wraps = region(u64::MAX, 1);
+        assert!(matches!(
+            wraps.check_blocks(&[]),
+            Err(WireError::Invalid { .. })
+        ));
+        wraps.len = 16;
+        wraps.block_bytes = 0;
+        assert!(matches!(
+            wraps.check_blocks(&[BlockId(0)]),
+            Err(WireError::Invalid { .. })
+        ));
+        let top = RegionDescriptor {
+            base: u64::MAX - 8,
+            ..region(8, 8)
+        };
+        assert_eq!(top.byte_range(BlockId(0)), Ok(u64::MAX - 8..u64::MAX));
+        assert!(top.byte_range(BlockId(1)).is_err());
+    }
+
+    #[test]
+    fn duplicate_blocks_are_refused() {
+        assert!(check_blocks("t", &[BlockId(3), BlockId(1), BlockId(2)]).is_ok());
+        assert_eq!(
+            check_blocks("t", &[BlockId(3), BlockId(1), BlockId(3)]),
+            Err(WireError::Invalid {
+                what: "t",
+                detail: "block #3 listed twice".into()
+            })
+        );
+    }
+
+    #[test]
+    fn rank_sizes_must_be_positive_and_bounded_but_ranks_need_not_be_dense() {
+        let mut rank = RankInfo::single("e");
+        rank.dp_rank = 7; // beyond dp_size: allowed (non-sequential dp ranks)
+        assert_eq!(rank.validate(), Ok(()));
+        rank.tp_size = 0;
+        assert!(rank.validate().is_err());
+        rank.tp_size = u32::MAX;
+        rank.dp_size = u32::MAX;
+        assert!(rank.validate().is_err());
+    }
+
+    #[test]
+    fn long_failure_texts_are_cut_to_fit_at_a_char_boundary() {
+        let long = "é".repeat(DETAIL_BYTES_MAX); // 2 bytes each
+        let abort = Abort::new(
+            RequestId::new("r"),
+            FailureReason::AbortedByPeer {
+                peer: "p".into(),
+                cause: long.clone(),
+            },
+        );
+        assert_eq!(abort.validate(), Ok(()));
+        let FailureReason::AbortedByPeer { cause, .. } = &abort.reason else {
+            panic!("reason kind changed: {:?}", abort.reason);
+        };
+        assert!(cause.len() <= DETAIL_BYTES_MAX && cause.ends_with('…'));
+        assert_eq!(ProtocolError::new(long).validate(), Ok(()));
+        assert_eq!(bounded_text("short".into()), "short");
+    }
+
+    #[test]
+    fn check_hello_names_both_versions() {
+        let mut hello = Hello::new(Role::Decode, RankInfo::single("d"), 1);
+        hello.protocol_version = PROTOCOL_VERSION + 1;
+        assert_eq!(
+            check_hello(&Message::Hello(hello)),
+            Err(WireError::UnsupportedVersion {
+                ours: PROTOCOL_VERSION,
+                theirs: PROTOCOL_VERSION + 1
+            })
+        );
+        assert_eq!(
+            check_hello(&Message::StatusRequest(StatusRequest)),
+            Err(WireError::UnexpectedMessage {
+                expected: "Hello",
+                found: MessageType::StatusRequest
+            })
+        );
+    }
+}

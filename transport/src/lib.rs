@@ -12,6 +12,7 @@
 //! - [`wire`]: frames, control messages, limits and wire errors.
 //! - [`codec`]: the one place that touches bincode (payload bytes to messages and back).
 //! - [`auth`]: optional HMAC-SHA256 frame authentication with a shared key.
+//! - [`zmtp`]: ZeroMQ's wire protocol (ZMTP 3.1), bounded: ROUTER and DEALER sockets.
 //! - [`ucx`]: our bindings to libucp (loaded at run time) and the batched RMA transfer.
 
 pub mod auth;
@@ -20,6 +21,7 @@ pub mod region;
 pub mod types;
 pub mod ucx;
 pub mod wire;
+pub mod zmtp;
 
 pub use region::{HostRegion, RegionError};
 pub use types::{BlockId, EngineId, FailureReason, Rank, RankInfo, RequestId, Role, TransferMode};

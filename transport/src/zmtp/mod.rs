@@ -1,0 +1,56 @@
+//! ZMTP 3.1, ZeroMQ's wire protocol, with the NULL mechanism: our own bounded
+//! implementation of the two socket kinds the control plane uses, ROUTER (servers: the
+//! bootstrap server, each worker's control port) and DEALER (clients).
+//!
+//! Why not the `zeromq` crate: its decoder reserves buffer space for whatever frame length
+//! a peer announces before any of it arrives, so nine bytes after the greeting (a long frame
+//! announcing 1 TiB) abort the whole process with "memory allocation failed" — measured with
+//! zeromq 0.7.0 on this project's machine. A port that faces the network cannot allow that.
+//! This module speaks the same protocol (a pyzmq or libzmq DEALER can talk to our ROUTER),
+//! but checks every length against a named maximum before allocating, bounds the frames per
+//! message, the handshake's duration and size, the connections per listener and every queue,
+//! and turns each violation into a logged error that names the peer and closes that one
+//! connection.
+//!
+//! # Layout
+//! - `codec`: greeting, READY handshake, frames (check-then-read, bounded).
+//! - `socket`: [`Router`] (bind, accept, route by connection) and [`Dealer`] (connect).
+
+mod codec;
+mod socket;
+
+pub use codec::{SocketType, ZmtpError};
+pub use socket::{ConnId, Dealer, Router, RouterEvent};
+
+use std::time::Duration;
+
+/// Largest frame accepted: one handoff wire frame (header, 16 MiB payload, HMAC tag) plus
+/// room to spare. Checked on the frame header, before any allocation.
+pub const ZMTP_FRAME_BYTES_MAX: usize = 17 << 20;
+
+/// Frames in one message. Control messages are one frame; ROUTER envelopes add one.
+pub const FRAMES_PER_MESSAGE_MAX: usize = 4;
+
+/// Bytes of one READY command: a socket type and an identity, with generous room.
+pub const COMMAND_BYTES_MAX: usize = 4096;
+
+/// Bytes of a peer identity (ZMTP allows up to 255).
+pub const IDENTITY_BYTES_MAX: usize = 255;
+
+/// How long a new connection may take to complete its greeting and READY exchange. A peer
+/// that connects and says nothing is dropped after this (it cannot hold a slot forever).
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Connections one [`Router`] accepts at once: far more workers than one engine has, few
+/// enough that a flood of idle connections cannot exhaust file descriptors.
+pub const CONNECTIONS_MAX: usize = 1024;
+
+/// Messages queued to send on one connection before `send` reports the peer as too slow.
+pub const SEND_QUEUE_MESSAGES_MAX: usize = 1024;
+
+/// Messages received and not yet taken by the owner of a socket; readers wait (TCP
+/// backpressure) when it is full.
+pub const RECV_QUEUE_MESSAGES_MAX: usize = 4096;
+
+const _: () = assert!(ZMTP_FRAME_BYTES_MAX >= crate::wire::FRAME_BYTES_MAX);
+const _: () = assert!(COMMAND_BYTES_MAX > IDENTITY_BYTES_MAX + 64);

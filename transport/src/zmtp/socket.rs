@@ -1,0 +1,415 @@
+//! ROUTER and DEALER sockets over tokio TCP.
+//!
+//! A [`Router`] accepts connections, runs the handshake under [`HANDSHAKE_TIMEOUT`], and
+//! hands every message up with the connection it came from; replies go back to that
+//! connection. A [`Dealer`] is one connection to one ROUTER. Every task a socket spawns
+//! ends when its connection ends or when the socket is dropped.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tokio::io::{AsyncRead, AsyncWrite, BufReader, BufWriter};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tracing::{debug, warn};
+
+use super::codec::{self, Incoming, SocketType, ZmtpError};
+use super::{CONNECTIONS_MAX, HANDSHAKE_TIMEOUT, RECV_QUEUE_MESSAGES_MAX, SEND_QUEUE_MESSAGES_MAX};
+
+/// One accepted connection of a [`Router`]; never reused within a process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ConnId(pub u64);
+
+/// What a [`Router`] hands up.
+#[derive(Debug)]
+pub enum RouterEvent {
+    /// A peer finished its handshake.
+    Connected {
+        /// The connection.
+        conn: ConnId,
+        /// The peer's address.
+        peer: SocketAddr,
+    },
+    /// A whole message from a peer.
+    Message {
+        /// The connection it came on.
+        conn: ConnId,
+        /// The peer's address.
+        peer: SocketAddr,
+        /// Its frames.
+        frames: Vec<Vec<u8>>,
+    },
+    /// A connection ended (peer closed, protocol violation, or dropped by us).
+    Disconnected {
+        /// The connection.
+        conn: ConnId,
+        /// The peer's address.
+        peer: SocketAddr,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Parses `tcp://host:port` or `host:port`.
+pub(crate) fn parse_addr(addr: &str) -> Result<String, ZmtpError> {
+    let hostport = addr.strip_prefix("tcp://").unwrap_or(addr);
+    if hostport
+        .rsplit_once(':')
+        .is_none_or(|(h, p)| h.is_empty() || p.parse::<u16>().is_err())
+    {
+        return Err(ZmtpError::BadAddress(addr.to_string()));
+    }
+    Ok(hostport.to_string())
+}
+
+type Senders = Arc<Mutex<BTreeMap<ConnId, mpsc::Sender<Vec<Vec<u8>>>>>>;
+
+fn lock(s: &Senders) -> std::sync::MutexGuard<'_, BTreeMap<ConnId, mpsc::Sender<Vec<Vec<u8>>>>> {
+    s.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A bound ROUTER socket.
+pub struct Router {
+    local: SocketAddr,
+    events: mpsc::Receiver<RouterEvent>,
+    senders: Senders,
+    accept: JoinHandle<()>,
+}
+
+impl Drop for Router {
+    fn drop(&mut self) {
+        self.accept.abort();
+        // Dropping the senders ends every connection's writer, which closes it.
+        lock(&self.senders).clear();
+    }
+}
+
+static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
+
+impl Router {
+    /// Binds `addr` (`tcp://host:port`; port 0 picks one) and starts accepting.
+    pub async fn bind(addr: &str) -> Result<Router, ZmtpError> {
+        let listener = TcpListener::bind(parse_addr(addr)?).await?;
+        let local = listener.local_addr()?;
+        let (tx, events) = mpsc::channel(RECV_QUEUE_MESSAGES_MAX);
+        let senders: Senders = Arc::default();
+        let accept = tokio::spawn(accept_loop(listener, tx, senders.clone()));
+        Ok(Router {
+            local,
+            events,
+            senders,
+            accept,
+        })
+    }
+
+    /// The address actually bound.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    /// The next event; `None` only if the accept loop has ended.
+    pub async fn recv(&mut self) -> Option<RouterEvent> {
+        self.events.recv().await
+    }
+
+    /// Queues a message to one connection. Never waits: a full queue is `QueueFull`.
+    pub fn send(&self, conn: ConnId, frames: Vec<Vec<u8>>) -> Result<(), ZmtpError> {
+        let tx = lock(&self.senders)
+            .get(&conn)
+            .cloned()
+            .ok_or(ZmtpError::Closed)?;
+        tx.try_send(frames).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => ZmtpError::QueueFull,
+            mpsc::error::TrySendError::Closed(_) => ZmtpError::Closed,
+        })
+    }
+
+    /// Closes one connection.
+    pub fn disconnect(&self, conn: ConnId) {
+        lock(&self.senders).remove(&conn);
+    }
+
+    /// Connections open now.
+    pub fn connections(&self) -> usize {
+        lock(&self.senders).len()
+    }
+}
+
+async fn accept_loop(listener: TcpListener, events: mpsc::Sender<RouterEvent>, senders: Senders) {
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                // Out of descriptors and the like: wait a little rather than spin.
+                warn!(error = %e, "accept failed");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        if lock(&senders).len() >= CONNECTIONS_MAX {
+            warn!(%peer, max = CONNECTIONS_MAX, "refusing connection: too many connections");
+            continue; // dropping the stream closes it
+        }
+        let conn = ConnId(NEXT_CONN.fetch_add(1, Ordering::Relaxed));
+        let (tx, rx) = mpsc::channel(SEND_QUEUE_MESSAGES_MAX);
+        lock(&senders).insert(conn, tx);
+        tokio::spawn(serve(
+            stream,
+            peer,
+            conn,
+            rx,
+            events.clone(),
+            senders.clone(),
+        ));
+    }
+}
+
+/// One accepted connection: handshake, then read and write until either side ends.
+async fn serve(
+    stream: TcpStream,
+    peer: SocketAddr,
+    conn: ConnId,
+    outbox: mpsc::Receiver<Vec<Vec<u8>>>,
+    events: mpsc::Sender<RouterEvent>,
+    senders: Senders,
+) {
+    let _ = stream.set_nodelay(true);
+    let result = run_connection(
+        stream,
+        SocketType::Router,
+        &[],
+        outbox,
+        |frames| {
+            let events = events.clone();
+            async move {
+                events
+                    .send(RouterEvent::Message { conn, peer, frames })
+                    .await
+                    .is_ok()
+            }
+        },
+        || {
+            let events = events.clone();
+            async move {
+                let _ = events.send(RouterEvent::Connected { conn, peer }).await;
+            }
+        },
+    )
+    .await;
+    lock(&senders).remove(&conn);
+    let reason = match result {
+        Ok(()) => "closed".to_string(),
+        Err(e) => {
+            if !matches!(e, ZmtpError::Io(_) | ZmtpError::Closed) {
+                warn!(%peer, error = %e, "closing connection: protocol violation");
+            }
+            e.to_string()
+        }
+    };
+    debug!(%peer, ?conn, %reason, "connection ended");
+    let _ = events
+        .send(RouterEvent::Disconnected { conn, peer, reason })
+        .await;
+}
+
+/// Runs a connection after accept/connect: handshake under its deadline, then a reader
+/// that hands each message to `deliver` and a writer that drains `outbox`.
+async fn run_connection<D, DF, C, CF>(
+    stream: TcpStream,
+    ours: SocketType,
+    identity: &[u8],
+    mut outbox: mpsc::Receiver<Vec<Vec<u8>>>,
+    deliver: D,
+    connected: C,
+) -> Result<(), ZmtpError>
+where
+    D: Fn(Vec<Vec<u8>>) -> DF,
+    DF: std::future::Future<Output = bool>,
+    C: FnOnce() -> CF,
+    CF: std::future::Future<Output = ()>,
+{
+    let (read, write) = stream.into_split();
+    let mut reader = BufReader::new(read);
+    let mut writer = BufWriter::new(write);
+    let mut both = Joined {
+        r: &mut reader,
+        w: &mut writer,
+    };
+    tokio::time::timeout(
+        HANDSHAKE_TIMEOUT,
+        codec::handshake(&mut both, ours, identity),
+    )
+    .await
+    .map_err(|_| ZmtpError::HandshakeTimeout(HANDSHAKE_TIMEOUT))??;
+    connected().await;
+    let (pong_tx, mut pong_rx) = mpsc::channel::<Vec<u8>>(4);
+    let write_half = async move {
+        loop {
+            tokio::select! {
+                biased;
+                pong = pong_rx.recv() => match pong {
+                    Some(body) => codec::write_command(&mut writer, &body).await?,
+                    None => return Ok::<(), ZmtpError>(()),
+                },
+                msg = outbox.recv() => match msg {
+                    Some(frames) => codec::write_message(&mut writer, &frames).await?,
+                    None => return Ok(()),
+                },
+            }
+        }
+    };
+    let read_half = async move {
+        loop {
+            match codec::read_message(&mut reader).await? {
+                Incoming::Message(frames) => {
+                    if !deliver(frames).await {
+                        return Ok::<(), ZmtpError>(());
+                    }
+                }
+                Incoming::Command(body) => {
+                    if let Some(pong) = codec::pong_for(&body) {
+                        let _ = pong_tx.try_send(pong);
+                    }
+                }
+            }
+        }
+    };
+    tokio::select! {
+        biased;
+        r = read_half => r,
+        w = write_half => w,
+    }
+}
+
+/// A reader and a writer seen as one stream, for the handshake.
+struct Joined<'a, R, W> {
+    r: &'a mut R,
+    w: &'a mut W,
+}
+
+impl<R: AsyncRead + Unpin, W: Unpin> AsyncRead for Joined<'_, R, W> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut *self.r).poll_read(cx, buf)
+    }
+}
+
+impl<R: Unpin, W: AsyncWrite + Unpin> AsyncWrite for Joined<'_, R, W> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut *self.w).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut *self.w).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut *self.w).poll_shutdown(cx)
+    }
+}
+
+/// A connected DEALER socket: one connection to one ROUTER.
+pub struct Dealer {
+    peer: String,
+    outbox: mpsc::Sender<Vec<Vec<u8>>>,
+    inbox: mpsc::Receiver<Vec<Vec<u8>>>,
+    task: JoinHandle<()>,
+}
+
+impl Drop for Dealer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Dealer {
+    /// Connects to `addr` and completes the handshake, all within `timeout`.
+    pub async fn connect(
+        addr: &str,
+        identity: &[u8],
+        timeout: std::time::Duration,
+    ) -> Result<Dealer, ZmtpError> {
+        let hostport = parse_addr(addr)?;
+        let stream = tokio::time::timeout(timeout, TcpStream::connect(&hostport))
+            .await
+            .map_err(|_| ZmtpError::HandshakeTimeout(timeout))??;
+        let _ = stream.set_nodelay(true);
+        let (outbox, out_rx) = mpsc::channel(SEND_QUEUE_MESSAGES_MAX);
+        let (in_tx, inbox) = mpsc::channel(RECV_QUEUE_MESSAGES_MAX);
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+        let identity = identity.to_vec();
+        let peer = addr.to_string();
+        let name = peer.clone();
+        let task = tokio::spawn(async move {
+            let result = run_connection(
+                stream,
+                SocketType::Dealer,
+                &identity,
+                out_rx,
+                |frames| {
+                    let in_tx = in_tx.clone();
+                    async move { in_tx.send(frames).await.is_ok() }
+                },
+                || async move {
+                    let _ = ready_tx.send(());
+                },
+            )
+            .await;
+            if let Err(e) = result {
+                debug!(peer = %name, error = %e, "dealer connection ended");
+            }
+        });
+        match tokio::time::timeout(timeout, ready_rx).await {
+            Ok(Ok(())) => Ok(Dealer {
+                peer,
+                outbox,
+                inbox,
+                task,
+            }),
+            Ok(Err(_)) => Err(ZmtpError::Closed),
+            Err(_) => {
+                task.abort();
+                Err(ZmtpError::HandshakeTimeout(timeout))
+            }
+        }
+    }
+
+    /// The address this dealer connected to.
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    /// Queues a message. Never waits: a full queue is `QueueFull`, a dead connection `Closed`.
+    pub fn send(&self, frames: Vec<Vec<u8>>) -> Result<(), ZmtpError> {
+        self.outbox.try_send(frames).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => ZmtpError::QueueFull,
+            mpsc::error::TrySendError::Closed(_) => ZmtpError::Closed,
+        })
+    }
+
+    /// The next message; `None` once the connection has ended.
+    pub async fn recv(&mut self) -> Option<Vec<Vec<u8>>> {
+        self.inbox.recv().await
+    }
+
+    /// True once the connection has ended.
+    pub fn is_closed(&self) -> bool {
+        self.outbox.is_closed()
+    }
+}

@@ -63,6 +63,9 @@ pub struct RuntimeConfig {
     pub mode: TransferMode,
     /// Bound on open requests (see [`REQUESTS_OPEN_MAX_DEFAULT`]).
     pub requests_open_max: usize,
+    /// Decode admission control: requests waiting for blocks past which new ones are
+    /// rejected as busy (`None`: no limit).
+    pub unallocated_max: Option<usize>,
     /// The transport.
     pub transport: TransportChoice,
     /// The KV memory this worker registers with its transport.

@@ -194,7 +194,13 @@ impl Link for InProcessLink {
         Box::pin(async move { answer })
     }
 
-    fn write(&self, to: &Peer, src: Vec<BlockId>, dst: Vec<BlockId>) -> TransferFuture {
+    fn write(
+        &self,
+        _id: &RequestId,
+        to: &Peer,
+        src: Vec<BlockId>,
+        dst: Vec<BlockId>,
+    ) -> TransferFuture {
         let target = self.fabric.region_of(to);
         let local = self.region.clone();
         Box::pin(async move {
@@ -203,7 +209,13 @@ impl Link for InProcessLink {
         })
     }
 
-    fn read(&self, from: &Peer, src: Vec<BlockId>, dst: Vec<BlockId>) -> TransferFuture {
+    fn read(
+        &self,
+        _id: &RequestId,
+        from: &Peer,
+        src: Vec<BlockId>,
+        dst: Vec<BlockId>,
+    ) -> TransferFuture {
         let source = self.fabric.region_of(from);
         let local = self.region.clone();
         Box::pin(async move {

@@ -12,6 +12,7 @@
 //! - `ledger`: the per-request record that makes "released exactly once" hold across panics.
 //! - [`event`]: lifecycle events and their bounded queue.
 //! - [`link`]: what the runtime needs from a transport; [`inproc`]: the in-process one.
+//! - [`net`]: the network transport: control channels over ZMTP, heartbeats, data-plane hooks.
 //! - [`config`]: configuration and named limits; [`Error`]: the API's errors.
 
 pub mod config;
@@ -21,6 +22,7 @@ pub mod inproc;
 mod ledger;
 pub mod link;
 pub mod machine;
+pub mod net;
 mod request;
 pub mod runtime;
 

@@ -58,11 +58,31 @@ pub trait Link: Send + Sync + 'static {
     /// (at `dp_rank`, or the lowest registered dp rank).
     fn resolve(&self, prefill: &EngineId, dp_rank: Option<u32>) -> ResolveFuture;
 
-    /// Writes local `src` blocks into `to`'s `dst` blocks.
-    fn write(&self, to: &Peer, src: Vec<BlockId>, dst: Vec<BlockId>) -> TransferFuture;
+    /// Writes local `src` blocks into `to`'s `dst` blocks, for request `id` (the peer
+    /// checks it granted those blocks for that request).
+    fn write(
+        &self,
+        id: &RequestId,
+        to: &Peer,
+        src: Vec<BlockId>,
+        dst: Vec<BlockId>,
+    ) -> TransferFuture;
 
-    /// Reads `from`'s `src` blocks into local `dst` blocks.
-    fn read(&self, from: &Peer, src: Vec<BlockId>, dst: Vec<BlockId>) -> TransferFuture;
+    /// Reads `from`'s `src` blocks into local `dst` blocks, for request `id`.
+    fn read(
+        &self,
+        id: &RequestId,
+        from: &Peer,
+        src: Vec<BlockId>,
+        dst: Vec<BlockId>,
+    ) -> TransferFuture;
+
+    /// The request has ended here: revoke whatever the transport granted peers for it
+    /// (remote write or read access to its blocks). Called before the blocks are released,
+    /// so no byte can land in a block the engine is about to reuse.
+    fn request_ended(&self, id: &RequestId) {
+        let _ = id;
+    }
 
     /// Leaves the transport: peers see this runtime as gone from now on.
     fn detach(&self);
@@ -89,6 +109,12 @@ impl Inbox {
     /// Delivers a peer's control message about request `id`. False if the runtime is gone.
     pub fn deliver(&self, from: Peer, id: RequestId, msg: Outbound) -> bool {
         self.0.cast(RootMsg::Inbound { from, id, msg }).is_ok()
+    }
+
+    /// Reports a malformed or out-of-range message from a peer about request `id`: the
+    /// request fails with a protocol error naming the peer.
+    pub fn deliver_invalid(&self, from: Peer, id: RequestId, detail: String) -> bool {
+        self.0.cast(RootMsg::Invalid { from, id, detail }).is_ok()
     }
 
     /// Reports a peer as gone: every request depending on it fails at once.

@@ -250,7 +250,7 @@ impl RequestState {
             }
             Action::Write { to, src, dst } => {
                 self.ledger.add_peer(&to);
-                let fut = self.link.write(&to, src, dst);
+                let fut = self.link.write(id, &to, src, dst);
                 let done = |r: Result<(), String>| match r {
                     Ok(()) => SenderEvent::TransferComplete,
                     Err(detail) => SenderEvent::TransferFailed { detail },
@@ -258,7 +258,7 @@ impl RequestState {
                 self.spawn_transfer(myself, fut, move |r| MachineEvent::Sender(done(r)));
             }
             Action::Read { from, src, dst } => {
-                let fut = self.link.read(&from, src, dst);
+                let fut = self.link.read(id, &from, src, dst);
                 let done = move |r: Result<(), String>| match r {
                     Ok(()) => ReceiverEvent::ReadComplete { from },
                     Err(detail) => ReceiverEvent::TransferFailed { detail },
@@ -268,6 +268,10 @@ impl RequestState {
             Action::Release { blocks } => self.ledger.release(&blocks),
             Action::StateChanged(state) => {
                 debug!(request = %id, role = %self.ledger.role, %state, "state changed");
+                if state.is_terminal() {
+                    // Revoke remote access before the ledger releases the blocks.
+                    self.link.request_ended(id);
+                }
                 self.ledger.transition(state);
             }
         }

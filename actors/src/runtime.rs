@@ -51,6 +51,14 @@ pub(crate) enum RootMsg {
         id: RequestId,
         msg: Outbound,
     },
+    /// A peer sent a malformed or out-of-range message about a request.
+    Invalid {
+        from: Peer,
+        id: RequestId,
+        detail: String,
+    },
+    /// The engine (or admission control) rejects a decode request as busy.
+    Reject { id: RequestId },
     /// A request actor's machine reached a terminal state.
     Ended { id: RequestId },
     /// A peer stopped answering: fail every request that depends on it.
@@ -189,6 +197,23 @@ impl Actor for RootActor {
                 state.deliver(&id, event);
             }
             RootMsg::Inbound { from, id, msg } => state.inbound(from, id, msg),
+            RootMsg::Invalid { from, id, detail } => {
+                let what = format!("invalid message: {detail}");
+                let event = match state.cfg.role {
+                    Role::Prefill => MachineEvent::Sender(SenderEvent::Unexpected { from, what }),
+                    Role::Decode => {
+                        MachineEvent::Receiver(ReceiverEvent::Unexpected { from, what })
+                    }
+                };
+                state.deliver(&id, event);
+            }
+            RootMsg::Reject { id } => {
+                let reason = FailureReason::RejectedBusy;
+                state.deliver(
+                    &id,
+                    MachineEvent::Receiver(ReceiverEvent::Reject { reason }),
+                );
+            }
             RootMsg::Ended { id } => state.ended(&id),
             RootMsg::PeerLost { peer } => state.peer_lost(&peer),
             RootMsg::InjectPanic { id } => {
@@ -229,6 +254,9 @@ impl Actor for RootActor {
     ) -> Result<(), ActorProcessingErr> {
         state.link.detach();
         // In request-id order, so a simulated shutdown replays the same way.
+        for id in state.requests.keys() {
+            state.link.request_ended(id);
+        }
         state.shared.fail_all("runtime stopped");
         for (_, entry) in std::mem::take(&mut state.requests) {
             entry.actor.stop(None);
@@ -266,8 +294,20 @@ impl RootState {
             kind,
             backlog,
         };
+        let saturated = self.cfg.role == Role::Decode
+            && self
+                .cfg
+                .unallocated_max
+                .is_some_and(|max| self.unallocated() >= max);
         match Actor::spawn_linked(None, RequestActor, args, myself.get_cell()).await {
             Ok((actor, _)) => {
+                if saturated {
+                    warn!(request = %id, "decode saturated: rejecting");
+                    let reason = FailureReason::RejectedBusy;
+                    let _ = actor.cast(RequestMsg::Event(MachineEvent::Receiver(
+                        ReceiverEvent::Reject { reason },
+                    )));
+                }
                 self.by_actor.insert(actor.get_id(), id.clone());
                 self.requests.insert(id.clone(), Entry { actor, ledger });
                 debug!(request = %id, role = %self.cfg.role, "request opened");
@@ -280,6 +320,14 @@ impl RootState {
                 self.shared.open().remove(&id);
             }
         }
+    }
+
+    /// Live decode requests still waiting for the engine to allocate their blocks.
+    fn unallocated(&self) -> usize {
+        self.requests
+            .values()
+            .filter(|e| !e.ledger.handed_over())
+            .count()
     }
 
     fn deliver(&mut self, id: &RequestId, event: MachineEvent) {
@@ -456,11 +504,21 @@ pub struct RuntimeBuilder {
     timeouts: Timeouts,
     mode: TransferMode,
     requests_open_max: usize,
+    unallocated_max: Option<usize>,
     transport: Option<TransportChoice>,
     region: Option<Arc<HostRegion>>,
 }
 
 impl RuntimeBuilder {
+    /// Decode only: admission control. With `Some(n)`, a receiver opened without blocks
+    /// while `n` requests already wait for blocks is rejected at once (`RejectedBusy`), and
+    /// prefill is told `Rejected` instead of waiting out its bootstrap timeout (seed 003).
+    /// Default `None`: no limit.
+    pub fn admission(mut self, unallocated_max: Option<usize>) -> Self {
+        self.unallocated_max = unallocated_max;
+        self
+    }
+
     /// Deadlines for every lifecycle state (defaults: [`Timeouts::default`]).
     pub fn timeouts(mut self, timeouts: Timeouts) -> Self {
         self.timeouts = timeouts;
@@ -508,6 +566,7 @@ impl RuntimeBuilder {
             timeouts: self.timeouts,
             mode: self.mode,
             requests_open_max: self.requests_open_max,
+            unallocated_max: self.unallocated_max,
             transport,
             region,
         };
@@ -562,6 +621,7 @@ impl Runtime {
             timeouts: Timeouts::default(),
             mode: TransferMode::Push,
             requests_open_max: REQUESTS_OPEN_MAX_DEFAULT,
+            unallocated_max: None,
             transport: None,
             region: None,
         }
@@ -796,5 +856,15 @@ impl ReceiverHandle {
     /// Aborts the request: it fails `AbortedByEngine`, prefill is told, blocks are released.
     pub fn abort(&self) {
         self.0.abort()
+    }
+
+    /// Refuses the request because this decode is saturated: prefill is told `Rejected` at
+    /// once (not after its bootstrap timeout) and the request fails `RejectedBusy`. Only
+    /// meaningful before blocks are allocated.
+    pub fn reject_busy(&self) {
+        let id = self.0.ledger.id.clone();
+        if self.0.root.cast(RootMsg::Reject { id }).is_err() {
+            self.0.ledger.fail_if_live(FailureReason::RejectedBusy);
+        }
     }
 }

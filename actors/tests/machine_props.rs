@@ -90,6 +90,7 @@ fn sender_op() -> impl Strategy<Value = SOp> {
 enum ROp {
     Peers(u8),
     BootstrapFailed(FailureReason),
+    Reject,
     Allocated(usize),
     Done(u8),
     Ready(u8, usize),
@@ -105,6 +106,7 @@ fn receiver_op() -> impl Strategy<Value = ROp> {
     prop_oneof![
         3 => (0u8..3).prop_map(ROp::Peers),
         1 => reason().prop_map(ROp::BootstrapFailed),
+        1 => Just(ROp::Reject),
         3 => len().prop_map(ROp::Allocated),
         3 => (0u8..3).prop_map(ROp::Done),
         3 => (0u8..3, len()).prop_map(|(p, n)| ROp::Ready(p, n)),
@@ -306,6 +308,7 @@ proptest! {
             let event = match op {
                 ROp::Peers(n) => ReceiverEvent::PeersResolved { peers: (0..n).map(peer).collect() },
                 ROp::BootstrapFailed(reason) => ReceiverEvent::BootstrapFailed { reason },
+                ROp::Reject => ReceiverEvent::Reject { reason: FailureReason::RejectedBusy },
                 ROp::Allocated(n) => ReceiverEvent::Allocated { blocks: ledger.blocks(n, true) },
                 ROp::Done(p) => ReceiverEvent::Done { from: peer(p) },
                 ROp::Ready(p, n) => ReceiverEvent::Ready { from: peer(p), blocks: ledger.blocks(n, false) },

@@ -467,3 +467,53 @@ async fn bad_engine_calls_are_named_errors() {
     assert_eq!(o.released("a"), vec![BlockId(1)]);
     assert!(p.sender("c").is_ok());
 }
+
+/// Seed 003, with admission control: a saturated decode rejects at once, and prefill hears
+/// `Rejected(Busy)` as a message: no request waits out its bootstrap timeout.
+#[tokio::test(start_paused = true)]
+async fn saturated_decode_rejects_and_prefill_fails_fast() {
+    let fabric = Fabric::new();
+    let p0 = start(&fabric, Role::Prefill, rank("P", 0, 2), TransferMode::Push).await;
+    let p1 = start(&fabric, Role::Prefill, rank("P", 1, 2), TransferMode::Push).await;
+    let region = Arc::new(HostRegion::new(BLOCKS, BLOCK_BYTES).unwrap());
+    let d = Runtime::builder(Role::Decode, rank("D", 0, 1))
+        .timeouts(timeouts())
+        .admission(Some(1))
+        .transport(TransportChoice::InProcess(fabric.clone()))
+        .region(region)
+        .start()
+        .await
+        .unwrap();
+    let waiting = d.receiver("first", spec("P", None)).unwrap(); // takes the one slot
+    let (s0, s1) = (p0.sender("second").unwrap(), p1.sender("second").unwrap());
+    s0.send(blocks(0..2)).unwrap();
+    let t0 = tokio::time::Instant::now();
+    let r = d.receiver("second", spec("P", None)).unwrap();
+    assert_eq!(
+        r.completion().await,
+        State::Failed(FailureReason::RejectedBusy)
+    );
+    assert_eq!(
+        s0.completion().await,
+        State::Failed(FailureReason::RejectedBusy)
+    );
+    assert_eq!(
+        s1.completion().await,
+        State::Failed(FailureReason::RejectedBusy)
+    );
+    assert!(
+        t0.elapsed() < Duration::from_millis(100),
+        "{:?}",
+        t0.elapsed()
+    );
+    settle().await;
+    let mut o = Outcomes::default();
+    o.absorb(p0.drain_events());
+    assert_eq!(o.released("second"), blocks(0..2));
+    // The engine can also refuse explicitly.
+    waiting.reject_busy();
+    assert_eq!(
+        waiting.completion().await,
+        State::Failed(FailureReason::RejectedBusy)
+    );
+}

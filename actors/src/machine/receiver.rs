@@ -30,6 +30,12 @@ pub enum ReceiverEvent {
         /// Why.
         reason: FailureReason,
     },
+    /// Admission control: this decode is saturated and refuses the request. Prefill ranks
+    /// are told `Rejected` (as soon as they are known) and the request fails at once.
+    Reject {
+        /// Why (normally [`FailureReason::RejectedBusy`]).
+        reason: FailureReason,
+    },
     /// The engine allocated the destination blocks.
     Allocated {
         /// The blocks, in order.
@@ -102,6 +108,8 @@ pub struct ReceiverMachine {
     peers: Vec<(Peer, Progress)>,
     allocated: bool,
     queued_sent: bool,
+    /// Set by `Reject` before the peers are known: reject them once they are.
+    rejecting: Option<FailureReason>,
 }
 
 impl ReceiverMachine {
@@ -113,6 +121,7 @@ impl ReceiverMachine {
             peers: Vec::new(),
             allocated: false,
             queued_sent: false,
+            rejecting: None,
         }
     }
 
@@ -170,6 +179,12 @@ impl ReceiverMachine {
                     self.fail(reason, None);
                 }
             }
+            ReceiverEvent::Reject { reason } => {
+                if self.core.state == State::Bootstrapping {
+                    self.rejecting = Some(reason);
+                    self.try_reject();
+                }
+            }
             ReceiverEvent::Allocated { blocks } => self.on_allocated(now, blocks),
             ReceiverEvent::Done { from } => self.on_done(now, from),
             ReceiverEvent::Ready { from, blocks } => self.on_ready(now, from, blocks),
@@ -208,7 +223,32 @@ impl ReceiverMachine {
             return self.fail(internal("bootstrap resolved no prefill ranks"), None);
         }
         self.peers = peers.into_iter().map(|p| (p, Progress::Waiting)).collect();
-        self.try_send_info(now);
+        if !self.try_reject() {
+            self.try_send_info(now);
+        }
+    }
+
+    /// Tells every known prefill rank `Rejected` and fails; false if there is nothing to
+    /// reject or the peers are not known yet.
+    fn try_reject(&mut self) -> bool {
+        let Some(reason) = self.rejecting.clone() else {
+            return false;
+        };
+        if self.peers.is_empty() {
+            return false;
+        }
+        for (peer, _) in self.peers.clone() {
+            let msg = Outbound::Rejected {
+                reason: reason.clone(),
+            };
+            self.core.send(&peer, msg);
+        }
+        // The peers were told `Rejected`, which already means "free it": no abort as well.
+        self.peers
+            .iter_mut()
+            .for_each(|(_, p)| *p = Progress::Complete);
+        self.fail(reason, None);
+        true
     }
 
     fn on_allocated(&mut self, now: Instant, blocks: Vec<BlockId>) {
@@ -217,7 +257,9 @@ impl ReceiverMachine {
         }
         self.allocated = true;
         self.core.held = blocks;
-        self.try_send_info(now);
+        if self.rejecting.is_none() {
+            self.try_send_info(now);
+        }
     }
 
     /// Sends the transfer info once both the peers and the blocks are known; with peers

@@ -20,7 +20,7 @@ mod codec;
 mod socket;
 
 pub use codec::{SocketType, ZmtpError};
-pub use socket::{ConnId, Dealer, Router, RouterEvent};
+pub use socket::{ConnId, Dealer, DealerReceiver, DealerSender, Router, RouterEvent};
 
 use std::time::Duration;
 

@@ -329,13 +329,7 @@ pub struct Dealer {
     peer: String,
     outbox: mpsc::Sender<Vec<Vec<u8>>>,
     inbox: mpsc::Receiver<Vec<Vec<u8>>>,
-    task: JoinHandle<()>,
-}
-
-impl Drop for Dealer {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
+    task: Arc<AbortOnDrop>,
 }
 
 impl Dealer {
@@ -380,7 +374,7 @@ impl Dealer {
                 peer,
                 outbox,
                 inbox,
-                task,
+                task: Arc::new(AbortOnDrop(task.abort_handle())),
             }),
             Ok(Err(_)) => Err(ZmtpError::Closed),
             Err(_) => {
@@ -411,5 +405,72 @@ impl Dealer {
     /// True once the connection has ended.
     pub fn is_closed(&self) -> bool {
         self.outbox.is_closed()
+    }
+
+    /// Splits into a sending half (cheap to clone) and a receiving half. The connection
+    /// lives until the last sending half is dropped or the peer closes it.
+    pub fn split(self) -> (DealerSender, DealerReceiver) {
+        let Dealer {
+            peer,
+            outbox,
+            inbox,
+            task,
+        } = self;
+        (
+            DealerSender {
+                peer,
+                outbox,
+                _guard: task,
+            },
+            DealerReceiver { inbox },
+        )
+    }
+}
+
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// The sending half of a [`Dealer`]. Clone it freely.
+#[derive(Clone)]
+pub struct DealerSender {
+    peer: String,
+    outbox: mpsc::Sender<Vec<Vec<u8>>>,
+    _guard: Arc<AbortOnDrop>,
+}
+
+impl DealerSender {
+    /// The address the dealer connected to.
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    /// Queues a message. Never waits: a full queue is `QueueFull`, a dead connection `Closed`.
+    pub fn send(&self, frames: Vec<Vec<u8>>) -> Result<(), ZmtpError> {
+        self.outbox.try_send(frames).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => ZmtpError::QueueFull,
+            mpsc::error::TrySendError::Closed(_) => ZmtpError::Closed,
+        })
+    }
+
+    /// True once the connection has ended.
+    pub fn is_closed(&self) -> bool {
+        self.outbox.is_closed()
+    }
+}
+
+/// The receiving half of a [`Dealer`].
+pub struct DealerReceiver {
+    inbox: mpsc::Receiver<Vec<Vec<u8>>>,
+}
+
+impl DealerReceiver {
+    /// The next message; `None` once the connection has ended.
+    pub async fn recv(&mut self) -> Option<Vec<Vec<u8>>> {
+        self.inbox.recv().await
     }
 }

@@ -1,0 +1,649 @@
+//! The control loop: one task per worker that owns every control connection.
+//!
+//! It multiplexes, in a fixed priority order (`biased`): messages from peers (on the
+//! worker's ROUTER and on the DEALERs it dialed), dial results, commands from request
+//! actors, and the heartbeat tick. All connection state lives here, so no lock is held
+//! across an await and no two tasks disagree about a peer.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use handoff_transport::auth::Key;
+use handoff_transport::wire::messages::{
+    self, Heartbeat, Hello, HelloAck, Message, ProtocolError, RegionDescriptor,
+};
+use handoff_transport::wire::{self, WireError};
+use handoff_transport::zmtp::{ConnId, Dealer, DealerReceiver, DealerSender, Router, RouterEvent};
+use handoff_transport::{RankInfo, RequestId, Role};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+use super::{Cmd, DataPlane, Directory, NetConfig, Regions, DIAL_QUEUE_MESSAGES_MAX};
+use crate::link::Inbox;
+use crate::machine::{Outbound, Peer};
+
+pub(crate) struct Setup {
+    pub(crate) cfg: NetConfig,
+    pub(crate) me: RankInfo,
+    pub(crate) role: Role,
+    pub(crate) incarnation: u64,
+    pub(crate) inbox: Inbox,
+    pub(crate) router: Router,
+    pub(crate) directory: Arc<dyn Directory>,
+    pub(crate) data: Arc<dyn DataPlane>,
+    pub(crate) regions: Regions,
+    pub(crate) cmds: mpsc::Receiver<Cmd>,
+}
+
+/// What tasks the loop spawned report back.
+enum Report {
+    Dialed {
+        peer: Peer,
+        generation: u64,
+        result: Result<Dialed, String>,
+    },
+    FromDealer {
+        peer: Peer,
+        generation: u64,
+        frames: Vec<Vec<u8>>,
+    },
+    DealerClosed {
+        peer: Peer,
+        generation: u64,
+    },
+}
+
+struct Dialed {
+    tx: DealerSender,
+    rx: DealerReceiver,
+    incarnation: u64,
+}
+
+#[derive(Default)]
+struct PeerState {
+    /// Our connection to the peer's ROUTER, with its generation.
+    out: Option<(DealerSender, u64)>,
+    /// The peer's connection to our ROUTER.
+    inbound: Option<ConnId>,
+    /// The incarnation the peer announced.
+    incarnation: Option<u64>,
+    last_heard: Option<Instant>,
+    dialing: Option<u64>,
+    queue: VecDeque<Vec<u8>>,
+    seq: u64,
+}
+
+impl PeerState {
+    fn connected(&self) -> bool {
+        self.out.is_some() || self.inbound.is_some()
+    }
+}
+
+struct Control {
+    cfg: NetConfig,
+    me: RankInfo,
+    role: Role,
+    incarnation: u64,
+    inbox: Inbox,
+    router: Router,
+    directory: Arc<dyn Directory>,
+    data: Arc<dyn DataPlane>,
+    regions: Regions,
+    peers: BTreeMap<Peer, PeerState>,
+    conns: BTreeMap<ConnId, Peer>,
+    reports: mpsc::Sender<Report>,
+    generation: u64,
+}
+
+pub(crate) fn spawn(setup: Setup) -> tokio::task::JoinHandle<()> {
+    let (reports, report_rx) = mpsc::channel(super::CONTROL_QUEUE_MESSAGES_MAX);
+    let Setup {
+        cfg,
+        me,
+        role,
+        incarnation,
+        inbox,
+        router,
+        directory,
+        data,
+        regions,
+        cmds,
+    } = setup;
+    let control = Control {
+        cfg,
+        me,
+        role,
+        incarnation,
+        inbox,
+        router,
+        directory,
+        data,
+        regions,
+        peers: BTreeMap::new(),
+        conns: BTreeMap::new(),
+        reports,
+        generation: 0,
+    };
+    tokio::spawn(control.run(cmds, report_rx))
+}
+
+impl Control {
+    async fn run(mut self, mut cmds: mpsc::Receiver<Cmd>, mut reports: mpsc::Receiver<Report>) {
+        let mut tick = tokio::time::interval(self.cfg.heartbeat_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                biased;
+                event = self.router.recv() => match event {
+                    Some(event) => self.on_router(event),
+                    None => return,
+                },
+                Some(report) = reports.recv() => self.on_report(report),
+                cmd = cmds.recv() => match cmd {
+                    Some(Cmd::Send { to, id, msg }) => self.send(&to, &id, msg),
+                    None => return, // the runtime is gone
+                },
+                _ = tick.tick() => self.heartbeat(),
+            }
+        }
+    }
+
+    fn key(&self) -> Option<&Key> {
+        self.cfg.key.as_ref()
+    }
+
+    // ---- inbound ----
+
+    fn on_router(&mut self, event: RouterEvent) {
+        match event {
+            RouterEvent::Connected { .. } => {}
+            RouterEvent::Message { conn, peer, frames } => {
+                if let Err(e) = self.on_conn_message(conn, &frames) {
+                    warn!(peer = %peer, error = %e, "refusing malformed control message");
+                    let reply = Message::ProtocolError(ProtocolError::new(e.to_string()));
+                    if let Ok(bytes) = wire::encode(&reply, self.key()) {
+                        let _ = self.router.send(conn, vec![bytes]);
+                    }
+                    self.router.disconnect(conn);
+                }
+            }
+            RouterEvent::Disconnected { conn, .. } => {
+                if let Some(peer) = self.conns.remove(&conn) {
+                    if let Some(state) = self.peers.get_mut(&peer) {
+                        state.inbound = state.inbound.filter(|c| *c != conn);
+                    }
+                    self.lose_if_unreachable(&peer, "its connection closed");
+                }
+            }
+        }
+    }
+
+    fn on_conn_message(&mut self, conn: ConnId, frames: &[Vec<u8>]) -> Result<(), WireError> {
+        let [frame] = frames else {
+            return Err(WireError::Invalid {
+                what: "control message",
+                detail: format!("{} frames, expected 1", frames.len()),
+            });
+        };
+        let msg = wire::decode(frame, self.key())?;
+        let Some(peer) = self.conns.get(&conn).cloned() else {
+            let hello = messages::check_hello(&msg)?.clone();
+            return self.on_hello(conn, hello);
+        };
+        self.on_peer_message(&peer, msg)
+    }
+
+    fn on_hello(&mut self, conn: ConnId, hello: Hello) -> Result<(), WireError> {
+        let peer = hello.rank.clone();
+        self.note_incarnation(&peer, hello.incarnation);
+        self.conns.insert(conn, peer.clone());
+        let state = self.peers.entry(peer.clone()).or_default();
+        state.inbound = Some(conn);
+        state.last_heard = Some(Instant::now());
+        debug!(%peer, role = %hello.role, "peer connected");
+        let ack = wire::encode(
+            &Message::HelloAck(HelloAck::new(self.incarnation)),
+            self.key(),
+        )?;
+        let _ = self.router.send(conn, vec![ack]);
+        self.flush(&peer);
+        Ok(())
+    }
+
+    /// A new incarnation of a known peer means the old one is gone: its requests fail now.
+    fn note_incarnation(&mut self, peer: &Peer, incarnation: u64) {
+        let known = self.peers.get(peer).and_then(|s| s.incarnation);
+        if let Some(old) = known.filter(|old| *old != incarnation) {
+            info!(%peer, old, new = incarnation, "peer restarted: failing requests of its old incarnation");
+            self.lose(peer, "it restarted with a new incarnation");
+        }
+        self.peers.entry(peer.clone()).or_default().incarnation = Some(incarnation);
+    }
+
+    fn on_peer_message(&mut self, peer: &Peer, msg: Message) -> Result<(), WireError> {
+        if let Some(state) = self.peers.get_mut(peer) {
+            state.last_heard = Some(Instant::now());
+        }
+        let (id, outbound) = match msg {
+            Message::Heartbeat(Heartbeat { incarnation, .. }) => {
+                self.note_incarnation(peer, incarnation);
+                return Ok(());
+            }
+            Message::HelloAck(_) | Message::ProtocolError(_) => return Ok(()),
+            Message::TransferInfo(t) => {
+                if !self.current(peer, t.incarnation) {
+                    return Ok(());
+                }
+                if t.decode != *peer {
+                    return Err(WireError::Invalid {
+                        what: "TransferInfo.decode",
+                        detail: format!("{} on a connection from {peer}", t.decode),
+                    });
+                }
+                if let Err(e) = self.check_region(&t.region, &t.blocks) {
+                    self.inbox.deliver_invalid(peer.clone(), t.request_id, e);
+                    return Ok(());
+                }
+                self.remember_region(&t.request_id, peer, t.region);
+                (
+                    t.request_id,
+                    Outbound::TransferInfo {
+                        mode: t.mode,
+                        blocks: t.blocks,
+                    },
+                )
+            }
+            Message::Ready(r) => {
+                if let Err(e) = self.check_region(&r.region, &r.blocks) {
+                    self.inbox.deliver_invalid(peer.clone(), r.request_id, e);
+                    return Ok(());
+                }
+                self.remember_region(&r.request_id, peer, r.region);
+                (r.request_id, Outbound::Ready { blocks: r.blocks })
+            }
+            Message::Queued(q) => (q.request_id, Outbound::Queued),
+            Message::Rejected(r) => (r.request_id, Outbound::Rejected { reason: r.reason }),
+            Message::Done(d) => (d.request_id, Outbound::Done),
+            Message::ReadDone(d) => (d.request_id, Outbound::ReadDone),
+            Message::Abort(a) => (a.request_id, Outbound::Abort { reason: a.reason }),
+            other => {
+                return Err(WireError::Invalid {
+                    what: "control message",
+                    detail: format!("{} is not a peer message", other.message_type().name()),
+                });
+            }
+        };
+        self.inbox.deliver(peer.clone(), id, outbound);
+        Ok(())
+    }
+
+    /// False (and logged) for a message stamped with an incarnation the peer no longer has.
+    fn current(&self, peer: &Peer, incarnation: u64) -> bool {
+        let known = self.peers.get(peer).and_then(|s| s.incarnation);
+        if known.is_some_and(|k| k != incarnation) {
+            warn!(%peer, stale = incarnation, current = ?known, "dropping a message from an old incarnation");
+            return false;
+        }
+        true
+    }
+
+    /// The peer's region must hold the blocks it names, with our block size.
+    fn check_region(
+        &self,
+        region: &RegionDescriptor,
+        blocks: &[handoff_transport::BlockId],
+    ) -> Result<(), String> {
+        region.check_blocks(blocks).map_err(|e| e.to_string())?;
+        let ours = self.data.descriptor().block_bytes;
+        if region.block_bytes != ours {
+            return Err(format!(
+                "peer blocks are {} bytes, ours {ours}",
+                region.block_bytes
+            ));
+        }
+        Ok(())
+    }
+
+    fn remember_region(&self, id: &RequestId, peer: &Peer, region: RegionDescriptor) {
+        let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
+        regions.insert((id.clone(), peer.clone()), region);
+    }
+
+    fn on_report(&mut self, report: Report) {
+        match report {
+            Report::Dialed {
+                peer,
+                generation,
+                result,
+            } => self.on_dialed(peer, generation, result),
+            Report::FromDealer {
+                peer,
+                generation,
+                frames,
+            } => {
+                if self
+                    .peers
+                    .get(&peer)
+                    .and_then(|s| s.out.as_ref())
+                    .is_none_or(|(_, g)| *g != generation)
+                {
+                    return; // from a connection we already dropped
+                }
+                let result = match frames.as_slice() {
+                    [frame] => {
+                        wire::decode(frame, self.key()).and_then(|m| self.on_peer_message(&peer, m))
+                    }
+                    _ => Err(WireError::Invalid {
+                        what: "control message",
+                        detail: format!("{} frames", frames.len()),
+                    }),
+                };
+                if let Err(e) = result {
+                    warn!(%peer, error = %e, "malformed message from a peer we dialed; dropping the connection");
+                    self.drop_out(&peer, generation);
+                }
+            }
+            Report::DealerClosed { peer, generation } => self.drop_out(&peer, generation),
+        }
+    }
+
+    fn drop_out(&mut self, peer: &Peer, generation: u64) {
+        if let Some(state) = self.peers.get_mut(peer) {
+            if state.out.as_ref().is_some_and(|(_, g)| *g == generation) {
+                state.out = None;
+            }
+        }
+        self.lose_if_unreachable(peer, "its connection closed");
+    }
+
+    // ---- outbound ----
+
+    fn encode(&self, id: &RequestId, msg: Outbound) -> Result<Vec<u8>, WireError> {
+        let id = id.clone();
+        let wire_msg = match msg {
+            Outbound::TransferInfo { mode, blocks } => {
+                Message::TransferInfo(messages::TransferInfo {
+                    request_id: id,
+                    decode: self.me.clone(),
+                    incarnation: self.incarnation,
+                    mode,
+                    blocks,
+                    region: self.data.descriptor(),
+                })
+            }
+            Outbound::Queued => Message::Queued(messages::Queued { request_id: id }),
+            Outbound::Rejected { reason } => Message::Rejected(messages::Rejected::new(id, reason)),
+            Outbound::Ready { blocks } => Message::Ready(messages::Ready {
+                request_id: id,
+                blocks,
+                region: self.data.descriptor(),
+            }),
+            Outbound::Done => Message::Done(messages::Done { request_id: id }),
+            Outbound::ReadDone => Message::ReadDone(messages::ReadDone { request_id: id }),
+            Outbound::Abort { reason } => Message::Abort(messages::Abort::new(id, reason)),
+        };
+        wire::encode(&wire_msg, self.key())
+    }
+
+    fn send(&mut self, to: &Peer, id: &RequestId, msg: Outbound) {
+        let bytes = match self.encode(id, msg) {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                warn!(request = %id, peer = %to, error = %e, "cannot encode a control message");
+                self.inbox.deliver_invalid(
+                    to.clone(),
+                    id.clone(),
+                    format!("cannot encode our message: {e}"),
+                );
+                return;
+            }
+        };
+        let state = self.peers.entry(to.clone()).or_default();
+        if state.queue.len() >= DIAL_QUEUE_MESSAGES_MAX {
+            warn!(peer = %to, "too many messages waiting for a connection; peer treated as lost");
+            return self.lose(to, "too many messages waiting for a connection");
+        }
+        state.queue.push_back(bytes);
+        if state.connected() {
+            self.flush(to);
+        } else if state.dialing.is_none() {
+            self.dial(to);
+        }
+    }
+
+    /// Sends everything queued for a peer over its best connection.
+    fn flush(&mut self, peer: &Peer) {
+        let Some(state) = self.peers.get_mut(peer) else {
+            return;
+        };
+        while let Some(bytes) = state.queue.pop_front() {
+            let sent = match (&state.out, state.inbound) {
+                (Some((tx, _)), _) => tx.send(vec![bytes]).is_ok(),
+                (None, Some(conn)) => self.router.send(conn, vec![bytes]).is_ok(),
+                (None, None) => {
+                    state.queue.push_front(bytes);
+                    return;
+                }
+            };
+            if !sent {
+                return self.lose(peer, "its connection refused a message");
+            }
+        }
+    }
+
+    fn dial(&mut self, peer: &Peer) {
+        self.generation += 1;
+        let generation = self.generation;
+        if let Some(state) = self.peers.get_mut(peer) {
+            state.dialing = Some(generation);
+        }
+        let job = DialJob {
+            directory: self.directory.clone(),
+            hello: Hello::new(self.role, self.me.clone(), self.incarnation),
+            key: self.cfg.key.clone(),
+            peer: peer.clone(),
+            timeout: self.cfg.connect_timeout,
+        };
+        let reports = self.reports.clone();
+        let peer = peer.clone();
+        tokio::spawn(async move {
+            let result = job.run().await;
+            let _ = reports
+                .send(Report::Dialed {
+                    peer,
+                    generation,
+                    result,
+                })
+                .await;
+        });
+    }
+
+    fn on_dialed(&mut self, peer: Peer, generation: u64, result: Result<Dialed, String>) {
+        let Some(state) = self.peers.get_mut(&peer) else {
+            return;
+        };
+        if state.dialing != Some(generation) {
+            return;
+        }
+        state.dialing = None;
+        match result {
+            Ok(Dialed {
+                tx,
+                mut rx,
+                incarnation,
+            }) => {
+                state.out = Some((tx, generation));
+                state.last_heard = Some(Instant::now());
+                self.note_incarnation(&peer, incarnation);
+                let reports = self.reports.clone();
+                let who = peer.clone();
+                tokio::spawn(async move {
+                    while let Some(frames) = rx.recv().await {
+                        let report = Report::FromDealer {
+                            peer: who.clone(),
+                            generation,
+                            frames,
+                        };
+                        if reports.send(report).await.is_err() {
+                            return;
+                        }
+                    }
+                    let _ = reports
+                        .send(Report::DealerClosed {
+                            peer: who,
+                            generation,
+                        })
+                        .await;
+                });
+                self.flush(&peer);
+            }
+            Err(why) => {
+                warn!(%peer, error = %why, "cannot reach peer");
+                self.lose(&peer, &why);
+            }
+        }
+    }
+
+    // ---- liveness ----
+
+    fn heartbeat(&mut self) {
+        let now = Instant::now();
+        let lease = self.cfg.heartbeat_interval * self.cfg.heartbeats_missed_max;
+        let silent: Vec<Peer> = self
+            .peers
+            .iter()
+            .filter(|(_, s)| {
+                s.connected() && s.last_heard.is_some_and(|t| now.duration_since(t) > lease)
+            })
+            .map(|(p, _)| p.clone())
+            .collect();
+        for peer in silent {
+            self.lose(&peer, &format!("no heartbeat for {lease:?}"));
+        }
+        let peers: Vec<Peer> = self
+            .peers
+            .iter()
+            .filter(|(_, s)| s.connected())
+            .map(|(p, _)| p.clone())
+            .collect();
+        for peer in peers {
+            let Some(state) = self.peers.get_mut(&peer) else {
+                continue;
+            };
+            state.seq += 1;
+            let beat = Message::Heartbeat(Heartbeat {
+                incarnation: self.incarnation,
+                seq: state.seq,
+            });
+            if let Ok(bytes) = wire::encode(&beat, self.cfg.key.as_ref()) {
+                state.queue.push_back(bytes);
+                self.flush(&peer);
+            }
+        }
+    }
+
+    fn lose_if_unreachable(&mut self, peer: &Peer, why: &str) {
+        if self
+            .peers
+            .get(peer)
+            .is_some_and(|s| !s.connected() && s.dialing.is_none())
+        {
+            self.lose(peer, why);
+        }
+    }
+
+    /// Forgets a peer and fails every request that depends on it, at once.
+    fn lose(&mut self, peer: &Peer, why: &str) {
+        let Some(state) = self.peers.remove(peer) else {
+            return;
+        };
+        if let Some(conn) = state.inbound {
+            self.conns.remove(&conn);
+            self.router.disconnect(conn);
+        }
+        warn!(%peer, %why, "peer lost");
+        self.directory.invalidate(&peer.engine_id);
+        self.inbox.peer_lost(peer.clone());
+        // Keep the incarnation, so a late message of the old incarnation is still stale.
+        if let Some(incarnation) = state.incarnation {
+            self.peers.insert(
+                peer.clone(),
+                PeerState {
+                    incarnation: Some(incarnation),
+                    ..PeerState::default()
+                },
+            );
+        }
+    }
+}
+
+/// Everything a dial needs, moved into its task.
+struct DialJob {
+    directory: Arc<dyn Directory>,
+    hello: Hello,
+    key: Option<Key>,
+    peer: Peer,
+    timeout: Duration,
+}
+
+impl DialJob {
+    /// Looks the peer up, connects, says `Hello` and waits for `HelloAck`, all within the
+    /// timeout.
+    async fn run(self) -> Result<Dialed, String> {
+        let work = async {
+            let records = self
+                .directory
+                .lookup(&self.peer.engine_id)
+                .await
+                .map_err(|e| format!("{e:?}"))?;
+            let record = records
+                .iter()
+                .find(|r| r.rank == self.peer)
+                .ok_or_else(|| format!("{} is not registered", self.peer))?;
+            let dealer = Dealer::connect(&record.control_address, b"", self.timeout)
+                .await
+                .map_err(|e| format!("{}: {e}", record.control_address))?;
+            let (tx, mut rx) = dealer.split();
+            let hello = wire::encode(&Message::Hello(self.hello.clone()), self.key.as_ref())
+                .map_err(|e| e.to_string())?;
+            tx.send(vec![hello]).map_err(|e| e.to_string())?;
+            let frames = rx.recv().await.ok_or_else(|| {
+                format!(
+                    "{} closed the connection during hello",
+                    record.control_address
+                )
+            })?;
+            let [frame] = frames.as_slice() else {
+                return Err(format!(
+                    "{}: a reply of {} frames",
+                    record.control_address,
+                    frames.len()
+                ));
+            };
+            let reply = wire::decode(frame, self.key.as_ref())
+                .map_err(|e| format!("{}: {e}", record.control_address))?;
+            if let Message::ProtocolError(p) = &reply {
+                return Err(format!(
+                    "{} refused us: {}",
+                    record.control_address, p.detail
+                ));
+            }
+            let ack = messages::check_hello_ack(&reply)
+                .map_err(|e| format!("{}: {e}", record.control_address))?;
+            Ok(Dialed {
+                tx,
+                rx,
+                incarnation: ack.incarnation,
+            })
+        };
+        match tokio::time::timeout(self.timeout, work).await {
+            Ok(result) => result,
+            Err(_) => Err(format!(
+                "no answer from {} within {:?}",
+                self.peer, self.timeout
+            )),
+        }
+    }
+}

@@ -1,0 +1,166 @@
+//! The data plane as the network transport sees it, and the grants that bound it.
+//!
+//! A worker only lets a peer touch blocks it granted for one request: decode grants its
+//! prefill peer *write* access to the destination blocks when it sends its transfer info;
+//! prefill grants *read* access to its source blocks when it says `Ready`. Grants are
+//! revoked when the request ends, before its blocks are released, and revoking waits for a
+//! copy in flight under that grant to finish, so no byte lands in a block after the engine
+//! got it back.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+
+use handoff_transport::wire::messages::RegionDescriptor;
+use handoff_transport::{BlockId, RankInfo, RequestId};
+
+use crate::link::TransferFuture;
+
+/// What a grant lets a peer do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// Write into our blocks (push: decode grants prefill).
+    Write,
+    /// Read our blocks (pull: prefill grants decode).
+    Read,
+}
+
+/// Moves blocks between this worker and its peers.
+pub trait DataPlane: Send + Sync + 'static {
+    /// How peers reach this worker's region: carried in transfer info and `Ready`.
+    fn descriptor(&self) -> RegionDescriptor;
+
+    /// The address (or name) registered with the bootstrap server.
+    fn address(&self) -> String;
+
+    /// The grants this plane enforces.
+    fn grants(&self) -> &GrantTable;
+
+    /// Writes local `src` blocks into the peer's `dst` blocks, described by `region`.
+    fn write(
+        &self,
+        id: &RequestId,
+        peer: &RankInfo,
+        region: &RegionDescriptor,
+        src: Vec<BlockId>,
+        dst: Vec<BlockId>,
+    ) -> TransferFuture;
+
+    /// Reads the peer's `src` blocks, described by `region`, into local `dst` blocks.
+    fn read(
+        &self,
+        id: &RequestId,
+        peer: &RankInfo,
+        region: &RegionDescriptor,
+        src: Vec<BlockId>,
+        dst: Vec<BlockId>,
+    ) -> TransferFuture;
+}
+
+struct Grant {
+    peer: RankInfo,
+    access: Access,
+    blocks: BTreeSet<BlockId>,
+    revoked: bool,
+}
+
+/// The grants of one worker, by request.
+#[derive(Default)]
+pub struct GrantTable {
+    grants: Mutex<BTreeMap<RequestId, Arc<Mutex<Grant>>>>,
+}
+
+impl GrantTable {
+    fn map(&self) -> std::sync::MutexGuard<'_, BTreeMap<RequestId, Arc<Mutex<Grant>>>> {
+        self.grants.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Grants `peer` `access` to `blocks` for request `id` (replacing an earlier grant).
+    pub fn grant(&self, peer: &RankInfo, id: &RequestId, access: Access, blocks: &[BlockId]) {
+        let grant = Grant {
+            peer: peer.clone(),
+            access,
+            blocks: blocks.iter().copied().collect(),
+            revoked: false,
+        };
+        self.map().insert(id.clone(), Arc::new(Mutex::new(grant)));
+    }
+
+    /// Revokes every grant of request `id`; waits for a copy in flight under it to finish.
+    pub fn revoke(&self, id: &RequestId) {
+        let grant = self.map().remove(id);
+        if let Some(grant) = grant {
+            grant.lock().unwrap_or_else(|e| e.into_inner()).revoked = true;
+        }
+    }
+
+    /// Runs `copy` if `peer` holds `access` to all of `blocks` for request `id`, holding the
+    /// grant for the copy's duration; a named refusal otherwise.
+    pub fn with_grant(
+        &self,
+        peer: &RankInfo,
+        id: &RequestId,
+        access: Access,
+        blocks: &[BlockId],
+        copy: &mut dyn FnMut(),
+    ) -> Result<(), String> {
+        let grant = self
+            .map()
+            .get(id)
+            .cloned()
+            .ok_or_else(|| format!("no grant for request {id}"))?;
+        let grant = grant.lock().unwrap_or_else(|e| e.into_inner());
+        if grant.revoked {
+            return Err(format!("grant for request {id} revoked"));
+        }
+        if grant.peer != *peer || grant.access != access {
+            return Err(format!("request {id}: {peer} holds no {access:?} grant"));
+        }
+        if let Some(b) = blocks.iter().find(|b| !grant.blocks.contains(b)) {
+            return Err(format!("request {id}: block {b} not granted to {peer}"));
+        }
+        copy();
+        Ok(())
+    }
+
+    /// Requests with a live grant.
+    pub fn len(&self) -> usize {
+        self.map().len()
+    }
+
+    /// True with no live grant.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grants_are_per_request_peer_access_and_block() {
+        let t = GrantTable::default();
+        let (p, q) = (RankInfo::single("P"), RankInfo::single("Q"));
+        let id = RequestId::new("r");
+        t.grant(&p, &id, Access::Write, &[BlockId(1), BlockId(2)]);
+        let mut copies = 0;
+        assert!(t
+            .with_grant(&p, &id, Access::Write, &[BlockId(2)], &mut || copies += 1)
+            .is_ok());
+        assert!(t
+            .with_grant(&q, &id, Access::Write, &[BlockId(2)], &mut || copies += 1)
+            .is_err());
+        assert!(t
+            .with_grant(&p, &id, Access::Read, &[BlockId(2)], &mut || copies += 1)
+            .is_err());
+        assert!(t
+            .with_grant(&p, &id, Access::Write, &[BlockId(3)], &mut || copies += 1)
+            .is_err());
+        t.revoke(&id);
+        assert!(t
+            .with_grant(&p, &id, Access::Write, &[BlockId(1)], &mut || copies += 1)
+            .is_err());
+        assert_eq!(copies, 1);
+        assert!(t.is_empty());
+    }
+}

@@ -1,0 +1,449 @@
+//! The network transport: control messages between workers over ZMTP (ZeroMQ's protocol,
+//! our bounded implementation), peers found through a [`Directory`] (the bootstrap server),
+//! liveness by heartbeats, and bytes moved by a [`DataPlane`] (TCP or UCX).
+//!
+//! One [`NetTransport`] per worker process. It binds the worker's control port, registers
+//! the worker, and, once a runtime attaches, runs one control loop task that owns every
+//! connection to every peer:
+//! - peers are dialed lazily, on the first message for them, at the control address the
+//!   directory gives; every connection starts with `Hello` (protocol version, role, rank,
+//!   incarnation) and the version is checked there;
+//! - a reply goes back over whichever connection the peer is reachable on (the one it dialed
+//!   us on, or ours to it), so decode's first message is enough for prefill to answer;
+//! - heartbeats flow every `heartbeat_interval` on every connection; a peer whose
+//!   connections all close, or that is silent for `heartbeat_interval × heartbeats_missed_max`,
+//!   is lost: every request depending on it fails `PeerLost` at once, and its cached
+//!   directory entry is dropped;
+//! - a peer that comes back with a new incarnation is a new peer: the old one is lost, and
+//!   messages stamped with the old incarnation are dropped and logged;
+//! - every malformed frame is logged with the peer's address, answered with
+//!   `ProtocolError`, and costs that one connection.
+//!
+//! # Layout
+//! - `control`: the control loop.
+//! - [`directory`]: the [`Directory`] trait, [`StaticDirectory`].
+//! - [`data`]: the [`DataPlane`] trait, [`GrantTable`].
+
+mod control;
+pub mod data;
+pub mod directory;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use handoff_transport::auth::Key;
+use handoff_transport::wire::messages::{RegionDescriptor, WorkerRecord};
+use handoff_transport::zmtp::{Router, ZmtpError};
+use handoff_transport::{BlockId, EngineId, HostRegion, RankInfo, RequestId, Role};
+use tokio::sync::mpsc;
+
+pub use data::{Access, DataPlane, GrantTable};
+pub use directory::{Directory, StaticDirectory};
+
+use crate::link::{Attach, Inbox, Link, LinkError, ResolveError, ResolveFuture, TransferFuture};
+use crate::machine::{Outbound, Peer};
+use crate::Error;
+
+/// Default interval between heartbeats on a peer connection: NIXL's ~5 s.
+pub const HEARTBEAT_INTERVAL_DEFAULT: Duration = Duration::from_secs(5);
+
+/// Default heartbeats a peer may miss before it is lost: with the default interval, a 30 s
+/// lease (NIXL's). A closed connection is noticed at once, without waiting for this.
+pub const HEARTBEATS_MISSED_MAX_DEFAULT: u32 = 6;
+
+/// Default time to dial a peer (TCP connect, ZMTP handshake, `Hello`/`HelloAck`).
+pub const CONNECT_TIMEOUT_DEFAULT: Duration = Duration::from_secs(5);
+
+/// Default time to get the worker registered at start.
+pub const REGISTER_TIMEOUT_DEFAULT: Duration = Duration::from_secs(30);
+
+/// Control messages queued from request actors to the control loop. Request actors never
+/// wait on it; a full queue fails the send (and with it, that request).
+pub const CONTROL_QUEUE_MESSAGES_MAX: usize = 65_536;
+
+/// Messages held for one peer while it is being dialed.
+pub const DIAL_QUEUE_MESSAGES_MAX: usize = 4_096;
+
+/// How a [`NetTransport`] behaves.
+#[derive(Clone, Debug)]
+pub struct NetConfig {
+    /// Where the control port listens (`tcp://HOST:PORT`; port 0 picks one).
+    pub control_listen: String,
+    /// The host peers should dial, if not the listen host (needed when listening on 0.0.0.0).
+    pub advertise_host: Option<String>,
+    /// See [`HEARTBEAT_INTERVAL_DEFAULT`].
+    pub heartbeat_interval: Duration,
+    /// See [`HEARTBEATS_MISSED_MAX_DEFAULT`].
+    pub heartbeats_missed_max: u32,
+    /// See [`CONNECT_TIMEOUT_DEFAULT`].
+    pub connect_timeout: Duration,
+    /// See [`REGISTER_TIMEOUT_DEFAULT`].
+    pub register_timeout: Duration,
+    /// Shared secret: when set, every frame is authenticated and unauthenticated peers refused.
+    pub key: Option<Key>,
+}
+
+impl Default for NetConfig {
+    fn default() -> Self {
+        Self {
+            control_listen: "tcp://127.0.0.1:0".into(),
+            advertise_host: None,
+            heartbeat_interval: HEARTBEAT_INTERVAL_DEFAULT,
+            heartbeats_missed_max: HEARTBEATS_MISSED_MAX_DEFAULT,
+            connect_timeout: CONNECT_TIMEOUT_DEFAULT,
+            register_timeout: REGISTER_TIMEOUT_DEFAULT,
+            key: None,
+        }
+    }
+}
+
+/// Errors starting the network transport.
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    /// The control port could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: String,
+        /// Why.
+        source: ZmtpError,
+    },
+    /// The worker could not be registered before the deadline.
+    #[error("registration failed: {0}")]
+    Register(String),
+}
+
+/// Peers' region descriptors, by request and peer: where a write or read for that request
+/// goes. Filled from transfer info and `Ready`; emptied when the request ends.
+pub(crate) type Regions = Arc<Mutex<BTreeMap<(RequestId, RankInfo), RegionDescriptor>>>;
+
+/// What the control loop is asked to do.
+pub(crate) enum Cmd {
+    Send {
+        to: Peer,
+        id: RequestId,
+        msg: Outbound,
+    },
+}
+
+/// One worker's network transport. Build with [`NetTransport::bind`], then hand it to the
+/// runtime as `TransportChoice::Custom(Arc::new(transport))`.
+pub struct NetTransport {
+    cfg: NetConfig,
+    rank: RankInfo,
+    role: Role,
+    incarnation: u64,
+    control_address: String,
+    directory: Arc<dyn Directory>,
+    data: Arc<dyn DataPlane>,
+    router: Mutex<Option<Router>>,
+}
+
+/// A number that differs every time a worker process starts: the wall clock in
+/// nanoseconds, mixed with the process id (this is the real-process path; the simulator
+/// has its own transport and never calls it).
+fn new_incarnation() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    nanos ^ (u64::from(std::process::id()) << 32)
+}
+
+impl NetTransport {
+    /// Binds the control port and registers this worker with the directory (retrying
+    /// within `register_timeout`). A worker that cannot register does not start: the
+    /// error names the bootstrap server and the last failure (seed 001: a registration
+    /// failure must not be logged and forgotten).
+    pub async fn bind(
+        cfg: NetConfig,
+        rank: RankInfo,
+        role: Role,
+        directory: Arc<dyn Directory>,
+        data: Arc<dyn DataPlane>,
+    ) -> Result<NetTransport, NetError> {
+        let router = Router::bind(&cfg.control_listen)
+            .await
+            .map_err(|source| NetError::Bind {
+                addr: cfg.control_listen.clone(),
+                source,
+            })?;
+        let local = router.local_addr();
+        let host = cfg
+            .advertise_host
+            .clone()
+            .unwrap_or_else(|| match local.ip() {
+                ip if ip.is_unspecified() => "127.0.0.1".to_string(),
+                ip => ip.to_string(),
+            });
+        let control_address = format!("tcp://{host}:{}", local.port());
+        let incarnation = new_incarnation();
+        let record = WorkerRecord {
+            rank: rank.clone(),
+            role,
+            incarnation,
+            control_address: control_address.clone(),
+            data_address: data.address(),
+            data_descriptor: Vec::new(),
+        };
+        match tokio::time::timeout(cfg.register_timeout, directory.register(record)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(NetError::Register(e)),
+            Err(_) => {
+                return Err(NetError::Register(format!(
+                    "no answer within {:?}",
+                    cfg.register_timeout
+                )))
+            }
+        }
+        tracing::info!(%rank, %role, %control_address, incarnation, "worker registered");
+        Ok(NetTransport {
+            cfg,
+            rank,
+            role,
+            incarnation,
+            control_address,
+            directory,
+            data,
+            router: Mutex::new(Some(router)),
+        })
+    }
+
+    /// Where peers reach this worker's control port.
+    pub fn control_address(&self) -> &str {
+        &self.control_address
+    }
+
+    /// This worker's incarnation.
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation
+    }
+}
+
+impl Attach for NetTransport {
+    fn attach(
+        &self,
+        rank: RankInfo,
+        role: Role,
+        inbox: Inbox,
+        _region: Arc<HostRegion>,
+    ) -> Result<Arc<dyn Link>, Error> {
+        if rank != self.rank || role != self.role {
+            return Err(Error::Config(format!(
+                "runtime is {role} {rank} but its transport was bound for {} {}",
+                self.role, self.rank
+            )));
+        }
+        let router = self.router.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let router = router.ok_or_else(|| {
+            Error::Config("this transport is already attached to a runtime".into())
+        })?;
+        let (cmds, cmd_rx) = mpsc::channel(CONTROL_QUEUE_MESSAGES_MAX);
+        let regions: Regions = Arc::default();
+        let task = control::spawn(control::Setup {
+            cfg: self.cfg.clone(),
+            me: rank.clone(),
+            role,
+            incarnation: self.incarnation,
+            inbox,
+            router,
+            directory: self.directory.clone(),
+            data: self.data.clone(),
+            regions: regions.clone(),
+            cmds: cmd_rx,
+        });
+        let siblings = Arc::default();
+        tokio::spawn(find_siblings(
+            self.directory.clone(),
+            rank.clone(),
+            Arc::clone(&siblings),
+            self.cfg.register_timeout,
+        ));
+        Ok(Arc::new(NetLink {
+            me: rank,
+            siblings,
+            cmds,
+            regions,
+            directory: self.directory.clone(),
+            data: self.data.clone(),
+            task,
+        }))
+    }
+}
+
+/// One runtime's view of the network transport.
+struct NetLink {
+    me: RankInfo,
+    /// The other ranks of this engine at this dp rank, filled by a lookup at attach.
+    siblings: Arc<Mutex<Vec<Peer>>>,
+    cmds: mpsc::Sender<Cmd>,
+    regions: Regions,
+    directory: Arc<dyn Directory>,
+    data: Arc<dyn DataPlane>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl NetLink {
+    fn region_of(&self, id: &RequestId, peer: &Peer) -> Result<RegionDescriptor, String> {
+        let regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
+        regions
+            .get(&(id.clone(), peer.clone()))
+            .cloned()
+            .ok_or_else(|| format!("no region descriptor from {peer} for request {id}"))
+    }
+}
+
+impl Link for NetLink {
+    fn me(&self) -> &RankInfo {
+        &self.me
+    }
+
+    fn send(&self, to: &Peer, id: &RequestId, msg: Outbound) -> Result<(), LinkError> {
+        // Grant before the message leaves: the peer may act on it at once.
+        match &msg {
+            Outbound::TransferInfo { blocks, .. } => {
+                self.data.grants().grant(to, id, Access::Write, blocks)
+            }
+            Outbound::Ready { blocks } => self.data.grants().grant(to, id, Access::Read, blocks),
+            _ => {}
+        }
+        self.cmds
+            .try_send(Cmd::Send {
+                to: to.clone(),
+                id: id.clone(),
+                msg,
+            })
+            .map_err(|_| LinkError::PeerGone(format!("{to} (control queue full or closed)")))
+    }
+
+    fn siblings(&self) -> Vec<Peer> {
+        self.siblings
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn resolve(&self, prefill: &EngineId, dp_rank: Option<u32>) -> ResolveFuture {
+        let lookup = self.directory.lookup(prefill);
+        let me = self.me.clone();
+        let prefill = prefill.clone();
+        Box::pin(async move {
+            let records = lookup.await?;
+            select_prefill_peers(&me, &prefill, dp_rank, &records)
+        })
+    }
+
+    fn write(
+        &self,
+        id: &RequestId,
+        to: &Peer,
+        src: Vec<BlockId>,
+        dst: Vec<BlockId>,
+    ) -> TransferFuture {
+        match self.region_of(id, to) {
+            Ok(region) => self.data.write(id, to, &region, src, dst),
+            Err(e) => Box::pin(async move { Err(e) }),
+        }
+    }
+
+    fn read(
+        &self,
+        id: &RequestId,
+        from: &Peer,
+        src: Vec<BlockId>,
+        dst: Vec<BlockId>,
+    ) -> TransferFuture {
+        match self.region_of(id, from) {
+            Ok(region) => self.data.read(id, from, &region, src, dst),
+            Err(e) => Box::pin(async move { Err(e) }),
+        }
+    }
+
+    fn request_ended(&self, id: &RequestId) {
+        self.data.grants().revoke(id);
+        let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
+        regions.retain(|(r, _), _| r != id);
+    }
+
+    fn detach(&self) {
+        self.task.abort();
+    }
+}
+
+/// First wait between lookups of this worker's own engine while it is incomplete.
+const SIBLING_LOOKUP_BACKOFF_MIN: Duration = Duration::from_millis(50);
+
+/// Looks this worker's engine up until every rank is registered (or `limit` passes), and
+/// keeps the other ranks at this dp rank as siblings.
+async fn find_siblings(
+    directory: Arc<dyn Directory>,
+    me: RankInfo,
+    siblings: Arc<Mutex<Vec<Peer>>>,
+    limit: Duration,
+) {
+    let deadline = tokio::time::Instant::now() + limit;
+    let mut backoff = SIBLING_LOOKUP_BACKOFF_MIN;
+    while tokio::time::Instant::now() < deadline {
+        match directory.lookup(&me.engine_id).await {
+            Ok(records) => {
+                let found: Vec<Peer> = records
+                    .into_iter()
+                    .map(|r| r.rank)
+                    .filter(|r| r.dp_rank == me.dp_rank && *r != me)
+                    .collect();
+                *siblings.lock().unwrap_or_else(|e| e.into_inner()) = found;
+                return;
+            }
+            Err(ResolveError::Fatal(reason)) => {
+                tracing::warn!(rank = %me, %reason, "cannot look up sibling ranks");
+                return;
+            }
+            Err(ResolveError::NotReady { .. }) => {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+    tracing::warn!(rank = %me, "sibling ranks never all registered; failures will not be forwarded to them");
+}
+
+/// The prefill ranks a decode rank receives from: the chosen dp rank (or the lowest), the
+/// same tp rank (heterogeneous TP is refused, by name), every pipeline rank.
+pub(crate) fn select_prefill_peers(
+    me: &RankInfo,
+    prefill: &EngineId,
+    dp_rank: Option<u32>,
+    records: &[WorkerRecord],
+) -> Result<Vec<Peer>, ResolveError> {
+    let ranks: Vec<&RankInfo> = records
+        .iter()
+        .filter(|r| r.role == Role::Prefill)
+        .map(|r| &r.rank)
+        .collect();
+    let Some(first) = ranks.first() else {
+        return Err(ResolveError::NotReady {
+            detail: format!("no prefill rank of {prefill} registered"),
+        });
+    };
+    if first.tp_size != me.tp_size {
+        return Err(ResolveError::Fatal(handoff_transport::FailureReason::Protocol {
+            detail: format!("prefill {prefill} has tp_size {}, decode has {}: heterogeneous TP is not supported", first.tp_size, me.tp_size),
+        }));
+    }
+    let dp = dp_rank.unwrap_or_else(|| ranks.iter().map(|r| r.dp_rank).min().unwrap_or(0));
+    let peers: Vec<Peer> = ranks
+        .iter()
+        .filter(|r| r.dp_rank == dp && r.tp_rank == me.tp_rank)
+        .map(|r| (*r).clone())
+        .collect();
+    if peers.len() < first.pp_size as usize {
+        return Err(ResolveError::NotReady {
+            detail: format!(
+                "{} of {} pipeline ranks of {prefill} dp{dp} registered",
+                peers.len(),
+                first.pp_size
+            ),
+        });
+    }
+    Ok(peers)
+}

@@ -1,0 +1,267 @@
+//! The network transport on loopback: real ZMTP sockets between runtimes in this process,
+//! and raw peers that misbehave. The data plane here moves nothing (these tests are about
+//! control messages and liveness; data moves in the data-plane and multi-process tests).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use handoff_actors::link::TransferFuture;
+use handoff_actors::net::{DataPlane, GrantTable, NetConfig, NetTransport, StaticDirectory};
+use handoff_actors::{
+    BlockId, EngineId, FailureReason, HostRegion, RankInfo, ReceiverSpec, RequestId, Role, Runtime,
+    State, Timeouts, TransportChoice,
+};
+use handoff_transport::wire;
+use handoff_transport::wire::messages::{
+    Hello, HelloAck, Message, RegionDescriptor, TransportKind, WorkerRecord,
+};
+use handoff_transport::zmtp::{Dealer, Router, RouterEvent};
+
+/// A data plane that says so when asked to move bytes: for control-plane tests only.
+#[derive(Default)]
+struct NoData(GrantTable);
+
+impl DataPlane for NoData {
+    fn descriptor(&self) -> RegionDescriptor {
+        RegionDescriptor {
+            transport: TransportKind::Tcp,
+            address: "none".into(),
+            remote_key: vec![],
+            base: 0,
+            len: 1 << 20,
+            block_bytes: 4096,
+        }
+    }
+    fn address(&self) -> String {
+        "none".into()
+    }
+    fn grants(&self) -> &GrantTable {
+        &self.0
+    }
+    fn write(
+        &self,
+        _: &RequestId,
+        _: &RankInfo,
+        _: &RegionDescriptor,
+        _: Vec<BlockId>,
+        _: Vec<BlockId>,
+    ) -> TransferFuture {
+        Box::pin(async { Err("this test moves no data".to_string()) })
+    }
+    fn read(
+        &self,
+        _: &RequestId,
+        _: &RankInfo,
+        _: &RegionDescriptor,
+        _: Vec<BlockId>,
+        _: Vec<BlockId>,
+    ) -> TransferFuture {
+        Box::pin(async { Err("this test moves no data".to_string()) })
+    }
+}
+
+fn net_cfg() -> NetConfig {
+    NetConfig {
+        heartbeat_interval: Duration::from_millis(100),
+        heartbeats_missed_max: 3,
+        connect_timeout: Duration::from_secs(2),
+        ..NetConfig::default()
+    }
+}
+
+fn timeouts() -> Timeouts {
+    Timeouts {
+        bootstrap: Duration::from_secs(20),
+        waiting: Duration::from_secs(20),
+        transfer: Duration::from_secs(5),
+        pull_ttl: Duration::from_secs(20),
+    }
+}
+
+async fn worker(
+    dir: &Arc<StaticDirectory>,
+    role: Role,
+    engine: &str,
+    admission: Option<usize>,
+) -> Runtime {
+    let rank = RankInfo::single(engine);
+    let transport = NetTransport::bind(
+        net_cfg(),
+        rank.clone(),
+        role,
+        dir.clone(),
+        Arc::new(NoData::default()),
+    )
+    .await
+    .unwrap();
+    Runtime::builder(role, rank)
+        .timeouts(timeouts())
+        .admission(admission)
+        .transport(TransportChoice::Custom(Arc::new(transport)))
+        .region(Arc::new(HostRegion::new(256, 4096).unwrap()))
+        .start()
+        .await
+        .unwrap()
+}
+
+fn spec(prefill: &str, blocks: Option<Vec<BlockId>>) -> ReceiverSpec {
+    ReceiverSpec {
+        prefill: EngineId::new(prefill),
+        prefill_dp_rank: None,
+        blocks,
+    }
+}
+
+const T: Duration = Duration::from_secs(10);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn saturated_decode_rejects_over_the_network_and_prefill_fails_in_milliseconds() {
+    let dir = Arc::new(StaticDirectory::new());
+    let p = worker(&dir, Role::Prefill, "P", None).await;
+    let d = worker(&dir, Role::Decode, "D", Some(0)).await;
+    let s = p.sender("r").unwrap();
+    s.send(vec![BlockId(1)]).unwrap();
+    let t0 = std::time::Instant::now();
+    let r = d.receiver("r", spec("P", None)).unwrap();
+    assert_eq!(
+        tokio::time::timeout(T, r.completion()).await.unwrap(),
+        State::Failed(FailureReason::RejectedBusy)
+    );
+    assert_eq!(
+        tokio::time::timeout(T, s.completion()).await.unwrap(),
+        State::Failed(FailureReason::RejectedBusy)
+    );
+    let took = t0.elapsed();
+    assert!(
+        took < Duration::from_millis(500),
+        "prefill heard of the rejection after {took:?}"
+    );
+    eprintln!("rejection reached prefill in {took:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_stops_fails_the_requests_that_depend_on_it_at_once() {
+    let dir = Arc::new(StaticDirectory::new());
+    let p = worker(&dir, Role::Prefill, "P", None).await;
+    let d = worker(&dir, Role::Decode, "D", None).await;
+    let r = d.receiver("r", spec("P", Some(vec![BlockId(0)]))).unwrap();
+    // Wait until decode's transfer info reached prefill (the request is buffered there).
+    tokio::time::timeout(T, async {
+        while r.poll() != State::WaitingForInput {
+            tokio::time::sleep(Duration::from_millis(5)).await
+        }
+    })
+    .await
+    .unwrap();
+    let t0 = std::time::Instant::now();
+    p.shutdown().await;
+    let end = tokio::time::timeout(T, r.completion()).await.unwrap();
+    assert!(
+        matches!(end, State::Failed(FailureReason::PeerLost { .. })),
+        "{end}"
+    );
+    assert!(
+        t0.elapsed() < Duration::from_secs(1),
+        "noticed after {:?}",
+        t0.elapsed()
+    );
+}
+
+/// A prefill that connects, says hello, then goes silent (hung, partitioned): decode loses
+/// it at the heartbeat deadline, not at the request's own timeouts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_peer_is_lost_after_its_missed_heartbeats() {
+    let dir = Arc::new(StaticDirectory::new());
+    let mut fake = Router::bind("tcp://127.0.0.1:0").await.unwrap();
+    let fake_rank = RankInfo::single("P");
+    dir.insert(WorkerRecord {
+        rank: fake_rank.clone(),
+        role: Role::Prefill,
+        incarnation: 1,
+        control_address: format!("tcp://{}", fake.local_addr()),
+        data_address: "none".into(),
+        data_descriptor: vec![],
+    });
+    let d = worker(&dir, Role::Decode, "D", None).await;
+    let r = d.receiver("r", spec("P", Some(vec![BlockId(0)]))).unwrap();
+    // Answer the hello, then say nothing more.
+    let answered = async {
+        loop {
+            if let Some(RouterEvent::Message { conn, frames, .. }) = fake.recv().await {
+                if let Ok(Message::Hello(_)) = wire::decode(&frames[0], None) {
+                    let ack = wire::encode(&Message::HelloAck(HelloAck::new(1)), None).unwrap();
+                    fake.send(conn, vec![ack]).unwrap();
+                    return;
+                }
+            }
+        }
+    };
+    tokio::time::timeout(T, answered).await.unwrap();
+    let t0 = std::time::Instant::now();
+    let end = tokio::time::timeout(T, r.completion()).await.unwrap();
+    assert!(
+        matches!(end, State::Failed(FailureReason::PeerLost { .. })),
+        "{end}"
+    );
+    let took = t0.elapsed();
+    assert!(
+        took >= Duration::from_millis(250) && took < Duration::from_secs(2),
+        "lost after {took:?} (lease 300 ms)"
+    );
+    drop(fake);
+}
+
+/// A peer on another protocol version is refused at hello, by name, and the worker goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_on_another_protocol_version_is_refused_by_name() {
+    let dir = Arc::new(StaticDirectory::new());
+    let rank = RankInfo::single("P");
+    let transport = NetTransport::bind(
+        net_cfg(),
+        rank.clone(),
+        Role::Prefill,
+        dir.clone(),
+        Arc::new(NoData::default()),
+    )
+    .await
+    .unwrap();
+    let addr = transport.control_address().to_string();
+    let p = Runtime::builder(Role::Prefill, rank)
+        .transport(TransportChoice::Custom(Arc::new(transport)))
+        .region(Arc::new(HostRegion::new(16, 4096).unwrap()))
+        .start()
+        .await
+        .unwrap();
+    let mut dealer = Dealer::connect(&addr, b"", T).await.unwrap();
+    let mut hello = Hello::new(Role::Decode, RankInfo::single("D"), 7);
+    hello.protocol_version = 99;
+    dealer
+        .send(vec![wire::encode(&Message::Hello(hello), None).unwrap()])
+        .unwrap();
+    let reply = tokio::time::timeout(T, dealer.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    let Message::ProtocolError(e) = wire::decode(&reply[0], None).unwrap() else {
+        panic!("expected ProtocolError")
+    };
+    assert!(
+        e.detail.contains("99") && e.detail.contains('1'),
+        "{}",
+        e.detail
+    );
+    // The worker still serves a well-behaved peer.
+    let mut ok = Dealer::connect(&addr, b"", T).await.unwrap();
+    ok.send(vec![wire::encode(
+        &Message::Hello(Hello::new(Role::Decode, RankInfo::single("D"), 8)),
+        None,
+    )
+    .unwrap()])
+        .unwrap();
+    let reply = tokio::time::timeout(T, ok.recv()).await.unwrap().unwrap();
+    assert!(matches!(
+        wire::decode(&reply[0], None).unwrap(),
+        Message::HelloAck(_)
+    ));
+    p.shutdown().await;
+}

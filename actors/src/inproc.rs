@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use handoff_transport::{BlockId, EngineId, FailureReason, HostRegion, RankInfo, RequestId, Role};
+use handoff_transport::{BlockId, EngineId, HostRegion, RankInfo, RequestId, Role};
 
 use crate::link::{Attach, Inbox, Link, LinkError, ResolveError, ResolveFuture, TransferFuture};
 use crate::machine::{Outbound, Peer};
@@ -114,41 +114,12 @@ impl Fabric {
         dp: Option<u32>,
     ) -> Result<Vec<Peer>, ResolveError> {
         let nodes = self.nodes();
-        let ranks: Vec<&RankInfo> = nodes
+        let ranks: Vec<(&RankInfo, Role)> = nodes
             .iter()
-            .filter(|(r, n)| n.role == Role::Prefill && r.engine_id == *prefill)
-            .map(|(r, _)| r)
+            .filter(|(r, _)| r.engine_id == *prefill)
+            .map(|(r, n)| (r, n.role))
             .collect();
-        let Some(first) = ranks.first() else {
-            return Err(ResolveError::NotReady {
-                detail: format!("no prefill rank of engine {prefill} registered"),
-            });
-        };
-        if first.tp_size != me.tp_size {
-            return Err(ResolveError::Fatal(FailureReason::Protocol {
-                detail: format!(
-                    "prefill {prefill} has tp_size {}, decode has {}: heterogeneous TP is not supported",
-                    first.tp_size, me.tp_size
-                ),
-            }));
-        }
-        let dp = dp.unwrap_or_else(|| ranks.iter().map(|r| r.dp_rank).min().unwrap_or(0));
-        let peers: Vec<Peer> = ranks
-            .iter()
-            .filter(|r| r.dp_rank == dp && r.tp_rank == me.tp_rank)
-            .map(|r| (*r).clone())
-            .collect();
-        if peers.len() < first.pp_size as usize {
-            return Err(ResolveError::NotReady {
-                detail: format!(
-                    "{} of {} pipeline ranks of {prefill} dp{dp} tp{} registered",
-                    peers.len(),
-                    first.pp_size,
-                    me.tp_rank
-                ),
-            });
-        }
-        Ok(peers)
+        crate::link::select_prefill_peers(me, prefill, dp, ranks)
     }
 }
 

@@ -122,3 +122,49 @@ impl Inbox {
         self.0.cast(RootMsg::PeerLost { peer }).is_ok()
     }
 }
+
+/// The prefill ranks a decode rank receives from, out of an engine's registered ranks:
+/// the chosen dp rank (or the lowest registered), the same tp rank (heterogeneous TP is
+/// refused, by name), every pipeline rank; `NotReady` until all of those have registered.
+pub fn select_prefill_peers<'a>(
+    me: &RankInfo,
+    prefill: &EngineId,
+    dp_rank: Option<u32>,
+    registered: impl IntoIterator<Item = (&'a RankInfo, Role)>,
+) -> Result<Vec<Peer>, ResolveError> {
+    let ranks: Vec<&RankInfo> = registered
+        .into_iter()
+        .filter(|(_, role)| *role == Role::Prefill)
+        .map(|(r, _)| r)
+        .collect();
+    let Some(first) = ranks.first() else {
+        return Err(ResolveError::NotReady {
+            detail: format!("no prefill rank of {prefill} registered"),
+        });
+    };
+    if first.tp_size != me.tp_size {
+        return Err(ResolveError::Fatal(FailureReason::Protocol {
+            detail: format!(
+                "prefill {prefill} has tp_size {}, decode has {}: heterogeneous TP is not supported",
+                first.tp_size, me.tp_size
+            ),
+        }));
+    }
+    let dp = dp_rank.unwrap_or_else(|| ranks.iter().map(|r| r.dp_rank).min().unwrap_or(0));
+    let peers: Vec<Peer> = ranks
+        .iter()
+        .filter(|r| r.dp_rank == dp && r.tp_rank == me.tp_rank)
+        .map(|r| (*r).clone())
+        .collect();
+    if peers.len() < first.pp_size as usize {
+        return Err(ResolveError::NotReady {
+            detail: format!(
+                "{} of {} pipeline ranks of {prefill} dp{dp} tp{} registered",
+                peers.len(),
+                first.pp_size,
+                me.tp_rank
+            ),
+        });
+    }
+    Ok(peers)
+}

@@ -265,3 +265,107 @@ async fn a_peer_on_another_protocol_version_is_refused_by_name() {
     ));
     p.shutdown().await;
 }
+
+/// Seed 003 over the network: two pipeline ranks of prefill, decode saturated (it opens
+/// the request without blocks). The rank whose bootstrap deadline passes first fails the
+/// request; its sibling hears it as a message and fails at once instead of at its own
+/// deadline; decode hears it too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipeline_siblings_fail_together_over_the_network() {
+    let dir = Arc::new(StaticDirectory::new());
+    let short = Timeouts {
+        bootstrap: Duration::from_millis(600),
+        ..timeouts()
+    };
+    let mut prefill = Vec::new();
+    for pp in 0..2 {
+        let mut rank = RankInfo::single("P");
+        rank.pp_rank = pp;
+        rank.pp_size = 2;
+        let transport = NetTransport::bind(
+            net_cfg(),
+            rank.clone(),
+            Role::Prefill,
+            dir.clone(),
+            Arc::new(NoData::default()),
+        )
+        .await
+        .unwrap();
+        let rt = Runtime::builder(Role::Prefill, rank)
+            .timeouts(if pp == 0 { short } else { timeouts() })
+            .transport(TransportChoice::Custom(Arc::new(transport)))
+            .region(Arc::new(HostRegion::new(16, 4096).unwrap()))
+            .start()
+            .await
+            .unwrap();
+        prefill.push(rt);
+    }
+    let d = worker(&dir, Role::Decode, "D", None).await;
+    tokio::time::sleep(Duration::from_millis(200)).await; // siblings find each other
+    let s0 = prefill[0].sender("r").unwrap();
+    let s1 = prefill[1].sender("r").unwrap();
+    s0.send(vec![BlockId(1)]).unwrap();
+    s1.send(vec![BlockId(2)]).unwrap();
+    let r = d.receiver("r", spec("P", None)).unwrap();
+    assert_eq!(
+        tokio::time::timeout(T, s0.completion()).await.unwrap(),
+        State::Failed(FailureReason::BootstrapTimeout)
+    );
+    let t0 = std::time::Instant::now();
+    let second = tokio::time::timeout(T, s1.completion()).await.unwrap();
+    assert!(
+        matches!(second, State::Failed(FailureReason::AbortedByPeer { .. })),
+        "{second}"
+    );
+    let on_decode = tokio::time::timeout(T, r.completion()).await.unwrap();
+    assert!(
+        matches!(
+            on_decode,
+            State::Failed(FailureReason::AbortedByPeer { .. })
+        ),
+        "{on_decode}"
+    );
+    assert!(
+        t0.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        t0.elapsed()
+    );
+}
+
+/// Garbage on a worker's control port costs that connection only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_on_the_control_port_costs_one_connection() {
+    let dir = Arc::new(StaticDirectory::new());
+    let p = worker(&dir, Role::Prefill, "P", None).await;
+    let d = worker(&dir, Role::Decode, "D", Some(0)).await;
+    let records = handoff_actors::net::Directory::lookup(&*dir, &EngineId::new("P"))
+        .await
+        .unwrap();
+    let addr = records[0].control_address.clone();
+    for junk in [
+        vec![0u8; 3],
+        b"HDOF\x01\x00\xff\xff".to_vec(),
+        vec![0xAB; 5000],
+    ] {
+        let mut dealer = Dealer::connect(&addr, b"", T).await.unwrap();
+        dealer.send(vec![junk]).unwrap();
+        let reply = tokio::time::timeout(T, dealer.recv()).await.unwrap();
+        if let Some(frames) = reply {
+            assert!(matches!(
+                wire::decode(&frames[0], None),
+                Ok(Message::ProtocolError(_))
+            ));
+        }
+    }
+    // Still serving: a rejection still flows end to end.
+    let s = p.sender("after").unwrap();
+    let r = d.receiver("after", spec("P", None)).unwrap();
+    assert_eq!(
+        tokio::time::timeout(T, r.completion()).await.unwrap(),
+        State::Failed(FailureReason::RejectedBusy)
+    );
+    assert_eq!(
+        tokio::time::timeout(T, s.completion()).await.unwrap(),
+        State::Failed(FailureReason::RejectedBusy)
+    );
+}

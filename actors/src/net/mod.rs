@@ -329,7 +329,8 @@ impl Link for NetLink {
         let prefill = prefill.clone();
         Box::pin(async move {
             let records = lookup.await?;
-            select_prefill_peers(&me, &prefill, dp_rank, &records)
+            let ranks = records.iter().map(|r| (&r.rank, r.role));
+            crate::link::select_prefill_peers(&me, &prefill, dp_rank, ranks)
         })
     }
 
@@ -405,45 +406,4 @@ async fn find_siblings(
         }
     }
     tracing::warn!(rank = %me, "sibling ranks never all registered; failures will not be forwarded to them");
-}
-
-/// The prefill ranks a decode rank receives from: the chosen dp rank (or the lowest), the
-/// same tp rank (heterogeneous TP is refused, by name), every pipeline rank.
-pub(crate) fn select_prefill_peers(
-    me: &RankInfo,
-    prefill: &EngineId,
-    dp_rank: Option<u32>,
-    records: &[WorkerRecord],
-) -> Result<Vec<Peer>, ResolveError> {
-    let ranks: Vec<&RankInfo> = records
-        .iter()
-        .filter(|r| r.role == Role::Prefill)
-        .map(|r| &r.rank)
-        .collect();
-    let Some(first) = ranks.first() else {
-        return Err(ResolveError::NotReady {
-            detail: format!("no prefill rank of {prefill} registered"),
-        });
-    };
-    if first.tp_size != me.tp_size {
-        return Err(ResolveError::Fatal(handoff_transport::FailureReason::Protocol {
-            detail: format!("prefill {prefill} has tp_size {}, decode has {}: heterogeneous TP is not supported", first.tp_size, me.tp_size),
-        }));
-    }
-    let dp = dp_rank.unwrap_or_else(|| ranks.iter().map(|r| r.dp_rank).min().unwrap_or(0));
-    let peers: Vec<Peer> = ranks
-        .iter()
-        .filter(|r| r.dp_rank == dp && r.tp_rank == me.tp_rank)
-        .map(|r| (*r).clone())
-        .collect();
-    if peers.len() < first.pp_size as usize {
-        return Err(ResolveError::NotReady {
-            detail: format!(
-                "{} of {} pipeline ranks of {prefill} dp{dp} registered",
-                peers.len(),
-                first.pp_size
-            ),
-        });
-    }
-    Ok(peers)
 }

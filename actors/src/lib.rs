@@ -13,7 +13,10 @@
 //! - [`event`]: lifecycle events and their bounded queue.
 //! - [`link`]: what the runtime needs from a transport; [`inproc`]: the in-process one.
 //! - [`config`]: configuration and named limits; [`Error`]: the API's errors.
+//! - [`bootstrap`]: the bootstrap server (registry actor), its client, and the
+//!   `handoff bootstrap serve|status` functions.
 
+pub mod bootstrap;
 pub mod config;
 mod error;
 pub mod event;

@@ -449,13 +449,18 @@ impl Driver {
         }
     }
 
+    /// The configured attempt timeout; at least a millisecond, so an attempt can happen.
+    fn attempt_timeout(&self) -> Duration {
+        self.cfg.attempt_timeout.max(Duration::from_millis(1))
+    }
+
     async fn serve(&mut self, call: Call) {
         if call.reply.is_closed() {
             return; // the caller gave up
         }
         let deadline = call
             .deadline
-            .min(tokio::time::Instant::now() + self.cfg.attempt_timeout);
+            .min(tokio::time::Instant::now() + self.attempt_timeout());
         let result = self.prepare(&call.msg);
         let result = match result {
             Ok(()) => self.attempt(&call.msg, deadline).await,
@@ -515,7 +520,7 @@ impl Driver {
     }
 
     async fn keepalive(&mut self) {
-        let deadline = tokio::time::Instant::now() + self.cfg.attempt_timeout;
+        let deadline = tokio::time::Instant::now() + self.attempt_timeout();
         let incarnation = self.kept.values().next().map_or(0, |r| r.incarnation);
         let beat = Message::Heartbeat(Heartbeat {
             incarnation,

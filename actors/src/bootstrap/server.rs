@@ -1,5 +1,5 @@
 //! The bootstrap server: a ractor actor that owns the [`Registry`] and answers workers over
-//! a [`zmtp::Router`].
+//! a [`Router`].
 //!
 //! [`serve`] binds the router and spawns the (unnamed) server actor. The actor's `pre_start`
 //! starts two tasks it owns: a *pump* that holds the router, hands each router event to the
@@ -174,7 +174,9 @@ impl BootstrapServer {
     }
 
     /// Stops the server: closes every connection and the listener, and waits for the actor
-    /// to end (at most [`SERVER_CALL_TIMEOUT`]).
+    /// to end (at most [`SERVER_CALL_TIMEOUT`]). The listening port is released moments
+    /// after this returns (the router's accept task ends on its next poll), so a server
+    /// restarted in the same process on the same port may have to retry its bind briefly.
     pub async fn stop(mut self) {
         self.actor.stop(Some("stop requested".into()));
         if let Some(join) = self.join.take() {
@@ -303,8 +305,19 @@ impl Actor for ServerActor {
         _myself: ActorRef<ServerMsg>,
         state: &mut ServerState,
     ) -> Result<(), ActorProcessingErr> {
-        state.pump.abort();
         state.sweep.abort();
+        state.pump.abort();
+        // Wait for the pump to have dropped the router, so its connections are closing when
+        // `stop` returns. (The router's accept task is aborted by its `Drop`, which tokio
+        // completes on the task's next poll: the listening port is released shortly after,
+        // not synchronously.)
+        let pump = std::mem::replace(&mut state.pump, tokio::spawn(async {}));
+        if tokio::time::timeout(SERVER_CALL_TIMEOUT, pump)
+            .await
+            .is_err()
+        {
+            warn!("bootstrap server: the router task did not end in time");
+        }
         info!(
             workers = state.registry.workers(),
             engines = state.registry.engines(),

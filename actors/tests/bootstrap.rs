@@ -797,3 +797,111 @@ async fn status_against_an_unreachable_server_exits_non_zero_within_its_timeout(
     assert_eq!(code, std::process::ExitCode::FAILURE);
     assert!(started.elapsed() < Duration::from_millis(400) + SLACK);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_connection_is_closed_when_its_record_expires() {
+    let server =
+        serve(ServerConfig::new("tcp://127.0.0.1:0").with_expire_after(Duration::from_millis(200)))
+            .await
+            .expect("server");
+    let mut dealer = Dealer::connect(&server.address(), b"silent", T)
+        .await
+        .expect("connect");
+    let r = record("p", (0, 1), (0, 1), 1);
+    dealer
+        .send(vec![
+            wire::encode(&Message::Register(r), None).expect("encode")
+        ])
+        .expect("send");
+    let ok = tokio::time::timeout(T, dealer.recv())
+        .await
+        .expect("in time");
+    assert!(ok.is_some());
+    // No heartbeats: the record expires and the server closes the connection, so a live
+    // but stuck client would notice and register again.
+    let closed = tokio::time::timeout(Duration::from_secs(2), dealer.recv())
+        .await
+        .expect("closed within the expiry and a sweep");
+    assert!(closed.is_none(), "no message expected: {closed:?}");
+    assert_eq!(
+        server.query(&EngineId::new("p")).await.expect("query"),
+        QueryAnswer::UnknownEngine
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_client_serves_many_concurrent_callers() {
+    let server = server().await;
+    let c = client(&server);
+    for tp in 0..4 {
+        client(&server)
+            .register(record("p", (0, 1), (tp, 4), 1), soon())
+            .await
+            .expect("register");
+    }
+    let mut tasks = Vec::new();
+    for i in 0..32 {
+        let c = c.clone();
+        tasks.push(tokio::spawn(async move {
+            if i % 2 == 0 {
+                c.invalidate(&EngineId::new("p"));
+                c.query(&EngineId::new("p"), soon()).await.map(|w| w.len())
+            } else {
+                c.status(soon()).await.map(|s| s.engines[0].workers.len())
+            }
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.expect("join"), Ok(4));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_fails_fast_with_a_named_error_on_bad_input() {
+    let args =
+        |listen: &str, secret: Option<std::path::PathBuf>| handoff_actors::bootstrap::ServeArgs {
+            listen: listen.into(),
+            secret_file: secret,
+            expire_after: Duration::from_secs(6),
+        };
+    let code = handoff_actors::bootstrap::run_serve(args("not an address", None)).await;
+    assert_eq!(code, std::process::ExitCode::FAILURE);
+    let missing = std::path::PathBuf::from("/nonexistent/handoff-secret");
+    let code = handoff_actors::bootstrap::run_serve(args("tcp://127.0.0.1:0", Some(missing))).await;
+    assert_eq!(code, std::process::ExitCode::FAILURE);
+    let busy = server().await;
+    let err = serve(ServerConfig::new(busy.address()))
+        .await
+        .err()
+        .expect("port in use");
+    assert!(
+        matches!(&err, BootstrapError::Bind { address, .. } if *address == busy.address()),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn secret_files_are_read_with_one_trailing_newline_ignored_and_bounded() {
+    use handoff_actors::bootstrap::load_key;
+    let dir = std::env::temp_dir().join(format!("handoff-boot-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let write = |name: &str, bytes: &[u8]| {
+        let p = dir.join(name);
+        std::fs::write(&p, bytes).expect("write");
+        p
+    };
+    let with_newline = load_key(&write("nl", b"0123456789abcdef\n")).expect("16 bytes + newline");
+    let without = load_key(&write("plain", b"0123456789abcdef")).expect("16 bytes");
+    // Same secret: a frame signed by one verifies under the other.
+    let frame = wire::encode(
+        &Message::StatusRequest(wire::StatusRequest),
+        Some(&with_newline),
+    )
+    .expect("encode");
+    assert!(wire::decode(&frame, Some(&without)).is_ok());
+    let short = load_key(&write("short", b"0123456789abcde\n")).expect_err("15 bytes");
+    assert!(short.to_string().contains("short"), "{short}");
+    let big = load_key(&write("big", &[b'x'; 5000])).expect_err("too big");
+    assert!(big.to_string().contains("at most 4096"), "{big}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

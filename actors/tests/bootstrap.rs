@@ -556,13 +556,30 @@ async fn a_keyed_server_refuses_an_unkeyed_client_logs_it_and_serves_a_keyed_one
         fast(),
     );
     let err = wrong.status(soon()).await.expect_err("wrong key");
-    assert!(
-        matches!(
-            err,
-            BootstrapError::BadReply { .. } | BootstrapError::Refused { .. }
-        ),
-        "{err:?}"
+    match &err {
+        BootstrapError::Refused { detail, .. } => {
+            assert!(detail.contains("authentication failed"), "{detail}")
+        }
+        other => panic!("expected Refused, got {other:?}"),
+    }
+    // The refusal of unauthenticated input is never signed (no signing oracle).
+    let mut dealer = Dealer::connect(&server.address(), b"probe", T)
+        .await
+        .expect("connect");
+    let unsigned = wire::encode(&Message::StatusRequest(wire::StatusRequest), None);
+    dealer.send(vec![unsigned.expect("encode")]).expect("send");
+    let reply = tokio::time::timeout(T, dealer.recv())
+        .await
+        .expect("in time")
+        .expect("answer");
+    assert_eq!(
+        wire::decode(&reply[0], Some(&key())),
+        Err(wire::WireError::AuthMissing)
     );
+    assert!(matches!(
+        wire::decode(&reply[0], None),
+        Ok(Message::ProtocolError(_))
+    ));
     let keyed = BootstrapClient::new(&server.address(), Some(key()), fast());
     keyed
         .register(record("p", (0, 1), (0, 1), 1), soon())

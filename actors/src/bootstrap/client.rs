@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use handoff_transport::auth::Key;
 use handoff_transport::wire::{
-    self, Heartbeat, Message, Query, QueryAnswer, StatusReply, StatusRequest, Unregister, WithPeer,
+    self, Heartbeat, Message, Query, QueryAnswer, StatusReply, StatusRequest, Unregister,
     WorkerRecord,
 };
 use handoff_transport::zmtp::{Dealer, ZmtpError};
@@ -613,9 +613,16 @@ impl Driver {
         };
         let [frame] = <[Vec<u8>; 1]>::try_from(frames)
             .map_err(|f| bad(format!("{} frames in one answer, expected 1", f.len())))?;
-        let reply = wire::decode(&frame, self.key.as_ref())
-            .with_peer(&address)
-            .map_err(|e| bad(e.to_string()))?;
+        let reply = match wire::decode(&frame, self.key.as_ref()) {
+            Ok(reply) => reply,
+            // A server refusing input it could not authenticate answers unsigned (it never
+            // signs text chosen by an unauthenticated peer): read that refusal to name it.
+            Err(e @ wire::WireError::AuthMissing) => match wire::decode(&frame, None) {
+                Ok(Message::ProtocolError(p)) => Message::ProtocolError(p),
+                _ => return Err(bad(e.with_peer(&address).to_string())),
+            },
+            Err(e) => return Err(bad(e.with_peer(&address).to_string())),
+        };
         if let Message::ProtocolError(p) = reply {
             return Err(AttemptError::Final(BootstrapError::Refused {
                 address,

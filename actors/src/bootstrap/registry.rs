@@ -247,7 +247,7 @@ impl Registry {
     }
 
     /// Removes `rank`'s record if it has this `incarnation` (a late `Unregister` from a dead
-    /// incarnation must not remove its successor). Returns whether a record was removed.
+    /// incarnation must not remove its successor). Returns the removed record, if any.
     pub fn unregister(&mut self, rank: &RankInfo, incarnation: u64) -> Option<WorkerRecord> {
         let key = rank.rank();
         let engine = self.engines.get_mut(&rank.engine_id)?;

@@ -382,7 +382,7 @@ impl ServerState {
                 let origin = Origin { conn, peer };
                 match <[Vec<u8>; 1]>::try_from(frames) {
                     Ok([frame]) => self.on_frame(origin, &frame),
-                    Err(frames) => self.refuse(
+                    Err(frames) => self.refuse_unread(
                         origin,
                         &format!("expected one frame per message, got {}", frames.len()),
                     ),
@@ -394,7 +394,7 @@ impl ServerState {
     fn on_frame(&mut self, origin: Origin, frame: &[u8]) {
         let msg = match wire::decode(frame, self.cfg.key.as_ref()) {
             Ok(msg) => msg,
-            Err(e) => return self.refuse(origin, &e.to_string()),
+            Err(e) => return self.refuse_unread(origin, &e.to_string()),
         };
         let now = Instant::now();
         self.registry.touch(origin.conn, now);
@@ -501,18 +501,33 @@ impl ServerState {
         }
     }
 
-    /// Logs the refusal with the peer, answers a [`ProtocolError`] and closes the connection.
+    /// Logs the refusal with the peer, answers a signed [`ProtocolError`] and closes the
+    /// connection: for messages that decoded (and so authenticated, with a key).
     fn refuse(&mut self, origin: Origin, detail: &str) {
+        self.refuse_with(origin, detail, self.cfg.key.clone().as_ref());
+    }
+
+    /// As [`ServerState::refuse`], for input that did not decode: the answer is never
+    /// signed, so an unauthenticated peer cannot make the server sign text it chose (error
+    /// details quote the peer's bytes). An unkeyed peer reads it; a keyed one reads it too
+    /// (the client decodes an unsigned `ProtocolError` to name the refusal).
+    fn refuse_unread(&mut self, origin: Origin, detail: &str) {
+        self.refuse_with(origin, detail, None);
+    }
+
+    fn refuse_with(&mut self, origin: Origin, detail: &str, key: Option<&Key>) {
         warn!(peer = %origin.peer, %detail, "bootstrap server refused a message; closing the connection");
-        self.reply(
-            origin,
-            &Message::ProtocolError(ProtocolError::new(detail.to_string())),
-        );
+        let msg = Message::ProtocolError(ProtocolError::new(detail.to_string()));
+        self.send_with(origin, &msg, key);
         self.disconnect(origin.conn);
     }
 
     fn reply(&mut self, origin: Origin, msg: &Message) {
-        match wire::encode(msg, self.cfg.key.as_ref()) {
+        self.send_with(origin, msg, self.cfg.key.clone().as_ref());
+    }
+
+    fn send_with(&mut self, origin: Origin, msg: &Message, key: Option<&Key>) {
+        match wire::encode(msg, key) {
             Ok(frame) => self.queue(Outgoing::Send(origin.conn, frame)),
             Err(e) => {
                 error!(peer = %origin.peer, reply = %msg.message_type(), error = %e, "cannot encode a reply (a bug)");

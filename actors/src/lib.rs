@@ -14,7 +14,10 @@
 //! - [`link`]: what the runtime needs from a transport; [`inproc`]: the in-process one.
 //! - [`net`]: the network transport: control channels over ZMTP, heartbeats, data-plane hooks.
 //! - [`config`]: configuration and named limits; [`Error`]: the API's errors.
+//! - [`bootstrap`]: the bootstrap server (registry actor), its client, and the
+//!   `handoff bootstrap serve|status` functions.
 
+pub mod bootstrap;
 pub mod config;
 mod error;
 pub mod event;

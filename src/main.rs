@@ -17,6 +17,16 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Run the bootstrap server, where workers register and find each other
+    /// (`handoff bootstrap --listen tcp://0.0.0.0:7400`), or ask one what is registered
+    /// (`handoff bootstrap status --connect tcp://HOST:7400 [--json]`).
+    #[command(args_conflicts_with_subcommands = true)]
+    Bootstrap {
+        #[command(subcommand)]
+        query: Option<BootstrapCommand>,
+        #[command(flatten)]
+        serve: handoff::actors::bootstrap::ServeArgs,
+    },
     /// Run a prefill and a decode runtime in this process, hand over requests, and print
     /// each request's lifecycle (Bootstrapping → WaitingForInput → Transferring → Done).
     Demo {
@@ -30,6 +40,12 @@ enum Command {
         #[arg(long, value_enum, default_value_t = Mode::Push)]
         mode: Mode,
     },
+}
+
+#[derive(Subcommand, Debug)]
+enum BootstrapCommand {
+    /// Print what a running bootstrap server has registered, as a table or JSON.
+    Status(handoff::actors::bootstrap::StatusArgs),
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -57,6 +73,13 @@ fn main() -> ExitCode {
         }
     };
     match cli.command {
+        Command::Bootstrap {
+            query: Some(BootstrapCommand::Status(args)),
+            ..
+        } => rt.block_on(handoff::actors::bootstrap::run_status(args)),
+        Command::Bootstrap { query: None, serve } => {
+            rt.block_on(handoff::actors::bootstrap::run_serve(serve))
+        }
         Command::Demo {
             requests,
             blocks,

@@ -88,3 +88,51 @@ impl Directory for StaticDirectory {
 
     fn invalidate(&self, _engine: &EngineId) {}
 }
+
+/// How long one lookup may keep retrying an unreachable or incomplete bootstrap server
+/// before it reports back: an unreachable server fails the waiting requests by name
+/// (`BootstrapUnavailable`, with the address and the last error) after this long, and an
+/// incomplete engine is asked about again by the request until its bootstrap deadline.
+pub const LOOKUP_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// How long a registration may keep retrying; [`crate::net::NetConfig::register_timeout`]
+/// bounds it again from outside.
+const REGISTER_DEADLINE: std::time::Duration = std::time::Duration::from_secs(300);
+
+impl Directory for crate::bootstrap::BootstrapClient {
+    fn register(&self, record: WorkerRecord) -> DirectoryFuture<Result<(), String>> {
+        let client = self.clone();
+        Box::pin(async move {
+            let deadline = std::time::Instant::now() + REGISTER_DEADLINE;
+            client
+                .register(record, deadline)
+                .await
+                .map_err(|e| e.to_string())
+        })
+    }
+
+    fn lookup(
+        &self,
+        engine: &EngineId,
+    ) -> DirectoryFuture<Result<Vec<WorkerRecord>, ResolveError>> {
+        let client = self.clone();
+        let engine = engine.clone();
+        Box::pin(async move {
+            use crate::bootstrap::BootstrapError as E;
+            let deadline = std::time::Instant::now() + LOOKUP_DEADLINE;
+            match client.query(&engine, deadline).await {
+                Ok(records) => Ok(records),
+                Err(e @ (E::NotReady { .. } | E::UnknownEngine { .. })) => {
+                    Err(ResolveError::NotReady {
+                        detail: e.to_string(),
+                    })
+                }
+                Err(e) => Err(ResolveError::Fatal(e.failure_reason())),
+            }
+        })
+    }
+
+    fn invalidate(&self, engine: &EngineId) {
+        crate::bootstrap::BootstrapClient::invalidate(self, engine);
+    }
+}

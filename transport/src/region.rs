@@ -18,7 +18,7 @@ use crate::types::BlockId;
 pub const REGION_BYTES_MAX: usize = 64 << 30;
 
 /// Errors from region construction and block access.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum RegionError {
     /// The block count or block size was zero, or their product overflowed or passed
     /// [`REGION_BYTES_MAX`].
@@ -290,7 +290,10 @@ mod tests {
 
     #[test]
     fn external_memory_is_used_in_place_and_its_keeper_dropped_with_the_region() {
-        struct Keeper(std::sync::Arc<std::sync::atomic::AtomicBool>, Box<[u8]>);
+        struct Keeper(
+            std::sync::Arc<std::sync::atomic::AtomicBool>,
+            #[allow(dead_code)] Box<[u8]>,
+        );
         impl Drop for Keeper {
             fn drop(&mut self) {
                 self.0.store(true, std::sync::atomic::Ordering::SeqCst);

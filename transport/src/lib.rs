@@ -14,10 +14,15 @@
 //! - [`auth`]: optional HMAC-SHA256 frame authentication with a shared key.
 //! - [`zmtp`]: ZeroMQ's wire protocol (ZMTP 3.1), bounded: ROUTER and DEALER sockets.
 //! - [`ucx`]: our bindings to libucp (loaded at run time) and the batched RMA transfer.
+//! - [`data`]: the data plane's shared vocabulary ([`data::Grants`], [`data::DataError`]),
+//!   transfer planning, and the UCX data plane ([`data::UcxDataPlane`]).
+//! - [`tcp`]: the TCP data transport ([`tcp::DataServer`], [`tcp::DataClient`]).
 
 pub mod auth;
 pub mod codec;
+pub mod data;
 pub mod region;
+pub mod tcp;
 pub mod types;
 pub mod ucx;
 pub mod wire;

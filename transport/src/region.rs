@@ -9,6 +9,7 @@
 
 use std::cell::UnsafeCell;
 use std::ops::Range;
+use std::ptr::NonNull;
 
 use crate::types::BlockId;
 
@@ -17,7 +18,7 @@ use crate::types::BlockId;
 pub const REGION_BYTES_MAX: usize = 64 << 30;
 
 /// Errors from region construction and block access.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum RegionError {
     /// The block count or block size was zero, or their product overflowed or passed
     /// [`REGION_BYTES_MAX`].
@@ -52,9 +53,24 @@ pub enum RegionError {
     },
 }
 
+/// Where a region's bytes live.
+enum Storage {
+    /// Heap memory the region allocated and owns.
+    Owned(Box<[UnsafeCell<u8>]>),
+    /// Memory someone else allocated (e.g. UCX, so that peers can map it), kept alive by
+    /// `_keeper` for as long as the region lives.
+    External {
+        ptr: NonNull<u8>,
+        _keeper: Box<dyn Send + Sync>,
+    },
+}
+
 /// A block-addressed host memory region.
+///
+/// Made by [`HostRegion::new`] (zeroed heap memory) or [`HostRegion::from_external`]
+/// (memory owned by something else, e.g. a UCX allocation that peers can write directly).
 pub struct HostRegion {
-    bytes: Box<[UnsafeCell<u8>]>,
+    storage: Storage,
     block_bytes: usize,
     blocks: u32,
 }
@@ -62,7 +78,8 @@ pub struct HostRegion {
 // SAFETY: all access goes through raw byte copies of whole blocks; the module contract
 // (a block belongs to one live request at a time) keeps writers of one block exclusive.
 unsafe impl Sync for HostRegion {}
-// SAFETY: the region owns its bytes; moving it between threads moves that ownership.
+// SAFETY: the region owns its bytes (or, for external memory, a `Send` keeper that keeps
+// them alive); moving it between threads moves that ownership.
 unsafe impl Send for HostRegion {}
 
 impl std::fmt::Debug for HostRegion {
@@ -77,19 +94,69 @@ impl std::fmt::Debug for HostRegion {
 impl HostRegion {
     /// Allocates `blocks` zeroed blocks of `block_bytes` each.
     pub fn new(blocks: u32, block_bytes: usize) -> Result<Self, RegionError> {
-        let total = (blocks as usize)
+        let total = Self::total_bytes(blocks, block_bytes)?;
+        // `vec![0; n]` asks the allocator for zeroed pages (no per-byte loop, pages
+        // faulted in on first touch), then the slice is re-typed as cells.
+        let bytes: Box<[u8]> = vec![0u8; total].into_boxed_slice();
+        // SAFETY: `UnsafeCell<u8>` is `repr(transparent)` over `u8`, so the two slice types
+        // have the same layout; the box's ownership moves unchanged.
+        let bytes = unsafe { Box::from_raw(Box::into_raw(bytes) as *mut [UnsafeCell<u8>]) };
+        Ok(Self {
+            storage: Storage::Owned(bytes),
+            block_bytes,
+            blocks,
+        })
+    }
+
+    /// A region over `blocks × block_bytes` bytes of memory at `ptr` that something else
+    /// allocated (the UCX data plane uses it so that the engine's blocks are the very memory
+    /// peers write into). `keeper` is dropped when the region is, and must keep the memory
+    /// mapped until then.
+    ///
+    /// # Safety
+    /// `ptr..ptr + blocks × block_bytes` must be valid, writable host memory that stays
+    /// mapped until `keeper` is dropped, and that nothing accesses through Rust references
+    /// (other writers, e.g. RDMA peers, follow the block-ownership contract of this module).
+    pub unsafe fn from_external(
+        ptr: NonNull<u8>,
+        blocks: u32,
+        block_bytes: usize,
+        keeper: Box<dyn Send + Sync>,
+    ) -> Result<Self, RegionError> {
+        Self::total_bytes(blocks, block_bytes)?;
+        Ok(Self {
+            storage: Storage::External {
+                ptr,
+                _keeper: keeper,
+            },
+            block_bytes,
+            blocks,
+        })
+    }
+
+    fn total_bytes(blocks: u32, block_bytes: usize) -> Result<usize, RegionError> {
+        (blocks as usize)
             .checked_mul(block_bytes)
             .filter(|&t| t > 0 && t <= REGION_BYTES_MAX)
             .ok_or(RegionError::BadSize {
                 blocks,
                 block_bytes,
-            })?;
-        let bytes = (0..total).map(|_| UnsafeCell::new(0u8)).collect();
-        Ok(Self {
-            bytes,
-            block_bytes,
-            blocks,
-        })
+            })
+    }
+
+    /// The region's length in bytes (`blocks × block_bytes`).
+    pub fn len_bytes(&self) -> usize {
+        self.blocks as usize * self.block_bytes
+    }
+
+    /// The first byte of the region, for transports that move bytes without a copy
+    /// through a `Vec` (socket reads and writes, RDMA). Every access through it must stay
+    /// inside [`HostRegion::len_bytes`] and follow the module's block-ownership contract.
+    pub fn as_ptr(&self) -> *mut u8 {
+        match &self.storage {
+            Storage::Owned(bytes) => UnsafeCell::raw_get(bytes.as_ptr()),
+            Storage::External { ptr, .. } => ptr.as_ptr(),
+        }
     }
 
     /// Number of blocks.
@@ -121,8 +188,12 @@ impl HostRegion {
             .try_for_each(|b| self.block_range(*b).map(|_| ()))
     }
 
+    /// The address of byte `offset`. Callers pass offsets of checked block ranges.
     fn ptr(&self, offset: usize) -> *mut u8 {
-        UnsafeCell::raw_get(self.bytes[offset..].as_ptr())
+        debug_assert!(offset <= self.len_bytes());
+        // SAFETY: callers pass offsets inside the region (from `block_range`), so the result
+        // stays inside the allocation.
+        unsafe { self.as_ptr().add(offset) }
     }
 
     /// Overwrites one block with `data` (exactly one block long).
@@ -215,5 +286,31 @@ mod tests {
         );
         assert!(HostRegion::new(0, 8).is_err());
         assert!(HostRegion::new(u32::MAX, usize::MAX).is_err());
+    }
+
+    #[test]
+    fn external_memory_is_used_in_place_and_its_keeper_dropped_with_the_region() {
+        struct Keeper(
+            std::sync::Arc<std::sync::atomic::AtomicBool>,
+            #[allow(dead_code)] Box<[u8]>,
+        );
+        impl Drop for Keeper {
+            fn drop(&mut self) {
+                self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        let dropped = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut backing = vec![0u8; 32].into_boxed_slice();
+        let ptr = NonNull::new(backing.as_mut_ptr()).unwrap();
+        let keeper = Box::new(Keeper(dropped.clone(), backing));
+        // SAFETY: the keeper owns the 32 bytes and lives as long as the region.
+        let region = unsafe { HostRegion::from_external(ptr, 4, 8, keeper) }.unwrap();
+        region.write_block(BlockId(2), &[9; 8]).unwrap();
+        assert_eq!(region.as_ptr(), ptr.as_ptr());
+        // SAFETY: byte 16 is inside the 32-byte backing, which the keeper keeps alive.
+        assert_eq!(unsafe { *region.as_ptr().add(16) }, 9);
+        assert_eq!(region.len_bytes(), 32);
+        drop(region);
+        assert!(dropped.load(std::sync::atomic::Ordering::SeqCst));
     }
 }

@@ -1,0 +1,224 @@
+//! From two block lists to operations: pair `local[i]` with `remote[i]`, merge runs that
+//! are contiguous on both sides, and cut the result into operations of bounded size.
+//!
+//! Pure functions over offsets: the transports check the blocks against their regions
+//! (ours and the peer's) before calling [`pieces`], and [`split`] is what bounds the bytes
+//! staged by a server and the segments one frame lists.
+
+use std::ops::Range;
+
+use super::{DataError, BLOCKS_PER_CALL_MAX};
+use crate::types::BlockId;
+
+/// One contiguous byte range moved between the local and the peer's region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Piece {
+    /// Byte offset in the local region.
+    pub local: usize,
+    /// Byte offset in the peer's region.
+    pub remote: u64,
+    /// Length in bytes, not zero.
+    pub len: usize,
+}
+
+/// A transfer cut into operations: `ops[k]` is the range of `pieces` that operation `k`
+/// moves. Every operation has at most the byte and piece bounds given to [`split`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// Every piece, in order.
+    pub pieces: Vec<Piece>,
+    /// Each operation's pieces, as a range of `pieces`.
+    pub ops: Vec<Range<usize>>,
+}
+
+impl Plan {
+    /// Bytes moved by operation `k`.
+    pub fn op_bytes(&self, k: usize) -> usize {
+        self.ops
+            .get(k)
+            .map_or(0, |r| self.pieces[r.clone()].iter().map(|p| p.len).sum())
+    }
+
+    /// Bytes moved by the whole plan.
+    pub fn total_bytes(&self) -> u64 {
+        self.pieces.iter().map(|p| p.len as u64).sum()
+    }
+}
+
+/// Checks the shape of a call: lists of equal length, within [`BLOCKS_PER_CALL_MAX`].
+pub fn check_lists(local: &[BlockId], remote: &[BlockId]) -> Result<(), DataError> {
+    if local.len() != remote.len() {
+        return Err(DataError::Mismatch {
+            detail: format!(
+                "{} source blocks for {} destination blocks",
+                local.len(),
+                remote.len()
+            ),
+        });
+    }
+    if local.len() > BLOCKS_PER_CALL_MAX {
+        return Err(DataError::TooLarge {
+            what: "blocks in one transfer",
+            count: local.len(),
+            max: BLOCKS_PER_CALL_MAX,
+        });
+    }
+    Ok(())
+}
+
+/// Pairs `local[i]` with `remote[i]` (blocks of `block_bytes` on both sides) and merges
+/// each pair into the previous piece when it continues it on both sides. The caller has
+/// checked both lists against their regions, so no offset overflows.
+pub fn pieces(local: &[BlockId], remote: &[BlockId], block_bytes: usize) -> Vec<Piece> {
+    let mut out: Vec<Piece> = Vec::with_capacity(local.len().min(1024));
+    for (l, r) in local.iter().zip(remote) {
+        let piece = Piece {
+            local: l.0 as usize * block_bytes,
+            remote: u64::from(r.0) * block_bytes as u64,
+            len: block_bytes,
+        };
+        if let Some(last) = out.last_mut() {
+            if last.local + last.len == piece.local && last.remote + last.len as u64 == piece.remote
+            {
+                last.len += piece.len;
+                continue;
+            }
+        }
+        out.push(piece);
+    }
+    out
+}
+
+/// Cuts `pieces` into operations of at most `op_bytes_max` bytes and `pieces_per_op_max`
+/// pieces, splitting a piece where an operation fills up.
+pub fn split(pieces: &[Piece], op_bytes_max: usize, pieces_per_op_max: usize) -> Plan {
+    assert!(
+        op_bytes_max > 0 && pieces_per_op_max > 0,
+        "limits must be positive"
+    );
+    let mut plan = Plan::default();
+    let (mut op_start, mut op_bytes) = (0usize, 0usize);
+    for piece in pieces {
+        let mut rest = *piece;
+        while rest.len > 0 {
+            let take = rest.len.min(op_bytes_max - op_bytes);
+            plan.pieces.push(Piece { len: take, ..rest });
+            op_bytes += take;
+            rest.local += take;
+            rest.remote += take as u64;
+            rest.len -= take;
+            if op_bytes == op_bytes_max || plan.pieces.len() - op_start == pieces_per_op_max {
+                plan.ops.push(op_start..plan.pieces.len());
+                op_start = plan.pieces.len();
+                op_bytes = 0;
+            }
+        }
+    }
+    if op_start < plan.pieces.len() {
+        plan.ops.push(op_start..plan.pieces.len());
+    }
+    plan
+}
+
+/// The blocks that the byte range `offset..offset + len` touches, appended to `out`
+/// (the servers' grant checks are per block).
+pub fn touched_blocks(offset: u64, len: u64, block_bytes: u64, out: &mut Vec<BlockId>) {
+    if len == 0 || block_bytes == 0 {
+        return;
+    }
+    let first = offset / block_bytes;
+    let last = (offset + len - 1) / block_bytes;
+    for b in first..=last {
+        let block = BlockId(b as u32);
+        if out.last() != Some(&block) {
+            out.push(block);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(v: &[u32]) -> Vec<BlockId> {
+        v.iter().map(|&b| BlockId(b)).collect()
+    }
+
+    #[test]
+    fn contiguous_runs_merge_and_permuted_blocks_do_not() {
+        let p = pieces(&ids(&[0, 1, 2, 5]), &ids(&[3, 4, 5, 6]), 10);
+        assert_eq!(
+            p,
+            vec![
+                Piece {
+                    local: 0,
+                    remote: 30,
+                    len: 30
+                },
+                Piece {
+                    local: 50,
+                    remote: 60,
+                    len: 10
+                },
+            ]
+        );
+        let p = pieces(&ids(&[0, 1, 2]), &ids(&[2, 1, 0]), 10);
+        assert_eq!(p.len(), 3);
+    }
+
+    #[test]
+    fn split_bounds_bytes_and_pieces_and_keeps_every_byte() {
+        let p = vec![
+            Piece {
+                local: 0,
+                remote: 0,
+                len: 25,
+            },
+            Piece {
+                local: 100,
+                remote: 200,
+                len: 3,
+            },
+            Piece {
+                local: 300,
+                remote: 400,
+                len: 3,
+            },
+            Piece {
+                local: 500,
+                remote: 600,
+                len: 3,
+            },
+        ];
+        let plan = split(&p, 10, 2);
+        assert_eq!(plan.total_bytes(), 34);
+        for k in 0..plan.ops.len() {
+            assert!(plan.op_bytes(k) <= 10);
+            assert!(plan.ops[k].len() <= 2);
+        }
+        assert_eq!(
+            plan.pieces[2],
+            Piece {
+                local: 20,
+                remote: 20,
+                len: 5
+            }
+        );
+        assert_eq!(plan.ops[0], 0..1);
+    }
+
+    #[test]
+    fn touched_blocks_cover_partial_blocks() {
+        let mut out = Vec::new();
+        touched_blocks(15, 20, 10, &mut out);
+        assert_eq!(out, ids(&[1, 2, 3]));
+        touched_blocks(35, 1, 10, &mut out);
+        assert_eq!(out, ids(&[1, 2, 3]), "block 3 again is not repeated");
+    }
+
+    #[test]
+    fn mismatched_or_oversized_lists_are_refused() {
+        assert!(check_lists(&ids(&[1]), &ids(&[1, 2])).is_err());
+        assert!(check_lists(&ids(&[1, 2]), &ids(&[3, 4])).is_ok());
+    }
+}

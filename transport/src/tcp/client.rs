@@ -1,0 +1,500 @@
+//! [`DataClient`]: writes blocks into, and reads blocks from, one peer's [`DataServer`].
+//!
+//! [`DataServer`]: super::DataServer
+
+use std::io::{IoSlice, IoSliceMut};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::TcpStream;
+use tokio::sync::Semaphore;
+use tokio::time::timeout_at;
+
+use super::frame::{self, Header, HelloOk, Op, Segment, NONCE_BYTES};
+use super::io::{io_error, read_exact_vectored, read_head, write_frame};
+use super::{
+    CLIENT_CONNECTIONS_MAX, OPS_INFLIGHT_MAX, OP_BYTES_MAX, POOL_IDLE_MAX, SEGMENTS_PER_OP_MAX,
+};
+use crate::auth::Key;
+use crate::data::plan::{self, Plan};
+use crate::data::{Access, DataError, RefusalCode};
+use crate::region::HostRegion;
+use crate::types::{BlockId, RankInfo, RequestId};
+
+/// One handshaken connection.
+struct Conn {
+    r: OwnedReadHalf,
+    w: OwnedWriteHalf,
+    nonce: [u8; NONCE_BYTES],
+    /// Sequence number of the next operation.
+    seq: u32,
+    meta: Vec<u8>,
+}
+
+struct Inner {
+    addr: SocketAddr,
+    /// `engine/rank@address`, for errors and logs.
+    peer: String,
+    me: RankInfo,
+    key: Option<Key>,
+    /// The server's region and rank, from the first handshake.
+    server: HelloOk,
+    /// Idle connections and when they were last used; at most [`CLIENT_CONNECTIONS_MAX`].
+    pool: Mutex<Vec<(Conn, Instant)>>,
+    /// One permit per connection that may exist.
+    permits: Arc<Semaphore>,
+}
+
+/// A client of one peer's data server: pushes blocks into it ([`DataClient::write`]) and
+/// pulls blocks from it ([`DataClient::read`]).
+///
+/// Made once per peer by the runtime's network link with [`DataClient::connect`], which
+/// opens and handshakes the first connection. Cheap to clone, and every clone shares one
+/// pool of at most [`CLIENT_CONNECTIONS_MAX`] connections, so it can be used from many
+/// tasks at once: each call takes an idle connection (or opens one) for its duration,
+/// waiting within its deadline when all are busy. A call pipelines its operations (at most
+/// [`OPS_INFLIGHT_MAX`] unanswered); a connection on which anything went wrong is closed,
+/// never reused. Dropping a call's future stops it at once: nothing keeps moving bytes
+/// after it (TCP has no one-sided operations).
+#[derive(Clone)]
+pub struct DataClient {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for DataClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataClient")
+            .field("peer", &self.inner.peer)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DataClient {
+    /// Connects to the data server at `addr` as `me`, within `timeout`. `key`: sign every
+    /// frame with it and require the server's frames signed.
+    pub async fn connect(
+        addr: &str,
+        me: RankInfo,
+        key: Option<Key>,
+        timeout: Duration,
+    ) -> Result<DataClient, DataError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let connect_error = |detail: String| DataError::Connect {
+            peer: addr.to_string(),
+            detail,
+        };
+        let resolved = timeout_at(deadline, tokio::net::lookup_host(addr))
+            .await
+            .map_err(|_| connect_error(format!("name lookup took over {timeout:?}")))?
+            .map_err(|e| connect_error(e.to_string()))?
+            .next()
+            .ok_or_else(|| connect_error("name resolves to no address".into()))?;
+        let (conn, server) = open(resolved, &me, key.as_ref(), addr, deadline).await?;
+        let inner = Inner {
+            addr: resolved,
+            peer: format!("{}@{addr}", server.rank),
+            me,
+            key,
+            server,
+            pool: Mutex::new(vec![(conn, Instant::now())]),
+            permits: Arc::new(Semaphore::new(CLIENT_CONNECTIONS_MAX)),
+        };
+        Ok(DataClient {
+            inner: Arc::new(inner),
+        })
+    }
+
+    /// The server's name, `engine/rank@address`.
+    pub fn peer(&self) -> &str {
+        &self.inner.peer
+    }
+
+    /// The server's rank, as it announced it.
+    pub fn server_rank(&self) -> &RankInfo {
+        &self.inner.server.rank
+    }
+
+    /// The server region's block count and block size.
+    pub fn server_region(&self) -> (u32, u64) {
+        (self.inner.server.blocks, self.inner.server.block_bytes)
+    }
+
+    /// Push: writes `src` blocks of `src_region` into the server region's `dst` blocks
+    /// (`src[i]` → `dst[i]`), for `request`, before `deadline`. Every block is checked
+    /// (ours against our region, theirs against the server's) before anything is sent.
+    pub async fn write(
+        &self,
+        request: &RequestId,
+        src_region: &HostRegion,
+        src: &[BlockId],
+        dst: &[BlockId],
+        deadline: Instant,
+    ) -> Result<(), DataError> {
+        let plan = self.plan(src_region, src, dst, false)?;
+        self.run(request, src_region, &plan, Access::Write, deadline)
+            .await
+    }
+
+    /// Pull: reads the server region's `src` blocks into `dst` blocks of `dst_region`
+    /// (`src[i]` → `dst[i]`), for `request`, before `deadline`. Bytes land directly in
+    /// `dst_region`; `dst` must not list a block twice.
+    pub async fn read(
+        &self,
+        request: &RequestId,
+        dst_region: &HostRegion,
+        src: &[BlockId],
+        dst: &[BlockId],
+        deadline: Instant,
+    ) -> Result<(), DataError> {
+        let plan = self.plan(dst_region, dst, src, true)?;
+        self.run(request, dst_region, &plan, Access::Read, deadline)
+            .await
+    }
+
+    /// Checks both block lists and cuts the transfer into operations.
+    fn plan(
+        &self,
+        local_region: &HostRegion,
+        local: &[BlockId],
+        remote: &[BlockId],
+        distinct_local: bool,
+    ) -> Result<Plan, DataError> {
+        plan::check_lists(local, remote)?;
+        local_region.check_blocks(local)?;
+        let server = &self.inner.server;
+        if local_region.block_bytes() as u64 != server.block_bytes {
+            return Err(DataError::Mismatch {
+                detail: format!(
+                    "local blocks of {} bytes, {}'s blocks of {} bytes",
+                    local_region.block_bytes(),
+                    self.inner.peer,
+                    server.block_bytes
+                ),
+            });
+        }
+        if let Some(&block) = remote.iter().find(|b| b.0 >= server.blocks) {
+            return Err(DataError::OutsidePeerRegion {
+                peer: self.inner.peer.clone(),
+                block,
+                blocks: u64::from(server.blocks),
+            });
+        }
+        if distinct_local {
+            // Reads land directly in these blocks, through one mutable buffer per piece.
+            let mut sorted = local.to_vec();
+            sorted.sort_unstable();
+            if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+                return Err(DataError::Mismatch {
+                    detail: format!("destination block {} listed twice", w[0]),
+                });
+            }
+        }
+        let pieces = plan::pieces(local, remote, local_region.block_bytes());
+        Ok(plan::split(&pieces, OP_BYTES_MAX, SEGMENTS_PER_OP_MAX))
+    }
+
+    async fn run(
+        &self,
+        request: &RequestId,
+        region: &HostRegion,
+        plan: &Plan,
+        access: Access,
+        deadline: Instant,
+    ) -> Result<(), DataError> {
+        if plan.ops.is_empty() {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let inner = &self.inner;
+        let timed_out = |op: &'static str| DataError::Timeout {
+            peer: inner.peer.clone(),
+            op,
+            after: started.elapsed(),
+        };
+        let deadline = tokio::time::Instant::from_std(deadline);
+        let _permit = timeout_at(deadline, Arc::clone(&inner.permits).acquire_owned())
+            .await
+            .map_err(|_| timed_out("waiting for a free connection"))?
+            .map_err(|_| DataError::Connect {
+                peer: inner.peer.clone(),
+                detail: "client closed".into(),
+            })?;
+        let mut conn = match self.checkout() {
+            Some(conn) => conn,
+            None => self.reopen(deadline).await?,
+        };
+        match timeout_at(
+            deadline,
+            conn.pipeline(inner, request, region, plan, access),
+        )
+        .await
+        {
+            Ok(Ok(())) => {
+                self.checkin(conn);
+                Ok(())
+            }
+            // The connection is dropped: after an error its stream cannot be trusted.
+            Ok(Err(error)) => Err(error),
+            Err(_) => Err(timed_out(match access {
+                Access::Write => "write",
+                Access::Read => "read",
+            })),
+        }
+    }
+
+    /// An idle pooled connection that is still open, if there is one.
+    fn checkout(&self) -> Option<Conn> {
+        let mut pool = self.inner.pool.lock().unwrap_or_else(|p| p.into_inner());
+        while let Some((conn, since)) = pool.pop() {
+            let mut probe = [0u8; 1];
+            // An idle connection has nothing to read: `WouldBlock`. EOF, stray bytes or an
+            // error mean the server closed or broke it.
+            let open = matches!(conn.r.try_read(&mut probe), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock);
+            if open && since.elapsed() < POOL_IDLE_MAX {
+                return Some(conn);
+            }
+        }
+        None
+    }
+
+    fn checkin(&self, conn: Conn) {
+        let mut pool = self.inner.pool.lock().unwrap_or_else(|p| p.into_inner());
+        if pool.len() < CLIENT_CONNECTIONS_MAX {
+            pool.push((conn, Instant::now()));
+        }
+    }
+
+    async fn reopen(&self, deadline: tokio::time::Instant) -> Result<Conn, DataError> {
+        let inner = &self.inner;
+        let (conn, server) = open(
+            inner.addr,
+            &inner.me,
+            inner.key.as_ref(),
+            &inner.peer,
+            deadline,
+        )
+        .await?;
+        if (server.blocks, server.block_bytes, &server.rank)
+            != (
+                inner.server.blocks,
+                inner.server.block_bytes,
+                &inner.server.rank,
+            )
+        {
+            return Err(DataError::Protocol {
+                peer: inner.peer.clone(),
+                detail: format!(
+                    "server changed: now {} with {} blocks of {} bytes",
+                    server.rank, server.blocks, server.block_bytes
+                ),
+            });
+        }
+        Ok(conn)
+    }
+}
+
+/// Opens a connection and handshakes, before `deadline`.
+async fn open(
+    addr: SocketAddr,
+    me: &RankInfo,
+    key: Option<&Key>,
+    peer: &str,
+    deadline: tokio::time::Instant,
+) -> Result<(Conn, HelloOk), DataError> {
+    let connect_error = |detail: String| DataError::Connect {
+        peer: peer.to_string(),
+        detail,
+    };
+    let handshake = async {
+        let stream = TcpStream::connect(addr)
+            .await
+            .map_err(|e| connect_error(e.to_string()))?;
+        stream
+            .set_nodelay(true)
+            .map_err(|e| connect_error(e.to_string()))?;
+        let (mut r, mut w) = stream.into_split();
+        let zero = [0u8; NONCE_BYTES];
+        let hello = Header {
+            op: Op::Hello,
+            flags: 0,
+            seq: 0,
+            meta_len: 0,
+            data_len: 0,
+        };
+        write_frame(&mut w, hello, &frame::encode_hello(me), &[], key, &zero)
+            .await
+            .map_err(|e| connect_error(format!("sending Hello: {e}")))?;
+        let mut meta = Vec::new();
+        let head = read_head(&mut r, key, &zero, &mut meta, peer, "handshake").await?;
+        let server = match head.op {
+            Op::HelloOk => frame::decode_hello_ok(&meta).map_err(|e| DataError::Protocol {
+                peer: peer.to_string(),
+                detail: e.to_string(),
+            })?,
+            Op::Error => return Err(refusal(peer, &meta)),
+            other => {
+                return Err(DataError::Protocol {
+                    peer: peer.to_string(),
+                    detail: format!("{other:?} instead of HelloOk"),
+                })
+            }
+        };
+        let conn = Conn {
+            r,
+            w,
+            nonce: server.nonce,
+            seq: 1,
+            meta: Vec::new(),
+        };
+        Ok((conn, server))
+    };
+    timeout_at(deadline, handshake)
+        .await
+        .map_err(|_| connect_error("no handshake before the deadline".into()))?
+}
+
+/// The error for an `Error` frame's metadata.
+fn refusal(peer: &str, meta: &[u8]) -> DataError {
+    match frame::decode_error(meta) {
+        Ok((code, detail)) => match RefusalCode::from_wire(code) {
+            Some(code) => DataError::Refused {
+                peer: peer.to_string(),
+                code,
+                detail,
+            },
+            None => DataError::Protocol {
+                peer: peer.to_string(),
+                detail: format!("unknown refusal code {code}: {detail}"),
+            },
+        },
+        Err(e) => DataError::Protocol {
+            peer: peer.to_string(),
+            detail: e.to_string(),
+        },
+    }
+}
+
+impl Conn {
+    /// Sends every operation of `plan` and takes every answer, at most
+    /// [`OPS_INFLIGHT_MAX`] unanswered at a time.
+    async fn pipeline(
+        &mut self,
+        inner: &Inner,
+        request: &RequestId,
+        region: &HostRegion,
+        plan: &Plan,
+        access: Access,
+    ) -> Result<(), DataError> {
+        let base = self.seq;
+        self.seq = self.seq.wrapping_add(plan.ops.len() as u32);
+        let window = Semaphore::new(OPS_INFLIGHT_MAX);
+        let (key, peer) = (inner.key.as_ref(), inner.peer.as_str());
+        let Conn {
+            r, w, nonce, meta, ..
+        } = self;
+        let nonce = *nonce;
+        let send = async {
+            for (k, range) in plan.ops.iter().enumerate() {
+                window
+                    .acquire()
+                    .await
+                    .map_err(|_| DataError::Io {
+                        peer: peer.into(),
+                        detail: "window closed".into(),
+                    })?
+                    .forget();
+                let pieces = &plan.pieces[range.clone()];
+                let segments = pieces.iter().map(|p| Segment {
+                    offset: p.remote,
+                    len: p.len as u32,
+                });
+                frame::encode_op(request, segments, meta);
+                let (op, data) = match access {
+                    // SAFETY: every piece lies inside `region` (its blocks were checked by
+                    // `plan`); the caller's request owns these blocks for the call.
+                    Access::Write => (
+                        Op::Write,
+                        pieces
+                            .iter()
+                            .map(|p| IoSlice::new(unsafe { local(region, p.local, p.len) }))
+                            .collect(),
+                    ),
+                    Access::Read => (Op::Read, Vec::new()),
+                };
+                let data_len = if access == Access::Write {
+                    plan.op_bytes(k) as u32
+                } else {
+                    0
+                };
+                let header = Header {
+                    op,
+                    flags: 0,
+                    seq: base.wrapping_add(k as u32),
+                    meta_len: 0,
+                    data_len,
+                };
+                write_frame(w, header, meta, &data, key, &nonce)
+                    .await
+                    .map_err(|e| io_error(peer, "sending", e))?;
+            }
+            Ok::<(), DataError>(())
+        };
+        let recv = async {
+            let mut answer = Vec::new();
+            for (k, range) in plan.ops.iter().enumerate() {
+                let seq = base.wrapping_add(k as u32);
+                let head =
+                    read_head(r, key, &nonce, &mut answer, peer, "awaiting an answer").await?;
+                let bytes = plan.op_bytes(k);
+                match (head.op, access) {
+                    (Op::Error, _) => return Err(refusal(peer, &answer)),
+                    (Op::WriteOk, Access::Write) if head.seq == seq => {}
+                    (Op::ReadData, Access::Read) if head.seq == seq && head.data_len as usize == bytes => {
+                        let mut bufs: Vec<IoSliceMut<'_>> = plan.pieces[range.clone()]
+                            .iter()
+                            // SAFETY: inside `region` (checked by `plan`), and no two pieces
+                            // overlap (`plan` refused a destination block listed twice).
+                            .map(|p| IoSliceMut::new(unsafe { local_mut(region, p.local, p.len) }))
+                            .collect();
+                        read_exact_vectored(r, &mut bufs).await.map_err(|e| io_error(peer, "receiving read data", e))?;
+                    }
+                    (op, _) => {
+                        return Err(DataError::Protocol {
+                            peer: peer.into(),
+                            detail: format!(
+                                "{op:?} (seq {}, {} data bytes) where the answer to operation {seq} ({bytes} bytes) was due",
+                                head.seq, head.data_len
+                            ),
+                        })
+                    }
+                }
+                window.add_permits(1);
+            }
+            Ok::<(), DataError>(())
+        };
+        tokio::try_join!(send, recv).map(|_| ())
+    }
+}
+
+/// `len` bytes of `region` at `offset`.
+///
+/// # Safety
+/// The range must lie inside the region, and the caller's request must own its blocks.
+unsafe fn local(region: &HostRegion, offset: usize, len: usize) -> &[u8] {
+    debug_assert!(offset + len <= region.len_bytes());
+    // SAFETY: per the function's contract.
+    unsafe { std::slice::from_raw_parts(region.as_ptr().add(offset), len) }
+}
+
+/// `len` bytes of `region` at `offset`, to write into.
+///
+/// # Safety
+/// As [`local`], and no other reference to the range may exist while this one lives.
+#[allow(clippy::mut_from_ref)]
+unsafe fn local_mut(region: &HostRegion, offset: usize, len: usize) -> &mut [u8] {
+    debug_assert!(offset + len <= region.len_bytes());
+    // SAFETY: per the function's contract.
+    unsafe { std::slice::from_raw_parts_mut(region.as_ptr().add(offset), len) }
+}

@@ -1,0 +1,672 @@
+//! [`DataServer`]: serves one region to peers, checking every operation against the
+//! runtime's grants.
+
+use std::io::IoSlice;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::AsyncReadExt;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinSet;
+use tokio::time::timeout;
+
+use super::frame::{self, FrameError, Header, HelloOk, Op, Segment, HEADER_BYTES, NONCE_BYTES};
+use super::io::{io_error, read_head, write_frame};
+use super::{
+    CONNECTION_IDLE_TIMEOUT_DEFAULT, FRAME_READ_TIMEOUT_DEFAULT, OP_BYTES_MAX,
+    SERVER_CONNECTIONS_MAX,
+};
+use crate::auth::Key;
+use crate::data::{plan, Access, DataError, Grants, RefusalCode};
+use crate::region::HostRegion;
+use crate::types::{BlockId, RankInfo, RequestId};
+
+/// How long the server tries to deliver an `Error` frame to a peer it is about to drop.
+const ERROR_SEND_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// A server's time limits and connection bound. [`Default`] gives the named defaults.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// Time to receive the rest of a frame once its header arrived, and the `Hello`.
+    pub frame_read_timeout: Duration,
+    /// A connection with no frame for this long is closed.
+    pub idle_timeout: Duration,
+    /// Connections served at once; a further one gets `Busy` and is closed.
+    pub connections_max: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            frame_read_timeout: FRAME_READ_TIMEOUT_DEFAULT,
+            idle_timeout: CONNECTION_IDLE_TIMEOUT_DEFAULT,
+            connections_max: SERVER_CONNECTIONS_MAX,
+        }
+    }
+}
+
+/// What a server has done since it started (for tests, metrics and logs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ServerStats {
+    /// Write operations completed.
+    pub writes: u64,
+    /// Read operations completed.
+    pub reads: u64,
+    /// Operations refused (not granted, out of range, malformed metadata).
+    pub refused: u64,
+    /// Connections closed for a protocol or authentication error.
+    pub dropped_connections: u64,
+    /// Connections accepted (including ones answered `Busy`).
+    pub connections: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    writes: AtomicU64,
+    reads: AtomicU64,
+    refused: AtomicU64,
+    dropped: AtomicU64,
+    connections: AtomicU64,
+    open: AtomicUsize,
+}
+
+struct Shared {
+    region: Arc<HostRegion>,
+    grants: Arc<dyn Grants>,
+    me: RankInfo,
+    key: Option<Key>,
+    config: ServerConfig,
+    counters: Counters,
+    /// Mixed into every connection's nonce so nonces differ across servers and restarts.
+    nonce_seed: u64,
+    next_connection: AtomicU64,
+}
+
+/// A TCP data server: serves one region (the worker's KV pool) to peers.
+///
+/// Made by the runtime's network link, once per worker, with [`DataServer::bind`] (inside
+/// a tokio runtime); its [`DataServer::local_addr`] goes into the worker's bootstrap record.
+/// It accepts connections on its own task, one task per connection. Dropping it stops
+/// accepting and closes every connection; a copy into the region never stops half-way
+/// (copies run between await points, inside the grant).
+pub struct DataServer {
+    local_addr: SocketAddr,
+    shared: Arc<Shared>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl std::fmt::Debug for DataServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataServer")
+            .field("local_addr", &self.local_addr)
+            .field("me", &self.shared.me)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for DataServer {
+    fn drop(&mut self) {
+        // Aborting the accept task drops its JoinSet, which aborts every connection task.
+        self.task.abort();
+    }
+}
+
+impl DataServer {
+    /// Listens on `addr` (e.g. `127.0.0.1:0`) and serves `region` under `grants`, with
+    /// [`ServerConfig::default`]. `key`: peers must authenticate every frame with it.
+    pub async fn bind(
+        addr: &str,
+        region: Arc<HostRegion>,
+        grants: Arc<dyn Grants>,
+        me: RankInfo,
+        key: Option<Key>,
+    ) -> Result<DataServer, DataError> {
+        Self::bind_with(addr, region, grants, me, key, ServerConfig::default()).await
+    }
+
+    /// [`DataServer::bind`] with explicit limits.
+    pub async fn bind_with(
+        addr: &str,
+        region: Arc<HostRegion>,
+        grants: Arc<dyn Grants>,
+        me: RankInfo,
+        key: Option<Key>,
+        config: ServerConfig,
+    ) -> Result<DataServer, DataError> {
+        let bind_error = |detail: String| DataError::Bind {
+            addr: addr.to_string(),
+            detail,
+        };
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|e| bind_error(e.to_string()))?;
+        let local_addr = listener
+            .local_addr()
+            .map_err(|e| bind_error(e.to_string()))?;
+        let shared = Arc::new(Shared {
+            region,
+            grants,
+            me,
+            key,
+            config,
+            counters: Counters::default(),
+            nonce_seed: nonce_seed(),
+            next_connection: AtomicU64::new(0),
+        });
+        let task = tokio::spawn(accept_loop(listener, Arc::clone(&shared)));
+        tracing::debug!(%local_addr, me = %shared.me, "data server listening");
+        Ok(DataServer {
+            local_addr,
+            shared,
+            task,
+        })
+    }
+
+    /// The address the server listens on (with the port the system chose for `:0`).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Counters since the server started.
+    pub fn stats(&self) -> ServerStats {
+        let c = &self.shared.counters;
+        ServerStats {
+            writes: c.writes.load(Ordering::Relaxed),
+            reads: c.reads.load(Ordering::Relaxed),
+            refused: c.refused.load(Ordering::Relaxed),
+            dropped_connections: c.dropped.load(Ordering::Relaxed),
+            connections: c.connections.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// A seed that differs per process and per server: the std hasher's random keys and the
+/// clock. Nonces must be unique, not secret.
+fn nonce_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.write_u32(std::process::id());
+    h.finish()
+}
+
+async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, addr)) => {
+                    shared.counters.connections.fetch_add(1, Ordering::Relaxed);
+                    let open = shared.counters.open.fetch_add(1, Ordering::AcqRel);
+                    let shared = Arc::clone(&shared);
+                    connections.spawn(async move {
+                        if open >= shared.config.connections_max {
+                            tracing::warn!(peer = %addr, max = shared.config.connections_max, "data server at its connection limit; refusing");
+                            refuse_connection(stream, RefusalCode::Busy, "server at its connection limit").await;
+                        } else {
+                            serve_connection(stream, addr, &shared).await;
+                        }
+                        shared.counters.open.fetch_sub(1, Ordering::AcqRel);
+                    });
+                }
+                Err(e) => {
+                    // Out of file descriptors and the like: wait a little rather than spin.
+                    tracing::warn!(error = %e, "data server accept failed");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+}
+
+async fn refuse_connection(stream: TcpStream, code: RefusalCode, detail: &str) {
+    let (_r, mut w) = stream.into_split();
+    let header = Header {
+        op: Op::Error,
+        flags: 0,
+        seq: 0,
+        meta_len: 0,
+        data_len: 0,
+    };
+    let meta = frame::encode_error(code.to_wire(), detail);
+    let _ = timeout(
+        ERROR_SEND_TIMEOUT,
+        write_frame(&mut w, header, &meta, &[], None, &[0; NONCE_BYTES]),
+    )
+    .await;
+}
+
+/// One connection's state: its halves, nonce, the peer's name and reusable buffers.
+struct Conn<'a> {
+    shared: &'a Shared,
+    r: OwnedReadHalf,
+    w: OwnedWriteHalf,
+    nonce: [u8; NONCE_BYTES],
+    /// `engine/rank@address` once the peer said hello, its address before.
+    peer: String,
+    rank: Option<RankInfo>,
+    meta: Vec<u8>,
+    segments: Vec<Segment>,
+    blocks: Vec<BlockId>,
+    /// Staged write data / read data; grows to at most [`OP_BYTES_MAX`].
+    staging: Vec<u8>,
+}
+
+/// Why a connection ends.
+enum End {
+    /// The peer closed it (or went idle) between frames.
+    Clean,
+    /// An error after which the stream cannot be trusted; `Some` = tell the peer.
+    Error(DataError, Option<RefusalCode>),
+}
+
+async fn serve_connection(stream: TcpStream, addr: SocketAddr, shared: &Shared) {
+    let _ = stream.set_nodelay(true);
+    let (r, w) = stream.into_split();
+    let id = shared.next_connection.fetch_add(1, Ordering::Relaxed);
+    let mut nonce = [0u8; NONCE_BYTES];
+    nonce[..8].copy_from_slice(&shared.nonce_seed.to_le_bytes());
+    nonce[8..].copy_from_slice(&id.to_le_bytes());
+    let mut conn = Conn {
+        shared,
+        r,
+        w,
+        nonce,
+        peer: addr.to_string(),
+        rank: None,
+        meta: Vec::new(),
+        segments: Vec::new(),
+        blocks: Vec::new(),
+        staging: Vec::new(),
+    };
+    let end = match conn.handshake().await {
+        Ok(()) => conn.serve().await,
+        Err(end) => end,
+    };
+    if let End::Error(error, code) = end {
+        shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(peer = %conn.peer, %error, "data connection closed after an error");
+        if let Some(code) = code {
+            let _ = timeout(
+                ERROR_SEND_TIMEOUT,
+                conn.send_error(0, code, &error.to_string()),
+            )
+            .await;
+        }
+    }
+}
+
+impl Conn<'_> {
+    fn protocol(&self, detail: impl Into<String>) -> DataError {
+        DataError::Protocol {
+            peer: self.peer.clone(),
+            detail: detail.into(),
+        }
+    }
+
+    async fn handshake(&mut self) -> Result<(), End> {
+        let limit = self.shared.config.frame_read_timeout;
+        let key = self.shared.key.as_ref();
+        let zero = [0u8; NONCE_BYTES];
+        let head = timeout(
+            limit,
+            read_head(&mut self.r, key, &zero, &mut self.meta, &self.peer, "hello"),
+        )
+        .await
+        .map_err(|_| End::Error(self.protocol(format!("no Hello within {limit:?}")), None))?
+        .map_err(classify)?;
+        if head.op != Op::Hello {
+            return Err(End::Error(
+                self.protocol(format!("{:?} before Hello", head.op)),
+                Some(RefusalCode::Malformed),
+            ));
+        }
+        let rank = frame::decode_hello(&self.meta)
+            .map_err(|e| End::Error(self.protocol(e.to_string()), Some(RefusalCode::Malformed)))?;
+        self.peer = format!("{rank}@{}", self.peer);
+        self.rank = Some(rank);
+        let ok = HelloOk {
+            nonce: self.nonce,
+            blocks: self.shared.region.blocks(),
+            block_bytes: self.shared.region.block_bytes() as u64,
+            rank: self.shared.me.clone(),
+        };
+        let header = Header {
+            op: Op::HelloOk,
+            flags: 0,
+            seq: head.seq,
+            meta_len: 0,
+            data_len: 0,
+        };
+        let meta = frame::encode_hello_ok(&ok);
+        write_frame(&mut self.w, header, &meta, &[], key, &zero)
+            .await
+            .map_err(|e| End::Error(io_error(&self.peer, "hello", e), None))
+    }
+
+    async fn serve(&mut self) -> End {
+        loop {
+            let mut first = [0u8; 1];
+            // Wait for the next frame's first byte under the idle limit, the rest under the
+            // frame limit: a stalled peer holds a connection for bounded time.
+            match timeout(self.shared.config.idle_timeout, self.r.peek(&mut first)).await {
+                Err(_) => {
+                    tracing::debug!(peer = %self.peer, "idle data connection closed");
+                    return End::Clean;
+                }
+                Ok(Ok(0)) => return End::Clean,
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => return End::Error(io_error(&self.peer, "idle", e), None),
+            }
+            let limit = self.shared.config.frame_read_timeout;
+            let result = match timeout(limit, self.one_frame()).await {
+                Ok(result) => result,
+                Err(_) => Err(End::Error(
+                    self.protocol(format!("frame not complete within {limit:?}")),
+                    None,
+                )),
+            };
+            if let Err(end) = result {
+                return end;
+            }
+        }
+    }
+
+    /// Reads and answers one frame. `Err` ends the connection.
+    async fn one_frame(&mut self) -> Result<(), End> {
+        let key = self.shared.key.as_ref();
+        let head = read_head(
+            &mut self.r,
+            key,
+            &self.nonce,
+            &mut self.meta,
+            &self.peer,
+            "frame",
+        )
+        .await
+        .map_err(classify)?;
+        let access = match head.op {
+            Op::Write => Access::Write,
+            Op::Read => Access::Read,
+            other => {
+                return Err(End::Error(
+                    self.protocol(format!("unexpected {other:?} frame from a client")),
+                    Some(RefusalCode::Malformed),
+                ))
+            }
+        };
+        // The header was valid, so its data length is known: a refused operation's data is
+        // read and discarded, and the connection stays in step.
+        let request = match self.check_op(&head, access) {
+            Ok(request) => request,
+            Err((code, detail)) => {
+                self.discard(head.data_len as usize).await?;
+                return self.refuse(head.seq, code, None, &detail).await;
+            }
+        };
+        match access {
+            Access::Write => self.write(&head, &request).await,
+            Access::Read => self.read(&head, &request).await,
+        }
+    }
+
+    /// Parses the segments and checks them against the region; fills `self.blocks`.
+    fn check_op(
+        &mut self,
+        head: &Header,
+        access: Access,
+    ) -> Result<RequestId, (RefusalCode, String)> {
+        let malformed = |e: FrameError| (RefusalCode::Malformed, e.to_string());
+        let (request, total) =
+            frame::decode_op(&self.meta, &mut self.segments).map_err(malformed)?;
+        if access == Access::Write && total != u64::from(head.data_len) {
+            return Err((
+                RefusalCode::Malformed,
+                format!(
+                    "segments total {total} bytes, frame carries {}",
+                    head.data_len
+                ),
+            ));
+        }
+        let region_len = self.shared.region.len_bytes() as u64;
+        let block_bytes = self.shared.region.block_bytes() as u64;
+        self.blocks.clear();
+        for seg in &self.segments {
+            let end = seg.offset.checked_add(u64::from(seg.len));
+            if end.is_none_or(|end| end > region_len) {
+                return Err((
+                    RefusalCode::OutOfRange,
+                    format!(
+                        "request {request}: bytes [{}, +{}) outside the region of {} blocks of {block_bytes} bytes",
+                        seg.offset, seg.len, self.shared.region.blocks()
+                    ),
+                ));
+            }
+            plan::touched_blocks(
+                seg.offset,
+                u64::from(seg.len),
+                block_bytes,
+                &mut self.blocks,
+            );
+        }
+        Ok(request)
+    }
+
+    fn hello_rank(&self) -> Result<RankInfo, End> {
+        self.rank
+            .clone()
+            .ok_or_else(|| End::Error(self.protocol("operation before Hello"), None))
+    }
+
+    async fn discard(&mut self, len: usize) -> Result<(), End> {
+        self.stage(len).await
+    }
+
+    /// Reads `len` data bytes (at most [`OP_BYTES_MAX`], checked on the header) into staging.
+    async fn stage(&mut self, len: usize) -> Result<(), End> {
+        debug_assert!(len <= OP_BYTES_MAX);
+        self.staging.resize(len, 0);
+        self.r
+            .read_exact(&mut self.staging[..len])
+            .await
+            .map(|_| ())
+            .map_err(|e| End::Error(io_error(&self.peer, "staging data", e), None))
+    }
+
+    async fn write(&mut self, head: &Header, request: &RequestId) -> Result<(), End> {
+        let rank = self.hello_rank()?;
+        self.stage(head.data_len as usize).await?;
+        let region = &self.shared.region;
+        let (segments, staging) = (&self.segments, &self.staging);
+        let mut copied = false;
+        let mut copy = || {
+            let mut pos = 0usize;
+            for seg in segments {
+                let len = seg.len as usize;
+                // SAFETY: the segment lies inside the region (check_op) and staging holds
+                // the segments' total (checked against the data length); the grant held
+                // around this call makes these blocks this peer's to write right now.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        staging[pos..pos + len].as_ptr(),
+                        region.as_ptr().add(seg.offset as usize),
+                        len,
+                    )
+                };
+                pos += len;
+            }
+            copied = true;
+        };
+        let granted =
+            self.shared
+                .grants
+                .with_grant(&rank, request, Access::Write, &self.blocks, &mut copy);
+        match (granted, copied) {
+            (Ok(()), true) => {
+                self.shared.counters.writes.fetch_add(1, Ordering::Relaxed);
+                let header = Header {
+                    op: Op::WriteOk,
+                    flags: 0,
+                    seq: head.seq,
+                    meta_len: 0,
+                    data_len: 0,
+                };
+                write_frame(
+                    &mut self.w,
+                    header,
+                    &[],
+                    &[],
+                    self.shared.key.as_ref(),
+                    &self.nonce,
+                )
+                .await
+                .map_err(|e| End::Error(io_error(&self.peer, "answering a write", e), None))
+            }
+            (Ok(()), false) => {
+                self.refuse(
+                    head.seq,
+                    RefusalCode::Internal,
+                    Some(request),
+                    "grant check ran no copy",
+                )
+                .await
+            }
+            (Err(why), _) => {
+                self.refuse(head.seq, RefusalCode::NotGranted, Some(request), &why)
+                    .await
+            }
+        }
+    }
+
+    async fn read(&mut self, head: &Header, request: &RequestId) -> Result<(), End> {
+        let rank = self.hello_rank()?;
+        let total: usize = self.segments.iter().map(|s| s.len as usize).sum();
+        self.staging.resize(total, 0);
+        let region = &self.shared.region;
+        let (segments, staging) = (&self.segments, &mut self.staging);
+        let mut copied = false;
+        let mut copy = || {
+            let mut pos = 0usize;
+            for seg in segments {
+                let len = seg.len as usize;
+                // SAFETY: the segment lies inside the region (check_op); staging is `total`
+                // long; the grant held around this call keeps the blocks readable.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        region.as_ptr().add(seg.offset as usize),
+                        staging[pos..pos + len].as_mut_ptr(),
+                        len,
+                    )
+                };
+                pos += len;
+            }
+            copied = true;
+        };
+        let granted =
+            self.shared
+                .grants
+                .with_grant(&rank, request, Access::Read, &self.blocks, &mut copy);
+        match (granted, copied) {
+            (Ok(()), true) => {
+                self.shared.counters.reads.fetch_add(1, Ordering::Relaxed);
+                let header = Header {
+                    op: Op::ReadData,
+                    flags: 0,
+                    seq: head.seq,
+                    meta_len: 0,
+                    data_len: total as u32,
+                };
+                let data = [IoSlice::new(&self.staging)];
+                write_frame(
+                    &mut self.w,
+                    header,
+                    &[],
+                    &data,
+                    self.shared.key.as_ref(),
+                    &self.nonce,
+                )
+                .await
+                .map_err(|e| End::Error(io_error(&self.peer, "sending read data", e), None))
+            }
+            (Ok(()), false) => {
+                self.refuse(
+                    head.seq,
+                    RefusalCode::Internal,
+                    Some(request),
+                    "grant check ran no copy",
+                )
+                .await
+            }
+            (Err(why), _) => {
+                self.refuse(head.seq, RefusalCode::NotGranted, Some(request), &why)
+                    .await
+            }
+        }
+    }
+
+    /// Answers an operation with `Error`, logs it with the peer named, and goes on.
+    async fn refuse(
+        &mut self,
+        seq: u32,
+        code: RefusalCode,
+        request: Option<&RequestId>,
+        detail: &str,
+    ) -> Result<(), End> {
+        self.shared.counters.refused.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(peer = %self.peer, request = ?request, %code, detail, "data operation refused");
+        self.send_error(seq, code, detail)
+            .await
+            .map_err(|e| End::Error(io_error(&self.peer, "sending a refusal", e), None))
+    }
+
+    async fn send_error(
+        &mut self,
+        seq: u32,
+        code: RefusalCode,
+        detail: &str,
+    ) -> std::io::Result<()> {
+        let header = Header {
+            op: Op::Error,
+            flags: 0,
+            seq,
+            meta_len: 0,
+            data_len: 0,
+        };
+        let meta = frame::encode_error(code.to_wire(), detail);
+        // Before the handshake completed the peer knows no nonce: sign with zeros.
+        let nonce = if self.rank.is_some() {
+            self.nonce
+        } else {
+            [0; NONCE_BYTES]
+        };
+        write_frame(
+            &mut self.w,
+            header,
+            &meta,
+            &[],
+            self.shared.key.as_ref(),
+            &nonce,
+        )
+        .await
+    }
+}
+
+/// Sorts a failed frame read: bad frames and bad tags are answered, IO errors are not.
+fn classify(error: DataError) -> End {
+    match error {
+        DataError::Protocol { .. } => End::Error(error, Some(RefusalCode::Malformed)),
+        DataError::Auth { .. } => End::Error(error, Some(RefusalCode::AuthFailed)),
+        DataError::PeerClosed { .. } => End::Error(error, None),
+        other => End::Error(other, None),
+    }
+}
+
+const _: () = assert!(HEADER_BYTES < OP_BYTES_MAX);

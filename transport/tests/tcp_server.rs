@@ -1,0 +1,527 @@
+//! The TCP data transport in one process: transfers with checksums, refusals that leave the
+//! connection and the server serving, and hostile bytes on the data port.
+
+mod data_common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use data_common::{checksum, fill, ids, Rng, TableGrants};
+use handoff_transport::auth::Key;
+use handoff_transport::data::{Access, AllowAll, DataError, Grants, RefusalCode};
+use handoff_transport::tcp::frame::{self, Header, Op, Segment, HEADER_BYTES};
+use handoff_transport::tcp::{DataClient, DataServer, ServerConfig, OP_BYTES_MAX};
+use handoff_transport::{BlockId, HostRegion, RankInfo, RequestId};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const BLOCKS: u32 = 64;
+const BLOCK_BYTES: usize = 64 * 1024;
+const STEP: Duration = Duration::from_secs(20);
+
+fn deadline() -> Instant {
+    Instant::now() + STEP
+}
+
+async fn server(
+    grants: Arc<dyn Grants>,
+    key: Option<Key>,
+    config: ServerConfig,
+) -> (DataServer, Arc<HostRegion>) {
+    let region = Arc::new(HostRegion::new(BLOCKS, BLOCK_BYTES).unwrap());
+    let server = DataServer::bind_with(
+        "127.0.0.1:0",
+        Arc::clone(&region),
+        grants,
+        RankInfo::single("decode"),
+        key,
+        config,
+    )
+    .await
+    .unwrap();
+    (server, region)
+}
+
+async fn client(server: &DataServer, key: Option<Key>) -> DataClient {
+    DataClient::connect(
+        &server.local_addr().to_string(),
+        RankInfo::single("prefill"),
+        key,
+        STEP,
+    )
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_then_read_a_permutation_with_matching_checksums() {
+    let (server, remote) = server(Arc::new(AllowAll), None, ServerConfig::default()).await;
+    let local = HostRegion::new(BLOCKS, BLOCK_BYTES).unwrap();
+    fill(&local, 7);
+    let c = client(&server, None).await;
+    let src = ids(0..BLOCKS);
+    let dst = Rng::new(1).permutation(BLOCKS);
+    c.write(&RequestId::new("r"), &local, &src, &dst, deadline())
+        .await
+        .unwrap();
+    assert_eq!(checksum(&remote, &dst), checksum(&local, &src));
+    let back = HostRegion::new(BLOCKS, BLOCK_BYTES).unwrap();
+    let order = Rng::new(2).permutation(BLOCKS);
+    c.read(&RequestId::new("r"), &back, &dst, &order, deadline())
+        .await
+        .unwrap();
+    assert_eq!(checksum(&back, &order), checksum(&local, &src));
+    // Contiguous runs coalesce and split at the op maximum: one 4 MiB run = 1 op, a
+    // whole-region run = several.
+    c.write(&RequestId::new("r"), &local, &src, &src, deadline())
+        .await
+        .unwrap();
+    assert_eq!(checksum(&remote, &src), checksum(&local, &src));
+    assert!(server.stats().writes >= (BLOCKS as u64 * BLOCK_BYTES as u64) / OP_BYTES_MAX as u64);
+    assert_eq!(server.stats().refused, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_tasks_share_one_client() {
+    let (server, remote) = server(Arc::new(AllowAll), None, ServerConfig::default()).await;
+    let local = Arc::new(HostRegion::new(BLOCKS, BLOCK_BYTES).unwrap());
+    fill(&local, 3);
+    let c = client(&server, None).await;
+    let mut tasks = Vec::new();
+    for t in 0..16u32 {
+        let (c, local) = (c.clone(), Arc::clone(&local));
+        tasks.push(tokio::spawn(async move {
+            let blocks: Vec<BlockId> = (t * 4..t * 4 + 4).map(BlockId).collect();
+            c.write(
+                &RequestId::new(format!("r{t}")),
+                &local,
+                &blocks,
+                &blocks,
+                deadline(),
+            )
+            .await
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    assert_eq!(
+        checksum(&remote, &ids(0..BLOCKS)),
+        checksum(&local, &ids(0..BLOCKS))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ungranted_and_out_of_range_blocks_are_refused_and_serving_goes_on() {
+    let grants = Arc::new(TableGrants::default());
+    grants.grant("r1", Access::Write, 0..8);
+    grants.grant("r1", Access::Read, 8..16);
+    let (server, remote) = server(grants, None, ServerConfig::default()).await;
+    let local = HostRegion::new(BLOCKS, BLOCK_BYTES).unwrap();
+    fill(&local, 11);
+    let c = client(&server, None).await;
+    let r1 = RequestId::new("r1");
+    // Block 8 is granted for reading only: the write is refused, nothing is written.
+    let err = c
+        .write(&r1, &local, &ids(0..9), &ids(0..9), deadline())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, DataError::Refused { code: RefusalCode::NotGranted, peer, .. } if peer.contains("decode")),
+        "{err}"
+    );
+    assert_eq!(
+        checksum(&remote, &[BlockId(8)]),
+        checksum(&HostRegion::new(1, BLOCK_BYTES).unwrap(), &[BlockId(0)])
+    );
+    // Another request has no grant at all.
+    let err = c
+        .read(
+            &RequestId::new("r2"),
+            &local,
+            &ids(8..9),
+            &ids(0..1),
+            deadline(),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            DataError::Refused {
+                code: RefusalCode::NotGranted,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    // A block past the server's region is refused before anything is sent.
+    let err = c
+        .write(&r1, &local, &[BlockId(0)], &[BlockId(BLOCKS)], deadline())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            DataError::OutsidePeerRegion {
+                block: BlockId(BLOCKS),
+                ..
+            }
+        ),
+        "{err}"
+    );
+    // A block past our own region too.
+    let err = c
+        .write(
+            &r1,
+            &local,
+            &[BlockId(BLOCKS + 5)],
+            &[BlockId(0)],
+            deadline(),
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(err, DataError::Region(_)), "{err}");
+    // The granted transfers still work.
+    c.write(&r1, &local, &ids(0..8), &ids(0..8), deadline())
+        .await
+        .unwrap();
+    assert_eq!(checksum(&remote, &ids(0..8)), checksum(&local, &ids(0..8)));
+    c.read(&r1, &local, &ids(8..16), &ids(40..48), deadline())
+        .await
+        .unwrap();
+    assert_eq!(server.stats().refused, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_must_match() {
+    let key = Key::new(b"0123456789abcdef").unwrap();
+    let (server, remote) = server(
+        Arc::new(AllowAll),
+        Some(key.clone()),
+        ServerConfig::default(),
+    )
+    .await;
+    let addr = server.local_addr().to_string();
+    let bare = DataClient::connect(&addr, RankInfo::single("p"), None, STEP)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            bare,
+            DataError::Refused {
+                code: RefusalCode::AuthFailed,
+                ..
+            }
+        ),
+        "{bare}"
+    );
+    let wrong = Key::new(b"0123456789abcdeX").unwrap();
+    let err = DataClient::connect(&addr, RankInfo::single("p"), Some(wrong), STEP)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            DataError::Refused {
+                code: RefusalCode::AuthFailed,
+                ..
+            } | DataError::Auth { .. }
+        ),
+        "{err}"
+    );
+    let c = client(&server, Some(key)).await;
+    let local = HostRegion::new(BLOCKS, BLOCK_BYTES).unwrap();
+    fill(&local, 5);
+    c.write(
+        &RequestId::new("r"),
+        &local,
+        &ids(0..4),
+        &ids(10..14),
+        deadline(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        checksum(&remote, &ids(10..14)),
+        checksum(&local, &ids(0..4))
+    );
+}
+
+/// A raw connection that has said hello, for hand-made frames.
+async fn raw_hello(server: &DataServer) -> (TcpStream, [u8; 16]) {
+    let mut s = TcpStream::connect(server.local_addr()).await.unwrap();
+    let meta = frame::encode_hello(&RankInfo::single("raw"));
+    let h = Header {
+        op: Op::Hello,
+        flags: 0,
+        seq: 0,
+        meta_len: meta.len() as u32,
+        data_len: 0,
+    };
+    s.write_all(&h.encode()).await.unwrap();
+    s.write_all(&meta).await.unwrap();
+    let (head, meta) = read_frame(&mut s).await.unwrap();
+    assert_eq!(head.op, Op::HelloOk);
+    (s, frame::decode_hello_ok(&meta).unwrap().nonce)
+}
+
+async fn read_frame(s: &mut TcpStream) -> Option<(Header, Vec<u8>)> {
+    let mut h = [0u8; HEADER_BYTES];
+    tokio::time::timeout(STEP, s.read_exact(&mut h))
+        .await
+        .ok()?
+        .ok()?;
+    let head = Header::check(&h).unwrap();
+    let mut meta = vec![0u8; head.meta_len as usize];
+    s.read_exact(&mut meta).await.ok()?;
+    Some((head, meta))
+}
+
+async fn expect_refusal_then_close(s: &mut TcpStream, code: RefusalCode) {
+    let (head, meta) = read_frame(s).await.expect("an Error frame");
+    assert_eq!(head.op, Op::Error);
+    assert_eq!(frame::decode_error(&meta).unwrap().0, code.to_wire());
+    let mut rest = [0u8; 1];
+    let n = tokio::time::timeout(STEP, s.read(&mut rest))
+        .await
+        .unwrap()
+        .unwrap_or(0);
+    assert_eq!(n, 0, "closed after a malformed frame");
+}
+
+async fn still_serves(server: &DataServer, remote: &HostRegion) {
+    let c = client(server, None).await;
+    let local = HostRegion::new(BLOCKS, BLOCK_BYTES).unwrap();
+    fill(&local, 99);
+    c.write(
+        &RequestId::new("ok"),
+        &local,
+        &ids(0..2),
+        &ids(20..22),
+        deadline(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(checksum(remote, &ids(20..22)), checksum(&local, &ids(0..2)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_truncated_and_oversized_frames_are_refused_and_the_server_goes_on() {
+    let config = ServerConfig {
+        frame_read_timeout: Duration::from_millis(300),
+        idle_timeout: Duration::from_millis(600),
+        ..ServerConfig::default()
+    };
+    let (server, remote) = server(Arc::new(AllowAll), None, config).await;
+
+    // Not our protocol at all.
+    let mut s = TcpStream::connect(server.local_addr()).await.unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    expect_refusal_then_close(&mut s, RefusalCode::Malformed).await;
+    still_serves(&server, &remote).await;
+
+    // A header announcing more data than an operation may carry: refused on the header.
+    let (mut s, _) = raw_hello(&server).await;
+    let h = Header {
+        op: Op::Write,
+        flags: 0,
+        seq: 1,
+        meta_len: 0,
+        data_len: 0,
+    }
+    .encode();
+    let mut big = h;
+    big[16..20].copy_from_slice(&(OP_BYTES_MAX as u32 + 1).to_le_bytes());
+    s.write_all(&big).await.unwrap();
+    expect_refusal_then_close(&mut s, RefusalCode::Malformed).await;
+    let mut big = h;
+    big[12..16].copy_from_slice(&u32::MAX.to_le_bytes());
+    let (mut s, _) = raw_hello(&server).await;
+    s.write_all(&big).await.unwrap();
+    expect_refusal_then_close(&mut s, RefusalCode::Malformed).await;
+    still_serves(&server, &remote).await;
+
+    // A truncated frame: a write announcing 64 KiB that sends 100 bytes and hangs up.
+    let (mut s, _) = raw_hello(&server).await;
+    let mut meta = Vec::new();
+    frame::encode_op(
+        &RequestId::new("t"),
+        [Segment {
+            offset: 0,
+            len: 65536,
+        }]
+        .into_iter(),
+        &mut meta,
+    );
+    let h = Header {
+        op: Op::Write,
+        flags: 0,
+        seq: 1,
+        meta_len: meta.len() as u32,
+        data_len: 65536,
+    };
+    s.write_all(&h.encode()).await.unwrap();
+    s.write_all(&meta).await.unwrap();
+    s.write_all(&[1u8; 100]).await.unwrap();
+    drop(s);
+    // The same, stalled instead of closed: the server gives up after its frame timeout.
+    let (mut s, _) = raw_hello(&server).await;
+    s.write_all(&h.encode()).await.unwrap();
+    s.write_all(&meta).await.unwrap();
+    let started = Instant::now();
+    let mut buf = [0u8; 64];
+    let closed = tokio::time::timeout(STEP, async {
+        loop {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) => continue,
+            }
+        }
+    })
+    .await;
+    assert!(
+        closed.is_ok() && started.elapsed() < Duration::from_secs(5),
+        "stalled frame dropped"
+    );
+    // Half a header, then silence: dropped after the idle/frame limits.
+    let (mut s, _) = raw_hello(&server).await;
+    s.write_all(&h.encode()[..10]).await.unwrap();
+    let closed = tokio::time::timeout(STEP, s.read(&mut buf)).await;
+    assert!(closed.is_ok(), "half a header is not held forever");
+    still_serves(&server, &remote).await;
+
+    // Well-formed frames with bad contents are refused per operation; the connection goes on.
+    let (mut s, nonce) = raw_hello(&server).await;
+    let _ = nonce;
+    let past_end = (BLOCKS as u64) * BLOCK_BYTES as u64 - 10;
+    frame::encode_op(
+        &RequestId::new("t"),
+        [Segment {
+            offset: past_end,
+            len: 20,
+        }]
+        .into_iter(),
+        &mut meta,
+    );
+    let h = Header {
+        op: Op::Write,
+        flags: 0,
+        seq: 1,
+        meta_len: meta.len() as u32,
+        data_len: 20,
+    };
+    s.write_all(&h.encode()).await.unwrap();
+    s.write_all(&meta).await.unwrap();
+    s.write_all(&[7u8; 20]).await.unwrap();
+    let (head, m) = read_frame(&mut s).await.unwrap();
+    assert_eq!((head.op, head.seq), (Op::Error, 1));
+    assert_eq!(
+        frame::decode_error(&m).unwrap().0,
+        RefusalCode::OutOfRange.to_wire()
+    );
+    // Segments that do not add up to the data length.
+    frame::encode_op(
+        &RequestId::new("t"),
+        [Segment { offset: 0, len: 10 }].into_iter(),
+        &mut meta,
+    );
+    let h = Header {
+        op: Op::Write,
+        flags: 0,
+        seq: 2,
+        meta_len: meta.len() as u32,
+        data_len: 20,
+    };
+    s.write_all(&h.encode()).await.unwrap();
+    s.write_all(&meta).await.unwrap();
+    s.write_all(&[7u8; 20]).await.unwrap();
+    let (head, m) = read_frame(&mut s).await.unwrap();
+    assert_eq!((head.op, head.seq), (Op::Error, 2));
+    assert_eq!(
+        frame::decode_error(&m).unwrap().0,
+        RefusalCode::Malformed.to_wire()
+    );
+    // Then a good write on the same connection.
+    frame::encode_op(
+        &RequestId::new("t"),
+        [Segment { offset: 0, len: 20 }].into_iter(),
+        &mut meta,
+    );
+    let h = Header {
+        op: Op::Write,
+        flags: 0,
+        seq: 3,
+        meta_len: meta.len() as u32,
+        data_len: 20,
+    };
+    s.write_all(&h.encode()).await.unwrap();
+    s.write_all(&meta).await.unwrap();
+    s.write_all(&[7u8; 20]).await.unwrap();
+    let (head, _) = read_frame(&mut s).await.unwrap();
+    assert_eq!((head.op, head.seq), (Op::WriteOk, 3));
+    assert_eq!(&remote.read_block(BlockId(0)).unwrap()[..20], &[7u8; 20]);
+    // Nothing was written past the region's end (the region is the whole allocation).
+    assert!(server.stats().refused >= 2);
+    assert!(server.stats().dropped_connections >= 3);
+    still_serves(&server, &remote).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_at_its_connection_limit_answers_busy() {
+    let config = ServerConfig {
+        connections_max: 1,
+        ..ServerConfig::default()
+    };
+    let (server, _remote) = server(Arc::new(AllowAll), None, config).await;
+    let _first = client(&server, None).await;
+    let err = DataClient::connect(
+        &server.local_addr().to_string(),
+        RankInfo::single("p2"),
+        None,
+        STEP,
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            DataError::Refused {
+                code: RefusalCode::Busy,
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_server_fails_calls_promptly_and_a_dead_address_fails_to_connect() {
+    let (server, _remote) = server(Arc::new(AllowAll), None, ServerConfig::default()).await;
+    let addr = server.local_addr().to_string();
+    let c = client(&server, None).await;
+    drop(server);
+    let local = HostRegion::new(BLOCKS, BLOCK_BYTES).unwrap();
+    let started = Instant::now();
+    let err = c
+        .write(
+            &RequestId::new("r"),
+            &local,
+            &ids(0..4),
+            &ids(0..4),
+            deadline(),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{err} took {:?}",
+        started.elapsed()
+    );
+    let err = DataClient::connect(&addr, RankInfo::single("p"), None, Duration::from_secs(2))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, DataError::Connect { .. }), "{err}");
+}

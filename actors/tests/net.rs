@@ -19,7 +19,7 @@ use handoff_transport::zmtp::{Dealer, Router, RouterEvent};
 
 /// A data plane that says so when asked to move bytes: for control-plane tests only.
 #[derive(Default)]
-struct NoData(GrantTable);
+struct NoData(Arc<GrantTable>);
 
 impl DataPlane for NoData {
     fn descriptor(&self) -> RegionDescriptor {
@@ -35,7 +35,7 @@ impl DataPlane for NoData {
     fn address(&self) -> String {
         "none".into()
     }
-    fn grants(&self) -> &GrantTable {
+    fn grants(&self) -> &Arc<GrantTable> {
         &self.0
     }
     fn write(

@@ -15,14 +15,7 @@ use handoff_transport::{BlockId, RankInfo, RequestId};
 
 use crate::link::TransferFuture;
 
-/// What a grant lets a peer do.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Access {
-    /// Write into our blocks (push: decode grants prefill).
-    Write,
-    /// Read our blocks (pull: prefill grants decode).
-    Read,
-}
+pub use handoff_transport::data::Access;
 
 /// Moves blocks between this worker and its peers.
 pub trait DataPlane: Send + Sync + 'static {
@@ -33,7 +26,7 @@ pub trait DataPlane: Send + Sync + 'static {
     fn address(&self) -> String;
 
     /// The grants this plane enforces.
-    fn grants(&self) -> &GrantTable;
+    fn grants(&self) -> &Arc<GrantTable>;
 
     /// Writes local `src` blocks into the peer's `dst` blocks, described by `region`.
     fn write(
@@ -95,7 +88,7 @@ impl GrantTable {
 
     /// Runs `copy` if `peer` holds `access` to all of `blocks` for request `id`, holding the
     /// grant for the copy's duration; a named refusal otherwise.
-    pub fn with_grant(
+    pub fn check_and_copy(
         &self,
         peer: &RankInfo,
         id: &RequestId,
@@ -113,7 +106,7 @@ impl GrantTable {
             return Err(format!("grant for request {id} revoked"));
         }
         if grant.peer != *peer || grant.access != access {
-            return Err(format!("request {id}: {peer} holds no {access:?} grant"));
+            return Err(format!("request {id}: {peer} holds no {access} grant"));
         }
         if let Some(b) = blocks.iter().find(|b| !grant.blocks.contains(b)) {
             return Err(format!("request {id}: block {b} not granted to {peer}"));
@@ -130,6 +123,20 @@ impl GrantTable {
     /// True with no live grant.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+/// The data servers call this for every remote write or read.
+impl handoff_transport::data::Grants for GrantTable {
+    fn with_grant(
+        &self,
+        peer: &RankInfo,
+        request: &RequestId,
+        access: Access,
+        blocks: &[BlockId],
+        f: &mut dyn FnMut(),
+    ) -> Result<(), String> {
+        self.check_and_copy(peer, request, access, blocks, f)
     }
 }
 

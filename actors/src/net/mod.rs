@@ -23,10 +23,12 @@
 //! - `control`: the control loop.
 //! - [`directory`]: the [`Directory`] trait, [`StaticDirectory`].
 //! - [`data`]: the [`DataPlane`] trait, [`GrantTable`].
+//! - [`tcp`]: [`tcp::TcpDataPlane`], the data plane over TCP.
 
 mod control;
 pub mod data;
 pub mod directory;
+pub mod tcp;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};

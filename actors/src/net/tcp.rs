@@ -1,0 +1,185 @@
+//! The TCP data plane: a [`DataServer`] serving this worker's region under its grants, and
+//! pooled [`DataClient`]s to peers' data servers, one per peer address.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use handoff_transport::auth::Key;
+use handoff_transport::data::DataError;
+use handoff_transport::tcp::{DataClient, DataServer};
+use handoff_transport::wire::messages::{RegionDescriptor, TransportKind};
+use handoff_transport::{BlockId, HostRegion, RankInfo, RequestId};
+
+use super::data::{DataPlane, GrantTable};
+use crate::link::TransferFuture;
+
+/// Longest one write or read may take inside the data plane. The request's own transfer
+/// deadline (`Timeouts::transfer`, default 60 s) normally ends it first; this bounds the
+/// call should the caller not.
+pub const TRANSFER_CALL_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Longest a connection to a peer's data server may take to open.
+pub const DATA_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Data-server addresses this worker keeps a client for. Past it, the oldest is dropped
+/// (its connections close; a later transfer reconnects).
+pub const DATA_CLIENTS_MAX: usize = 1024;
+
+/// Moves blocks over TCP.
+pub struct TcpDataPlane {
+    server: DataServer,
+    address: String,
+    region: Arc<HostRegion>,
+    me: RankInfo,
+    key: Option<Key>,
+    grants: Arc<GrantTable>,
+    clients: Arc<Mutex<BTreeMap<String, DataClient>>>,
+}
+
+impl TcpDataPlane {
+    /// Binds the data server (`HOST:PORT`, port 0 picks one) over `region`.
+    /// `advertise_host` is the host peers dial, when it differs from the bound one.
+    pub async fn bind(
+        listen: &str,
+        advertise_host: Option<&str>,
+        region: Arc<HostRegion>,
+        me: RankInfo,
+        key: Option<Key>,
+    ) -> Result<TcpDataPlane, DataError> {
+        let listen = listen.strip_prefix("tcp://").unwrap_or(listen);
+        let grants = Arc::new(GrantTable::default());
+        let server = DataServer::bind(
+            listen,
+            region.clone(),
+            grants.clone(),
+            me.clone(),
+            key.clone(),
+        )
+        .await?;
+        let local = server.local_addr();
+        let host = advertise_host
+            .map(str::to_string)
+            .unwrap_or_else(|| match local.ip() {
+                ip if ip.is_unspecified() => "127.0.0.1".to_string(),
+                ip => ip.to_string(),
+            });
+        let address = format!("{host}:{}", local.port());
+        Ok(TcpDataPlane {
+            server,
+            address,
+            region,
+            me,
+            key,
+            grants,
+            clients: Arc::default(),
+        })
+    }
+
+    /// The data server (for its statistics).
+    pub fn server(&self) -> &DataServer {
+        &self.server
+    }
+
+    fn transfer(
+        &self,
+        id: &RequestId,
+        peer: &RankInfo,
+        region: &RegionDescriptor,
+        src: Vec<BlockId>,
+        dst: Vec<BlockId>,
+        write: bool,
+    ) -> TransferFuture {
+        if region.transport != TransportKind::Tcp {
+            let detail = format!(
+                "{peer} offers a {:?} region; this worker moves data over TCP",
+                region.transport
+            );
+            return Box::pin(async move { Err(detail) });
+        }
+        let (id, addr, local) = (id.clone(), region.address.clone(), self.region.clone());
+        let (clients, me, key) = (self.clients.clone(), self.me.clone(), self.key.clone());
+        Box::pin(async move {
+            let client = client_for(&clients, &addr, me, key)
+                .await
+                .map_err(|e| e.to_string())?;
+            let deadline = tokio::time::Instant::now() + TRANSFER_CALL_TIMEOUT;
+            let result = if write {
+                client.write(&id, &local, &src, &dst, deadline.into()).await
+            } else {
+                client.read(&id, &local, &src, &dst, deadline.into()).await
+            };
+            if result.is_err() {
+                // A broken peer: the next transfer dials afresh.
+                clients
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&addr);
+            }
+            result.map_err(|e| e.to_string())
+        })
+    }
+}
+
+async fn client_for(
+    clients: &Mutex<BTreeMap<String, DataClient>>,
+    addr: &str,
+    me: RankInfo,
+    key: Option<Key>,
+) -> Result<DataClient, DataError> {
+    if let Some(c) = clients.lock().unwrap_or_else(|e| e.into_inner()).get(addr) {
+        return Ok(c.clone());
+    }
+    let client = DataClient::connect(addr, me, key, DATA_CONNECT_TIMEOUT).await?;
+    let mut map = clients.lock().unwrap_or_else(|e| e.into_inner());
+    if map.len() >= DATA_CLIENTS_MAX {
+        if let Some(first) = map.keys().next().cloned() {
+            map.remove(&first);
+        }
+    }
+    map.insert(addr.to_string(), client.clone());
+    Ok(client)
+}
+
+impl DataPlane for TcpDataPlane {
+    fn descriptor(&self) -> RegionDescriptor {
+        RegionDescriptor {
+            transport: TransportKind::Tcp,
+            address: self.address.clone(),
+            remote_key: Vec::new(),
+            base: 0,
+            len: u64::from(self.region.blocks()) * self.region.block_bytes() as u64,
+            block_bytes: self.region.block_bytes() as u64,
+        }
+    }
+
+    fn address(&self) -> String {
+        self.address.clone()
+    }
+
+    fn grants(&self) -> &Arc<GrantTable> {
+        &self.grants
+    }
+
+    fn write(
+        &self,
+        id: &RequestId,
+        peer: &RankInfo,
+        region: &RegionDescriptor,
+        src: Vec<BlockId>,
+        dst: Vec<BlockId>,
+    ) -> TransferFuture {
+        self.transfer(id, peer, region, src, dst, true)
+    }
+
+    fn read(
+        &self,
+        id: &RequestId,
+        peer: &RankInfo,
+        region: &RegionDescriptor,
+        src: Vec<BlockId>,
+        dst: Vec<BlockId>,
+    ) -> TransferFuture {
+        self.transfer(id, peer, region, src, dst, false)
+    }
+}

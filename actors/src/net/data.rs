@@ -152,20 +152,20 @@ mod tests {
         t.grant(&p, &id, Access::Write, &[BlockId(1), BlockId(2)]);
         let mut copies = 0;
         assert!(t
-            .with_grant(&p, &id, Access::Write, &[BlockId(2)], &mut || copies += 1)
+            .check_and_copy(&p, &id, Access::Write, &[BlockId(2)], &mut || copies += 1)
             .is_ok());
         assert!(t
-            .with_grant(&q, &id, Access::Write, &[BlockId(2)], &mut || copies += 1)
+            .check_and_copy(&q, &id, Access::Write, &[BlockId(2)], &mut || copies += 1)
             .is_err());
         assert!(t
-            .with_grant(&p, &id, Access::Read, &[BlockId(2)], &mut || copies += 1)
+            .check_and_copy(&p, &id, Access::Read, &[BlockId(2)], &mut || copies += 1)
             .is_err());
         assert!(t
-            .with_grant(&p, &id, Access::Write, &[BlockId(3)], &mut || copies += 1)
+            .check_and_copy(&p, &id, Access::Write, &[BlockId(3)], &mut || copies += 1)
             .is_err());
         t.revoke(&id);
         assert!(t
-            .with_grant(&p, &id, Access::Write, &[BlockId(1)], &mut || copies += 1)
+            .check_and_copy(&p, &id, Access::Write, &[BlockId(1)], &mut || copies += 1)
             .is_err());
         assert_eq!(copies, 1);
         assert!(t.is_empty());

@@ -9,8 +9,10 @@
 //! - [`gpu`]: CUDA probing, KV-cache layouts, buffers.
 //! - [`sim`]: the deterministic simulated cluster.
 //! - [`demo`]: the in-process demo behind `handoff demo`.
+//! - [`worker`]: `handoff worker`, one worker process on the network transport.
 
 pub mod demo;
+pub mod worker;
 
 pub use handoff_actors as actors;
 pub use handoff_actors::{Event, Runtime, State};

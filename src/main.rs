@@ -27,6 +27,9 @@ enum Command {
         #[command(flatten)]
         serve: handoff::actors::bootstrap::ServeArgs,
     },
+    /// Run one prefill or decode worker on the network: register with the bootstrap server,
+    /// hand over `--requests` requests, print one JSON line per event.
+    Worker(handoff::worker::WorkerArgs),
     /// Run a prefill and a decode runtime in this process, hand over requests, and print
     /// each request's lifecycle (Bootstrapping → WaitingForInput → Transferring → Done).
     Demo {
@@ -77,6 +80,7 @@ fn main() -> ExitCode {
             query: Some(BootstrapCommand::Status(args)),
             ..
         } => rt.block_on(handoff::actors::bootstrap::run_status(args)),
+        Command::Worker(args) => rt.block_on(handoff::worker::run(args)),
         Command::Bootstrap { query: None, serve } => {
             rt.block_on(handoff::actors::bootstrap::run_serve(serve))
         }

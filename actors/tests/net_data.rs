@@ -7,19 +7,41 @@ use std::time::Duration;
 use handoff_actors::net::tcp::TcpDataPlane;
 use handoff_actors::net::{DataPlane, NetConfig, NetTransport, StaticDirectory};
 use handoff_actors::{
-    BlockId, EngineId, HostRegion, RankInfo, ReceiverSpec, Role, Runtime, State, TransferMode, TransportChoice,
+    BlockId, EngineId, HostRegion, RankInfo, ReceiverSpec, Role, Runtime, State, TransferMode,
+    TransportChoice,
 };
 
 const BLOCK_BYTES: usize = 64 * 1024;
 const T: Duration = Duration::from_secs(20);
 
-async fn worker(dir: &Arc<StaticDirectory>, role: Role, engine: &str, mode: TransferMode) -> (Runtime, Arc<TcpDataPlane>) {
+async fn worker(
+    dir: &Arc<StaticDirectory>,
+    role: Role,
+    engine: &str,
+    mode: TransferMode,
+) -> (Runtime, Arc<TcpDataPlane>) {
     let rank = RankInfo::single(engine);
     let region = Arc::new(HostRegion::new(64, BLOCK_BYTES).unwrap());
-    let data = Arc::new(TcpDataPlane::bind("127.0.0.1:0", None, region.clone(), rank.clone(), None).await.unwrap());
-    let cfg = NetConfig { heartbeat_interval: Duration::from_millis(200), heartbeats_missed_max: 5, ..NetConfig::default() };
-    let net = NetTransport::bind(cfg, rank.clone(), role, dir.clone(), data.clone()).await.unwrap();
-    let rt = Runtime::builder(role, rank).mode(mode).transport(TransportChoice::Custom(Arc::new(net))).region(region).start().await.unwrap();
+    let data = Arc::new(
+        TcpDataPlane::bind("127.0.0.1:0", None, region.clone(), rank.clone(), None)
+            .await
+            .unwrap(),
+    );
+    let cfg = NetConfig {
+        heartbeat_interval: Duration::from_millis(200),
+        heartbeats_missed_max: 5,
+        ..NetConfig::default()
+    };
+    let net = NetTransport::bind(cfg, rank.clone(), role, dir.clone(), data.clone())
+        .await
+        .unwrap();
+    let rt = Runtime::builder(role, rank)
+        .mode(mode)
+        .transport(TransportChoice::Custom(Arc::new(net)))
+        .region(region)
+        .start()
+        .await
+        .unwrap();
     (rt, data)
 }
 
@@ -38,17 +60,41 @@ async fn hands_over(mode: TransferMode) {
             p.region().write_block(*b, &data).unwrap();
         }
         let id = format!("req-{i}");
-        let r = d.receiver(id.as_str(), ReceiverSpec { prefill: EngineId::new("P"), prefill_dp_rank: None, blocks: Some(dst.clone()) }).unwrap();
+        let r = d
+            .receiver(
+                id.as_str(),
+                ReceiverSpec {
+                    prefill: EngineId::new("P"),
+                    prefill_dp_rank: None,
+                    blocks: Some(dst.clone()),
+                },
+            )
+            .unwrap();
         let s = p.sender(id.as_str()).unwrap();
         s.send(src.clone()).unwrap();
         pairs.push((s, r, src, dst));
     }
     for (s, r, src, dst) in &pairs {
-        assert_eq!(tokio::time::timeout(T, r.completion()).await.unwrap(), State::Done, "decode {}", r.id());
-        assert_eq!(tokio::time::timeout(T, s.completion()).await.unwrap(), State::Done, "prefill {}", s.id());
+        assert_eq!(
+            tokio::time::timeout(T, r.completion()).await.unwrap(),
+            State::Done,
+            "decode {}",
+            r.id()
+        );
+        assert_eq!(
+            tokio::time::timeout(T, s.completion()).await.unwrap(),
+            State::Done,
+            "prefill {}",
+            s.id()
+        );
         let sent = p.region().checksum(src).unwrap();
         let arrived = d.region().checksum(dst).unwrap();
-        assert_eq!(sent, arrived, "{}: bytes on decode differ from prefill's", r.id());
+        assert_eq!(
+            sent,
+            arrived,
+            "{}: bytes on decode differ from prefill's",
+            r.id()
+        );
     }
     // Every grant ended with its request.
     assert!(p_data.grants().is_empty() && d_data.grants().is_empty());

@@ -142,14 +142,14 @@ pub struct NetTransport {
     router: Mutex<Option<Router>>,
 }
 
-/// A number that differs every time a worker process starts: the wall clock in
-/// nanoseconds, mixed with the process id (this is the real-process path; the simulator
-/// has its own transport and never calls it).
+/// A number that grows every time a worker process starts: the wall clock in nanoseconds.
+/// It must grow, not merely differ: the bootstrap server takes a higher incarnation of a
+/// rank as a restart and refuses a lower one as a conflict. (This is the real-process path;
+/// the simulator has its own transport and never calls it.)
 fn new_incarnation() -> u64 {
-    let nanos = std::time::SystemTime::now()
+    std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
-    nanos ^ (u64::from(std::process::id()) << 32)
+        .map_or(1, |d| d.as_nanos() as u64)
 }
 
 impl NetTransport {

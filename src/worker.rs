@@ -1,0 +1,436 @@
+//! `handoff worker`: one prefill or decode worker process on the network transport.
+//!
+//! It registers with the bootstrap server, opens a numbered set of requests
+//! (`{prefix}-0 .. {prefix}-{n-1}`; prefill and decode workers given the same prefix and
+//! count serve the same requests, as a router would arrange), fills each prefill block with
+//! a pattern derived from the request id and the block's position, verifies every block on
+//! decode, and prints one JSON line per event on stdout:
+//! - `{"event":"ready", "role", "rank", "control", "data", "incarnation"}` once registered;
+//! - `{"event":"end", "request", "state", "kind", "reason", "verified", "ms"}` per request;
+//! - `{"event":"summary", "done", "failed", "corrupted", "by_kind"}` at the end.
+//!
+//! It exits 0 when every request ended `Done` and verified (or, with `--serve`, when
+//! stopped by SIGINT/SIGTERM), 1 otherwise. Used by the multi-process tests and by hand.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::ValueEnum;
+use handoff_actors::bootstrap::{BootstrapClient, ClientConfig};
+use handoff_actors::net::tcp::TcpDataPlane;
+use handoff_actors::net::{NetConfig, NetTransport};
+use handoff_actors::{
+    BlockId, EngineId, Event, HostRegion, RankInfo, ReceiverSpec, RequestId, Role, Runtime, State,
+    Timeouts, TransferMode, TransportChoice,
+};
+use handoff_gpu::checksum::{checksum64, fill_pattern};
+use serde_json::json;
+
+/// Which side.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum RoleArg {
+    /// Computes and sends KV blocks.
+    Prefill,
+    /// Receives KV blocks.
+    Decode,
+}
+
+/// Push or pull.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum ModeArg {
+    /// Prefill writes into decode's blocks.
+    Push,
+    /// Decode reads prefill's blocks.
+    Pull,
+}
+
+/// Arguments of `handoff worker`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct WorkerArgs {
+    /// prefill or decode.
+    #[arg(long, value_enum)]
+    pub role: RoleArg,
+    /// This worker's engine id (all ranks of one engine share it).
+    #[arg(long)]
+    pub engine: String,
+    /// The bootstrap server.
+    #[arg(
+        long,
+        value_name = "tcp://HOST:PORT",
+        default_value = "tcp://127.0.0.1:7400"
+    )]
+    pub bootstrap: String,
+    /// Where the control port listens (port 0 picks one).
+    #[arg(
+        long,
+        value_name = "tcp://HOST:PORT",
+        default_value = "tcp://127.0.0.1:0"
+    )]
+    pub control_listen: String,
+    /// Where the TCP data port listens (port 0 picks one).
+    #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:0")]
+    pub data_listen: String,
+    /// The host peers should dial, when listening on 0.0.0.0.
+    #[arg(long)]
+    pub advertise_host: Option<String>,
+    /// Data-parallel rank and size.
+    #[arg(long, default_value_t = 0)]
+    pub dp_rank: u32,
+    #[arg(long, default_value_t = 1)]
+    #[allow(missing_docs)]
+    pub dp_size: u32,
+    /// Tensor-parallel rank and size.
+    #[arg(long, default_value_t = 0)]
+    pub tp_rank: u32,
+    #[arg(long, default_value_t = 1)]
+    #[allow(missing_docs)]
+    pub tp_size: u32,
+    /// Pipeline-parallel rank and size.
+    #[arg(long, default_value_t = 0)]
+    pub pp_rank: u32,
+    #[arg(long, default_value_t = 1)]
+    #[allow(missing_docs)]
+    pub pp_size: u32,
+    /// Blocks in this worker's KV pool.
+    #[arg(long, default_value_t = 1024)]
+    pub pool_blocks: u32,
+    /// Bytes per KV block.
+    #[arg(long, default_value_t = 64 * 1024)]
+    pub block_bytes: usize,
+    /// Requests to open.
+    #[arg(long, default_value_t = 0)]
+    pub requests: u32,
+    /// Request ids are `{prefix}-{n}`.
+    #[arg(long, default_value = "req")]
+    pub request_prefix: String,
+    /// Blocks per request.
+    #[arg(long, default_value_t = 4)]
+    pub blocks_per_request: u32,
+    /// Decode: the prefill engine to receive from.
+    #[arg(long)]
+    pub prefill: Option<String>,
+    /// Decode: push (prefill writes) or pull (decode reads).
+    #[arg(long, value_enum, default_value_t = ModeArg::Push)]
+    pub mode: ModeArg,
+    /// Decode: reject new requests while this many wait for blocks (admission control).
+    #[arg(long)]
+    pub admission: Option<usize>,
+    /// Decode: open requests without allocating blocks (a saturated decode).
+    #[arg(long)]
+    pub no_alloc: bool,
+    /// Prefill: wait this long before handing the computed blocks over.
+    #[arg(long, default_value_t = 0)]
+    pub hold_ms: u64,
+    /// Wait this long after registering before opening requests.
+    #[arg(long, default_value_t = 0)]
+    pub start_delay_ms: u64,
+    /// Heartbeat interval on peer connections.
+    #[arg(long, default_value_t = 1000)]
+    pub heartbeat_ms: u64,
+    /// Heartbeats a peer may miss before it is lost.
+    #[arg(long, default_value_t = 3)]
+    pub heartbeats_missed: u32,
+    /// Bootstrapping deadline, seconds.
+    #[arg(long, default_value_t = 300.0)]
+    pub bootstrap_timeout_s: f64,
+    /// WaitingForInput deadline, seconds.
+    #[arg(long, default_value_t = 300.0)]
+    pub waiting_timeout_s: f64,
+    /// Transfer deadline, seconds.
+    #[arg(long, default_value_t = 60.0)]
+    pub transfer_timeout_s: f64,
+    /// Pull-mode TTL of prefill's blocks, seconds.
+    #[arg(long, default_value_t = 480.0)]
+    pub pull_ttl_s: f64,
+    /// File with the shared secret (frames are then authenticated).
+    #[arg(long)]
+    pub secret_file: Option<PathBuf>,
+    /// Decode: after the first requests, open as many more for this prefill engine...
+    #[arg(long)]
+    pub then_prefill: Option<String>,
+    /// ...this long after the first ones were opened.
+    #[arg(long, default_value_t = 1000)]
+    pub then_after_ms: u64,
+    /// Stay up until SIGINT/SIGTERM instead of exiting when the requests end.
+    #[arg(long)]
+    pub serve: bool,
+}
+
+/// What every line of output is made from.
+fn emit(value: serde_json::Value) {
+    println!("{value}");
+}
+
+fn secs(s: f64) -> Duration {
+    Duration::from_secs_f64(s.clamp(0.001, 1e7))
+}
+
+/// The bytes prefill writes into the `k`-th block of request `id`, and decode expects.
+fn pattern(id: &RequestId, k: usize, bytes: &mut [u8]) {
+    fill_pattern(bytes, checksum64(id.as_str().as_bytes()) ^ k as u64, 0);
+}
+
+fn rank_of(a: &WorkerArgs) -> RankInfo {
+    RankInfo {
+        engine_id: EngineId::new(&a.engine),
+        dp_rank: a.dp_rank,
+        dp_size: a.dp_size,
+        tp_rank: a.tp_rank,
+        tp_size: a.tp_size,
+        pp_rank: a.pp_rank,
+        pp_size: a.pp_size,
+    }
+}
+
+/// Runs the worker to completion.
+pub async fn run(args: WorkerArgs) -> ExitCode {
+    match run_inner(args).await {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("handoff worker: {e}");
+            emit(json!({"event": "error", "error": e}));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+struct Plan {
+    ids: Vec<(RequestId, Option<String>)>,
+    pool: Vec<BlockId>,
+}
+
+async fn run_inner(a: WorkerArgs) -> Result<ExitCode, String> {
+    let role = match a.role {
+        RoleArg::Prefill => Role::Prefill,
+        RoleArg::Decode => Role::Decode,
+    };
+    let rank = rank_of(&a);
+    let key = match &a.secret_file {
+        Some(path) => Some(handoff_actors::bootstrap::load_key(path).map_err(|e| e.to_string())?),
+        None => None,
+    };
+    let waves = if a.then_prefill.is_some() { 2 } else { 1 };
+    let needed = a.requests as u64 * a.blocks_per_request as u64 * waves;
+    if needed > a.pool_blocks as u64 {
+        return Err(format!(
+            "{needed} blocks needed ({} requests × {} blocks), pool has {}",
+            a.requests, a.blocks_per_request, a.pool_blocks
+        ));
+    }
+    let region =
+        Arc::new(HostRegion::new(a.pool_blocks, a.block_bytes).map_err(|e| e.to_string())?);
+    let data = TcpDataPlane::bind(
+        &a.data_listen,
+        a.advertise_host.as_deref(),
+        region.clone(),
+        rank.clone(),
+        key.clone(),
+    )
+    .await
+    .map_err(|e| format!("data plane: {e}"))?;
+    let data_address = handoff_actors::net::DataPlane::address(&data);
+    let directory = Arc::new(BootstrapClient::new(
+        &a.bootstrap,
+        key.clone(),
+        ClientConfig::default(),
+    ));
+    let cfg = NetConfig {
+        control_listen: a.control_listen.clone(),
+        advertise_host: a.advertise_host.clone(),
+        heartbeat_interval: Duration::from_millis(a.heartbeat_ms.max(10)),
+        heartbeats_missed_max: a.heartbeats_missed.max(1),
+        key,
+        ..NetConfig::default()
+    };
+    let net = NetTransport::bind(cfg, rank.clone(), role, directory, Arc::new(data))
+        .await
+        .map_err(|e| e.to_string())?;
+    let (control, incarnation) = (net.control_address().to_string(), net.incarnation());
+    let timeouts = Timeouts {
+        bootstrap: secs(a.bootstrap_timeout_s),
+        waiting: secs(a.waiting_timeout_s),
+        transfer: secs(a.transfer_timeout_s),
+        pull_ttl: secs(a.pull_ttl_s),
+    };
+    let mode = match a.mode {
+        ModeArg::Push => TransferMode::Push,
+        ModeArg::Pull => TransferMode::Pull,
+    };
+    let rt = Runtime::builder(role, rank.clone())
+        .timeouts(timeouts)
+        .mode(mode)
+        .admission(a.admission)
+        .transport(TransportChoice::Custom(Arc::new(net)))
+        .region(region)
+        .start()
+        .await
+        .map_err(|e| e.to_string())?;
+    emit(
+        json!({"event": "ready", "role": role.to_string(), "rank": rank.to_string(), "control": control, "data": data_address, "incarnation": incarnation}),
+    );
+    tokio::time::sleep(Duration::from_millis(a.start_delay_ms)).await;
+    let mut plan = Plan {
+        ids: Vec::new(),
+        pool: (0..a.pool_blocks).rev().map(BlockId).collect(),
+    };
+    for n in 0..a.requests {
+        plan.ids.push((
+            RequestId::new(format!("{}-{n}", a.request_prefix)),
+            a.prefill.clone(),
+        ));
+    }
+    if let Some(second) = &a.then_prefill {
+        for n in 0..a.requests {
+            plan.ids.push((
+                RequestId::new(format!("{}-then-{n}", a.request_prefix)),
+                Some(second.clone()),
+            ));
+        }
+    }
+    let code = drive(&a, &rt, role, plan).await;
+    rt.shutdown().await;
+    Ok(code)
+}
+
+/// Opens the requests, then drains events until every one has ended (or, with `--serve`,
+/// until a signal), printing each end.
+async fn drive(a: &WorkerArgs, rt: &Runtime, role: Role, mut plan: Plan) -> ExitCode {
+    let total = plan.ids.len();
+    let first_wave = a.requests as usize;
+    let mut opened: BTreeMap<RequestId, (Instant, Vec<BlockId>)> = BTreeMap::new();
+    let started = Instant::now();
+    let mut next = 0usize;
+    let (mut done, mut failed, mut corrupted) = (0u32, 0u32, 0u32);
+    let mut by_kind: BTreeMap<String, u32> = BTreeMap::new();
+    let mut stop = Box::pin(shutdown_signal());
+    loop {
+        // Open what is due: the first wave at once, the second after `then_after_ms`.
+        while next < total
+            && (next < first_wave || started.elapsed() >= Duration::from_millis(a.then_after_ms))
+        {
+            let (id, prefill) = plan.ids[next].clone();
+            next += 1;
+            let blocks: Vec<BlockId> = (0..a.blocks_per_request)
+                .filter_map(|_| plan.pool.pop())
+                .collect();
+            if let Err(e) = open(a, rt, role, &id, prefill, blocks.clone()) {
+                emit(json!({"event": "error", "request": id.as_str(), "error": e}));
+                failed += 1;
+                continue;
+            }
+            opened.insert(id, (Instant::now(), blocks));
+        }
+        for event in rt.drain_events() {
+            match event {
+                Event::State { id, state, .. } if state.is_terminal() => {
+                    let (at, blocks) = opened.get(&id).cloned().unwrap_or((started, Vec::new()));
+                    // Only decode can verify; prefill reports null.
+                    let verified = (role == Role::Decode)
+                        .then(|| state == State::Done && verify(rt, &id, &blocks));
+                    let (kind, reason) = match &state {
+                        State::Done => ("done".to_string(), String::new()),
+                        State::Failed(r) => (r.kind().to_string(), r.to_string()),
+                        _ => unreachable!("terminal states are Done and Failed"),
+                    };
+                    emit(
+                        json!({"event": "end", "request": id.as_str(), "state": if state == State::Done { "Done" } else { "Failed" },
+                        "kind": kind, "reason": reason, "verified": verified, "ms": at.elapsed().as_secs_f64() * 1e3}),
+                    );
+                    *by_kind.entry(kind).or_default() += 1;
+                    if state == State::Done {
+                        done += 1;
+                        if verified == Some(false) {
+                            corrupted += 1;
+                        }
+                    } else {
+                        failed += 1;
+                    }
+                }
+                Event::Released { blocks, .. } => plan.pool.extend(blocks),
+                Event::State { .. } => {}
+            }
+        }
+        let all_ended = next == total && (done + failed) as usize >= total;
+        if all_ended && !a.serve {
+            break;
+        }
+        tokio::select! {
+            biased;
+            _ = &mut stop => break,
+            _ = tokio::time::sleep(Duration::from_millis(5)) => {}
+        }
+    }
+    emit(
+        json!({"event": "summary", "done": done, "failed": failed, "corrupted": corrupted, "by_kind": by_kind}),
+    );
+    if a.serve || (done as usize == total && corrupted == 0) {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+fn open(
+    a: &WorkerArgs,
+    rt: &Runtime,
+    role: Role,
+    id: &RequestId,
+    prefill: Option<String>,
+    blocks: Vec<BlockId>,
+) -> Result<(), String> {
+    match role {
+        Role::Prefill => {
+            let sender = rt.sender(id.clone()).map_err(|e| e.to_string())?;
+            let region = rt.region().clone();
+            let (hold, id) = (Duration::from_millis(a.hold_ms), id.clone());
+            tokio::spawn(async move {
+                tokio::time::sleep(hold).await;
+                let mut bytes = vec![0u8; region.block_bytes()];
+                for (k, b) in blocks.iter().enumerate() {
+                    pattern(&id, k, &mut bytes);
+                    if region.write_block(*b, &bytes).is_err() {
+                        sender.abort();
+                        return;
+                    }
+                }
+                if let Err(e) = sender.send(blocks) {
+                    tracing::warn!(request = %id, error = %e, "send refused");
+                }
+            });
+        }
+        Role::Decode => {
+            let prefill = prefill.ok_or("a decode worker needs --prefill ENGINE")?;
+            let blocks = (!a.no_alloc).then_some(blocks);
+            let spec = ReceiverSpec {
+                prefill: EngineId::new(prefill),
+                prefill_dp_rank: None,
+                blocks,
+            };
+            rt.receiver(id.clone(), spec).map_err(|e| e.to_string())?;
+        }
+    }
+    Ok(())
+}
+
+fn verify(rt: &Runtime, id: &RequestId, blocks: &[BlockId]) -> bool {
+    let mut want = vec![0u8; rt.region().block_bytes()];
+    blocks.iter().enumerate().all(|(k, b)| {
+        pattern(id, k, &mut want);
+        rt.region().read_block(*b).is_ok_and(|got| got == want)
+    })
+}
+
+async fn shutdown_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        biased;
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}

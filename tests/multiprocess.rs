@@ -1,0 +1,437 @@
+//! Real processes on loopback: a bootstrap server, prefill and decode workers (the
+//! `handoff` binary), talking over the ZMTP control plane and the TCP data plane. Each
+//! test reads the processes' JSON lines; every wait has a deadline.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const T: Duration = Duration::from_secs(30);
+
+struct Proc {
+    name: String,
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    stderr: Arc<Mutex<String>>,
+}
+
+impl Proc {
+    fn spawn(name: &str, args: &[&str]) -> Proc {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_handoff"))
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn handoff");
+        let (tx, lines) = mpsc::channel();
+        let out = child.stdout.take().expect("piped stdout");
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let mut err = child.stderr.take().expect("piped stderr");
+        let sink = stderr.clone();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = err.read(&mut buf) {
+                if n == 0 {
+                    return;
+                }
+                sink.lock()
+                    .unwrap()
+                    .push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        });
+        Proc {
+            name: name.to_string(),
+            child,
+            lines,
+            stderr,
+        }
+    }
+
+    fn line(&self, deadline: Instant) -> Option<String> {
+        self.lines
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .ok()
+    }
+
+    /// The next JSON line matching `pred`, or a panic naming the process and its stderr.
+    fn expect(&self, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
+        let deadline = Instant::now() + T;
+        while let Some(line) = self.line(deadline) {
+            if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                if pred(&v) {
+                    return v;
+                }
+            }
+        }
+        panic!(
+            "{}: no {what} within {T:?}; stderr:\n{}",
+            self.name,
+            self.stderr.lock().unwrap()
+        );
+    }
+
+    /// Every `end` line until the summary; returns (ends, summary).
+    fn ends(&self) -> (Vec<Value>, Value) {
+        let mut ends = Vec::new();
+        loop {
+            let v = self.expect("end or summary", |v| {
+                v["event"] == "end" || v["event"] == "summary"
+            });
+            if v["event"] == "summary" {
+                return (ends, v);
+            }
+            ends.push(v);
+        }
+    }
+
+    fn kill9(&mut self) {
+        let _ = self.child.kill(); // SIGKILL
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn bootstrap() -> (Proc, String) {
+    let p = Proc::spawn(
+        "bootstrap",
+        &[
+            "bootstrap",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--expire-after",
+            "3",
+        ],
+    );
+    let line = p
+        .line(Instant::now() + T)
+        .expect("bootstrap server announces its address");
+    let addr = line.rsplit(' ').next().expect("address").to_string();
+    assert!(addr.starts_with("tcp://"), "{line}");
+    (p, addr)
+}
+
+/// A worker; `extra` adds or overrides arguments. Fast heartbeats (100 ms × 3).
+fn worker(name: &str, role: &str, engine: &str, boot: &str, extra: &[&str]) -> Proc {
+    let mut args = vec![
+        "worker",
+        "--role",
+        role,
+        "--engine",
+        engine,
+        "--bootstrap",
+        boot,
+        "--heartbeat-ms",
+        "100",
+        "--heartbeats-missed",
+        "3",
+    ];
+    args.extend_from_slice(extra);
+    let p = Proc::spawn(name, &args);
+    p.expect("ready", |v| v["event"] == "ready");
+    p
+}
+
+fn kinds(ends: &[Value]) -> Vec<String> {
+    ends.iter()
+        .map(|e| e["kind"].as_str().unwrap_or("?").to_string())
+        .collect()
+}
+
+fn hands_over_across_processes(mode: &str) {
+    let (_boot, addr) = bootstrap();
+    let _p = worker(
+        "prefill",
+        "prefill",
+        "P",
+        &addr,
+        &["--requests", "8", "--serve"],
+    );
+    let d = worker(
+        "decode",
+        "decode",
+        "D",
+        &addr,
+        &["--requests", "8", "--prefill", "P", "--mode", mode],
+    );
+    let (ends, summary) = d.ends();
+    assert_eq!(summary["done"], 8, "{ends:?}");
+    assert_eq!(summary["corrupted"], 0);
+    assert!(ends.iter().all(|e| e["verified"] == true), "{ends:?}");
+}
+
+#[test]
+fn requests_are_handed_over_between_processes_in_push_mode() {
+    hands_over_across_processes("push");
+}
+
+#[test]
+fn requests_are_handed_over_between_processes_in_pull_mode() {
+    hands_over_across_processes("pull");
+}
+
+/// kill -9 of prefill mid-request: decode's requests end `Failed(peer lost)` within the
+/// heartbeat window (a killed process's sockets reset, so usually at once), not at their
+/// own waiting deadline (300 s here).
+#[test]
+fn killing_prefill_mid_request_fails_decodes_requests_with_peer_lost_promptly() {
+    let (_boot, addr) = bootstrap();
+    let mut p = worker(
+        "prefill",
+        "prefill",
+        "P",
+        &addr,
+        &["--requests", "4", "--hold-ms", "600000", "--serve"],
+    );
+    let d = worker(
+        "decode",
+        "decode",
+        "D",
+        &addr,
+        &["--requests", "4", "--prefill", "P"],
+    );
+    std::thread::sleep(Duration::from_millis(500)); // transfer info has reached prefill
+    let t0 = Instant::now();
+    p.kill9();
+    let (ends, summary) = d.ends();
+    let took = t0.elapsed();
+    assert_eq!(summary["failed"], 4, "{ends:?}");
+    assert!(kinds(&ends).iter().all(|k| k == "peer_lost"), "{ends:?}");
+    assert!(
+        took < Duration::from_secs(3),
+        "decode noticed after {took:?}"
+    );
+    eprintln!("decode's 4 requests failed peer_lost {took:?} after kill -9");
+}
+
+/// The bootstrap server stops: requests already resolved finish (peers are cached); new
+/// requests that need a lookup fail with a named error (the address and the last error).
+#[test]
+fn stopping_the_bootstrap_server_fails_new_lookups_by_name_and_running_requests_finish() {
+    let (mut boot, addr) = bootstrap();
+    let _p = worker(
+        "prefill",
+        "prefill",
+        "P",
+        &addr,
+        &["--requests", "3", "--hold-ms", "1500", "--serve"],
+    );
+    let d = worker(
+        "decode",
+        "decode",
+        "D",
+        &addr,
+        &[
+            "--requests",
+            "3",
+            "--prefill",
+            "P",
+            "--then-prefill",
+            "P2",
+            "--then-after-ms",
+            "800",
+        ],
+    );
+    std::thread::sleep(Duration::from_millis(300)); // the first three have resolved P
+    boot.kill9();
+    let (ends, _) = d.ends();
+    let first: Vec<&Value> = ends
+        .iter()
+        .filter(|e| !e["request"].as_str().unwrap().contains("then"))
+        .collect();
+    let then: Vec<&Value> = ends
+        .iter()
+        .filter(|e| e["request"].as_str().unwrap().contains("then"))
+        .collect();
+    assert!(
+        first
+            .iter()
+            .all(|e| e["kind"] == "done" && e["verified"] == true),
+        "{first:?}"
+    );
+    assert_eq!(then.len(), 3);
+    for e in then {
+        assert_eq!(e["kind"], "bootstrap_unavailable", "{e}");
+        assert!(e["reason"].as_str().unwrap().contains(&addr), "{e}");
+    }
+}
+
+/// A worker restarted with the same rank registers again (a new incarnation replaces the
+/// old), and the bootstrap server shows exactly one record for it.
+#[test]
+fn a_restarted_worker_registers_again_and_replaces_its_record() {
+    let (_boot, addr) = bootstrap();
+    let mut first = worker("prefill", "prefill", "P", &addr, &["--serve"]);
+    first.kill9();
+    let second = worker("prefill again", "prefill", "P", &addr, &["--serve"]);
+    let status = Command::new(env!("CARGO_BIN_EXE_handoff"))
+        .args(["bootstrap", "status", "--connect", &addr, "--json"])
+        .output()
+        .unwrap();
+    assert!(status.status.success());
+    let v: Value = serde_json::from_slice(&status.stdout).unwrap();
+    let text = v.to_string();
+    assert_eq!(text.matches("\"incarnation\"").count(), 1, "{text}");
+    drop(second);
+}
+
+/// Decode asks for an engine nobody registered: its requests fail by name at their
+/// bootstrap deadline, the bootstrap server answers "not ready", nothing crashes.
+#[test]
+fn a_query_for_an_unregistered_prefill_fails_by_name_and_nothing_crashes() {
+    let (mut boot, addr) = bootstrap();
+    let d = worker(
+        "decode",
+        "decode",
+        "D",
+        &addr,
+        &[
+            "--requests",
+            "2",
+            "--prefill",
+            "nobody",
+            "--bootstrap-timeout-s",
+            "1.5",
+        ],
+    );
+    let (ends, _) = d.ends();
+    assert!(
+        kinds(&ends)
+            .iter()
+            .all(|k| k == "bootstrap_timeout" || k == "bootstrap_unavailable"),
+        "{ends:?}"
+    );
+    assert!(
+        boot.child.try_wait().unwrap().is_none(),
+        "the bootstrap server exited"
+    );
+    let status = Command::new(env!("CARGO_BIN_EXE_handoff"))
+        .args(["bootstrap", "status", "--connect", &addr])
+        .output()
+        .unwrap();
+    assert!(
+        status.status.success(),
+        "{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+}
+
+/// A decode over its admission threshold: prefill sees `Rejected(Busy)` in milliseconds,
+/// not at its bootstrap deadline (300 s here).
+#[test]
+fn a_saturated_decode_makes_prefill_fail_rejected_busy_in_milliseconds() {
+    let (_boot, addr) = bootstrap();
+    let _d = worker(
+        "decode",
+        "decode",
+        "D",
+        &addr,
+        &[
+            "--requests",
+            "3",
+            "--prefill",
+            "P",
+            "--no-alloc",
+            "--admission",
+            "0",
+            "--serve",
+        ],
+    );
+    let p = worker("prefill", "prefill", "P", &addr, &["--requests", "3"]);
+    let (ends, _) = p.ends();
+    assert_eq!(kinds(&ends), vec!["rejected_busy"; 3], "{ends:?}");
+    for e in &ends {
+        let ms = e["ms"].as_f64().unwrap();
+        assert!(ms < 2000.0, "prefill waited {ms} ms for the rejection");
+    }
+    eprintln!(
+        "prefill saw Rejected(Busy) after {:?} ms",
+        ends.iter()
+            .map(|e| e["ms"].as_f64().unwrap().round())
+            .collect::<Vec<_>>()
+    );
+}
+
+/// Malformed traffic to every port the processes open (bootstrap, control, data) costs
+/// a connection each; every process stays up and a request still goes through after.
+#[test]
+fn malformed_traffic_to_every_port_crashes_nothing() {
+    let (mut boot, addr) = bootstrap();
+    let mut p = worker("prefill", "prefill", "P", &addr, &["--requests", "2", "--serve"]);
+    let status = Command::new(env!("CARGO_BIN_EXE_handoff"))
+        .args(["bootstrap", "status", "--connect", &addr, "--json"])
+        .output()
+        .unwrap();
+    let v: Value = serde_json::from_slice(&status.stdout).unwrap();
+    let record = &v["engines"][0]["workers"][0];
+    let ports = [
+        addr.trim_start_matches("tcp://").to_string(),
+        record["control_address"]
+            .as_str()
+            .unwrap()
+            .trim_start_matches("tcp://")
+            .to_string(),
+        record["data_address"].as_str().unwrap().to_string(),
+    ];
+    let mut greeting = vec![0u8; 64];
+    greeting[0] = 0xff;
+    greeting[9] = 0x7f;
+    greeting[10] = 3;
+    greeting[12..16].copy_from_slice(b"NULL");
+    let mut huge = greeting.clone();
+    huge.extend([0x04, 27, 5, b'R', b'E', b'A', b'D', b'Y', 11]);
+    huge.extend(b"Socket-Type");
+    huge.extend(6u32.to_be_bytes());
+    huge.extend(b"DEALER");
+    huge.extend([0x02]);
+    huge.extend((1u64 << 40).to_be_bytes());
+    let junk: Vec<Vec<u8>> = vec![
+        (0..4096u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 7) as u8).collect(),
+        b"GET / HTTP/1.1\r\n\r\n".to_vec(),
+        greeting[..30].to_vec(),
+        huge,
+        b"HDDT\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff".to_vec(),
+        vec![0u8; 100_000],
+    ];
+    for port in &ports {
+        for bytes in &junk {
+            if let Ok(mut s) = std::net::TcpStream::connect(port) {
+                let _ = s.write_all(bytes);
+                let _ = s.set_read_timeout(Some(Duration::from_millis(300)));
+                let mut sink = [0u8; 1024];
+                let _ = s.read(&mut sink);
+            }
+        }
+    }
+    assert!(boot.child.try_wait().unwrap().is_none(), "bootstrap died");
+    assert!(p.child.try_wait().unwrap().is_none(), "prefill died");
+    let d = worker(
+        "decode",
+        "decode",
+        "D",
+        &addr,
+        &["--requests", "2", "--prefill", "P"],
+    );
+    let (_, summary) = d.ends();
+    assert_eq!(summary["done"], 2);
+    p.kill9();
+    boot.kill9();
+}

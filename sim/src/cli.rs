@@ -8,7 +8,7 @@
 use std::process::ExitCode;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use crate::config::{FaultPlan, Faults, ModeChoice, SimConfig};
+use crate::config::{DataPlane, FaultPlan, Faults, ModeChoice, SimConfig};
 use crate::report::Report;
 use crate::{simulate, SimError};
 
@@ -59,9 +59,16 @@ pub struct SimArgs {
     /// Transfer mode of decode engines: push, pull or mixed.
     #[arg(long, default_value = "mixed")]
     pub mode: String,
+    /// What a transfer into blocks taken back while it was in flight does: `fenced`
+    /// (refused at landing) or `rdma` (lands: an integrity violation).
+    #[arg(long, default_value = "fenced")]
+    pub data_plane: String,
     /// Print the report as JSON (one object per seed, one per line).
     #[arg(long)]
     pub json: bool,
+    /// Print every trace line as it happens (to replay a seed by eye).
+    #[arg(long)]
+    pub trace: bool,
     /// Print only failing seeds and the sweep's totals.
     #[arg(long)]
     pub quiet: bool,
@@ -88,11 +95,13 @@ pub fn config(args: &SimArgs, seed: u64) -> Result<SimConfig, SimError> {
         })
         .collect::<Result<_, _>>()?;
     cfg.shape.mode = args.mode.parse::<ModeChoice>()?;
+    cfg.data_plane = args.data_plane.parse::<DataPlane>()?;
     cfg.workload.requests = args.requests;
     cfg.workload.liveness_requests = args.liveness_requests;
     cfg.workload.burst_max = burst_for(cfg.shape.workers());
     cfg.faults = Faults::from_plan(&args.faults.parse::<FaultPlan>()?, seed);
     cfg.request_lines = args.requests <= REQUEST_LINES_REQUESTS_MAX;
+    cfg.echo_trace = args.trace;
     cfg.validate()?;
     Ok(cfg)
 }

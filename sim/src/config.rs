@@ -593,6 +593,31 @@ pub enum Scripted {
     Drop(MessageKind),
 }
 
+/// What the simulated data plane does with a transfer whose blocks were taken back by
+/// their engine (released by the runtime, then freed or reused) while it was in flight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum DataPlane {
+    /// RDMA semantics: a posted write or read lands whatever happened since; landing in
+    /// destination blocks their request no longer owns is an integrity violation.
+    Rdma,
+    /// The target checks the grant at landing (as a TCP receiver can, or RDMA with
+    /// per-request memory windows invalidated on release): such a transfer fails instead.
+    Fenced,
+}
+
+impl FromStr for DataPlane {
+    type Err = SimError;
+    fn from_str(s: &str) -> Result<Self, SimError> {
+        match s {
+            "rdma" => Ok(Self::Rdma),
+            "fenced" => Ok(Self::Fenced),
+            other => Err(SimError::Config(format!(
+                "data plane {other:?}: expected rdma or fenced"
+            ))),
+        }
+    }
+}
+
 /// One simulation, fully described.
 #[derive(Clone, Debug)]
 pub struct SimConfig {
@@ -608,9 +633,13 @@ pub struct SimConfig {
     pub faults: Faults,
     /// Faults placed by hand.
     pub script: Vec<Scripted>,
+    /// What a transfer into taken-back blocks does.
+    pub data_plane: DataPlane,
     /// Keep each live request's last trace lines for violation reports (memory and time;
     /// turn off for very large runs).
     pub request_lines: bool,
+    /// Print every trace line as it happens.
+    pub echo_trace: bool,
 }
 
 impl SimConfig {
@@ -623,7 +652,9 @@ impl SimConfig {
             timing: Timing::default(),
             faults: Faults::default(),
             script: Vec::new(),
+            data_plane: DataPlane::Fenced,
             request_lines: true,
+            echo_trace: false,
         }
     }
 
@@ -691,7 +722,11 @@ impl fmt::Display for SimConfig {
             t.heartbeat_ms,
             t.delay_ms
         )?;
-        writeln!(f, "faults: {}", self.faults)?;
+        writeln!(
+            f,
+            "faults: {} (data plane {:?})",
+            self.faults, self.data_plane
+        )?;
         if !self.script.is_empty() {
             writeln!(f, "script: {:?}", self.script)?;
         }

@@ -31,7 +31,7 @@ use handoff_actors::{
 };
 use tokio::sync::{oneshot, Notify};
 
-use crate::config::{Faults, MessageKind, Timing};
+use crate::config::{DataPlane, Faults, MessageKind, Timing};
 use crate::pool::Pool;
 use crate::rng::Rng;
 use crate::trace::Fnv64;
@@ -101,6 +101,8 @@ pub struct NetStats {
     pub transfers_slow: u64,
     /// Reads that landed from source blocks their request no longer owned (garbage read).
     pub stale_source: u64,
+    /// Transfers refused at landing because their blocks had been taken back (fenced plane).
+    pub fenced: u64,
     /// Bootstrap queries answered.
     pub queries: u64,
     /// Bootstrap queries that failed (server down, error, lost).
@@ -182,6 +184,7 @@ struct NetState {
     faults: Faults,
     timing: Timing,
     drops: Vec<MessageKind>,
+    data_plane: DataPlane,
     rng: Rng,
     agenda: BTreeMap<(u64, u64), NetEvent>,
     seq: u64,
@@ -209,6 +212,7 @@ impl SimNet {
         faults: Faults,
         timing: Timing,
         drops: Vec<MessageKind>,
+        data_plane: DataPlane,
     ) -> Arc<Self> {
         let mut nodes = BTreeMap::new();
         for (idx, (rank, role)) in ranks.iter().enumerate() {
@@ -235,6 +239,7 @@ impl SimNet {
             faults,
             timing,
             drops,
+            data_plane,
             rng: Rng::fork(seed, "net"),
             agenda: BTreeMap::new(),
             seq: 0,
@@ -597,6 +602,14 @@ impl NetState {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .owns_all(src_blocks, owner);
+            if self.data_plane == DataPlane::Fenced && !(dst_ok && src_ok) {
+                self.stats.fenced += 1;
+                let side = if dst_ok { "source" } else { "destination" };
+                return fail(
+                    self,
+                    format!("{side} blocks of {owner} were revoked (fenced)"),
+                );
+            }
             if !dst_ok {
                 self.findings.push(NetFinding {
                     t_ms: t,

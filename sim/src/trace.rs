@@ -56,6 +56,7 @@ pub struct Trace {
     tail: VecDeque<String>,
     per_request: BTreeMap<u64, VecDeque<String>>,
     keep_request_lines: bool,
+    echo: bool,
 }
 
 impl Trace {
@@ -81,6 +82,9 @@ impl Trace {
         let _ = what(&mut self.line);
         self.hash.str(&self.line);
         self.lines += 1;
+        if self.echo {
+            println!("{}", self.line);
+        }
         if self.tail.len() == TRACE_TAIL_LINES_MAX {
             self.tail.pop_front();
         }
@@ -92,6 +96,11 @@ impl Trace {
             }
             lines.push_back(self.line.clone());
         }
+    }
+
+    /// Prints every line to stdout as it is recorded (for replaying a seed by eye).
+    pub fn echo(&mut self, on: bool) {
+        self.echo = on;
     }
 
     /// Forgets a settled request's lines.

@@ -268,6 +268,7 @@ impl World {
             cfg.faults.clone(),
             cfg.timing.clone(),
             drops,
+            cfg.data_plane,
         );
         let attach: Arc<dyn Attach> = Arc::new(SimAttach(net.clone()));
         let mut workers = Vec::with_capacity(ranks.len());
@@ -315,6 +316,7 @@ impl World {
             scripted_partitions: Vec::new(),
             awaiting_registration: false,
         };
+        world.trace.echo(world.cfg.echo_trace);
         world.start_cluster().await?;
         Ok(world)
     }

@@ -170,7 +170,7 @@ fn run_inner(args: &SimArgs) -> Result<bool, SimError> {
     let started = Instant::now();
     for seed in seeds {
         let cfg = config(args, seed)?;
-        if !args.json && !(sweep && args.quiet) {
+        if !(args.json || sweep && args.quiet) {
             print!("{cfg}");
         }
         let report = simulate(&cfg)?;

@@ -640,6 +640,8 @@ pub struct SimConfig {
     pub request_lines: bool,
     /// Print every trace line as it happens.
     pub echo_trace: bool,
+    /// Keep every request's per-rank outcome in the report (tests).
+    pub keep_outcomes: bool,
 }
 
 impl SimConfig {
@@ -655,6 +657,7 @@ impl SimConfig {
             data_plane: DataPlane::Fenced,
             request_lines: true,
             echo_trace: false,
+            keep_outcomes: false,
         }
     }
 

@@ -412,10 +412,7 @@ impl SimNet {
     /// Runs every event due at or before `now_ms`, in order.
     pub fn run_due(&self, now_ms: u64) {
         let mut st = self.lock();
-        loop {
-            let Some(entry) = st.agenda.first_entry() else {
-                break;
-            };
+        while let Some(entry) = st.agenda.first_entry() {
             if entry.key().0 > now_ms {
                 break;
             }

@@ -97,6 +97,40 @@ pub struct Outcomes {
     /// Requests whose ranks disagree (some `Done`, some `Failed`): possible when a final
     /// message races a failure; the merged state is `Failed`.
     pub split: u64,
+    /// Final states of single ranks, as `side:kind` (`decode:done`, `prefill:ttl_expired`).
+    pub ranks: BTreeMap<String, u64>,
+}
+
+/// How one rank of one request ended (kept when `SimConfig::keep_outcomes` is set).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct RankOutcome {
+    /// The worker.
+    pub worker: usize,
+    /// Its engine (`P0`, `D1`, ...).
+    pub engine: String,
+    /// Prefill or decode.
+    pub prefill: bool,
+    /// Its tp rank.
+    pub tp: u32,
+    /// Its pp rank.
+    pub pp: u32,
+    /// `done` or the failure kind.
+    pub end: String,
+    /// When it opened, virtual ms.
+    pub opened_ms: u64,
+    /// When the engine saw it end, virtual ms.
+    pub end_ms: u64,
+}
+
+/// How one request ended, rank by rank.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct RequestOutcome {
+    /// The request index (`r<index>`).
+    pub req: u64,
+    /// From the liveness phase.
+    pub liveness: bool,
+    /// Its ranks that opened.
+    pub ranks: Vec<RankOutcome>,
 }
 
 /// The result of one simulation.
@@ -114,6 +148,9 @@ pub struct Report {
     pub liveness: Outcomes,
     /// Request arrival to the last decode rank's `Done`, for requests done everywhere.
     pub latency_ms: Percentiles,
+    /// Every request's ranks, if kept.
+    #[serde(skip)]
+    pub outcomes: Vec<RequestOutcome>,
     /// Faults injected at the cluster level.
     pub injected: BTreeMap<String, u64>,
     /// Network counters.

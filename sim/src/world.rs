@@ -19,7 +19,9 @@ use handoff_actors::{
 use crate::config::{Scripted, SimConfig, Target};
 use crate::net::{req_index, SimAttach, SimNet};
 use crate::pool::Pool;
-use crate::report::{Invariant, Outcomes, Percentiles, Report, Violation};
+use crate::report::{
+    Invariant, Outcomes, Percentiles, RankOutcome, Report, RequestOutcome, Violation,
+};
 use crate::rng::{Rng, PPM};
 use crate::trace::{Fnv64, Trace};
 use crate::SimError;
@@ -34,7 +36,7 @@ pub const DRAIN_STEP_MS: u64 = 1;
 /// drain (+[`DRAIN_STEP_MS`]), and a timeout message is handled at the instant it fires.
 /// 10 ms leaves room for two more ticks of scheduling and nothing else.
 pub const HANG_SLACK_MS: u64 = 10;
-const _: () = assert!(HANG_SLACK_MS >= 3 + DRAIN_STEP_MS + 1);
+const _: () = assert!(HANG_SLACK_MS > 3 + DRAIN_STEP_MS);
 
 /// Requests whose engine could not get blocks wait at most this many per worker; past it
 /// the request is left to its deadline (the engine drops the work).
@@ -168,6 +170,7 @@ pub(crate) struct World {
     scripted_outages: BTreeMap<u64, u64>,
     scripted_partitions: Vec<(u64, BTreeSet<usize>, bool, u64)>,
     awaiting_registration: bool,
+    outcomes: Vec<RequestOutcome>,
 }
 
 fn rank_info(engine: &str, dp: (u32, u32), tp: (u32, u32), pp: (u32, u32)) -> RankInfo {
@@ -315,6 +318,7 @@ impl World {
             scripted_outages: BTreeMap::new(),
             scripted_partitions: Vec::new(),
             awaiting_registration: false,
+            outcomes: Vec::new(),
         };
         world.trace.echo(world.cfg.echo_trace);
         world.start_cluster().await?;
@@ -1004,7 +1008,7 @@ impl World {
         }
         let freed = self.workers[w].pool().free(&blocks, &id);
         if let Err(e) = freed {
-            return self.violate(Invariant::NoLeak, Some(req), format!("w{w}: {e}"));
+            self.violate(Invariant::NoLeak, Some(req), format!("w{w}: {e}"));
         }
     }
 
@@ -1120,11 +1124,41 @@ impl World {
     }
 
     fn tally(&mut self, rec: &ReqRec) {
+        let end_kind = |s: &State| match s {
+            State::Failed(r) => r.kind().to_string(),
+            other => other.to_string().to_lowercase(),
+        };
+        if self.cfg.keep_outcomes {
+            let ranks = rec
+                .ranks
+                .iter()
+                .map(|r| RankOutcome {
+                    worker: r.worker,
+                    engine: self.workers[r.worker].rank.engine_id.to_string(),
+                    prefill: r.role == Role::Prefill,
+                    tp: r.tp,
+                    pp: r.pp,
+                    end: end_kind(&r.state),
+                    opened_ms: r.opened_ms,
+                    end_ms: r.end_ms.unwrap_or(0),
+                })
+                .collect();
+            let req = req_index(&rec.id).unwrap_or(0);
+            self.outcomes.push(RequestOutcome {
+                req,
+                liveness: rec.liveness,
+                ranks,
+            });
+        }
         let out = if rec.liveness {
             &mut self.liveness
         } else {
             &mut self.safety
         };
+        for r in &rec.ranks {
+            let key = format!("{}:{}", r.role, end_kind(&r.state));
+            *out.ranks.entry(key).or_insert(0) += 1;
+        }
         let states: Vec<&State> = rec.ranks.iter().map(|r| &r.state).collect();
         let any_done = states.iter().any(|s| **s == State::Done);
         let merged = handoff_actors::merge_all(states.iter().copied());
@@ -1493,6 +1527,7 @@ impl World {
             safety: self.safety,
             liveness: self.liveness,
             latency_ms: Percentiles::of(std::mem::take(&mut self.latencies)),
+            outcomes: std::mem::take(&mut self.outcomes),
             injected: self.injected,
             net,
             violations: self.violations,

@@ -208,11 +208,12 @@ fn print_report(args: &SimArgs, report: &Report, sweep: bool) {
 }
 
 /// The scale benchmark's steps: (prefill engines, decode engines, tp, requests).
-pub const SCALE_STEPS: [(u32, u32, u32, u64); 4] = [
+pub const SCALE_STEPS: [(u32, u32, u32, u64); 5] = [
     (5, 5, 1, 10_000),
     (50, 50, 1, 100_000),
-    (250, 250, 2, 300_000),
-    (250, 250, 2, 1_000_000),
+    (500, 500, 1, 100_000),
+    (250, 250, 2, 100_000),
+    (500, 500, 1, 1_000_000),
 ];
 
 /// Runs growing fault-free clusters and prints wall time and simulated requests per second.

@@ -14,7 +14,7 @@
 //! # Invariants
 //! Checked while the run goes and at its end; the first violation stops the run.
 //! - **no hang**: every rank of every request ends `Done`/`Failed` within
-//!   `Timeouts::lifetime_max()` of opening, plus [`world::HANG_SLACK_MS`].
+//!   `Timeouts::lifetime_max()` of opening, plus [`HANG_SLACK_MS`].
 //! - **no leak**: every block handed to a runtime appears in exactly one `Released` event
 //!   of its request on that runtime; a stopped runtime has released everything; at
 //!   quiescence every worker's pool is entirely free.
@@ -61,3 +61,4 @@ pub use config::{
 pub use error::SimError;
 pub use report::{Invariant, Report, Violation};
 pub use sim::simulate;
+pub use world::{DRAIN_STEP_MS, HANG_SLACK_MS};

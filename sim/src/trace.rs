@@ -53,7 +53,10 @@ pub struct Trace {
     hash: Fnv64,
     lines: u64,
     line: String,
-    tail: VecDeque<String>,
+    /// A ring of the last lines; `next` is where the next line goes. Slots are reused, so
+    /// recording a line allocates nothing once the ring is full.
+    tail: Vec<String>,
+    next: usize,
     per_request: BTreeMap<u64, VecDeque<String>>,
     keep_request_lines: bool,
     echo: bool,
@@ -85,10 +88,13 @@ impl Trace {
         if self.echo {
             println!("{}", self.line);
         }
-        if self.tail.len() == TRACE_TAIL_LINES_MAX {
-            self.tail.pop_front();
+        if self.tail.len() < TRACE_TAIL_LINES_MAX {
+            self.tail.push(self.line.clone());
+        } else {
+            self.tail[self.next].clear();
+            self.tail[self.next].push_str(&self.line);
         }
-        self.tail.push_back(self.line.clone());
+        self.next = (self.next + 1) % TRACE_TAIL_LINES_MAX;
         if let (true, Some(r)) = (self.keep_request_lines, req) {
             let lines = self.per_request.entry(r).or_default();
             if lines.len() == TRACE_REQUEST_LINES_MAX {
@@ -118,7 +124,11 @@ impl Trace {
 
     /// The last lines of the whole run.
     pub fn tail(&self) -> Vec<String> {
-        self.tail.iter().cloned().collect()
+        if self.tail.len() < TRACE_TAIL_LINES_MAX {
+            return self.tail.clone();
+        }
+        let (newer, older) = self.tail.split_at(self.next);
+        older.iter().chain(newer).cloned().collect()
     }
 
     /// The hash of every line so far.
@@ -155,5 +165,20 @@ mod tests {
         assert_ne!(a.hash(), b.hash());
         assert_eq!(a.request_lines(0).len(), 2);
         assert!(b.request_lines(0).is_empty());
+    }
+
+    #[test]
+    fn tail_keeps_the_last_lines_in_order() {
+        let mut t = Trace::new(false);
+        for i in 0..(TRACE_TAIL_LINES_MAX + 5) {
+            t.record(i as u64, None, |s| write!(s, "{i}"));
+        }
+        let tail = t.tail();
+        assert_eq!(tail.len(), TRACE_TAIL_LINES_MAX);
+        assert_eq!(tail[0], "t=5 5");
+        assert_eq!(
+            tail[TRACE_TAIL_LINES_MAX - 1],
+            format!("t={0} {0}", TRACE_TAIL_LINES_MAX + 4)
+        );
     }
 }

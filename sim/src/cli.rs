@@ -1,0 +1,291 @@
+//! `handoff sim`: the simulator's command line, as a library the facade's binary calls.
+//!
+//! The facade adds `Sim(handoff_sim::cli::SimArgs)` to its subcommands and calls
+//! [`run`]. A run prints every setting first, then a summary; a failing run ends with
+//! `replay: HANDOFF_SIM_SEED=<n>` and exit status 1. Without `--seed`, the seed comes from
+//! `HANDOFF_SIM_SEED`, else from the wall clock (outside the simulation), and is printed.
+
+use std::process::ExitCode;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use crate::config::{DataPlane, FaultPlan, Faults, ModeChoice, SimConfig};
+use crate::report::Report;
+use crate::{simulate, SimError};
+
+/// The environment variable that names a seed to replay.
+pub const SEED_ENV: &str = "HANDOFF_SIM_SEED";
+
+/// Above this many requests a run keeps no per-request trace lines (memory, time): a
+/// violation then shows the run's last lines instead.
+pub const REQUEST_LINES_REQUESTS_MAX: u64 = 20_000;
+
+/// Arguments of `handoff sim`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct SimArgs {
+    /// The seed to run (default: $HANDOFF_SIM_SEED, else one from the wall clock, printed).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// A sweep: every seed in A..B (B excluded), e.g. `--seeds 0..1000`.
+    #[arg(long, value_name = "A..B")]
+    pub seeds: Option<String>,
+    /// Prefill engines.
+    #[arg(long, default_value_t = 2)]
+    pub prefill: u32,
+    /// Decode engines.
+    #[arg(long, default_value_t = 2)]
+    pub decode: u32,
+    /// Tensor-parallel ranks of every dp group, both sides.
+    #[arg(long, default_value_t = 1)]
+    pub tp: u32,
+    /// Pipeline-parallel ranks of every prefill dp group.
+    #[arg(long, default_value_t = 1)]
+    pub pp: u32,
+    /// The dp ranks of every prefill engine, a comma list (need not be dense: `0,5`).
+    #[arg(long, default_value = "0")]
+    pub prefill_dp: String,
+    /// Dp ranks of every decode engine.
+    #[arg(long, default_value_t = 1)]
+    pub decode_dp: u32,
+    /// Requests in the safety phase (faults on).
+    #[arg(long, default_value_t = 200)]
+    pub requests: u64,
+    /// Requests in the liveness phase (faults off; all must succeed).
+    #[arg(long, default_value_t = 20)]
+    pub liveness_requests: u64,
+    /// Faults: `none`, `all`, `swarm` (a mix drawn per seed), or a comma list of
+    /// loss,delay,dup,partition,crash,bootstrap,saturation,slow,skew,panic,abort,stall.
+    #[arg(long, default_value = "swarm")]
+    pub faults: String,
+    /// Transfer mode of decode engines: push, pull or mixed.
+    #[arg(long, default_value = "mixed")]
+    pub mode: String,
+    /// What a transfer into blocks taken back while it was in flight does: `fenced`
+    /// (refused at landing) or `rdma` (lands: an integrity violation).
+    #[arg(long, default_value = "fenced")]
+    pub data_plane: String,
+    /// Print the report as JSON (one object per seed, one per line).
+    #[arg(long)]
+    pub json: bool,
+    /// Print every trace line as it happens (to replay a seed by eye).
+    #[arg(long)]
+    pub trace: bool,
+    /// Print only failing seeds and the sweep's totals.
+    #[arg(long)]
+    pub quiet: bool,
+    /// Run the scale benchmark instead (growing clusters and request counts, faults off).
+    #[arg(long)]
+    pub bench: bool,
+}
+
+/// The simulation `args` describe, for `seed`.
+pub fn config(args: &SimArgs, seed: u64) -> Result<SimConfig, SimError> {
+    let mut cfg = SimConfig::new(seed);
+    cfg.shape.prefill_engines = args.prefill;
+    cfg.shape.decode_engines = args.decode;
+    cfg.shape.tp = args.tp;
+    cfg.shape.pp = args.pp;
+    cfg.shape.decode_dp = args.decode_dp;
+    cfg.shape.prefill_dp_ranks = args
+        .prefill_dp
+        .split(',')
+        .map(|d| {
+            d.trim()
+                .parse::<u32>()
+                .map_err(|e| SimError::Config(format!("--prefill-dp {d:?}: {e}")))
+        })
+        .collect::<Result<_, _>>()?;
+    cfg.shape.mode = args.mode.parse::<ModeChoice>()?;
+    cfg.data_plane = args.data_plane.parse::<DataPlane>()?;
+    cfg.workload.requests = args.requests;
+    cfg.workload.liveness_requests = args.liveness_requests;
+    cfg.workload.burst_max = burst_for(cfg.shape.workers());
+    cfg.faults = Faults::from_plan(&args.faults.parse::<FaultPlan>()?, seed);
+    cfg.request_lines = args.requests <= REQUEST_LINES_REQUESTS_MAX;
+    cfg.echo_trace = args.trace;
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+/// Requests per arrival for a cluster of `workers`: about one request per 8 workers per
+/// virtual ms keeps every decode pool busy without starving it.
+pub fn burst_for(workers: u64) -> u64 {
+    (workers / 8).max(1)
+}
+
+fn parse_range(s: &str) -> Result<std::ops::Range<u64>, SimError> {
+    let bad = || SimError::Config(format!("--seeds {s:?}: expected A..B"));
+    let (a, b) = s.split_once("..").ok_or_else(bad)?;
+    let a: u64 = a.trim().parse().map_err(|_| bad())?;
+    let b: u64 = b.trim().parse().map_err(|_| bad())?;
+    if b <= a {
+        return Err(bad());
+    }
+    Ok(a..b)
+}
+
+fn pick_seed(args: &SimArgs) -> Result<u64, SimError> {
+    if let Some(s) = args.seed {
+        return Ok(s);
+    }
+    if let Ok(s) = std::env::var(SEED_ENV) {
+        return s
+            .trim()
+            .parse()
+            .map_err(|_| SimError::Config(format!("{SEED_ENV}={s:?} is not a u64")));
+    }
+    // The only wall-clock read: choosing a seed, outside the simulation, printed below.
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    Ok(nanos % 1_000_000_000)
+}
+
+/// Runs `handoff sim`.
+pub fn run(args: SimArgs) -> ExitCode {
+    match run_inner(&args) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("handoff sim: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run_inner(args: &SimArgs) -> Result<bool, SimError> {
+    if args.bench {
+        scale(&SCALE_STEPS, args.requests.max(1));
+        return Ok(true);
+    }
+    let seeds = match &args.seeds {
+        Some(r) => parse_range(r)?,
+        None => {
+            let s = pick_seed(args)?;
+            s..s + 1
+        }
+    };
+    let sweep = seeds.end - seeds.start > 1;
+    let (mut passed, mut failed, mut requests) = (0u64, Vec::new(), 0u64);
+    let started = Instant::now();
+    for seed in seeds {
+        let cfg = config(args, seed)?;
+        if !(args.json || sweep && args.quiet) {
+            print!("{cfg}");
+        }
+        let report = simulate(&cfg)?;
+        requests += report.requests();
+        print_report(args, &report, sweep);
+        if report.ok() {
+            passed += 1;
+        } else {
+            failed.push(seed);
+        }
+    }
+    if sweep && !args.json {
+        println!(
+            "sweep: {passed} seeds passed, {} failed {:?}; {requests} requests in {:.1} s",
+            failed.len(),
+            failed,
+            started.elapsed().as_secs_f64()
+        );
+    }
+    Ok(failed.is_empty())
+}
+
+fn print_report(args: &SimArgs, report: &Report, sweep: bool) {
+    if args.json {
+        match serde_json::to_string(report) {
+            Ok(s) => println!("{s}"),
+            Err(e) => eprintln!("handoff sim: could not encode the report: {e}"),
+        }
+    } else if !(sweep && args.quiet && report.ok()) {
+        if sweep && args.quiet {
+            print!("{}", report.settings);
+        }
+        print!("{report}");
+    }
+}
+
+/// The scale benchmark's steps: (prefill engines, decode engines, tp, requests).
+pub const SCALE_STEPS: [(u32, u32, u32, u64); 5] = [
+    (5, 5, 1, 10_000),
+    (50, 50, 1, 100_000),
+    (500, 500, 1, 100_000),
+    (250, 250, 2, 100_000),
+    (500, 500, 1, 1_000_000),
+];
+
+/// Runs growing fault-free clusters and prints wall time and simulated requests per second.
+/// `requests_cap` bounds each step's requests (for quick runs).
+pub fn scale(steps: &[(u32, u32, u32, u64)], requests_cap: u64) {
+    println!("workers  requests   wall_s   req_per_s  virtual_s  trace_hash        ok");
+    for &(p, d, tp, requests) in steps {
+        let mut cfg = SimConfig::new(1);
+        cfg.shape.prefill_engines = p;
+        cfg.shape.decode_engines = d;
+        cfg.shape.tp = tp;
+        cfg.workload.requests = requests.min(requests_cap);
+        cfg.workload.liveness_requests = 0;
+        cfg.workload.burst_max = burst_for(cfg.shape.workers());
+        cfg.request_lines = false;
+        let workers = cfg.shape.workers();
+        match simulate(&cfg) {
+            Ok(r) => {
+                let wall = r.wall_ms.max(1) as f64 / 1000.0;
+                println!(
+                    "{workers:>7} {:>9} {wall:>8.2} {:>11.0} {:>10.2}  {:016x}  {}",
+                    r.requests(),
+                    r.requests() as f64 / wall,
+                    r.virtual_ms as f64 / 1000.0,
+                    r.trace_hash,
+                    if r.ok() { "yes" } else { "NO" }
+                );
+                if !r.ok() {
+                    print!("{r}");
+                }
+            }
+            Err(e) => println!("{workers:>7}: {e}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        sim: SimArgs,
+    }
+
+    #[test]
+    fn arguments_build_the_configuration_they_name() {
+        let cli = Cli::parse_from([
+            "sim",
+            "--prefill",
+            "3",
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--prefill-dp",
+            "0,5",
+            "--faults",
+            "loss,crash",
+            "--mode",
+            "pull",
+        ]);
+        let cfg = config(&cli.sim, 9).unwrap();
+        assert_eq!(cfg.shape.prefill_dp_ranks, vec![0, 5]);
+        assert_eq!(cfg.shape.workers(), 3 * 2 * 2 * 2 + 2 * 2);
+        assert!(cfg.faults.loss_ppm > 0 && cfg.faults.crash_every_ms > 0);
+        assert_eq!(cfg.faults.dup_ppm, 0);
+        let bad = Cli::parse_from(["sim", "--faults", "meteor"]);
+        assert!(config(&bad.sim, 1).is_err());
+        assert!(parse_range("5..5").is_err());
+        assert_eq!(parse_range("2..4").unwrap(), 2..4);
+    }
+}

@@ -1,0 +1,1077 @@
+//! The simulated network, bootstrap server and data transport: [`SimNet`].
+//!
+//! Runtimes attach through [`SimAttach`] (the actors crate's [`Attach`]) and talk through a
+//! [`SimLink`] (its [`Link`]). Nothing is delivered at once: every control message, bootstrap
+//! answer, registration and data transfer becomes a timed event in one agenda, ordered by
+//! (virtual ms, sequence number), which the simulation's main loop runs as time reaches it.
+//! Every fault decision (loss, duplication, delay, partition, slow transfer, failed query)
+//! is drawn from the network's own seeded stream at the moment the message is sent, so the
+//! same seed makes the same decisions in the same order.
+//!
+//! Failure detection is simulated heartbeats: a peer that crashed, or that a partition has
+//! cut off for longer than one heartbeat window, is reported with [`Inbox::peer_lost`] one
+//! window later, and sends to it fail with [`LinkError::PeerGone`] until it is back.
+//!
+//! The data transport moves real bytes between [`HostRegion`]s with RDMA semantics: once
+//! posted, a write or read lands when its transfer time is over whether or not the request
+//! that posted it still waits for it. At landing it checks that the destination blocks are
+//! still owned by the transfer's request; a transfer that lands in blocks their engine has
+//! taken back is a use after release, reported as a violation.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use handoff_actors::link::{
+    Attach, Inbox, Link, LinkError, ResolveError, ResolveFuture, TransferFuture,
+};
+use handoff_actors::machine::{Outbound, Peer};
+use handoff_actors::{
+    BlockId, EngineId, Error as ActorError, FailureReason, HostRegion, RankInfo, RequestId, Role,
+};
+use tokio::sync::{oneshot, Notify};
+
+use crate::config::{DataPlane, Faults, MessageKind, Timing};
+use crate::pool::Pool;
+use crate::rng::Rng;
+use crate::trace::Fnv64;
+
+/// Largest wait between two registration attempts while the bootstrap server is down.
+pub const REGISTER_BACKOFF_MS_MAX: u64 = 200;
+/// First wait between registration attempts.
+pub const REGISTER_BACKOFF_MS_MIN: u64 = 5;
+/// The bootstrap server's name in failure reasons.
+pub const BOOTSTRAP_ADDRESS: &str = "sim-bootstrap:8998";
+
+/// The request index of a simulated request id (`r<index>`).
+pub fn req_index(id: &RequestId) -> Option<u64> {
+    id.as_str().strip_prefix('r')?.parse().ok()
+}
+
+/// One worker as the network sees it.
+struct Node {
+    idx: usize,
+    role: Role,
+    /// The incarnation attached now (or last attached, when down).
+    inc: u32,
+    up: bool,
+    inbox: Option<Inbox>,
+    region: Option<Arc<HostRegion>>,
+    pool: Option<Arc<Mutex<Pool>>>,
+}
+
+struct Partition {
+    group: BTreeSet<usize>,
+    one_way: bool,
+    /// (observer, peer) pairs this partition's failure detection marked lost.
+    lost: Vec<(usize, usize)>,
+}
+
+impl Partition {
+    fn blocks(&self, from: usize, to: usize) -> bool {
+        let (f, t) = (self.group.contains(&from), self.group.contains(&to));
+        (f && !t) || (!self.one_way && t && !f)
+    }
+}
+
+/// What the network counted.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct NetStats {
+    /// Control messages handed to the network.
+    pub sent: u64,
+    /// Control messages delivered to a runtime.
+    pub delivered: u64,
+    /// Lost by the loss fault or a drop rule.
+    pub lost: u64,
+    /// Lost to a partition.
+    pub partitioned: u64,
+    /// Lost because an end crashed or restarted while they were in flight.
+    pub dead_end: u64,
+    /// Delivered twice.
+    pub duplicated: u64,
+    /// Delayed by a spike.
+    pub spiked: u64,
+    /// Sends refused because the sender's failure detector had declared the peer lost.
+    pub refused: u64,
+    /// Data transfers that landed.
+    pub transfers_ok: u64,
+    /// Data transfers that failed (an end gone, partitioned, a bad block list).
+    pub transfers_failed: u64,
+    /// Data transfers slowed down.
+    pub transfers_slow: u64,
+    /// Reads that landed from source blocks their request no longer owned (garbage read).
+    pub stale_source: u64,
+    /// Transfers refused at landing because their blocks had been taken back (fenced plane).
+    pub fenced: u64,
+    /// Bootstrap queries answered.
+    pub queries: u64,
+    /// Bootstrap queries that failed (server down, error, lost).
+    pub queries_failed: u64,
+    /// Registration attempts that failed and were retried.
+    pub registrations_retried: u64,
+    /// Peer-lost reports delivered.
+    pub peer_lost: u64,
+}
+
+/// Something the network saw that breaks an invariant.
+#[derive(Clone, Debug)]
+pub struct NetFinding {
+    /// Virtual ms.
+    pub t_ms: u64,
+    /// The request involved.
+    pub req: Option<u64>,
+    /// What happened.
+    pub detail: String,
+}
+
+enum NetEvent {
+    Deliver {
+        from: usize,
+        from_inc: u32,
+        to: usize,
+        to_inc: u32,
+        id: RequestId,
+        msg: Outbound,
+    },
+    Land {
+        src: (usize, u32),
+        dst: (usize, u32),
+        src_blocks: Vec<BlockId>,
+        dst_blocks: Vec<BlockId>,
+        owner: Option<RequestId>,
+        reply: oneshot::Sender<Result<(), String>>,
+    },
+    Query {
+        who: (usize, u32),
+        prefill: EngineId,
+        dp: Option<u32>,
+        lost: bool,
+        reply: oneshot::Sender<Result<Vec<Peer>, ResolveError>>,
+    },
+    Register {
+        who: (usize, u32),
+        backoff_ms: u64,
+    },
+    Detect {
+        peer: usize,
+        peer_inc: u32,
+        partition: Option<u64>,
+    },
+    Heal {
+        partition: u64,
+    },
+}
+
+/// One line for the trace, from the network.
+pub struct NetNote {
+    /// Virtual ms.
+    pub t_ms: u64,
+    /// The request, if any.
+    pub req: Option<u64>,
+    /// The text.
+    pub text: String,
+}
+
+struct NetState {
+    nodes: BTreeMap<RankInfo, Node>,
+    ranks: Vec<RankInfo>,
+    siblings: Vec<Vec<RankInfo>>,
+    registry: BTreeMap<EngineId, BTreeSet<RankInfo>>,
+    bootstrap_up: bool,
+    partitions: BTreeMap<u64, Partition>,
+    lost: BTreeMap<(usize, usize), u32>,
+    faults_on: bool,
+    faults: Faults,
+    timing: Timing,
+    drops: Vec<MessageKind>,
+    data_plane: DataPlane,
+    rng: Rng,
+    agenda: BTreeMap<(u64, u64), NetEvent>,
+    seq: u64,
+    wake_at: u64,
+    stats: NetStats,
+    hash: Fnv64,
+    notes: Vec<NetNote>,
+    findings: Vec<NetFinding>,
+}
+
+/// The simulated network. Shared by every link (`Arc`); driven by the main loop.
+pub struct SimNet {
+    state: Mutex<NetState>,
+    notify: Notify,
+    start: tokio::time::Instant,
+}
+
+impl SimNet {
+    /// A network for workers `ranks` (indexed by position), with `siblings[i]` the ranks that
+    /// serve the same requests as worker `i`. Must be made inside the simulation's runtime.
+    pub fn new(
+        seed: u64,
+        ranks: Vec<(RankInfo, Role)>,
+        siblings: Vec<Vec<RankInfo>>,
+        faults: Faults,
+        timing: Timing,
+        drops: Vec<MessageKind>,
+        data_plane: DataPlane,
+    ) -> Arc<Self> {
+        let mut nodes = BTreeMap::new();
+        for (idx, (rank, role)) in ranks.iter().enumerate() {
+            let node = Node {
+                idx,
+                role: *role,
+                inc: 0,
+                up: false,
+                inbox: None,
+                region: None,
+                pool: None,
+            };
+            nodes.insert(rank.clone(), node);
+        }
+        let state = NetState {
+            nodes,
+            ranks: ranks.into_iter().map(|(r, _)| r).collect(),
+            siblings,
+            registry: BTreeMap::new(),
+            bootstrap_up: true,
+            partitions: BTreeMap::new(),
+            lost: BTreeMap::new(),
+            faults_on: true,
+            faults,
+            timing,
+            drops,
+            data_plane,
+            rng: Rng::fork(seed, "net"),
+            agenda: BTreeMap::new(),
+            seq: 0,
+            wake_at: u64::MAX,
+            stats: NetStats::default(),
+            hash: Fnv64::new(),
+            notes: Vec::new(),
+            findings: Vec::new(),
+        };
+        Arc::new(Self {
+            state: Mutex::new(state),
+            notify: Notify::new(),
+            start: tokio::time::Instant::now(),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, NetState> {
+        // Single-threaded simulation: a poisoned lock only follows a panic we already record.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Virtual ms since the network was made.
+    pub fn now_ms(&self) -> u64 {
+        self.start.elapsed().as_millis() as u64
+    }
+
+    /// The virtual instant of `t_ms`.
+    pub fn instant(&self, t_ms: u64) -> tokio::time::Instant {
+        self.start + Duration::from_millis(t_ms)
+    }
+
+    /// Wakes when a new event is due before the time the main loop sleeps until.
+    pub fn notified(&self) -> tokio::sync::futures::Notified<'_> {
+        self.notify.notified()
+    }
+
+    /// Records where the main loop will sleep until, so links wake it for earlier events.
+    pub fn set_wake_at(&self, t_ms: u64) {
+        self.lock().wake_at = t_ms;
+    }
+
+    /// When the next network event is due.
+    pub fn next_due(&self) -> Option<u64> {
+        self.lock().agenda.keys().next().map(|(t, _)| *t)
+    }
+
+    /// Gives worker `idx` (incarnation `inc`) its memory before its runtime attaches.
+    pub fn set_memory(
+        &self,
+        idx: usize,
+        inc: u32,
+        region: Arc<HostRegion>,
+        pool: Arc<Mutex<Pool>>,
+    ) {
+        let mut st = self.lock();
+        let rank = st.ranks[idx].clone();
+        if let Some(n) = st.nodes.get_mut(&rank) {
+            n.inc = inc;
+            n.region = Some(region);
+            n.pool = Some(pool);
+        }
+    }
+
+    /// Faults on (safety phase) or off (liveness phase: delays only).
+    pub fn set_faults_on(&self, on: bool) {
+        self.lock().faults_on = on;
+    }
+
+    /// Bootstrap server up or down.
+    pub fn set_bootstrap_up(&self, up: bool) {
+        self.lock().bootstrap_up = up;
+    }
+
+    /// True when every prefill worker that is up has registered.
+    pub fn all_registered(&self) -> bool {
+        let st = self.lock();
+        st.nodes.iter().all(|(rank, n)| {
+            n.role != Role::Prefill
+                || !n.up
+                || st
+                    .registry
+                    .get(&rank.engine_id)
+                    .is_some_and(|r| r.contains(rank))
+        })
+    }
+
+    /// Worker `idx` crashed (its runtime has detached): peers learn it one heartbeat later.
+    pub fn crashed(&self, idx: usize) {
+        let mut st = self.lock();
+        let now = self.now_ms();
+        let rank = st.ranks[idx].clone();
+        let inc = st.nodes.get(&rank).map_or(0, |n| n.inc);
+        let at = now + st.timing.heartbeat_ms;
+        self.push(
+            &mut st,
+            at,
+            NetEvent::Detect {
+                peer: idx,
+                peer_inc: inc,
+                partition: None,
+            },
+        );
+    }
+
+    /// Starts partition `id` cutting `group` off (only its outgoing side if `one_way`) for
+    /// `for_ms`. Longer than a heartbeat window, it is also detected as lost peers.
+    pub fn partition(&self, id: u64, group: BTreeSet<usize>, one_way: bool, for_ms: u64) {
+        let mut st = self.lock();
+        let now = self.now_ms();
+        st.partitions.insert(
+            id,
+            Partition {
+                group,
+                one_way,
+                lost: Vec::new(),
+            },
+        );
+        if for_ms > st.timing.heartbeat_ms {
+            let at = now + st.timing.heartbeat_ms;
+            self.push(
+                &mut st,
+                at,
+                NetEvent::Detect {
+                    peer: usize::MAX,
+                    peer_inc: 0,
+                    partition: Some(id),
+                },
+            );
+        }
+        self.push(&mut st, now + for_ms, NetEvent::Heal { partition: id });
+    }
+
+    /// Ends every partition and forgets every lost peer that is up (liveness phase).
+    pub fn heal_all(&self) {
+        let mut st = self.lock();
+        st.partitions.clear();
+        st.lost.clear();
+        st.bootstrap_up = true;
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> NetStats {
+        self.lock().stats.clone()
+    }
+
+    /// The hash of every delivery and landing so far.
+    pub fn hash(&self) -> u64 {
+        self.lock().hash.finish()
+    }
+
+    /// Takes the trace lines and findings gathered since the last call.
+    pub fn take_notes(&self) -> (Vec<NetNote>, Vec<NetFinding>) {
+        let mut st = self.lock();
+        (
+            std::mem::take(&mut st.notes),
+            std::mem::take(&mut st.findings),
+        )
+    }
+
+    fn push(&self, st: &mut NetState, at: u64, event: NetEvent) {
+        st.seq += 1;
+        let key = (at, st.seq);
+        st.agenda.insert(key, event);
+        if at < st.wake_at {
+            st.wake_at = at;
+            self.notify.notify_one();
+        }
+    }
+
+    /// Runs every event due at or before `now_ms`, in order.
+    pub fn run_due(&self, now_ms: u64) {
+        let mut st = self.lock();
+        while let Some(entry) = st.agenda.first_entry() {
+            if entry.key().0 > now_ms {
+                break;
+            }
+            let ((t, _), event) = entry.remove_entry();
+            self.run_event(&mut st, t, event);
+        }
+    }
+
+    fn run_event(&self, st: &mut NetState, t: u64, event: NetEvent) {
+        match event {
+            NetEvent::Deliver {
+                from,
+                from_inc,
+                to,
+                to_inc,
+                id,
+                msg,
+            } => st.deliver(t, (from, from_inc), (to, to_inc), id, msg),
+            NetEvent::Land {
+                src,
+                dst,
+                src_blocks,
+                dst_blocks,
+                owner,
+                reply,
+            } => {
+                let r = st.land(t, src, dst, &src_blocks, &dst_blocks, owner.as_ref());
+                let _ = reply.send(r);
+            }
+            NetEvent::Query {
+                who,
+                prefill,
+                dp,
+                lost,
+                reply,
+            } => {
+                let answer = st.answer(who, &prefill, dp, lost);
+                let _ = reply.send(answer);
+            }
+            NetEvent::Register { who, backoff_ms } => {
+                if let Some(retry) = st.register(t, who, backoff_ms) {
+                    let next = (backoff_ms * 2).min(REGISTER_BACKOFF_MS_MAX);
+                    self.push(
+                        st,
+                        t + retry,
+                        NetEvent::Register {
+                            who,
+                            backoff_ms: next,
+                        },
+                    );
+                }
+            }
+            NetEvent::Detect {
+                peer,
+                peer_inc,
+                partition,
+            } => match partition {
+                None => st.detect_crash(t, peer, peer_inc),
+                Some(id) => st.detect_partition(t, id),
+            },
+            NetEvent::Heal { partition } => {
+                if let Some(p) = st.partitions.remove(&partition) {
+                    for pair in p.lost {
+                        st.unlose(pair);
+                    }
+                    st.note(t, None, format!("partition {partition} healed"));
+                }
+            }
+        }
+    }
+}
+
+impl NetState {
+    fn note(&mut self, t_ms: u64, req: Option<u64>, text: String) {
+        self.notes.push(NetNote { t_ms, req, text });
+    }
+
+    fn node_at(&self, idx: usize) -> Option<&Node> {
+        self.ranks.get(idx).and_then(|r| self.nodes.get(r))
+    }
+
+    fn alive(&self, (idx, inc): (usize, u32)) -> bool {
+        self.node_at(idx).is_some_and(|n| n.up && n.inc == inc)
+    }
+
+    fn partitioned(&self, from: usize, to: usize) -> bool {
+        self.partitions.values().any(|p| p.blocks(from, to))
+    }
+
+    fn unlose(&mut self, pair: (usize, usize)) {
+        if let Some(n) = self.lost.get_mut(&pair) {
+            *n -= 1;
+            if *n == 0 {
+                self.lost.remove(&pair);
+            }
+        }
+    }
+
+    fn deliver(
+        &mut self,
+        t: u64,
+        from: (usize, u32),
+        to: (usize, u32),
+        id: RequestId,
+        msg: Outbound,
+    ) {
+        let req = req_index(&id);
+        if !self.alive(from) || !self.alive(to) {
+            self.stats.dead_end += 1;
+            let text = format!(
+                "drop w{}->w{} {:?}: an end restarted",
+                from.0,
+                to.0,
+                MessageKind::of(&msg)
+            );
+            return self.note(t, req, text);
+        }
+        if self.partitioned(from.0, to.0) {
+            self.stats.partitioned += 1;
+            let text = format!(
+                "drop w{}->w{} {:?}: partitioned",
+                from.0,
+                to.0,
+                MessageKind::of(&msg)
+            );
+            return self.note(t, req, text);
+        }
+        self.hash.bytes(&t.to_le_bytes());
+        self.hash.bytes(&(from.0 as u64).to_le_bytes());
+        self.hash.bytes(&(to.0 as u64).to_le_bytes());
+        self.hash.str(id.as_str());
+        self.hash.bytes(&[MessageKind::of(&msg) as u8]);
+        let from_rank = self.ranks[from.0].clone();
+        if let Some(inbox) = self.node_at(to.0).and_then(|n| n.inbox.clone()) {
+            if inbox.deliver(from_rank, id, msg) {
+                self.stats.delivered += 1;
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn land(
+        &mut self,
+        t: u64,
+        src: (usize, u32),
+        dst: (usize, u32),
+        src_blocks: &[BlockId],
+        dst_blocks: &[BlockId],
+        owner: Option<&RequestId>,
+    ) -> Result<(), String> {
+        let req = owner.and_then(req_index);
+        let fail = |st: &mut Self, why: String| {
+            st.stats.transfers_failed += 1;
+            st.note(
+                t,
+                req,
+                format!("transfer w{}->w{} failed: {why}", src.0, dst.0),
+            );
+            Err(why)
+        };
+        if !self.alive(src) || !self.alive(dst) {
+            return fail(self, "an end of the transfer is gone".into());
+        }
+        if self.partitioned(src.0, dst.0) || self.partitioned(dst.0, src.0) {
+            return fail(self, "the data path is partitioned".into());
+        }
+        let (Some(s), Some(d)) = (self.node_at(src.0), self.node_at(dst.0)) else {
+            return fail(self, "no such worker".into());
+        };
+        let (Some(sr), Some(dr), Some(sp), Some(dp)) = (
+            s.region.clone(),
+            d.region.clone(),
+            s.pool.clone(),
+            d.pool.clone(),
+        ) else {
+            return fail(self, "worker has no memory".into());
+        };
+        if let Some(owner) = owner {
+            let dst_ok = dp
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .owns_all(dst_blocks, owner);
+            let src_ok = sp
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .owns_all(src_blocks, owner);
+            if self.data_plane == DataPlane::Fenced && !(dst_ok && src_ok) {
+                self.stats.fenced += 1;
+                let side = if dst_ok { "source" } else { "destination" };
+                return fail(
+                    self,
+                    format!("{side} blocks of {owner} were revoked (fenced)"),
+                );
+            }
+            if !dst_ok {
+                self.findings.push(NetFinding {
+                    t_ms: t,
+                    req,
+                    detail: format!(
+                        "a transfer for {owner} landed in w{} blocks {dst_blocks:?} that its engine had taken back (use after release)",
+                        dst.0
+                    ),
+                });
+            }
+            if !src_ok {
+                self.stats.stale_source += 1;
+                self.note(
+                    t,
+                    req,
+                    format!(
+                        "transfer w{}->w{} read source blocks no longer owned by {owner}",
+                        src.0, dst.0
+                    ),
+                );
+            }
+        }
+        match HostRegion::copy_blocks(&sr, src_blocks, &dr, dst_blocks) {
+            Ok(()) => {
+                self.stats.transfers_ok += 1;
+                self.hash.bytes(&t.to_le_bytes());
+                self.hash.bytes(&(src.0 as u64).to_le_bytes());
+                self.hash.bytes(&(dst.0 as u64).to_le_bytes());
+                Ok(())
+            }
+            Err(e) => fail(self, e.to_string()),
+        }
+    }
+
+    fn answer(
+        &mut self,
+        who: (usize, u32),
+        prefill: &EngineId,
+        dp: Option<u32>,
+        lost: bool,
+    ) -> Result<Vec<Peer>, ResolveError> {
+        self.stats.queries += 1;
+        let failed = |st: &mut Self, detail: String| {
+            st.stats.queries_failed += 1;
+            Err(ResolveError::NotReady { detail })
+        };
+        if lost {
+            return failed(self, "bootstrap query timed out".into());
+        }
+        if !self.bootstrap_up {
+            return failed(
+                self,
+                format!("bootstrap server {BOOTSTRAP_ADDRESS} is down"),
+            );
+        }
+        if self.faults_on && self.rng.chance(self.faults.query_error_ppm) {
+            self.stats.queries_failed += 1;
+            return Err(ResolveError::Fatal(FailureReason::BootstrapUnavailable {
+                address: BOOTSTRAP_ADDRESS.into(),
+                last_error: "query answered with an error (injected)".into(),
+            }));
+        }
+        let me = self.ranks[who.0].clone();
+        let ranks: Vec<&RankInfo> = self
+            .registry
+            .get(prefill)
+            .map(|r| r.iter().collect())
+            .unwrap_or_default();
+        let Some(first) = ranks.first() else {
+            return failed(
+                self,
+                format!("no prefill rank of engine {prefill} registered"),
+            );
+        };
+        if first.tp_size != me.tp_size {
+            return Err(ResolveError::Fatal(FailureReason::Protocol {
+                detail: format!(
+                    "prefill {prefill} has tp_size {}, decode has {}",
+                    first.tp_size, me.tp_size
+                ),
+            }));
+        }
+        let pp_size = first.pp_size as usize;
+        let dp = dp.unwrap_or_else(|| ranks.iter().map(|r| r.dp_rank).min().unwrap_or(0));
+        let peers: Vec<Peer> = ranks
+            .iter()
+            .filter(|r| r.dp_rank == dp && r.tp_rank == me.tp_rank)
+            .map(|r| (*r).clone())
+            .collect();
+        if peers.len() < pp_size {
+            let detail = format!(
+                "{} of {pp_size} pipeline ranks of {prefill} dp{dp} registered",
+                peers.len()
+            );
+            return failed(self, detail);
+        }
+        Ok(peers)
+    }
+
+    /// One registration attempt; `Some(wait)` to try again after `wait` ms.
+    fn register(&mut self, t: u64, who: (usize, u32), backoff_ms: u64) -> Option<u64> {
+        if !self.alive(who) {
+            return None;
+        }
+        let lost = self.faults_on && self.rng.chance(self.faults.loss_ppm);
+        if !self.bootstrap_up || lost {
+            self.stats.registrations_retried += 1;
+            let why = if lost { "lost" } else { "server down" };
+            self.note(
+                t,
+                None,
+                format!(
+                    "w{} registration failed ({why}); retry in {backoff_ms} ms",
+                    who.0
+                ),
+            );
+            return Some(backoff_ms);
+        }
+        let rank = self.ranks[who.0].clone();
+        // Idempotent: the same rank registering again (a restart) replaces itself.
+        self.registry
+            .entry(rank.engine_id.clone())
+            .or_default()
+            .insert(rank);
+        self.note(t, None, format!("w{} registered", who.0));
+        None
+    }
+
+    fn report_lost(&mut self, t: u64, observer: usize, peer: usize) -> bool {
+        let peer_rank = self.ranks[peer].clone();
+        let Some(inbox) = self
+            .node_at(observer)
+            .filter(|n| n.up)
+            .and_then(|n| n.inbox.clone())
+        else {
+            return false;
+        };
+        *self.lost.entry((observer, peer)).or_insert(0) += 1;
+        self.stats.peer_lost += 1;
+        inbox.peer_lost(peer_rank);
+        let _ = t;
+        true
+    }
+
+    fn detect_crash(&mut self, t: u64, peer: usize, peer_inc: u32) {
+        if self.alive((peer, peer_inc)) {
+            return; // it came back already (never, with down time >= one window)
+        }
+        let observers: Vec<usize> = (0..self.ranks.len()).filter(|i| *i != peer).collect();
+        let mut told = 0;
+        for o in observers {
+            told += usize::from(self.report_lost(t, o, peer));
+        }
+        self.note(t, None, format!("w{peer} declared lost by {told} peers"));
+    }
+
+    fn detect_partition(&mut self, t: u64, id: u64) {
+        let Some(p) = self.partitions.get(&id) else {
+            return;
+        };
+        let n = self.ranks.len();
+        let mut pairs = Vec::new();
+        for from in 0..n {
+            for to in 0..n {
+                if from != to && p.blocks(from, to) {
+                    // `to` stops hearing `from`'s heartbeats.
+                    pairs.push((to, from));
+                }
+            }
+        }
+        let mut marked = Vec::new();
+        for (observer, peer) in pairs {
+            if self.report_lost(t, observer, peer) {
+                marked.push((observer, peer));
+            }
+        }
+        let count = marked.len();
+        if let Some(p) = self.partitions.get_mut(&id) {
+            p.lost = marked;
+        }
+        self.note(
+            t,
+            None,
+            format!("partition {id} detected: {count} peer-lost reports"),
+        );
+    }
+
+    fn delay(&mut self) -> u64 {
+        let (lo, hi) = self.timing.delay_ms;
+        let mut d = self.rng.range(lo, hi);
+        if self.faults_on {
+            d += self.rng.range(0, self.faults.jitter_ms);
+            if self.rng.chance(self.faults.spike_ppm) {
+                self.stats.spiked += 1;
+                d += self
+                    .rng
+                    .range(self.faults.spike_ms.0, self.faults.spike_ms.1);
+            }
+        }
+        d
+    }
+}
+
+/// Attaches runtimes to a [`SimNet`].
+pub struct SimAttach(pub Arc<SimNet>);
+
+impl Attach for SimAttach {
+    fn attach(
+        &self,
+        rank: RankInfo,
+        role: Role,
+        inbox: Inbox,
+        region: Arc<HostRegion>,
+    ) -> Result<Arc<dyn Link>, ActorError> {
+        let net = &self.0;
+        let mut st = net.lock();
+        let now = net.now_ms();
+        let Some(node) = st.nodes.get_mut(&rank) else {
+            return Err(ActorError::Config(format!(
+                "{rank} is not part of the simulated cluster"
+            )));
+        };
+        if node.up {
+            return Err(ActorError::AlreadyAttached(rank));
+        }
+        if node.role != role {
+            return Err(ActorError::Config(format!(
+                "{rank} is a {} worker",
+                node.role
+            )));
+        }
+        let same_region = node
+            .region
+            .as_ref()
+            .is_some_and(|r| Arc::ptr_eq(r, &region));
+        if !same_region {
+            return Err(ActorError::Config(format!(
+                "{rank}: region differs from the simulated worker's"
+            )));
+        }
+        node.up = true;
+        node.inbox = Some(inbox);
+        let (idx, inc) = (node.idx, node.inc);
+        // A new incarnation: nobody holds the old one as lost any more.
+        st.lost.retain(|(_, peer), _| *peer != idx);
+        if role == Role::Prefill {
+            let at = now + st.timing.delay_ms.0;
+            net.push(
+                &mut st,
+                at,
+                NetEvent::Register {
+                    who: (idx, inc),
+                    backoff_ms: REGISTER_BACKOFF_MS_MIN,
+                },
+            );
+        }
+        Ok(Arc::new(SimLink {
+            net: net.clone(),
+            me: rank,
+            idx,
+            inc,
+        }))
+    }
+}
+
+/// One runtime's view of the [`SimNet`].
+pub struct SimLink {
+    net: Arc<SimNet>,
+    me: RankInfo,
+    idx: usize,
+    inc: u32,
+}
+
+impl SimLink {
+    fn transfer(
+        &self,
+        src_node: &Peer,
+        dst_node: &Peer,
+        src: Vec<BlockId>,
+        dst: Vec<BlockId>,
+        owner_blocks: &[BlockId],
+    ) -> TransferFuture {
+        let net = &self.net;
+        let (tx, rx) = oneshot::channel();
+        let refused = {
+            let mut guard = net.lock();
+            let st = &mut *guard;
+            let now = net.now_ms();
+            let ends = (
+                st.nodes.get(src_node).map(|n| (n.idx, n.inc)),
+                st.nodes.get(dst_node).map(|n| (n.idx, n.inc)),
+            );
+            match ends {
+                (Some(s), Some(d)) if st.alive(s) && st.alive(d) => {
+                    let owner = st
+                        .node_at(self.idx)
+                        .and_then(|n| n.pool.clone())
+                        .and_then(|p| {
+                            owner_blocks.first().and_then(|b| {
+                                p.lock()
+                                    .unwrap_or_else(|e| e.into_inner())
+                                    .owner(*b)
+                                    .cloned()
+                            })
+                        });
+                    let blocks = src.len() as u64;
+                    let mut ms = st.timing.transfer_base_ms + blocks / st.timing.blocks_per_ms;
+                    if st.faults_on && st.rng.chance(st.faults.slow_ppm) {
+                        st.stats.transfers_slow += 1;
+                        ms *= st
+                            .rng
+                            .range(st.faults.slow_factor.0, st.faults.slow_factor.1)
+                            .max(1);
+                    }
+                    net.push(
+                        st,
+                        now + ms.max(1),
+                        NetEvent::Land {
+                            src: s,
+                            dst: d,
+                            src_blocks: src,
+                            dst_blocks: dst,
+                            owner,
+                            reply: tx,
+                        },
+                    );
+                    None
+                }
+                _ => {
+                    st.stats.transfers_failed += 1;
+                    Some(format!(
+                        "transfer {src_node} -> {dst_node}: an end is not attached"
+                    ))
+                }
+            }
+        };
+        Box::pin(async move {
+            if let Some(why) = refused {
+                return Err(why);
+            }
+            rx.await
+                .unwrap_or_else(|_| Err("transfer abandoned by the network".into()))
+        })
+    }
+}
+
+impl Link for SimLink {
+    fn me(&self) -> &RankInfo {
+        &self.me
+    }
+
+    fn send(&self, to: &Peer, id: &RequestId, msg: Outbound) -> Result<(), LinkError> {
+        let net = &self.net;
+        let mut guard = net.lock();
+        let st = &mut *guard;
+        let now = net.now_ms();
+        st.stats.sent += 1;
+        let Some(dest) = st.nodes.get(to).map(|n| (n.idx, n.inc)) else {
+            return Err(LinkError::PeerGone(to.to_string()));
+        };
+        if st.lost.contains_key(&(self.idx, dest.0)) {
+            st.stats.refused += 1;
+            return Err(LinkError::PeerGone(to.to_string()));
+        }
+        let kind = MessageKind::of(&msg);
+        let req = req_index(id);
+        if st.faults_on && (st.drops.contains(&kind) || st.rng.chance(st.faults.loss_ppm)) {
+            st.stats.lost += 1;
+            st.note(
+                now,
+                req,
+                format!("lose w{}->w{} {kind:?}", self.idx, dest.0),
+            );
+            return Ok(());
+        }
+        let copies = if st.faults_on && st.rng.chance(st.faults.dup_ppm) {
+            st.stats.duplicated += 1;
+            st.note(
+                now,
+                req,
+                format!("duplicate w{}->w{} {kind:?}", self.idx, dest.0),
+            );
+            2
+        } else {
+            1
+        };
+        for _ in 0..copies {
+            let at = now + st.delay();
+            net.push(
+                st,
+                at,
+                NetEvent::Deliver {
+                    from: self.idx,
+                    from_inc: self.inc,
+                    to: dest.0,
+                    to_inc: dest.1,
+                    id: id.clone(),
+                    msg: msg.clone(),
+                },
+            );
+        }
+        Ok(())
+    }
+
+    fn siblings(&self) -> Vec<Peer> {
+        self.net
+            .lock()
+            .siblings
+            .get(self.idx)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    fn resolve(&self, prefill: &EngineId, dp_rank: Option<u32>) -> ResolveFuture {
+        let net = &self.net;
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut guard = net.lock();
+            let st = &mut *guard;
+            let now = net.now_ms();
+            let lost = st.faults_on && st.rng.chance(st.faults.loss_ppm);
+            let at = if lost {
+                now + st.timing.query_timeout_ms
+            } else {
+                now + st.delay() + st.delay()
+            };
+            net.push(
+                st,
+                at,
+                NetEvent::Query {
+                    who: (self.idx, self.inc),
+                    prefill: prefill.clone(),
+                    dp: dp_rank,
+                    lost,
+                    reply: tx,
+                },
+            );
+        }
+        Box::pin(async move {
+            rx.await.unwrap_or_else(|_| {
+                Err(ResolveError::NotReady {
+                    detail: "bootstrap query abandoned".into(),
+                })
+            })
+        })
+    }
+
+    fn write(&self, to: &Peer, src: Vec<BlockId>, dst: Vec<BlockId>) -> TransferFuture {
+        let owner_blocks = src.clone();
+        self.transfer(&self.me.clone(), to, src, dst, &owner_blocks)
+    }
+
+    fn read(&self, from: &Peer, src: Vec<BlockId>, dst: Vec<BlockId>) -> TransferFuture {
+        let owner_blocks = dst.clone();
+        self.transfer(from, &self.me.clone(), src, dst, &owner_blocks)
+    }
+
+    fn detach(&self) {
+        let mut st = self.net.lock();
+        let rank = self.me.clone();
+        if let Some(n) = st.nodes.get_mut(&rank) {
+            if n.inc == self.inc {
+                n.up = false;
+                n.inbox = None;
+            }
+        }
+    }
+}

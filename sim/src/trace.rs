@@ -1,0 +1,184 @@
+//! The run's trace: every observable event, in virtual time, folded into one hash.
+//!
+//! Events are hashed as canonical text (`t=<ms> <who> <what>`) with FNV-1a 64, written here
+//! so the hash of a seed never changes with a dependency. Only a bounded tail of lines is
+//! kept (globally and per live request), for violation reports.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::fmt::Write as _;
+
+/// FNV-1a, 64 bits: tiny, fixed, and good enough to tell two traces apart.
+#[derive(Clone, Copy, Debug)]
+pub struct Fnv64(u64);
+
+impl Default for Fnv64 {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Fnv64 {
+    /// The FNV offset basis.
+    pub fn new() -> Self {
+        Self(0xcbf2_9ce4_8422_2325)
+    }
+
+    /// Folds bytes in.
+    pub fn bytes(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+
+    /// Folds a string in, followed by a separator so that `"ab","c"` and `"a","bc"` differ.
+    pub fn str(&mut self, s: &str) {
+        self.bytes(s.as_bytes());
+        self.bytes(&[0xff]);
+    }
+
+    /// The hash so far.
+    pub fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+/// Lines kept in the global tail, for reports.
+pub const TRACE_TAIL_LINES_MAX: usize = 64;
+/// Lines kept per live request, for reports: a request emits about a dozen in its life.
+pub const TRACE_REQUEST_LINES_MAX: usize = 32;
+
+/// The hash of every event, and the recent lines.
+#[derive(Debug, Default)]
+pub struct Trace {
+    hash: Fnv64,
+    lines: u64,
+    line: String,
+    /// A ring of the last lines; `next` is where the next line goes. Slots are reused, so
+    /// recording a line allocates nothing once the ring is full.
+    tail: Vec<String>,
+    next: usize,
+    per_request: BTreeMap<u64, VecDeque<String>>,
+    keep_request_lines: bool,
+    echo: bool,
+}
+
+impl Trace {
+    /// A trace; `keep_request_lines` keeps the last lines of each live request (costs memory
+    /// and time; the hash is the same either way).
+    pub fn new(keep_request_lines: bool) -> Self {
+        Self {
+            keep_request_lines,
+            ..Self::default()
+        }
+    }
+
+    /// Records one event at virtual time `t_ms`, about request `req` if any. `what` writes
+    /// the event's text after the time.
+    pub fn record(
+        &mut self,
+        t_ms: u64,
+        req: Option<u64>,
+        what: impl FnOnce(&mut String) -> std::fmt::Result,
+    ) {
+        self.line.clear();
+        let _ = write!(self.line, "t={t_ms} ");
+        let _ = what(&mut self.line);
+        self.hash.str(&self.line);
+        self.lines += 1;
+        if self.echo {
+            println!("{}", self.line);
+        }
+        if self.tail.len() < TRACE_TAIL_LINES_MAX {
+            self.tail.push(self.line.clone());
+        } else {
+            self.tail[self.next].clear();
+            self.tail[self.next].push_str(&self.line);
+        }
+        self.next = (self.next + 1) % TRACE_TAIL_LINES_MAX;
+        if let (true, Some(r)) = (self.keep_request_lines, req) {
+            let lines = self.per_request.entry(r).or_default();
+            if lines.len() == TRACE_REQUEST_LINES_MAX {
+                lines.pop_front();
+            }
+            lines.push_back(self.line.clone());
+        }
+    }
+
+    /// Prints every line to stdout as it is recorded (for replaying a seed by eye).
+    pub fn echo(&mut self, on: bool) {
+        self.echo = on;
+    }
+
+    /// Forgets a settled request's lines.
+    pub fn forget(&mut self, req: u64) {
+        self.per_request.remove(&req);
+    }
+
+    /// The last lines about `req` (empty if not kept).
+    pub fn request_lines(&self, req: u64) -> Vec<String> {
+        self.per_request
+            .get(&req)
+            .map(|l| l.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// The last lines of the whole run.
+    pub fn tail(&self) -> Vec<String> {
+        if self.tail.len() < TRACE_TAIL_LINES_MAX {
+            return self.tail.clone();
+        }
+        let (newer, older) = self.tail.split_at(self.next);
+        older.iter().chain(newer).cloned().collect()
+    }
+
+    /// The hash of every line so far.
+    pub fn hash(&self) -> u64 {
+        self.hash.finish()
+    }
+
+    /// Lines recorded so far.
+    pub fn lines(&self) -> u64 {
+        self.lines
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fnv_matches_the_reference_vectors() {
+        let mut h = Fnv64::new();
+        h.bytes(b"a");
+        assert_eq!(h.finish(), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(Fnv64::new().finish(), 0xcbf2_9ce4_8422_2325);
+    }
+
+    #[test]
+    fn trace_hash_depends_on_order_and_content() {
+        let mut a = Trace::new(true);
+        a.record(1, Some(0), |s| s.write_str("x"));
+        a.record(2, Some(0), |s| s.write_str("y"));
+        let mut b = Trace::new(false);
+        b.record(2, Some(0), |s| s.write_str("y"));
+        b.record(1, Some(0), |s| s.write_str("x"));
+        assert_ne!(a.hash(), b.hash());
+        assert_eq!(a.request_lines(0).len(), 2);
+        assert!(b.request_lines(0).is_empty());
+    }
+
+    #[test]
+    fn tail_keeps_the_last_lines_in_order() {
+        let mut t = Trace::new(false);
+        for i in 0..(TRACE_TAIL_LINES_MAX + 5) {
+            t.record(i as u64, None, |s| write!(s, "{i}"));
+        }
+        let tail = t.tail();
+        assert_eq!(tail.len(), TRACE_TAIL_LINES_MAX);
+        assert_eq!(tail[0], "t=5 5");
+        assert_eq!(
+            tail[TRACE_TAIL_LINES_MAX - 1],
+            format!("t={0} {0}", TRACE_TAIL_LINES_MAX + 4)
+        );
+    }
+}

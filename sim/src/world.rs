@@ -1,0 +1,1540 @@
+//! The simulated cluster: its workers (real runtimes), the engines above them, the
+//! workload, the faults, and the checks, driven by one main loop in virtual time.
+//!
+//! The main loop owns everything but the network. Each turn it runs the engine actions
+//! due now (open a request on a rank, hand blocks over, crash a worker, ...), then the
+//! network's due events, then drains every busy runtime's events and checks them, then
+//! sleeps until the next thing is due. The runtimes' actors run whenever the loop sleeps;
+//! tokio's paused clock jumps forward only when every actor is idle.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::fmt::Write as _;
+use std::sync::{Arc, Mutex};
+
+use handoff_actors::{
+    Attach, BlockId, EngineId, Error as ActorError, Event, HostRegion, RankInfo, ReceiverHandle,
+    ReceiverSpec, RequestId, Role, Runtime, SenderHandle, State, TransferMode, TransportChoice,
+};
+
+use crate::config::{Scripted, SimConfig, Target};
+use crate::net::{req_index, SimAttach, SimNet};
+use crate::pool::Pool;
+use crate::report::{
+    Invariant, Outcomes, Percentiles, RankOutcome, Report, RequestOutcome, Violation,
+};
+use crate::rng::{Rng, PPM};
+use crate::trace::{Fnv64, Trace};
+use crate::SimError;
+
+/// How often the engines drain their runtimes' events, virtual ms. One tick is the
+/// resolution of every time the checks measure.
+pub const DRAIN_STEP_MS: u64 = 1;
+
+/// Extra time a rank may take past `Timeouts::lifetime_max()` before it counts as hung.
+/// Each of a request's three deadlines is armed with a tokio timer that fires on the next
+/// whole millisecond (+1 ms each, 3 in all), the engine sees the final event at its next
+/// drain (+[`DRAIN_STEP_MS`]), and a timeout message is handled at the instant it fires.
+/// 10 ms leaves room for two more ticks of scheduling and nothing else.
+pub const HANG_SLACK_MS: u64 = 10;
+const _: () = assert!(HANG_SLACK_MS > 3 + DRAIN_STEP_MS);
+
+/// Requests whose engine could not get blocks wait at most this many per worker; past it
+/// the request is left to its deadline (the engine drops the work).
+pub const BLOCK_WAITERS_MAX: usize = 4_096;
+
+enum Handle {
+    Sender(SenderHandle),
+    Receiver(ReceiverHandle),
+}
+
+/// Hand-over the engine still owes a request on a worker, waiting for free blocks.
+#[derive(Clone, Copy)]
+struct Waiter {
+    req: u64,
+    inc: u32,
+}
+
+struct Worker {
+    idx: usize,
+    rank: RankInfo,
+    role: Role,
+    mode: TransferMode,
+    inc: u32,
+    rt: Option<Runtime>,
+    region: Arc<HostRegion>,
+    pool: Arc<Mutex<Pool>>,
+    handles: BTreeMap<u64, Handle>,
+    waiters: VecDeque<Waiter>,
+}
+
+impl Worker {
+    fn pool(&self) -> std::sync::MutexGuard<'_, Pool> {
+        self.pool.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// One rank of one request, as the checks see it.
+#[derive(Debug)]
+struct RankRec {
+    worker: usize,
+    inc: u32,
+    role: Role,
+    tp: u32,
+    pp: u32,
+    opened_ms: u64,
+    handed: Vec<BlockId>,
+    released: Vec<BlockId>,
+    state: State,
+    end_ms: Option<u64>,
+}
+
+/// Faults the engine applies to one request.
+#[derive(Clone, Copy, Debug, Default)]
+struct ReqFaults {
+    saturated: bool,
+    never_send: bool,
+    skip_prefill: bool,
+    ghost: bool,
+}
+
+#[derive(Debug)]
+struct ReqRec {
+    id: RequestId,
+    arrived_ms: u64,
+    blocks: u32,
+    mode: TransferMode,
+    prefill_pp: u32,
+    liveness: bool,
+    faults: ReqFaults,
+    pgroup: usize,
+    opens_pending: u32,
+    ranks: Vec<RankRec>,
+    /// Ranks that could not open (worker down, runtime refused).
+    unopened: u32,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Action {
+    Arrive { req: u64, liveness: bool },
+    Open { req: u64, worker: usize },
+    HandOver { req: u64, worker: usize, inc: u32 },
+    Abort { req: u64, worker: usize, inc: u32 },
+    Panic { req: u64, worker: usize, inc: u32 },
+    Crash { worker: usize, down_ms: u64 },
+    Restart { worker: usize },
+    BootstrapUp,
+    FaultTick(TickKind),
+    ScriptedPartition(usize),
+}
+
+#[derive(Clone, Copy, Debug)]
+enum TickKind {
+    Partition,
+    Crash,
+    BootstrapOutage,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Safety,
+    Liveness,
+    Done,
+}
+
+/// The whole simulated cluster.
+pub(crate) struct World {
+    cfg: SimConfig,
+    net: Arc<SimNet>,
+    attach: Arc<dyn Attach>,
+    workers: Vec<Worker>,
+    prefill_groups: Vec<(u32, u32, Vec<usize>)>,
+    decode_groups: Vec<(u32, u32, Vec<usize>)>,
+    agenda: BTreeMap<(u64, u64), Action>,
+    seq: u64,
+    load: Rng,
+    chaos: Rng,
+    reqs: BTreeMap<u64, ReqRec>,
+    deadlines: BTreeSet<(u64, u64, usize, u32)>,
+    trace: Trace,
+    violations: Vec<Violation>,
+    phase: Phase,
+    next_req: u64,
+    safety_end: u64,
+    liveness_end: u64,
+    partition_seq: u64,
+    safety: Outcomes,
+    liveness: Outcomes,
+    latencies: Vec<u64>,
+    injected: BTreeMap<String, u64>,
+    last_progress_ms: u64,
+    scripted_outages: BTreeMap<u64, u64>,
+    scripted_partitions: Vec<(u64, BTreeSet<usize>, bool, u64)>,
+    awaiting_registration: bool,
+    outcomes: Vec<RequestOutcome>,
+}
+
+fn rank_info(engine: &str, dp: (u32, u32), tp: (u32, u32), pp: (u32, u32)) -> RankInfo {
+    RankInfo {
+        engine_id: EngineId::new(engine),
+        dp_rank: dp.0,
+        dp_size: dp.1,
+        tp_rank: tp.0,
+        tp_size: tp.1,
+        pp_rank: pp.0,
+        pp_size: pp.1,
+    }
+}
+
+/// The bytes prefill writes into the `k`-th block of request `req` on tp rank `tp`. The
+/// same on every pp rank: every pipeline stage writes the same decode blocks (see the
+/// crate docs), so they must agree for the result to be checkable.
+fn pattern(req: u64, tp: u32, k: usize, block_bytes: usize) -> Vec<u8> {
+    let mut rng = Rng::new(req.wrapping_mul(0x9e37_79b9) ^ (u64::from(tp) << 40) ^ k as u64);
+    let mut out = Vec::with_capacity(block_bytes);
+    while out.len() < block_bytes {
+        out.extend_from_slice(&rng.next_u64().to_le_bytes());
+    }
+    out.truncate(block_bytes);
+    out
+}
+
+fn expected_checksum(req: u64, tp: u32, blocks: usize, block_bytes: usize) -> u64 {
+    let mut h = Fnv64::new();
+    for k in 0..blocks {
+        h.bytes(&pattern(req, tp, k, block_bytes));
+    }
+    h.finish()
+}
+
+fn state_text(s: &State) -> String {
+    s.to_string()
+}
+
+impl World {
+    /// Builds the cluster and starts every worker's runtime (inside the simulation's runtime).
+    pub(crate) async fn new(cfg: SimConfig) -> Result<Self, SimError> {
+        let s = cfg.shape.clone();
+        let mut ranks: Vec<(RankInfo, Role, TransferMode)> = Vec::new();
+        let mut prefill_groups = Vec::new();
+        let mut decode_groups = Vec::new();
+        let dp_size = s.prefill_dp_ranks.len() as u32;
+        for e in 0..s.prefill_engines {
+            for &dp in &s.prefill_dp_ranks {
+                let mut group = Vec::new();
+                for tp in 0..s.tp {
+                    for pp in 0..s.pp {
+                        group.push(ranks.len());
+                        let r = rank_info(&format!("P{e}"), (dp, dp_size), (tp, s.tp), (pp, s.pp));
+                        ranks.push((r, Role::Prefill, TransferMode::Push));
+                    }
+                }
+                prefill_groups.push((e, dp, group));
+            }
+        }
+        for e in 0..s.decode_engines {
+            for dp in 0..s.decode_dp {
+                let mut group = Vec::new();
+                for tp in 0..s.tp {
+                    group.push(ranks.len());
+                    let r = rank_info(&format!("D{e}"), (dp, s.decode_dp), (tp, s.tp), (0, 1));
+                    ranks.push((r, Role::Decode, s.mode.of(e)));
+                }
+                decode_groups.push((e, dp, group));
+            }
+        }
+        let siblings: Vec<Vec<RankInfo>> = ranks
+            .iter()
+            .map(|(me, _, _)| {
+                ranks
+                    .iter()
+                    .map(|(r, _, _)| r)
+                    .filter(|r| r.engine_id == me.engine_id && r.dp_rank == me.dp_rank && *r != me)
+                    .cloned()
+                    .collect()
+            })
+            .collect();
+        let drops = cfg
+            .script
+            .iter()
+            .filter_map(|s| match s {
+                Scripted::Drop(kind) => Some(*kind),
+                _ => None,
+            })
+            .collect();
+        let net = SimNet::new(
+            cfg.seed,
+            ranks
+                .iter()
+                .map(|(r, role, _)| (r.clone(), *role))
+                .collect(),
+            siblings,
+            cfg.faults.clone(),
+            cfg.timing.clone(),
+            drops,
+            cfg.data_plane,
+        );
+        let attach: Arc<dyn Attach> = Arc::new(SimAttach(net.clone()));
+        let mut workers = Vec::with_capacity(ranks.len());
+        for (idx, (rank, role, mode)) in ranks.into_iter().enumerate() {
+            let region = Arc::new(HostRegion::new(s.blocks_per_worker, s.block_bytes)?);
+            workers.push(Worker {
+                idx,
+                rank,
+                role,
+                mode,
+                inc: 0,
+                rt: None,
+                region,
+                pool: Arc::new(Mutex::new(Pool::new(s.blocks_per_worker))),
+                handles: BTreeMap::new(),
+                waiters: VecDeque::new(),
+            });
+        }
+        let mut world = Self {
+            load: Rng::fork(cfg.seed, "load"),
+            chaos: Rng::fork(cfg.seed, "chaos"),
+            trace: Trace::new(cfg.request_lines),
+            cfg,
+            net,
+            attach,
+            workers,
+            prefill_groups,
+            decode_groups,
+            agenda: BTreeMap::new(),
+            seq: 0,
+            reqs: BTreeMap::new(),
+            deadlines: BTreeSet::new(),
+            violations: Vec::new(),
+            phase: Phase::Safety,
+            next_req: 0,
+            safety_end: 0,
+            liveness_end: 0,
+            partition_seq: 0,
+            safety: Outcomes::default(),
+            liveness: Outcomes::default(),
+            latencies: Vec::new(),
+            injected: BTreeMap::new(),
+            last_progress_ms: 0,
+            scripted_outages: BTreeMap::new(),
+            scripted_partitions: Vec::new(),
+            awaiting_registration: false,
+            outcomes: Vec::new(),
+        };
+        world.trace.echo(world.cfg.echo_trace);
+        world.start_cluster().await?;
+        Ok(world)
+    }
+
+    async fn start_cluster(&mut self) -> Result<(), SimError> {
+        let down = self.cfg.faults.bootstrap_down_at_start_ms;
+        if down > 0 {
+            self.net.set_bootstrap_up(false);
+            self.schedule(down, Action::BootstrapUp);
+            self.count("bootstrap_outage");
+            self.trace.record(0, None, |s| {
+                write!(s, "bootstrap down at start for {down} ms")
+            });
+        }
+        for w in 0..self.workers.len() {
+            self.start_worker(w).await?;
+        }
+        for s in self.cfg.script.clone() {
+            self.schedule_scripted(&s);
+        }
+        let f = &self.cfg.faults;
+        let ticks = [
+            (f.partition_every_ms, TickKind::Partition),
+            (f.crash_every_ms, TickKind::Crash),
+            (f.bootstrap_outage_every_ms, TickKind::BootstrapOutage),
+        ];
+        for (every, kind) in ticks {
+            if every > 0 {
+                let at = self.chaos.range(every / 2, every + every / 2);
+                self.schedule(at, Action::FaultTick(kind));
+            }
+        }
+        self.safety_end = self.cfg.workload.requests;
+        self.liveness_end = self.safety_end + self.cfg.workload.liveness_requests;
+        if self.cfg.workload.requests > 0 {
+            self.schedule(
+                1,
+                Action::Arrive {
+                    req: 0,
+                    liveness: false,
+                },
+            );
+        }
+        Ok(())
+    }
+
+    async fn start_worker(&mut self, w: usize) -> Result<(), SimError> {
+        let timeouts = self.cfg.timing.timeouts;
+        let worker = &mut self.workers[w];
+        self.net
+            .set_memory(w, worker.inc, worker.region.clone(), worker.pool.clone());
+        let rt = Runtime::builder(worker.role, worker.rank.clone())
+            .timeouts(timeouts)
+            .mode(worker.mode)
+            .transport(TransportChoice::Custom(self.attach.clone()))
+            .region(worker.region.clone())
+            .start()
+            .await?;
+        worker.rt = Some(rt);
+        Ok(())
+    }
+
+    fn now(&self) -> u64 {
+        self.net.now_ms()
+    }
+
+    fn schedule(&mut self, at: u64, action: Action) {
+        self.seq += 1;
+        self.agenda.insert((at, self.seq), action);
+    }
+
+    fn count(&mut self, what: &str) {
+        *self.injected.entry(what.to_string()).or_insert(0) += 1;
+    }
+
+    fn violate(&mut self, invariant: Invariant, req: Option<u64>, detail: String) {
+        let lines = match req {
+            Some(r) if self.cfg.request_lines => self.trace.request_lines(r),
+            _ => self.trace.tail(),
+        };
+        let t_ms = self.now();
+        self.violations.push(Violation {
+            invariant,
+            t_ms,
+            request: req,
+            detail,
+            lines,
+        });
+    }
+
+    /// Runs both phases to the end (or the first violation) and reports.
+    pub(crate) async fn run(mut self) -> Report {
+        loop {
+            let now = self.now();
+            self.turn(now).await;
+            if !self.violations.is_empty() || self.phase == Phase::Done {
+                break;
+            }
+            let next = self.next_wake(now);
+            self.net.set_wake_at(next);
+            let sleep = tokio::time::sleep_until(self.net.instant(next));
+            tokio::select! {
+                biased;
+                _ = self.net.notified() => {}
+                _ = sleep => {}
+            }
+        }
+        self.finish().await
+    }
+
+    fn next_wake(&self, now: u64) -> u64 {
+        let busy = self.workers.iter().any(|w| !w.handles.is_empty()) || !self.reqs.is_empty();
+        let mut next = if busy { now + DRAIN_STEP_MS } else { u64::MAX };
+        if let Some((t, _)) = self.agenda.keys().next() {
+            next = next.min(*t);
+        }
+        if let Some(t) = self.net.next_due() {
+            next = next.min(t);
+        }
+        if next == u64::MAX {
+            // Nothing scheduled and nothing live: the phase logic moves on next turn.
+            next = now + DRAIN_STEP_MS;
+        }
+        next.max(now + 1).min(now.max(next))
+    }
+
+    async fn turn(&mut self, now: u64) {
+        while let Some(entry) = self.agenda.first_entry() {
+            if entry.key().0 > now {
+                break;
+            }
+            let action = entry.remove();
+            self.act(now, action).await;
+            if !self.violations.is_empty() {
+                return;
+            }
+        }
+        self.net.run_due(now);
+        self.fold_net_notes();
+        self.drain(now);
+        self.check_deadlines(now);
+        self.advance_phase(now).await;
+    }
+
+    fn fold_net_notes(&mut self) {
+        let (notes, findings) = self.net.take_notes();
+        for n in notes {
+            self.trace.record(n.t_ms, n.req, |s| s.write_str(&n.text));
+        }
+        for f in findings {
+            self.violate(Invariant::Integrity, f.req, f.detail);
+        }
+    }
+
+    async fn act(&mut self, now: u64, action: Action) {
+        match action {
+            Action::Arrive { req, liveness } => self.arrive(now, req, liveness),
+            Action::Open { req, worker } => self.open(now, req, worker),
+            Action::HandOver { req, worker, inc } => self.hand_over(now, req, worker, inc, true),
+            Action::Abort { req, worker, inc } => {
+                let aborted = match self.live_handle(req, worker, inc) {
+                    Some(Handle::Sender(h)) => {
+                        h.abort();
+                        true
+                    }
+                    Some(Handle::Receiver(h)) => {
+                        h.abort();
+                        true
+                    }
+                    None => false,
+                };
+                if aborted {
+                    self.count("engine_abort");
+                    self.trace.record(now, Some(req), |s| {
+                        write!(s, "w{worker} engine aborts r{req}")
+                    });
+                }
+            }
+            Action::Panic { req, worker, inc } => {
+                if self.live_handle(req, worker, inc).is_some() {
+                    if let Some(rt) = &self.workers[worker].rt {
+                        rt.inject_panic(&RequestId::new(format!("r{req}")));
+                        self.count("actor_panic");
+                        self.trace.record(now, Some(req), |s| {
+                            write!(s, "w{worker} panic injected in r{req}")
+                        });
+                    }
+                }
+            }
+            Action::Crash { worker, down_ms } => self.crash(now, worker, down_ms).await,
+            Action::Restart { worker } => self.restart(now, worker).await,
+            Action::BootstrapUp => {
+                self.net.set_bootstrap_up(true);
+                self.trace
+                    .record(now, None, |s| s.write_str("bootstrap up"));
+            }
+            Action::FaultTick(kind) => self.fault_tick(now, kind),
+            Action::ScriptedPartition(i) => {
+                if let Some((_, group, one_way, for_ms)) = self.scripted_partitions.get(i).cloned()
+                {
+                    self.start_partition(now, group, one_way, for_ms);
+                }
+            }
+        }
+    }
+
+    fn live_handle(&self, req: u64, worker: usize, inc: u32) -> Option<&Handle> {
+        let w = &self.workers[worker];
+        if w.inc != inc || w.rt.is_none() {
+            return None;
+        }
+        w.handles.get(&req)
+    }
+
+    // ----- the workload -----
+
+    /// A burst of requests arrives; the next burst is scheduled.
+    fn arrive(&mut self, now: u64, first: u64, liveness: bool) {
+        let end = if liveness {
+            self.liveness_end
+        } else {
+            self.safety_end
+        };
+        let burst = self.load.range(1, self.cfg.workload.burst_max);
+        let last = (first + burst).min(end);
+        self.next_req = last;
+        if last < end {
+            let gap = self.load.range(0, self.cfg.workload.arrival_gap_ms_max);
+            self.schedule(
+                now + gap,
+                Action::Arrive {
+                    req: last,
+                    liveness,
+                },
+            );
+        }
+        for req in first..last {
+            self.arrive_one(now, req, liveness);
+        }
+    }
+
+    fn arrive_one(&mut self, now: u64, req: u64, liveness: bool) {
+        let f = if liveness {
+            Default::default()
+        } else {
+            self.cfg.faults.clone()
+        };
+        let pg = self.load.below(self.prefill_groups.len() as u64) as usize;
+        let dg = self.load.below(self.decode_groups.len() as u64) as usize;
+        let blocks =
+            self.load
+                .range(1, u64::from(self.cfg.workload.blocks_per_request_max)) as u32;
+        let rf = ReqFaults {
+            saturated: self.chaos.chance(f.saturation_ppm),
+            never_send: self.chaos.chance(f.never_send_ppm),
+            skip_prefill: self.chaos.chance(f.skip_prefill_ppm),
+            ghost: self.chaos.chance(f.ghost_prefill_ppm),
+        };
+        let (_, _, pworkers) = self.prefill_groups[pg].clone();
+        let (_, _, dworkers) = self.decode_groups[dg].clone();
+        let mode = self.workers[dworkers[0]].mode;
+        let mut opens: Vec<usize> = Vec::new();
+        if !rf.skip_prefill && !rf.ghost {
+            opens.extend(&pworkers);
+        }
+        opens.extend(&dworkers);
+        let id = RequestId::new(format!("r{req}"));
+        self.trace.record(now, Some(req), |s| {
+            write!(
+                s,
+                "arrive r{req} P-group {pg} D-group {dg} blocks {blocks} {mode:?} {rf:?}{}",
+                if liveness { " liveness" } else { "" }
+            )
+        });
+        for &w in &opens {
+            let skew = self.chaos.range(0, f.skew_ms_max);
+            self.schedule(now + skew, Action::Open { req, worker: w });
+        }
+        for (ppm, what) in [(f.panic_ppm, 0u8), (f.abort_ppm, 1u8)] {
+            if self.chaos.chance(ppm) {
+                let Some(&w) = self.chaos.pick(&opens) else {
+                    continue;
+                };
+                let at = now + f.skew_ms_max + self.chaos.range(0, 60);
+                let inc = self.workers[w].inc;
+                let action = if what == 0 {
+                    Action::Panic {
+                        req,
+                        worker: w,
+                        inc,
+                    }
+                } else {
+                    Action::Abort {
+                        req,
+                        worker: w,
+                        inc,
+                    }
+                };
+                self.schedule(at, action);
+            }
+        }
+        self.reqs.insert(
+            req,
+            ReqRec {
+                id,
+                arrived_ms: now,
+                blocks,
+                mode,
+                prefill_pp: self.cfg.shape.pp,
+                liveness,
+                faults: rf,
+                pgroup: pg,
+                opens_pending: opens.len() as u32,
+                ranks: Vec::new(),
+                unopened: 0,
+            },
+        );
+    }
+
+    fn open(&mut self, now: u64, req: u64, w: usize) {
+        let Some(rec) = self.reqs.get_mut(&req) else {
+            return;
+        };
+        rec.opens_pending = rec.opens_pending.saturating_sub(1);
+        let (id, blocks, faults) = (rec.id.clone(), rec.blocks, rec.faults);
+        let worker = &self.workers[w];
+        let Some(rt) = &worker.rt else {
+            rec.unopened += 1;
+            self.trace.record(now, Some(req), |s| {
+                write!(s, "w{w} is down: r{req} not opened there")
+            });
+            return self.settle_if_done(req);
+        };
+        let inc = worker.inc;
+        let opened = match worker.role {
+            Role::Prefill => rt.sender(id.clone()).map(Handle::Sender),
+            Role::Decode => {
+                let (pg_engine, pg_dp) = self.prefill_of(req);
+                let prefill = if faults.ghost {
+                    EngineId::new("Pghost")
+                } else {
+                    EngineId::new(format!("P{pg_engine}"))
+                };
+                // One dp rank: sometimes let the runtime pick the lowest registered one.
+                let dp = if self.cfg.shape.prefill_dp_ranks.len() == 1 && req % 2 == 0 {
+                    None
+                } else {
+                    Some(pg_dp)
+                };
+                let wait = faults.saturated || worker.pool().free_count() < blocks as usize;
+                let given = if wait {
+                    None
+                } else {
+                    worker.pool().alloc(blocks, &id)
+                };
+                let spec = ReceiverSpec {
+                    prefill,
+                    prefill_dp_rank: dp,
+                    blocks: given.clone(),
+                };
+                match rt.receiver(id.clone(), spec) {
+                    Ok(h) => {
+                        if let Some(b) = given {
+                            self.record_open(now, req, w, inc, Some(b));
+                            self.workers[w].handles.insert(req, Handle::Receiver(h));
+                            return;
+                        }
+                        Ok(Handle::Receiver(h))
+                    }
+                    Err(e) => {
+                        if let Some(b) = given {
+                            let _ = self.workers[w].pool().free(&b, &id);
+                        }
+                        Err(e)
+                    }
+                }
+            }
+        };
+        match opened {
+            Ok(handle) => {
+                let role = self.workers[w].role;
+                self.workers[w].handles.insert(req, handle);
+                self.record_open(now, req, w, inc, None);
+                let f = &self.cfg.faults;
+                match role {
+                    Role::Prefill if !faults.never_send => {
+                        let (lo, hi) = self.cfg.workload.compute_ms;
+                        let at = now + self.load.range(lo, hi);
+                        self.schedule(
+                            at,
+                            Action::HandOver {
+                                req,
+                                worker: w,
+                                inc,
+                            },
+                        );
+                    }
+                    Role::Decode if faults.saturated => {
+                        let at = now + self.chaos.range(f.alloc_delay_ms.0, f.alloc_delay_ms.1);
+                        self.schedule(
+                            at,
+                            Action::HandOver {
+                                req,
+                                worker: w,
+                                inc,
+                            },
+                        );
+                    }
+                    Role::Decode => self.hand_over(now, req, w, inc, true),
+                    Role::Prefill => {}
+                }
+            }
+            Err(e) => self.refused(now, req, w, e),
+        }
+    }
+
+    /// The prefill engine and dp rank that serve `req`.
+    fn prefill_of(&self, req: u64) -> (u32, u32) {
+        let pg = self.reqs.get(&req).map_or(0, |r| r.pgroup);
+        (self.prefill_groups[pg].0, self.prefill_groups[pg].1)
+    }
+
+    fn refused(&mut self, now: u64, req: u64, w: usize, e: ActorError) {
+        if let Some(rec) = self.reqs.get_mut(&req) {
+            rec.unopened += 1;
+        }
+        match e {
+            ActorError::TooManyRequests { .. } | ActorError::Stopped => {
+                self.trace
+                    .record(now, Some(req), |s| write!(s, "w{w} refused r{req}: {e}"));
+                self.settle_if_done(req);
+            }
+            other => self.violate(
+                Invariant::Api,
+                Some(req),
+                format!("w{w} refused to open r{req}: {other}"),
+            ),
+        }
+    }
+
+    fn record_open(
+        &mut self,
+        now: u64,
+        req: u64,
+        w: usize,
+        inc: u32,
+        blocks: Option<Vec<BlockId>>,
+    ) {
+        let worker = &self.workers[w];
+        let (role, tp, pp) = (worker.role, worker.rank.tp_rank, worker.rank.pp_rank);
+        let deadline =
+            now + self.cfg.timing.timeouts.lifetime_max().as_millis() as u64 + HANG_SLACK_MS;
+        self.deadlines.insert((deadline, req, w, inc));
+        if let Some(rec) = self.reqs.get_mut(&req) {
+            rec.ranks.push(RankRec {
+                worker: w,
+                inc,
+                role,
+                tp,
+                pp,
+                opened_ms: now,
+                handed: blocks.clone().unwrap_or_default(),
+                released: Vec::new(),
+                state: State::Bootstrapping,
+                end_ms: None,
+            });
+        }
+        self.trace.record(now, Some(req), |s| {
+            write!(s, "w{w}.{inc} opens r{req} as {role}")?;
+            match &blocks {
+                Some(b) => write!(s, " with blocks {b:?}"),
+                None => Ok(()),
+            }
+        });
+    }
+
+    /// The engine hands the request's blocks to the runtime: prefill after computing them
+    /// (filled with the request's pattern), decode once allocated. Without free blocks the
+    /// request waits for some (`queue`), or is left to its deadline.
+    fn hand_over(&mut self, now: u64, req: u64, w: usize, inc: u32, queue: bool) {
+        if self.live_handle(req, w, inc).is_none() {
+            return;
+        }
+        let Some(rec) = self.reqs.get(&req) else {
+            return;
+        };
+        let (id, n) = (rec.id.clone(), rec.blocks);
+        let worker = &mut self.workers[w];
+        let Some(blocks) = worker.pool().alloc(n, &id) else {
+            if queue && worker.waiters.len() < BLOCK_WAITERS_MAX {
+                worker.waiters.push_back(Waiter { req, inc });
+                self.trace.record(now, Some(req), |s| {
+                    write!(s, "w{w} has no free blocks for r{req}: waits")
+                });
+            }
+            return;
+        };
+        let tp = worker.rank.tp_rank;
+        if worker.role == Role::Prefill {
+            for (k, b) in blocks.iter().enumerate() {
+                let bytes = pattern(req, tp, k, self.cfg.shape.block_bytes);
+                if let Err(e) = worker.region.write_block(*b, &bytes) {
+                    let detail = format!("w{w} could not fill block {b}: {e}");
+                    return self.violate(Invariant::Api, Some(req), detail);
+                }
+            }
+        }
+        let result = match worker.handles.get(&req) {
+            Some(Handle::Sender(h)) => h.send(blocks.clone()),
+            Some(Handle::Receiver(h)) => h.allocate(blocks.clone()),
+            None => return,
+        };
+        match result {
+            Ok(()) => {
+                if let Some(r) = self.rank_mut(req, w, inc) {
+                    r.handed = blocks.clone();
+                }
+                self.trace.record(now, Some(req), |s| {
+                    write!(s, "w{w}.{inc} hands r{req} blocks {blocks:?}")
+                });
+            }
+            Err(ActorError::RequestEnded { blocks, state, .. }) => {
+                let _ = self.workers[w].pool().free(&blocks, &id);
+                self.trace.record(now, Some(req), |s| {
+                    write!(s, "w{w}.{inc} hand-over of r{req} refused: ended {state}")
+                });
+            }
+            Err(e) => {
+                let _ = self.workers[w].pool().free(&blocks, &id);
+                self.violate(
+                    Invariant::Api,
+                    Some(req),
+                    format!("w{w} hand-over of r{req} refused: {e}"),
+                );
+            }
+        }
+    }
+
+    fn serve_waiters(&mut self, now: u64, w: usize) {
+        while let Some(next) = self.workers[w].waiters.front().copied() {
+            let n = match self.reqs.get(&next.req) {
+                Some(rec) if self.live_handle(next.req, w, next.inc).is_some() => rec.blocks,
+                _ => {
+                    self.workers[w].waiters.pop_front();
+                    continue;
+                }
+            };
+            if self.workers[w].pool().free_count() < n as usize {
+                return;
+            }
+            self.workers[w].waiters.pop_front();
+            self.hand_over(now, next.req, w, next.inc, false);
+        }
+    }
+
+    fn rank_mut(&mut self, req: u64, w: usize, inc: u32) -> Option<&mut RankRec> {
+        self.reqs
+            .get_mut(&req)?
+            .ranks
+            .iter_mut()
+            .find(|r| r.worker == w && r.inc == inc)
+    }
+
+    // ----- events and checks -----
+
+    fn drain(&mut self, now: u64) {
+        for w in 0..self.workers.len() {
+            let worker = &self.workers[w];
+            if worker.handles.is_empty() {
+                continue;
+            }
+            let Some(rt) = &worker.rt else { continue };
+            let events = rt.drain_events();
+            if events.is_empty() {
+                continue;
+            }
+            self.last_progress_ms = now;
+            let inc = worker.inc;
+            for e in events {
+                self.on_event(now, w, inc, e);
+            }
+            if !self.workers[w].waiters.is_empty() {
+                self.serve_waiters(now, w);
+            }
+        }
+    }
+
+    fn on_event(&mut self, now: u64, w: usize, inc: u32, event: Event) {
+        let Some(req) = req_index(event.id()) else {
+            return self.violate(
+                Invariant::Api,
+                None,
+                format!("w{w}: event for unknown request {:?}", event.id()),
+            );
+        };
+        match event {
+            Event::State { state, .. } => self.on_state(now, req, w, inc, state),
+            Event::Released { blocks, .. } => self.on_released(now, req, w, inc, blocks),
+        }
+        self.settle_if_done(req);
+    }
+
+    fn on_state(&mut self, now: u64, req: u64, w: usize, inc: u32, state: State) {
+        let text = state_text(&state);
+        self.trace
+            .record(now, Some(req), |s| write!(s, "w{w}.{inc} r{req} {text}"));
+        let Some(r) = self.rank_mut(req, w, inc) else {
+            if state == State::Bootstrapping {
+                return; // the open event of a rank recorded as it opened
+            }
+            return self.violate(
+                Invariant::Api,
+                Some(req),
+                format!("w{w}: state {text} for r{req}, not open there"),
+            );
+        };
+        let backwards = r.state.is_terminal() || state.phase() < r.state.phase();
+        if state == State::Bootstrapping && r.state == State::Bootstrapping {
+            return;
+        }
+        if backwards || state.phase() == r.state.phase() {
+            let prev = r.state.clone();
+            return self.violate(
+                Invariant::Api,
+                Some(req),
+                format!("w{w}: r{req} moved {prev} -> {text}"),
+            );
+        }
+        if state.is_terminal() {
+            r.end_ms = Some(now);
+        }
+        r.state = state;
+    }
+
+    fn on_released(&mut self, now: u64, req: u64, w: usize, inc: u32, blocks: Vec<BlockId>) {
+        self.trace.record(now, Some(req), |s| {
+            write!(s, "w{w}.{inc} r{req} released {blocks:?}")
+        });
+        let block_bytes = self.cfg.shape.block_bytes;
+        let Some(rec) = self.reqs.get_mut(&req) else {
+            return self.violate(
+                Invariant::NoLeak,
+                Some(req),
+                format!("w{w}: release for settled r{req}"),
+            );
+        };
+        let id = rec.id.clone();
+        let Some(r) = rec.ranks.iter_mut().find(|r| r.worker == w && r.inc == inc) else {
+            return self.violate(
+                Invariant::NoLeak,
+                Some(req),
+                format!("w{w}: release of {blocks:?} for r{req}, never opened there"),
+            );
+        };
+        for b in &blocks {
+            if !r.handed.contains(b) || r.released.contains(b) {
+                let detail = format!(
+                    "w{w}: r{req} released block {b} (handed {:?}, released before {:?})",
+                    r.handed, r.released
+                );
+                return self.violate(Invariant::NoLeak, Some(req), detail);
+            }
+        }
+        r.released.extend_from_slice(&blocks);
+        let check = (r.role == Role::Decode
+            && r.state == State::Done
+            && r.released.len() == r.handed.len())
+        .then(|| (r.handed.clone(), r.tp));
+        if let Some((handed, tp)) = check {
+            let want = expected_checksum(req, tp, handed.len(), block_bytes);
+            match self.workers[w].region.checksum(&handed) {
+                Ok(got) if got == want => {}
+                Ok(got) => {
+                    let detail = format!("w{w}: r{req} Done but its blocks {handed:?} hold checksum {got:016x}, prefill wrote {want:016x}");
+                    return self.violate(Invariant::Integrity, Some(req), detail);
+                }
+                Err(e) => {
+                    return self.violate(
+                        Invariant::Integrity,
+                        Some(req),
+                        format!("w{w}: r{req}: {e}"),
+                    )
+                }
+            }
+        }
+        let freed = self.workers[w].pool().free(&blocks, &id);
+        if let Err(e) = freed {
+            self.violate(Invariant::NoLeak, Some(req), format!("w{w}: {e}"));
+        }
+    }
+
+    fn check_deadlines(&mut self, now: u64) {
+        while let Some(&(deadline, req, w, inc)) = self.deadlines.first() {
+            if deadline > now {
+                break;
+            }
+            self.deadlines.pop_first();
+            let Some(rec) = self.reqs.get(&req) else {
+                continue;
+            };
+            let Some(r) = rec.ranks.iter().find(|r| r.worker == w && r.inc == inc) else {
+                continue;
+            };
+            if !r.state.is_terminal() {
+                let detail = format!(
+                    "w{w}.{inc}: r{req} still {} {} ms after it opened (lifetime_max {:?} + {HANG_SLACK_MS} ms)",
+                    r.state,
+                    now - r.opened_ms,
+                    self.cfg.timing.timeouts.lifetime_max()
+                );
+                return self.violate(Invariant::NoHang, Some(req), detail);
+            }
+        }
+    }
+
+    fn settle_if_done(&mut self, req: u64) {
+        let Some(rec) = self.reqs.get(&req) else {
+            return;
+        };
+        let settled = rec.opens_pending == 0
+            && rec
+                .ranks
+                .iter()
+                .all(|r| r.state.is_terminal() && r.released.len() == r.handed.len());
+        if !settled {
+            return;
+        }
+        let Some(rec) = self.reqs.remove(&req) else {
+            return;
+        };
+        for r in &rec.ranks {
+            let w = &mut self.workers[r.worker];
+            if w.inc == r.inc {
+                w.handles.remove(&req);
+            }
+        }
+        self.check_agreement(req, &rec);
+        self.tally(&rec);
+        self.trace.forget(req);
+    }
+
+    /// What the two sides may disagree on, and what they may not.
+    ///
+    /// A decode rank's `Done` means it has the data, so it must be backed by the prefill
+    /// ranks it received from: in push mode each of them ended `Done` (they send `Done` only
+    /// after their write landed); in pull mode each of them opened the request (they sent
+    /// `Ready`), and the bytes themselves were checked at release. The converse is not
+    /// required: prefill may end `Done` while decode fails (prefill's final `Done` lost;
+    /// decode's `ReadDone` raced a failure), and ranks of one side may split `Done`/`Failed`
+    /// when one rank finished before a sibling failed. Such splits are counted, not failed.
+    fn check_agreement(&mut self, req: u64, rec: &ReqRec) {
+        for d in rec
+            .ranks
+            .iter()
+            .filter(|r| r.role == Role::Decode && r.state == State::Done)
+        {
+            for pp in 0..rec.prefill_pp {
+                let peers: Vec<&RankRec> = rec
+                    .ranks
+                    .iter()
+                    .filter(|p| p.role == Role::Prefill && p.tp == d.tp && p.pp == pp)
+                    .collect();
+                let backed = match rec.mode {
+                    TransferMode::Push => peers.iter().any(|p| p.state == State::Done),
+                    TransferMode::Pull => !peers.is_empty(),
+                };
+                if !backed {
+                    let states: Vec<String> = peers
+                        .iter()
+                        .map(|p| format!("w{}: {}", p.worker, p.state))
+                        .collect();
+                    let detail = format!(
+                        "decode w{} Done in {:?} mode, but prefill tp{} pp{pp} ended [{}]",
+                        d.worker,
+                        rec.mode,
+                        d.tp,
+                        states.join(", ")
+                    );
+                    return self.violate(Invariant::Agreement, Some(req), detail);
+                }
+            }
+        }
+        let expected = (rec.opens_pending + rec.unopened) as usize + rec.ranks.len();
+        let all_done = rec.unopened == 0
+            && rec.ranks.len() == expected
+            && rec.ranks.iter().all(|r| r.state == State::Done);
+        let must_succeed =
+            rec.liveness || (self.cfg.faults.is_none() && self.cfg.script.is_empty());
+        if must_succeed && !all_done {
+            let states: Vec<String> = rec
+                .ranks
+                .iter()
+                .map(|r| format!("w{}: {}", r.worker, r.state))
+                .collect();
+            let detail = format!(
+                "r{req} did not succeed with faults off: [{}]",
+                states.join(", ")
+            );
+            self.violate(Invariant::Liveness, Some(req), detail);
+        }
+    }
+
+    fn tally(&mut self, rec: &ReqRec) {
+        let end_kind = |s: &State| match s {
+            State::Failed(r) => r.kind().to_string(),
+            other => other.to_string().to_lowercase(),
+        };
+        if self.cfg.keep_outcomes {
+            let ranks = rec
+                .ranks
+                .iter()
+                .map(|r| RankOutcome {
+                    worker: r.worker,
+                    engine: self.workers[r.worker].rank.engine_id.to_string(),
+                    prefill: r.role == Role::Prefill,
+                    tp: r.tp,
+                    pp: r.pp,
+                    end: end_kind(&r.state),
+                    opened_ms: r.opened_ms,
+                    end_ms: r.end_ms.unwrap_or(0),
+                })
+                .collect();
+            let req = req_index(&rec.id).unwrap_or(0);
+            self.outcomes.push(RequestOutcome {
+                req,
+                liveness: rec.liveness,
+                ranks,
+            });
+        }
+        let out = if rec.liveness {
+            &mut self.liveness
+        } else {
+            &mut self.safety
+        };
+        for r in &rec.ranks {
+            let key = format!("{}:{}", r.role, end_kind(&r.state));
+            *out.ranks.entry(key).or_insert(0) += 1;
+        }
+        let states: Vec<&State> = rec.ranks.iter().map(|r| &r.state).collect();
+        let any_done = states.iter().any(|s| **s == State::Done);
+        let merged = handoff_actors::merge_all(states.iter().copied());
+        match merged {
+            Some(State::Done) if rec.unopened == 0 => {
+                out.done += 1;
+                let end = rec
+                    .ranks
+                    .iter()
+                    .filter(|r| r.role == Role::Decode)
+                    .filter_map(|r| r.end_ms)
+                    .max()
+                    .unwrap_or(rec.arrived_ms);
+                self.latencies.push(end - rec.arrived_ms);
+            }
+            Some(State::Failed(reason)) => {
+                *out.failed.entry(reason.kind().to_string()).or_insert(0) += 1;
+                if any_done {
+                    out.split += 1;
+                }
+            }
+            _ => *out.failed.entry("not_opened".to_string()).or_insert(0) += 1,
+        }
+    }
+}
+
+impl World {
+    // ----- cluster faults -----
+
+    fn targets(&self, target: &Target) -> Vec<usize> {
+        self.workers
+            .iter()
+            .filter(|w| match target {
+                Target::Engine(e) => w.rank.engine_id.as_str() == e,
+                Target::Rank { engine, dp, tp, pp } => {
+                    w.rank.engine_id.as_str() == engine
+                        && w.rank.dp_rank == *dp
+                        && w.rank.tp_rank == *tp
+                        && w.rank.pp_rank == *pp
+                }
+            })
+            .map(|w| w.idx)
+            .collect()
+    }
+
+    fn schedule_scripted(&mut self, s: &Scripted) {
+        match s {
+            Scripted::BootstrapDown { at_ms, for_ms } => {
+                self.schedule(*at_ms, Action::FaultTick(TickKind::BootstrapOutage));
+                // The tick draws its own length; a scripted one overrides it below.
+                self.scripted_outages.insert(*at_ms, *for_ms);
+            }
+            Scripted::Crash {
+                target,
+                at_ms,
+                for_ms,
+            } => {
+                for w in self.targets(target) {
+                    self.schedule(
+                        *at_ms,
+                        Action::Crash {
+                            worker: w,
+                            down_ms: *for_ms,
+                        },
+                    );
+                }
+            }
+            Scripted::Partition {
+                target,
+                at_ms,
+                for_ms,
+                one_way,
+            } => {
+                let group: BTreeSet<usize> = self.targets(target).into_iter().collect();
+                self.scripted_partitions
+                    .push((*at_ms, group, *one_way, *for_ms));
+                let i = self.scripted_partitions.len() - 1;
+                self.schedule(*at_ms, Action::ScriptedPartition(i));
+            }
+            Scripted::Drop(_) => {}
+        }
+    }
+
+    fn fault_tick(&mut self, now: u64, kind: TickKind) {
+        if self.phase != Phase::Safety {
+            return;
+        }
+        let f = self.cfg.faults.clone();
+        match kind {
+            TickKind::Partition => {
+                let group: BTreeSet<usize> = if self.chaos.chance(PPM / 2) {
+                    [self.chaos.below(self.workers.len() as u64) as usize].into()
+                } else {
+                    let engines: BTreeSet<EngineId> = self
+                        .workers
+                        .iter()
+                        .map(|w| w.rank.engine_id.clone())
+                        .collect();
+                    let engines: Vec<EngineId> = engines.into_iter().collect();
+                    let e = self.chaos.pick(&engines).cloned();
+                    self.workers
+                        .iter()
+                        .filter(|w| Some(&w.rank.engine_id) == e.as_ref())
+                        .map(|w| w.idx)
+                        .collect()
+                };
+                let one_way = self.chaos.chance(f.one_way_ppm);
+                let for_ms = self.chaos.range(f.partition_ms.0, f.partition_ms.1);
+                self.start_partition(now, group, one_way, for_ms);
+                self.next_tick(now, f.partition_every_ms, kind);
+            }
+            TickKind::Crash => {
+                let w = self.chaos.below(self.workers.len() as u64) as usize;
+                let down = self.chaos.range(f.down_ms.0, f.down_ms.1);
+                self.schedule(
+                    now,
+                    Action::Crash {
+                        worker: w,
+                        down_ms: down,
+                    },
+                );
+                self.next_tick(now, f.crash_every_ms, kind);
+            }
+            TickKind::BootstrapOutage => {
+                let for_ms = match self.scripted_outages.remove(&now) {
+                    Some(ms) => ms,
+                    None => {
+                        self.next_tick(now, f.bootstrap_outage_every_ms, kind);
+                        self.chaos
+                            .range(f.bootstrap_outage_ms.0, f.bootstrap_outage_ms.1)
+                    }
+                };
+                self.net.set_bootstrap_up(false);
+                self.count("bootstrap_outage");
+                self.trace
+                    .record(now, None, |s| write!(s, "bootstrap down for {for_ms} ms"));
+                self.schedule(now + for_ms, Action::BootstrapUp);
+            }
+        }
+    }
+
+    fn next_tick(&mut self, now: u64, every: u64, kind: TickKind) {
+        if every > 0 && self.next_req < self.safety_end {
+            let at = now + self.chaos.range(every / 2, every + every / 2).max(1);
+            self.schedule(at, Action::FaultTick(kind));
+        }
+    }
+
+    fn start_partition(&mut self, now: u64, group: BTreeSet<usize>, one_way: bool, for_ms: u64) {
+        if group.is_empty() || group.len() == self.workers.len() {
+            return;
+        }
+        self.partition_seq += 1;
+        let id = self.partition_seq;
+        self.count(if one_way {
+            "partition_one_way"
+        } else {
+            "partition_two_way"
+        });
+        self.trace.record(now, None, |s| {
+            write!(
+                s,
+                "partition {id}: {group:?} cut off for {for_ms} ms (one_way {one_way})"
+            )
+        });
+        self.net.partition(id, group, one_way, for_ms);
+    }
+
+    async fn crash(&mut self, now: u64, w: usize, down_ms: u64) {
+        if self.phase != Phase::Safety {
+            return;
+        }
+        let Some(rt) = self.workers[w].rt.take() else {
+            return;
+        };
+        let inc = self.workers[w].inc;
+        self.count("crash");
+        self.trace.record(now, None, |s| {
+            write!(s, "w{w}.{inc} crashes for {down_ms} ms")
+        });
+        rt.shutdown().await;
+        for e in rt.drain_events() {
+            self.on_event(now, w, inc, e);
+        }
+        let worker = &mut self.workers[w];
+        worker.waiters.clear();
+        let live: Vec<u64> = worker.handles.keys().copied().collect();
+        worker.handles.clear();
+        let owned = worker.pool().owned();
+        if !owned.is_empty() {
+            let detail = format!("w{w}.{inc} stopped, but its engine still holds {owned:?}");
+            return self.violate(Invariant::NoLeak, None, detail);
+        }
+        for req in live {
+            let open = self
+                .reqs
+                .get(&req)
+                .and_then(|r| r.ranks.iter().find(|r| r.worker == w && r.inc == inc))
+                .filter(|r| !r.state.is_terminal())
+                .map(|r| r.state.clone());
+            if let Some(state) = open {
+                let detail = format!("w{w}.{inc} stopped, but r{req} is still {state} there");
+                return self.violate(Invariant::NoHang, Some(req), detail);
+            }
+            self.settle_if_done(req);
+        }
+        self.net.crashed(w);
+        let down = down_ms.max(self.cfg.timing.heartbeat_ms + 1);
+        self.schedule(now + down, Action::Restart { worker: w });
+    }
+
+    async fn restart(&mut self, now: u64, w: usize) {
+        if self.workers[w].rt.is_some() {
+            return;
+        }
+        let worker = &mut self.workers[w];
+        worker.inc += 1;
+        // A new process: new memory, a new pool.
+        let s = &self.cfg.shape;
+        match HostRegion::new(s.blocks_per_worker, s.block_bytes) {
+            Ok(r) => worker.region = Arc::new(r),
+            Err(e) => return self.violate(Invariant::Api, None, format!("w{w}: {e}")),
+        }
+        worker.pool = Arc::new(Mutex::new(Pool::new(s.blocks_per_worker)));
+        let inc = worker.inc;
+        if let Err(e) = self.start_worker(w).await {
+            return self.violate(Invariant::Api, None, format!("w{w} could not restart: {e}"));
+        }
+        self.trace
+            .record(now, None, |s| write!(s, "w{w}.{inc} restarted"));
+    }
+
+    // ----- phases -----
+
+    async fn advance_phase(&mut self, now: u64) {
+        let arrivals_done = self.next_req >= self.safety_end;
+        match self.phase {
+            Phase::Safety if arrivals_done && self.reqs.is_empty() && self.pending_scripts(now) => {
+                self.stuck_check(now);
+            }
+            Phase::Safety if arrivals_done && self.reqs.is_empty() => {
+                self.start_liveness(now).await;
+            }
+            Phase::Liveness if self.awaiting_registration => {
+                if self.net.all_registered() {
+                    self.awaiting_registration = false;
+                    self.last_progress_ms = now;
+                    let req = self.safety_end;
+                    self.schedule(
+                        now + 1,
+                        Action::Arrive {
+                            req,
+                            liveness: true,
+                        },
+                    );
+                } else if now
+                    > self.last_progress_ms
+                        + self.cfg.timing.timeouts.lifetime_max().as_millis() as u64
+                {
+                    let detail = "prefill workers did not register with the bootstrap server after faults ended".into();
+                    self.violate(Invariant::Liveness, None, detail);
+                }
+            }
+            Phase::Liveness if self.next_req >= self.liveness_end && self.reqs.is_empty() => {
+                self.phase = Phase::Done;
+            }
+            _ => self.stuck_check(now),
+        }
+    }
+
+    /// True while scripted faults are still to come (the safety phase lasts until then).
+    fn pending_scripts(&self, now: u64) -> bool {
+        self.scripted_partitions.iter().any(|p| p.0 > now)
+            || self
+                .agenda
+                .values()
+                .any(|a| matches!(a, Action::Crash { .. } | Action::Restart { .. }))
+    }
+
+    /// Requests that neither progress nor hit a deadline (a rank ended but never released
+    /// its blocks, say) would keep the run going forever: past one lifetime without any
+    /// event, whatever is left is reported.
+    fn stuck_check(&mut self, now: u64) {
+        let limit = self.cfg.timing.timeouts.lifetime_max().as_millis() as u64 + HANG_SLACK_MS;
+        if self.reqs.is_empty() || now < self.last_progress_ms + limit {
+            return;
+        }
+        let Some((&req, rec)) = self.reqs.iter().next() else {
+            return;
+        };
+        let ranks: Vec<String> = rec
+            .ranks
+            .iter()
+            .map(|r| {
+                format!(
+                    "w{}.{} {} handed {:?} released {:?}",
+                    r.worker, r.inc, r.state, r.handed, r.released
+                )
+            })
+            .collect();
+        let detail = format!(
+            "no progress for {} ms; r{req} unsettled (opens pending {}): [{}]",
+            now - self.last_progress_ms,
+            rec.opens_pending,
+            ranks.join("; ")
+        );
+        let inv = if rec.ranks.iter().all(|r| r.state.is_terminal()) {
+            Invariant::NoLeak
+        } else {
+            Invariant::NoHang
+        };
+        self.violate(inv, Some(req), detail);
+    }
+
+    async fn start_liveness(&mut self, now: u64) {
+        self.phase = Phase::Liveness;
+        self.net.set_faults_on(false);
+        self.net.heal_all();
+        self.agenda
+            .retain(|_, a| !matches!(a, Action::FaultTick(_) | Action::BootstrapUp));
+        self.trace
+            .record(now, None, |s| s.write_str("liveness phase: faults off"));
+        for w in 0..self.workers.len() {
+            if self.workers[w].rt.is_none() {
+                self.restart(now, w).await;
+            }
+        }
+        self.leak_check();
+        if self.cfg.workload.liveness_requests == 0 {
+            self.phase = Phase::Done;
+            return;
+        }
+        self.awaiting_registration = true;
+        self.last_progress_ms = now;
+    }
+
+    /// Every pool of every worker up now is entirely free (at quiescence).
+    fn leak_check(&mut self) {
+        for w in 0..self.workers.len() {
+            let owned = self.workers[w].pool().owned();
+            if !owned.is_empty() {
+                let detail = format!("w{w} at quiescence still owns {owned:?}");
+                return self.violate(Invariant::NoLeak, None, detail);
+            }
+        }
+    }
+
+    async fn finish(mut self) -> Report {
+        if self.violations.is_empty() {
+            self.leak_check();
+        }
+        for w in 0..self.workers.len() {
+            if let Some(rt) = self.workers[w].rt.take() {
+                rt.shutdown().await;
+            }
+        }
+        let virtual_ms = self.now();
+        let net = self.net.stats();
+        let mut h = Fnv64::new();
+        h.bytes(&self.trace.hash().to_le_bytes());
+        h.bytes(&self.net.hash().to_le_bytes());
+        Report {
+            seed: self.cfg.seed,
+            settings: self.cfg.to_string(),
+            workers: self.workers.len() as u64,
+            safety: self.safety,
+            liveness: self.liveness,
+            latency_ms: Percentiles::of(std::mem::take(&mut self.latencies)),
+            outcomes: std::mem::take(&mut self.outcomes),
+            injected: self.injected,
+            net,
+            violations: self.violations,
+            trace_hash: h.finish(),
+            trace_lines: self.trace.lines(),
+            virtual_ms,
+            wall_ms: 0,
+        }
+    }
+}

@@ -27,6 +27,9 @@ enum Command {
         #[command(flatten)]
         serve: handoff::actors::bootstrap::ServeArgs,
     },
+    /// Run a deterministic simulated cluster with injected faults and check its invariants
+    /// (`handoff sim --seed 42`; `--seeds 0..1000 --faults swarm` for a sweep).
+    Sim(handoff::sim::cli::SimArgs),
     /// Run one prefill or decode worker on the network: register with the bootstrap server,
     /// hand over `--requests` requests, print one JSON line per event.
     Worker(handoff::worker::WorkerArgs),
@@ -80,6 +83,7 @@ fn main() -> ExitCode {
             query: Some(BootstrapCommand::Status(args)),
             ..
         } => rt.block_on(handoff::actors::bootstrap::run_status(args)),
+        Command::Sim(args) => handoff::sim::cli::run(args),
         Command::Worker(args) => rt.block_on(handoff::worker::run(args)),
         Command::Bootstrap { query: None, serve } => {
             rt.block_on(handoff::actors::bootstrap::run_serve(serve))

@@ -375,7 +375,13 @@ fn a_saturated_decode_makes_prefill_fail_rejected_busy_in_milliseconds() {
 #[test]
 fn malformed_traffic_to_every_port_crashes_nothing() {
     let (mut boot, addr) = bootstrap();
-    let mut p = worker("prefill", "prefill", "P", &addr, &["--requests", "2", "--serve"]);
+    let mut p = worker(
+        "prefill",
+        "prefill",
+        "P",
+        &addr,
+        &["--requests", "2", "--serve"],
+    );
     let status = Command::new(env!("CARGO_BIN_EXE_handoff"))
         .args(["bootstrap", "status", "--connect", &addr, "--json"])
         .output()

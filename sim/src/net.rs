@@ -1054,12 +1054,24 @@ impl Link for SimLink {
         })
     }
 
-    fn write(&self, to: &Peer, src: Vec<BlockId>, dst: Vec<BlockId>) -> TransferFuture {
+    fn write(
+        &self,
+        _id: &RequestId,
+        to: &Peer,
+        src: Vec<BlockId>,
+        dst: Vec<BlockId>,
+    ) -> TransferFuture {
         let owner_blocks = src.clone();
         self.transfer(&self.me.clone(), to, src, dst, &owner_blocks)
     }
 
-    fn read(&self, from: &Peer, src: Vec<BlockId>, dst: Vec<BlockId>) -> TransferFuture {
+    fn read(
+        &self,
+        _id: &RequestId,
+        from: &Peer,
+        src: Vec<BlockId>,
+        dst: Vec<BlockId>,
+    ) -> TransferFuture {
         let owner_blocks = dst.clone();
         self.transfer(from, &self.me.clone(), src, dst, &owner_blocks)
     }

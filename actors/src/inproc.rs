@@ -12,12 +12,16 @@ use handoff_transport::{BlockId, EngineId, HostRegion, RankInfo, RequestId, Role
 
 use crate::link::{Attach, Inbox, Link, LinkError, ResolveError, ResolveFuture, TransferFuture};
 use crate::machine::{Outbound, Peer};
+use crate::net::data::{Access, GrantTable};
 use crate::Error;
 
 struct Node {
     role: Role,
     root: Inbox,
     region: Arc<HostRegion>,
+    /// What this runtime let its peers touch; every copy into or out of its region is
+    /// checked against it, so nothing lands in blocks after their request ended here.
+    grants: Arc<GrantTable>,
 }
 
 /// Decides whether one control message is delivered (`true`) or lost (`false`).
@@ -54,18 +58,21 @@ impl Fabric {
         if nodes.contains_key(&rank) {
             return Err(Error::AlreadyAttached(rank));
         }
+        let grants = Arc::new(GrantTable::default());
         nodes.insert(
             rank.clone(),
             Node {
                 role,
                 root,
                 region: region.clone(),
+                grants: grants.clone(),
             },
         );
         Ok(Arc::new(InProcessLink {
             fabric: self.clone(),
             me: rank,
             region,
+            grants,
         }))
     }
 
@@ -100,10 +107,10 @@ impl Fabric {
             .collect()
     }
 
-    fn region_of(&self, peer: &Peer) -> Result<Arc<HostRegion>, String> {
+    fn region_of(&self, peer: &Peer) -> Result<(Arc<HostRegion>, Arc<GrantTable>), String> {
         self.nodes()
             .get(peer)
-            .map(|n| n.region.clone())
+            .map(|n| (n.region.clone(), n.grants.clone()))
             .ok_or_else(|| format!("peer {peer} is not attached"))
     }
 
@@ -128,6 +135,27 @@ pub struct InProcessLink {
     fabric: Arc<Fabric>,
     me: RankInfo,
     region: Arc<HostRegion>,
+    grants: Arc<GrantTable>,
+}
+
+/// Copies under the owner's grant: refused (and nothing copied) unless `peer` holds
+/// `access` to `checked` for request `id` in `grants`.
+#[allow(clippy::too_many_arguments)]
+fn copy_granted(
+    grants: &GrantTable,
+    peer: &Peer,
+    id: &RequestId,
+    access: Access,
+    checked: &[BlockId],
+    (from, from_blocks): (&HostRegion, &[BlockId]),
+    (to, to_blocks): (&HostRegion, &[BlockId]),
+) -> Result<(), String> {
+    let mut result = Ok(());
+    grants.check_and_copy(peer, id, access, checked, &mut || {
+        result =
+            HostRegion::copy_blocks(from, from_blocks, to, to_blocks).map_err(|e| e.to_string());
+    })?;
+    result
 }
 
 impl Link for InProcessLink {
@@ -141,6 +169,14 @@ impl Link for InProcessLink {
         if !self.fabric.delivers(&self.me, to, id, &msg) {
             tracing::debug!(request = %id, from = %self.me, %to, ?msg, "message lost (injected)");
             return Ok(());
+        }
+        // Grant before the message leaves: the peer may act on it at once.
+        match &msg {
+            Outbound::TransferInfo { blocks, .. } => {
+                self.grants.grant(to, id, Access::Write, blocks)
+            }
+            Outbound::Ready { blocks } => self.grants.grant(to, id, Access::Read, blocks),
+            _ => {}
         }
         if root.deliver(self.me.clone(), id.clone(), msg) {
             Ok(())
@@ -167,32 +203,52 @@ impl Link for InProcessLink {
 
     fn write(
         &self,
-        _id: &RequestId,
+        id: &RequestId,
         to: &Peer,
         src: Vec<BlockId>,
         dst: Vec<BlockId>,
     ) -> TransferFuture {
         let target = self.fabric.region_of(to);
-        let local = self.region.clone();
+        let (local, me, id) = (self.region.clone(), self.me.clone(), id.clone());
         Box::pin(async move {
-            let target = target?;
-            HostRegion::copy_blocks(&local, &src, &target, &dst).map_err(|e| e.to_string())
+            let (target, grants) = target?;
+            copy_granted(
+                &grants,
+                &me,
+                &id,
+                Access::Write,
+                &dst,
+                (&local, &src),
+                (&target, &dst),
+            )
         })
     }
 
     fn read(
         &self,
-        _id: &RequestId,
+        id: &RequestId,
         from: &Peer,
         src: Vec<BlockId>,
         dst: Vec<BlockId>,
     ) -> TransferFuture {
         let source = self.fabric.region_of(from);
-        let local = self.region.clone();
+        let (local, me, id) = (self.region.clone(), self.me.clone(), id.clone());
         Box::pin(async move {
-            let source = source?;
-            HostRegion::copy_blocks(&source, &src, &local, &dst).map_err(|e| e.to_string())
+            let (source, grants) = source?;
+            copy_granted(
+                &grants,
+                &me,
+                &id,
+                Access::Read,
+                &src,
+                (&source, &src),
+                (&local, &dst),
+            )
         })
+    }
+
+    fn request_ended(&self, id: &RequestId) {
+        self.grants.revoke(id);
     }
 
     fn detach(&self) {

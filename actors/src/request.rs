@@ -26,6 +26,10 @@ pub const RESOLVE_BACKOFF_MIN: Duration = Duration::from_millis(10);
 /// Cap on the wait between bootstrap lookups; the request's bootstrap deadline caps the total.
 pub const RESOLVE_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
+/// How long a decode request that failed before resolving its prefill ranks may spend
+/// looking them up to tell them.
+pub const ABORT_LOOKUP_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// Extra time a transfer task may outlive the transfer deadline before it is dropped:
 /// the machine fails the request at the deadline; this only bounds the task's lifetime.
 const TRANSFER_TASK_GRACE: Duration = Duration::from_secs(1);
@@ -86,6 +90,8 @@ pub(crate) struct RequestState {
     timer: Option<(Instant, TimerHandle)>,
     tasks: Vec<JoinHandle<()>>,
     ended: bool,
+    /// Decode: the prefill engine (and dp rank) this request receives from.
+    prefill: Option<(EngineId, Option<u32>)>,
 }
 
 /// The actor (data-free; its state is [`RequestState`]).
@@ -121,6 +127,7 @@ impl Actor for RequestActor {
             timer: None,
             tasks: Vec::new(),
             ended: false,
+            prefill: None,
         };
         if let Kind::Receiver {
             prefill,
@@ -128,6 +135,7 @@ impl Actor for RequestActor {
             ..
         } = args.kind
         {
+            state.prefill = Some((prefill.clone(), prefill_dp_rank));
             let deadline = t + args.timeouts.bootstrap;
             state.tasks.push(spawn_resolve(
                 &myself,
@@ -224,11 +232,46 @@ impl RequestState {
         self.arm(myself);
         if self.state().is_terminal() && !self.ended {
             self.ended = true;
+            self.tell_unresolved_peers();
             // The root stops this actor; until then late events are absorbed by the machine.
             let _ = self.root.cast(RootMsg::Ended {
                 id: self.ledger.id.clone(),
             });
         }
+    }
+
+    /// A decode request that failed before it knew its prefill ranks could tell none of them
+    /// (found by the simulator: prefill then waited out its whole bootstrap timeout). Look
+    /// them up once more, briefly, and tell them; best effort, bounded by
+    /// [`ABORT_LOOKUP_TIMEOUT`].
+    fn tell_unresolved_peers(&self) {
+        let (Machine::Receiver(m), Some((prefill, dp))) = (&self.machine, &self.prefill) else {
+            return;
+        };
+        let State::Failed(reason) = m.state().clone() else {
+            return;
+        };
+        if m.peers().next().is_some() {
+            return; // the machine told them itself
+        }
+        let (link, id, lookup) = (
+            self.link.clone(),
+            self.ledger.id.clone(),
+            self.link.resolve(prefill, *dp),
+        );
+        tokio::spawn(async move {
+            if let Ok(Ok(peers)) = tokio::time::timeout(ABORT_LOOKUP_TIMEOUT, lookup).await {
+                for peer in peers {
+                    let _ = link.send(
+                        &peer,
+                        &id,
+                        crate::machine::Outbound::Abort {
+                            reason: reason.clone(),
+                        },
+                    );
+                }
+            }
+        });
     }
 
     fn perform(&mut self, myself: &ActorRef<RequestMsg>, action: Action) {

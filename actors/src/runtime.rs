@@ -65,6 +65,8 @@ pub(crate) enum RootMsg {
     PeerLost { peer: Peer },
     /// Fault injection: make the request's actor panic.
     InjectPanic { id: RequestId },
+    /// A buffered request's bootstrap deadline has passed: expire what is due.
+    ExpirePending,
 }
 
 #[derive(Debug)]
@@ -90,6 +92,8 @@ struct Entry {
 /// Messages for a request this runtime does not know yet.
 struct Pending {
     expires: Instant,
+    /// The peers that sent something, to be told if the request is never opened.
+    from: Vec<Peer>,
     events: Vec<MachineEvent>,
 }
 
@@ -100,6 +104,8 @@ struct RootState {
     requests: BTreeMap<RequestId, Entry>,
     by_actor: HashMap<ActorId, RequestId>,
     pending: BTreeMap<RequestId, Pending>,
+    /// Pending requests in the order they expire (all live for the same bootstrap timeout).
+    pending_order: VecDeque<(Instant, RequestId)>,
     tombstones: BTreeMap<RequestId, State>,
     tombstone_order: VecDeque<RequestId>,
 }
@@ -169,6 +175,7 @@ impl Actor for RootActor {
             requests: BTreeMap::new(),
             by_actor: HashMap::new(),
             pending: BTreeMap::new(),
+            pending_order: VecDeque::new(),
             tombstones: BTreeMap::new(),
             tombstone_order: VecDeque::new(),
         })
@@ -196,7 +203,7 @@ impl Actor for RootActor {
                 };
                 state.deliver(&id, event);
             }
-            RootMsg::Inbound { from, id, msg } => state.inbound(from, id, msg),
+            RootMsg::Inbound { from, id, msg } => state.inbound(&myself, from, id, msg),
             RootMsg::Invalid { from, id, detail } => {
                 let what = format!("invalid message: {detail}");
                 let event = match state.cfg.role {
@@ -216,6 +223,7 @@ impl Actor for RootActor {
             }
             RootMsg::Ended { id } => state.ended(&id),
             RootMsg::PeerLost { peer } => state.peer_lost(&peer),
+            RootMsg::ExpirePending => state.expire_pending(now()),
             RootMsg::InjectPanic { id } => {
                 if let Some(e) = state.requests.get(&id) {
                     let _ = e.actor.cast(RequestMsg::Panic);
@@ -338,7 +346,7 @@ impl RootState {
 
     /// Routes a peer's message: to the live request, or an answer for an ended one, or a
     /// bounded buffer for one the engine has not opened yet.
-    fn inbound(&mut self, from: Peer, id: RequestId, msg: Outbound) {
+    fn inbound(&mut self, myself: &ActorRef<RootMsg>, from: Peer, id: RequestId, msg: Outbound) {
         if let Some(ended) = self.tombstones.get(&id) {
             if matches!(msg, Outbound::TransferInfo { .. } | Outbound::Ready { .. }) {
                 let reason = ended.failure().cloned().unwrap_or(FailureReason::Protocol {
@@ -353,26 +361,20 @@ impl RootState {
         if self.requests.contains_key(&id) {
             return self.deliver(&id, event);
         }
-        self.buffer(from, id, event);
+        self.buffer(myself, from, id, event);
     }
 
-    fn buffer(&mut self, from: Peer, id: RequestId, event: MachineEvent) {
+    fn buffer(
+        &mut self,
+        myself: &ActorRef<RootMsg>,
+        from: Peer,
+        id: RequestId,
+        event: MachineEvent,
+    ) {
         let t = now();
-        self.pending.retain(|_, p| p.expires > t);
-        let full = self.pending.len() >= PENDING_REQUESTS_MAX && !self.pending.contains_key(&id);
-        let expires = t + self.cfg.timeouts.bootstrap;
-        let entry = self.pending.entry(id.clone());
-        let events = match (full, entry) {
-            (false, std::collections::btree_map::Entry::Vacant(v)) => {
-                &mut v
-                    .insert(Pending {
-                        expires,
-                        events: Vec::new(),
-                    })
-                    .events
-            }
-            (_, std::collections::btree_map::Entry::Occupied(o)) => &mut o.into_mut().events,
-            (true, _) => {
+        self.expire_pending(t);
+        if !self.pending.contains_key(&id) {
+            if self.pending.len() >= PENDING_REQUESTS_MAX {
                 warn!(request = %id, peer = %from, "too many requests pending creation; refusing");
                 let reason = FailureReason::Internal {
                     detail: "too many requests pending creation".into(),
@@ -380,11 +382,59 @@ impl RootState {
                 let _ = self.link.send(&from, &id, Outbound::Abort { reason });
                 return;
             }
+            let expires = t + self.cfg.timeouts.bootstrap;
+            self.pending.insert(
+                id.clone(),
+                Pending {
+                    expires,
+                    from: Vec::new(),
+                    events: Vec::new(),
+                },
+            );
+            self.pending_order.push_back((expires, id.clone()));
+            // One timer per buffered request (bounded by PENDING_REQUESTS_MAX), so an
+            // unopened request is answered at its deadline even if nothing else arrives.
+            myself.send_after(self.cfg.timeouts.bootstrap, || RootMsg::ExpirePending);
+        }
+        let Some(pending) = self.pending.get_mut(&id) else {
+            return;
         };
-        if events.len() < PENDING_MESSAGES_PER_REQUEST_MAX {
-            events.push(event);
-        } else {
+        if pending.events.len() >= PENDING_MESSAGES_PER_REQUEST_MAX {
             warn!(request = %id, peer = %from, "too many messages for a request not yet opened; dropped");
+            return;
+        }
+        if !pending.from.contains(&from) {
+            pending.from.push(from);
+        }
+        pending.events.push(event);
+    }
+
+    /// Drops messages for requests the engine never opened within the bootstrap timeout,
+    /// and tells their senders (instead of leaving them to their own deadlines).
+    fn expire_pending(&mut self, t: Instant) {
+        while let Some((expires, _)) = self.pending_order.front() {
+            if *expires > t {
+                return;
+            }
+            let Some((expires, id)) = self.pending_order.pop_front() else {
+                return;
+            };
+            // Opened since (entry gone) or re-buffered later: nothing to expire.
+            if self.pending.get(&id).is_none_or(|p| p.expires != expires) {
+                continue;
+            }
+            if let Some(p) = self.pending.remove(&id) {
+                warn!(request = %id, peers = ?p.from, "request never opened here before its bootstrap deadline");
+                for peer in p.from {
+                    let _ = self.link.send(
+                        &peer,
+                        &id,
+                        Outbound::Abort {
+                            reason: FailureReason::BootstrapTimeout,
+                        },
+                    );
+                }
+            }
         }
     }
 

@@ -517,3 +517,113 @@ async fn saturated_decode_rejects_and_prefill_fails_fast() {
         State::Failed(FailureReason::RejectedBusy)
     );
 }
+
+/// Found by the simulator: decode gives up (waiting deadline) and releases its blocks,
+/// its abort is lost, and prefill writes afterwards. The write must not land in blocks the
+/// engine has taken back: the grant ended with the request, so the write is refused and
+/// prefill's request fails instead.
+#[tokio::test(start_paused = true)]
+async fn a_late_write_never_lands_in_blocks_decode_released() {
+    let fabric = Fabric::new();
+    let patient = Timeouts {
+        waiting: Duration::from_secs(120),
+        ..timeouts()
+    };
+    let p = Runtime::builder(Role::Prefill, rank("P", 0, 1))
+        .timeouts(patient)
+        .transport(TransportChoice::InProcess(fabric.clone()))
+        .region(Arc::new(HostRegion::new(BLOCKS, BLOCK_BYTES).unwrap()))
+        .start()
+        .await
+        .unwrap();
+    let d = start(&fabric, Role::Decode, rank("D", 0, 1), TransferMode::Push).await;
+    fabric.set_filter(|_, _, _, msg| !matches!(msg, Outbound::Abort { .. })); // aborts are lost
+    let s = p.sender("r").unwrap();
+    let r = d.receiver("r", spec("P", Some(blocks(10..12)))).unwrap();
+    assert_eq!(
+        r.completion().await,
+        State::Failed(FailureReason::WaitingTimeout)
+    );
+    settle().await;
+    // The engine reuses the released blocks for something else.
+    for b in blocks(10..12) {
+        d.region().write_block(b, &[0xEE; BLOCK_BYTES]).unwrap();
+    }
+    // Prefill, still within its own deadline, finally hands its blocks over and writes.
+    fill(&p, &blocks(0..2), 1);
+    s.send(blocks(0..2)).unwrap();
+    let end = s.completion().await;
+    assert!(
+        matches!(&end, State::Failed(FailureReason::TransferFailed { detail }) if detail.contains("revoked") || detail.contains("no grant")),
+        "{end}"
+    );
+    for b in blocks(10..12) {
+        assert_eq!(
+            d.region().read_block(b).unwrap(),
+            vec![0xEE; BLOCK_BYTES],
+            "a late write landed in {b}"
+        );
+    }
+}
+
+/// Found by the simulator: a decode request that fails before it has resolved its prefill
+/// ranks still tells them (a brief lookup), so prefill does not wait out its deadline.
+#[tokio::test(start_paused = true)]
+async fn a_receiver_that_fails_before_resolving_still_tells_prefill() {
+    let fabric = Fabric::new();
+    let p = start(&fabric, Role::Prefill, rank("P", 0, 1), TransferMode::Push).await;
+    let d = start(&fabric, Role::Decode, rank("D", 0, 1), TransferMode::Push).await;
+    let s = p.sender("r").unwrap();
+    s.send(blocks(0..2)).unwrap();
+    settle().await;
+    let r = d.receiver("r", spec("P", None)).unwrap();
+    r.abort(); // before the lookup's answer is back
+    assert_eq!(
+        r.completion().await,
+        State::Failed(FailureReason::AbortedByEngine)
+    );
+    let t0 = tokio::time::Instant::now();
+    let end = s.completion().await;
+    assert!(
+        matches!(end, State::Failed(FailureReason::AbortedByPeer { .. })),
+        "{end}"
+    );
+    assert!(
+        t0.elapsed() < Duration::from_secs(1),
+        "prefill waited {:?}",
+        t0.elapsed()
+    );
+}
+
+/// Found by the simulator: transfer info for a request prefill's engine never opens is
+/// answered with an abort at prefill's bootstrap deadline, not silently dropped.
+#[tokio::test(start_paused = true)]
+async fn transfer_info_for_a_request_never_opened_is_answered_at_the_deadline() {
+    let fabric = Fabric::new();
+    let _p = start(&fabric, Role::Prefill, rank("P", 0, 1), TransferMode::Push).await;
+    let patient = Timeouts {
+        waiting: Duration::from_secs(120),
+        ..timeouts()
+    };
+    let d = Runtime::builder(Role::Decode, rank("D", 0, 1))
+        .timeouts(patient)
+        .transport(TransportChoice::InProcess(fabric.clone()))
+        .region(Arc::new(HostRegion::new(BLOCKS, BLOCK_BYTES).unwrap()))
+        .start()
+        .await
+        .unwrap();
+    let t0 = tokio::time::Instant::now();
+    let r = d
+        .receiver("never-opened", spec("P", Some(blocks(0..2))))
+        .unwrap();
+    let end = r.completion().await;
+    assert!(
+        matches!(&end, State::Failed(FailureReason::AbortedByPeer { cause, .. }) if cause.contains("bootstrap")),
+        "{end}"
+    );
+    let took = t0.elapsed();
+    assert!(
+        took >= timeouts().bootstrap && took < timeouts().bootstrap + Duration::from_secs(1),
+        "{took:?}"
+    );
+}

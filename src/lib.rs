@@ -9,7 +9,9 @@
 //! - [`gpu`]: CUDA probing, KV-cache layouts, buffers.
 //! - [`sim`]: the deterministic simulated cluster.
 //! - [`demo`]: the in-process demo behind `handoff demo`.
+//! - [`bench`]: the data-plane benchmark behind `handoff bench`.
 
+pub mod bench;
 pub mod demo;
 
 pub use handoff_actors as actors;

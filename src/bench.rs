@@ -635,6 +635,11 @@ async fn latency(t: BenchTransport, plan: &Plan) -> Result<Latency, String> {
     fill(link.local(), plan.seed)?;
     link.remote_fill(plan.seed).await?;
     let perm = permutation(plan.seed ^ 0x1a7e, n);
+    // One pass over the region warms what a long-running worker has warm: the peer's
+    // memory mapped into this process (shared memory), connections, caches.
+    link.write(&all(n), &perm, Instant::now() + CALL_TIMEOUT)
+        .await
+        .map_err(|e| format!("{} latency warm-up: {e}", t.name()))?;
     let warmup = (plan.latency_iters / 10).max(10);
     let mut samples = Vec::with_capacity(plan.latency_iters);
     for i in 0..warmup + plan.latency_iters {

@@ -9,8 +9,10 @@
 //! - [`gpu`]: CUDA probing, KV-cache layouts, buffers.
 //! - [`sim`]: the deterministic simulated cluster.
 //! - [`demo`]: the in-process demo behind `handoff demo`.
+//! - [`bench`]: the data-plane benchmark behind `handoff bench`.
 //! - [`worker`]: `handoff worker`, one worker process on the network transport.
 
+pub mod bench;
 pub mod demo;
 pub mod worker;
 

@@ -27,6 +27,9 @@ enum Command {
         #[command(flatten)]
         serve: handoff::actors::bootstrap::ServeArgs,
     },
+    /// Measure the data plane: two processes on loopback, write and read at 16 KiB-4 MiB
+    /// blocks, verified by checksum, with memcpy and ucx_perftest measured as references.
+    Bench(handoff::bench::BenchArgs),
     /// Run a deterministic simulated cluster with injected faults and check its invariants
     /// (`handoff sim --seed 42`; `--seeds 0..1000 --faults swarm` for a sweep).
     Sim(handoff::sim::cli::SimArgs),
@@ -84,6 +87,7 @@ fn main() -> ExitCode {
             ..
         } => rt.block_on(handoff::actors::bootstrap::run_status(args)),
         Command::Sim(args) => handoff::sim::cli::run(args),
+        Command::Bench(args) => rt.block_on(handoff::bench::run(args)),
         Command::Worker(args) => rt.block_on(handoff::worker::run(args)),
         Command::Bootstrap { query: None, serve } => {
             rt.block_on(handoff::actors::bootstrap::run_serve(serve))

@@ -65,6 +65,10 @@ pub const UCX_IDLE_PROGRESS_INTERVAL: Duration = Duration::from_millis(1);
 /// small transfers then cost no thread wake-up (microseconds each on a busy host).
 pub const UCX_BUSY_POLL: Duration = Duration::from_micros(200);
 
+/// How long a caller polls for the thread's answer before it parks: a one-block transfer
+/// over shared memory takes a few microseconds, a parked task's wake-up as long again.
+pub const UCX_REPLY_SPIN: Duration = Duration::from_micros(50);
+
 /// How long a caller waits past its deadline for the thread's answer before it reports a
 /// timeout itself (the thread enforces the deadline; this only covers a stuck thread).
 pub const UCX_REPLY_GRACE: Duration = Duration::from_secs(2);
@@ -346,6 +350,17 @@ impl UcxDataPlane {
             .map_err(|_| DataError::PlaneStopped {
                 detail: "the UCX thread has exited".into(),
             })?;
+        // A small transfer answers within microseconds: poll for it (yielding to other
+        // tasks) before parking, which would add a thread wake-up to its latency.
+        let mut answer = answer;
+        let spin_until = Instant::now() + UCX_REPLY_SPIN;
+        while Instant::now() < spin_until {
+            match answer.try_recv() {
+                Ok(result) => return result,
+                Err(oneshot::error::TryRecvError::Empty) => tokio::task::yield_now().await,
+                Err(oneshot::error::TryRecvError::Closed) => break,
+            }
+        }
         match tokio::time::timeout_at(until + UCX_REPLY_GRACE, answer).await {
             Ok(Ok(result)) => result,
             Ok(Err(_)) => Err(DataError::PlaneStopped {
@@ -642,6 +657,10 @@ fn ucx_error(peer: &UcxPeer, error: UcxError, started: Instant) -> DataError {
             peer: peer.name.clone(),
             detail: error.to_string(),
         },
-        other => DataError::Ucx(other),
+        // Every other failure of an operation on a peer (connect, unpack, post) names it.
+        other => DataError::Io {
+            peer: peer.name.clone(),
+            detail: other.to_string(),
+        },
     }
 }

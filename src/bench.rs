@@ -1,0 +1,1143 @@
+//! `handoff bench`: data-plane throughput and latency between two processes on one host,
+//! next to the references that bound it (single-thread `memcpy`, and `ucx_perftest` when
+//! installed).
+//!
+//! For each block size (16 KiB, 128 KiB, 1 MiB, 4 MiB) the bench starts a peer process
+//! (this binary re-executed as `handoff bench --peer ...`: the subcommand must be wired as
+//! `bench`) with a region of `--region-mib` on each side, fills the source with a seeded
+//! pattern, and moves every block to a seeded random permutation of positions (so no two
+//! blocks merge into one operation): a warm-up pass, then `--total-mib` of timed passes,
+//! written (push) and read (pull). Every point is verified: the checksum of the
+//! destination blocks, computed where they live, must equal the source's. One-block 16 KiB
+//! latency (p50/p99 over `--latency-iters` transfers) follows.
+//!
+//! `--transport inproc` copies between two regions of this process with
+//! `HostRegion::copy_blocks`; `tcp` uses `DataServer`/`DataClient`; `ucx` the
+//! `UcxDataPlane`; `auto` is UCX, or TCP (logged) where libucp cannot be loaded.
+//!
+//! The full request lifecycle's latency (through the request actors) is not measured
+//! here yet: [`Report::lifecycle`] is the hook, printed as a column when filled.
+
+use std::path::PathBuf;
+use std::process::{ExitCode, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use handoff_gpu::checksum::fill_pattern;
+use handoff_gpu::Checksum64;
+use handoff_transport::data::{AllowAll, DataError, UcxDataPlane, UcxPeer, UcxPlaneOptions};
+use handoff_transport::tcp::{DataClient, DataServer};
+use handoff_transport::wire::{RegionDescriptor, TransportKind};
+use handoff_transport::{BlockId, HostRegion, RankInfo, RequestId};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+
+/// Block sizes measured, in bytes.
+pub const BLOCK_SIZES: [usize; 4] = [16 << 10, 128 << 10, 1 << 20, 4 << 20];
+
+/// Block size of the latency measurement.
+pub const LATENCY_BLOCK_BYTES: usize = 16 << 10;
+
+/// Deadline of one timed transfer call (a whole pass over the region).
+const CALL_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Time for a peer process to start, answer a command, or exit.
+const PEER_STEP_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Time one `ucx_perftest` run may take.
+const PERFTEST_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Marks the peer's protocol lines on its stdout.
+const PEER_PREFIX: &str = "HANDOFF_BENCH_PEER ";
+
+/// Which transports to measure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchTransport {
+    /// UCX when libucp loads, otherwise TCP (logged).
+    Auto,
+    /// The UCX data plane (shared memory between processes on one host).
+    Ucx,
+    /// The TCP data transport over loopback.
+    Tcp,
+    /// `HostRegion::copy_blocks` between two regions of one process.
+    Inproc,
+}
+
+impl BenchTransport {
+    fn name(self) -> &'static str {
+        match self {
+            BenchTransport::Auto => "auto",
+            BenchTransport::Ucx => "ucx",
+            BenchTransport::Tcp => "tcp",
+            BenchTransport::Inproc => "inproc",
+        }
+    }
+}
+
+/// Arguments of `handoff bench`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Transports to measure, comma-separated.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "auto")]
+    pub transport: Vec<BenchTransport>,
+    /// A short run: 64 MiB regions, 256 MiB per point, 200 latency samples.
+    #[arg(long)]
+    pub quick: bool,
+    /// Also write the results as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Region size on each side, MiB.
+    #[arg(long, default_value_t = 256)]
+    pub region_mib: usize,
+    /// Bytes moved per timed point (after a warm-up pass), MiB.
+    #[arg(long, default_value_t = 1024)]
+    pub total_mib: usize,
+    /// One-block transfers timed for the latency percentiles.
+    #[arg(long, default_value_t = 1000)]
+    pub latency_iters: usize,
+    /// Seed of the patterns and permutations.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Skip the `ucx_perftest` reference.
+    #[arg(long)]
+    pub no_perftest: bool,
+    /// Internal: run as the peer process (`tcp:<blocks>:<block bytes>` or `ucx:...`).
+    #[arg(long, hide = true)]
+    pub peer: Option<String>,
+}
+
+/// One measured throughput point.
+#[derive(Clone, Debug)]
+pub struct Point {
+    /// `memcpy`, `inproc`, `tcp`, `ucx`, `ucx_perftest`.
+    pub transport: String,
+    /// `copy`, `write`, `read`, `put_bw`, ...
+    pub op: String,
+    /// Block size in bytes.
+    pub block_bytes: usize,
+    /// Bytes moved in the timed part.
+    pub bytes: u64,
+    /// Seconds the timed part took.
+    pub secs: f64,
+    /// Whether the destination's checksum matched (`None`: not checkable, e.g. perftest).
+    pub verified: Option<bool>,
+    /// A remark printed with the row.
+    pub note: String,
+}
+
+impl Point {
+    /// Throughput in GB/s (10⁹ bytes per second).
+    pub fn gbps(&self) -> f64 {
+        if self.secs > 0.0 {
+            self.bytes as f64 / self.secs / 1e9
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Latency percentiles of one-block transfers.
+#[derive(Clone, Debug)]
+pub struct Latency {
+    /// `tcp`, `ucx`, `inproc`, `ucx_perftest`, or `lifecycle` for the hook.
+    pub transport: String,
+    /// `write`, `put_lat`, ...
+    pub op: String,
+    /// Samples.
+    pub samples: usize,
+    /// Median, µs.
+    pub p50_us: f64,
+    /// 99th percentile, µs.
+    pub p99_us: f64,
+    /// A remark printed with the row.
+    pub note: String,
+}
+
+/// Everything one run measured.
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    /// Region size per side, bytes.
+    pub region_bytes: usize,
+    /// Bytes per timed point.
+    pub total_bytes: usize,
+    /// Throughput points, in the order measured.
+    pub points: Vec<Point>,
+    /// Latency rows.
+    pub latency: Vec<Latency>,
+    /// Hook for the full request lifecycle latency through the request actors (filled by
+    /// a later bench stage; printed when present).
+    pub lifecycle: Option<Latency>,
+    /// Remarks: fallbacks, skipped references, the machine.
+    pub notes: Vec<String>,
+}
+
+/// Runs `handoff bench` (or, with the hidden `--peer`, the peer process it starts).
+pub async fn run(args: BenchArgs) -> ExitCode {
+    if let Some(spec) = &args.peer {
+        return match peer_main(spec).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                println!("{PEER_PREFIX}error {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    match measure(&args).await {
+        Ok(report) => {
+            print!("{}", report.table());
+            if let Some(path) = &args.json {
+                if let Err(e) = std::fs::write(path, report.to_json()) {
+                    eprintln!("handoff bench: cannot write {}: {e}", path.display());
+                    return ExitCode::FAILURE;
+                }
+            }
+            let failed = report.points.iter().any(|p| p.verified == Some(false));
+            if failed {
+                eprintln!("handoff bench: a checksum did not match");
+                ExitCode::FAILURE
+            } else {
+                ExitCode::SUCCESS
+            }
+        }
+        Err(e) => {
+            eprintln!("handoff bench: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// Shape of one run.
+struct Plan {
+    region_bytes: usize,
+    total_bytes: usize,
+    latency_iters: usize,
+    seed: u64,
+}
+
+/// Measures every point `args` asks for.
+pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
+    let plan = if args.quick {
+        Plan {
+            region_bytes: 64 << 20,
+            total_bytes: 256 << 20,
+            latency_iters: 200,
+            seed: args.seed,
+        }
+    } else {
+        Plan {
+            region_bytes: args.region_mib << 20,
+            total_bytes: args.total_mib << 20,
+            latency_iters: args.latency_iters,
+            seed: args.seed,
+        }
+    };
+    if plan.region_bytes < BLOCK_SIZES[3] || plan.total_bytes == 0 || plan.latency_iters == 0 {
+        return Err(format!(
+            "--region-mib must be at least {} and the counts positive",
+            BLOCK_SIZES[3] >> 20
+        ));
+    }
+    let mut report = Report {
+        region_bytes: plan.region_bytes,
+        total_bytes: plan.total_bytes,
+        ..Report::default()
+    };
+    report.notes.push(format!(
+        "{} CPU cores; machine shared with other work: numbers are noisy",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    ));
+    let transports = resolve_transports(&args.transport, &mut report)?;
+    for &block in &BLOCK_SIZES {
+        report.points.push(memcpy_point(&plan, block)?);
+        for &t in &transports {
+            let mut points = transport_points(t, &plan, block).await?;
+            report.points.append(&mut points);
+        }
+    }
+    for &t in &transports {
+        report.latency.push(latency(t, &plan).await?);
+    }
+    if !args.no_perftest {
+        perftest_points(&plan, &mut report).await;
+    }
+    Ok(report)
+}
+
+fn resolve_transports(
+    asked: &[BenchTransport],
+    report: &mut Report,
+) -> Result<Vec<BenchTransport>, String> {
+    let mut out = Vec::new();
+    for &t in asked {
+        let t = match t {
+            BenchTransport::Auto => match UcxDataPlane::start(
+                1,
+                4096,
+                &RankInfo::single("probe"),
+                UcxPlaneOptions::default(),
+            ) {
+                Ok(_) => BenchTransport::Ucx,
+                Err(e) if e.is_ucx_unavailable() => {
+                    tracing::warn!(error = %e, "UCX unavailable; --transport auto uses TCP");
+                    report
+                        .notes
+                        .push(format!("auto: UCX unavailable ({e}); using TCP"));
+                    BenchTransport::Tcp
+                }
+                Err(e) => return Err(format!("UCX failed to start: {e}")),
+            },
+            BenchTransport::Ucx => {
+                if let Err(e) = UcxDataPlane::start(
+                    1,
+                    4096,
+                    &RankInfo::single("probe"),
+                    UcxPlaneOptions::default(),
+                ) {
+                    return Err(format!("--transport ucx: {e}"));
+                }
+                BenchTransport::Ucx
+            }
+            other => other,
+        };
+        if !out.contains(&t) {
+            out.push(t);
+        }
+    }
+    Ok(out)
+}
+
+// ------------------------------------------------------------------ patterns, checks
+
+/// splitmix64 permutation of `0..n` (Fisher-Yates), seeded.
+fn permutation(seed: u64, n: u32) -> Vec<BlockId> {
+    let mut state = seed;
+    let mut next = || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    let mut p: Vec<BlockId> = (0..n).map(BlockId).collect();
+    for i in (1..p.len()).rev() {
+        let j = (next() % (i as u64 + 1)) as usize;
+        p.swap(i, j);
+    }
+    p
+}
+
+fn fill(region: &HostRegion, seed: u64) -> Result<(), String> {
+    let mut buf = vec![0u8; region.block_bytes()];
+    for b in 0..region.blocks() {
+        fill_pattern(&mut buf, seed, u64::from(b) * region.block_bytes() as u64);
+        region
+            .write_block(BlockId(b), &buf)
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+fn checksum(region: &HostRegion, blocks: &[BlockId]) -> Result<u64, String> {
+    let mut sum = Checksum64::new();
+    for b in blocks {
+        sum.update(&region.read_block(*b).map_err(|e| e.to_string())?);
+    }
+    Ok(sum.finish())
+}
+
+fn all(n: u32) -> Vec<BlockId> {
+    (0..n).map(BlockId).collect()
+}
+
+/// Timed passes over the region after the warm-up: enough to move `total_bytes`.
+fn passes(plan: &Plan) -> usize {
+    plan.total_bytes.div_ceil(plan.region_bytes).max(1)
+}
+
+fn blocks_of(plan: &Plan, block: usize) -> Result<u32, String> {
+    u32::try_from(plan.region_bytes / block).map_err(|_| "region has too many blocks".to_string())
+}
+
+// ------------------------------------------------------------------ memcpy reference
+
+fn memcpy_point(plan: &Plan, block: usize) -> Result<Point, String> {
+    let n = blocks_of(plan, block)?;
+    let src = HostRegion::new(n, block).map_err(|e| e.to_string())?;
+    let dst = HostRegion::new(n, block).map_err(|e| e.to_string())?;
+    fill(&src, plan.seed)?;
+    let from = all(n);
+    let to = permutation(plan.seed ^ block as u64, n);
+    let copy = || {
+        for (s, d) in from.iter().zip(&to) {
+            let s = s.0 as usize * block;
+            let d = d.0 as usize * block;
+            // SAFETY: both offsets are block starts inside regions of `n` blocks; the two
+            // regions are distinct allocations only this function touches.
+            unsafe {
+                std::ptr::copy_nonoverlapping(src.as_ptr().add(s), dst.as_ptr().add(d), block)
+            };
+        }
+    };
+    copy();
+    let started = Instant::now();
+    for _ in 0..passes(plan) {
+        copy();
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let verified = checksum(&src, &from)? == checksum(&dst, &to)?;
+    Ok(Point {
+        transport: "memcpy".into(),
+        op: "copy".into(),
+        block_bytes: block,
+        bytes: (passes(plan) * n as usize * block) as u64,
+        secs,
+        verified: Some(verified),
+        note: "single thread, same permutation".into(),
+    })
+}
+
+// ------------------------------------------------------------------ transports
+
+/// The two sides of one transport at one block size.
+// One per measured point: its size does not matter.
+#[allow(clippy::large_enum_variant)]
+enum Link {
+    Inproc {
+        local: Arc<HostRegion>,
+        remote: Arc<HostRegion>,
+    },
+    Tcp {
+        local: Arc<HostRegion>,
+        client: DataClient,
+        peer: PeerProcess,
+    },
+    Ucx {
+        plane: UcxDataPlane,
+        remote: UcxPeer,
+        peer: PeerProcess,
+    },
+}
+
+impl Link {
+    async fn open(t: BenchTransport, blocks: u32, block: usize) -> Result<Link, String> {
+        let me = RankInfo::single("bench");
+        match t {
+            BenchTransport::Inproc => Ok(Link::Inproc {
+                local: Arc::new(HostRegion::new(blocks, block).map_err(|e| e.to_string())?),
+                remote: Arc::new(HostRegion::new(blocks, block).map_err(|e| e.to_string())?),
+            }),
+            BenchTransport::Tcp => {
+                let mut peer = PeerProcess::spawn(&format!("tcp:{blocks}:{block}")).await?;
+                let ready = peer.expect().await?;
+                let addr = ready
+                    .strip_prefix("ready tcp ")
+                    .ok_or_else(|| format!("peer said {ready:?}"))?;
+                let client = DataClient::connect(addr, me, None, PEER_STEP_TIMEOUT)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let local = Arc::new(HostRegion::new(blocks, block).map_err(|e| e.to_string())?);
+                Ok(Link::Tcp {
+                    local,
+                    client,
+                    peer,
+                })
+            }
+            BenchTransport::Ucx | BenchTransport::Auto => {
+                let mut peer = PeerProcess::spawn(&format!("ucx:{blocks}:{block}")).await?;
+                let ready = peer.expect().await?;
+                let remote = parse_ucx_ready(&ready, block)?;
+                let plane = UcxDataPlane::start(blocks, block, &me, UcxPlaneOptions::default())
+                    .map_err(|e| e.to_string())?;
+                Ok(Link::Ucx {
+                    plane,
+                    remote,
+                    peer,
+                })
+            }
+        }
+    }
+
+    fn local(&self) -> &HostRegion {
+        match self {
+            Link::Inproc { local, .. } | Link::Tcp { local, .. } => local,
+            Link::Ucx { plane, .. } => plane.region(),
+        }
+    }
+
+    /// Push our `src` into the peer's `dst`.
+    async fn write(
+        &self,
+        src: &[BlockId],
+        dst: &[BlockId],
+        deadline: Instant,
+    ) -> Result<(), DataError> {
+        let request = RequestId::new("bench");
+        match self {
+            Link::Inproc { local, remote } => Ok(HostRegion::copy_blocks(local, src, remote, dst)?),
+            Link::Tcp { local, client, .. } => {
+                client.write(&request, local, src, dst, deadline).await
+            }
+            Link::Ucx { plane, remote, .. } => {
+                plane.write(&request, remote, src, dst, deadline).await
+            }
+        }
+    }
+
+    /// Pull the peer's `src` into our `dst`.
+    async fn read(
+        &self,
+        src: &[BlockId],
+        dst: &[BlockId],
+        deadline: Instant,
+    ) -> Result<(), DataError> {
+        let request = RequestId::new("bench");
+        match self {
+            Link::Inproc { local, remote } => Ok(HostRegion::copy_blocks(remote, src, local, dst)?),
+            Link::Tcp { local, client, .. } => {
+                client.read(&request, local, src, dst, deadline).await
+            }
+            Link::Ucx { plane, remote, .. } => {
+                plane.read(&request, remote, src, dst, deadline).await
+            }
+        }
+    }
+
+    /// The peer's checksum of its blocks `permutation(seed, n)`, in that order.
+    async fn remote_checksum(&mut self, seed: u64, n: u32) -> Result<u64, String> {
+        match self {
+            Link::Inproc { remote, .. } => checksum(remote, &permutation(seed, n)),
+            Link::Tcp { peer, .. } | Link::Ucx { peer, .. } => {
+                let answer = peer.ask(&format!("checksum {seed} {n}")).await?;
+                answer
+                    .strip_prefix("checksum ")
+                    .and_then(|v| v.parse().ok())
+                    .ok_or_else(|| format!("peer said {answer:?}"))
+            }
+        }
+    }
+
+    async fn remote_fill(&mut self, seed: u64) -> Result<(), String> {
+        match self {
+            Link::Inproc { remote, .. } => fill(remote, seed),
+            Link::Tcp { peer, .. } | Link::Ucx { peer, .. } => {
+                match peer.ask(&format!("fill {seed}")).await?.as_str() {
+                    "filled" => Ok(()),
+                    other => Err(format!("peer said {other:?}")),
+                }
+            }
+        }
+    }
+
+    async fn close(self) {
+        match self {
+            Link::Inproc { .. } => {}
+            Link::Tcp { peer, client, .. } => {
+                drop(client);
+                peer.exit().await;
+            }
+            Link::Ucx { peer, plane, .. } => {
+                drop(plane);
+                peer.exit().await;
+            }
+        }
+    }
+}
+
+fn parse_ucx_ready(ready: &str, block: usize) -> Result<UcxPeer, String> {
+    let words: Vec<&str> = ready.split_whitespace().collect();
+    let ["ready", "ucx", address, rkey, base, len] = words.as_slice() else {
+        return Err(format!("peer said {ready:?}"));
+    };
+    let bad = |what: &str| format!("peer sent a bad {what}");
+    Ok(UcxPeer {
+        name: "bench-peer".into(),
+        worker_address: unhex(address).ok_or_else(|| bad("worker address"))?,
+        region: RegionDescriptor {
+            transport: TransportKind::Ucx,
+            address: "bench-peer".into(),
+            remote_key: unhex(rkey).ok_or_else(|| bad("rkey"))?,
+            base: base.parse().map_err(|_| bad("base"))?,
+            len: len.parse().map_err(|_| bad("length"))?,
+            block_bytes: block as u64,
+        },
+    })
+}
+
+/// Write and read points for one transport at one block size.
+async fn transport_points(
+    t: BenchTransport,
+    plan: &Plan,
+    block: usize,
+) -> Result<Vec<Point>, String> {
+    let n = blocks_of(plan, block)?;
+    let mut link = Link::open(t, n, block).await?;
+    let name = t.name();
+    let fail = |op: &str, e: DataError| format!("{name} {op} at {} KiB blocks: {e}", block >> 10);
+    let src = all(n);
+    let perm_seed = plan.seed ^ (block as u64).rotate_left(17);
+    let perm = permutation(perm_seed, n);
+    let mut points = Vec::new();
+
+    // Push: our blocks 0..n into the peer's permuted positions.
+    fill(link.local(), plan.seed)?;
+    link.write(&src, &perm, Instant::now() + CALL_TIMEOUT)
+        .await
+        .map_err(|e| fail("write", e))?;
+    let started = Instant::now();
+    for _ in 0..passes(plan) {
+        link.write(&src, &perm, Instant::now() + CALL_TIMEOUT)
+            .await
+            .map_err(|e| fail("write", e))?;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let verified = link.remote_checksum(perm_seed, n).await? == checksum(link.local(), &src)?;
+    points.push(Point {
+        transport: name.into(),
+        op: "write".into(),
+        block_bytes: block,
+        bytes: (passes(plan) * n as usize * block) as u64,
+        secs,
+        verified: Some(verified),
+        note: String::new(),
+    });
+
+    // Pull: the peer's permuted positions into our blocks 0..n.
+    link.remote_fill(plan.seed.wrapping_add(1)).await?;
+    link.read(&perm, &src, Instant::now() + CALL_TIMEOUT)
+        .await
+        .map_err(|e| fail("read", e))?;
+    let started = Instant::now();
+    for _ in 0..passes(plan) {
+        link.read(&perm, &src, Instant::now() + CALL_TIMEOUT)
+            .await
+            .map_err(|e| fail("read", e))?;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let verified = link.remote_checksum(perm_seed, n).await? == checksum(link.local(), &src)?;
+    points.push(Point {
+        transport: name.into(),
+        op: "read".into(),
+        block_bytes: block,
+        bytes: (passes(plan) * n as usize * block) as u64,
+        secs,
+        verified: Some(verified),
+        note: String::new(),
+    });
+    link.close().await;
+    Ok(points)
+}
+
+async fn latency(t: BenchTransport, plan: &Plan) -> Result<Latency, String> {
+    let block = LATENCY_BLOCK_BYTES;
+    let n = blocks_of(plan, block)?;
+    let mut link = Link::open(t, n, block).await?;
+    // Touch every page on both sides first: a first touch costs a page fault, not a transfer.
+    fill(link.local(), plan.seed)?;
+    link.remote_fill(plan.seed).await?;
+    let perm = permutation(plan.seed ^ 0x1a7e, n);
+    // One pass over the region warms what a long-running worker has warm: the peer's
+    // memory mapped into this process (shared memory), connections, caches.
+    link.write(&all(n), &perm, Instant::now() + CALL_TIMEOUT)
+        .await
+        .map_err(|e| format!("{} latency warm-up: {e}", t.name()))?;
+    let warmup = (plan.latency_iters / 10).max(10);
+    let mut samples = Vec::with_capacity(plan.latency_iters);
+    for i in 0..warmup + plan.latency_iters {
+        let src = [BlockId((i % n as usize) as u32)];
+        let dst = [perm[i % n as usize]];
+        let started = Instant::now();
+        link.write(&src, &dst, Instant::now() + CALL_TIMEOUT)
+            .await
+            .map_err(|e| format!("{} latency write: {e}", t.name()))?;
+        if i >= warmup {
+            samples.push(started.elapsed());
+        }
+    }
+    link.close().await;
+    samples.sort_unstable();
+    let at = |q: f64| {
+        samples[((samples.len() as f64 * q) as usize).min(samples.len() - 1)].as_secs_f64() * 1e6
+    };
+    Ok(Latency {
+        transport: t.name().into(),
+        op: "write".into(),
+        samples: samples.len(),
+        p50_us: at(0.50),
+        p99_us: at(0.99),
+        note: "one call per block, from the async API".into(),
+    })
+}
+
+// ------------------------------------------------------------------ the peer process
+
+/// The peer process: this binary re-executed as `handoff bench --peer <spec>`.
+struct PeerProcess {
+    child: Child,
+    stdin: ChildStdin,
+    lines: Lines<BufReader<ChildStdout>>,
+}
+
+impl PeerProcess {
+    async fn spawn(spec: &str) -> Result<PeerProcess, String> {
+        let exe = std::env::current_exe().map_err(|e| format!("cannot find this binary: {e}"))?;
+        let mut child = Command::new(exe)
+            .args(["bench", "--peer", spec])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("cannot start the peer process: {e}"))?;
+        let stdin = child.stdin.take().ok_or("peer has no stdin")?;
+        let stdout = child.stdout.take().ok_or("peer has no stdout")?;
+        Ok(PeerProcess {
+            child,
+            stdin,
+            lines: BufReader::new(stdout).lines(),
+        })
+    }
+
+    /// The peer's next protocol line.
+    async fn expect(&mut self) -> Result<String, String> {
+        let next = async {
+            loop {
+                match self.lines.next_line().await {
+                    Ok(Some(line)) => {
+                        if let Some(at) = line.find(PEER_PREFIX) {
+                            return Ok(line[at + PEER_PREFIX.len()..].to_string());
+                        }
+                    }
+                    Ok(None) => return Err("the peer process exited".to_string()),
+                    Err(e) => return Err(format!("reading from the peer: {e}")),
+                }
+            }
+        };
+        let line = tokio::time::timeout(PEER_STEP_TIMEOUT, next)
+            .await
+            .map_err(|_| format!("the peer said nothing within {PEER_STEP_TIMEOUT:?}"))??;
+        match line.strip_prefix("error ") {
+            Some(e) => Err(format!("peer: {e}")),
+            None => Ok(line),
+        }
+    }
+
+    async fn ask(&mut self, command: &str) -> Result<String, String> {
+        self.stdin
+            .write_all(format!("{command}\n").as_bytes())
+            .await
+            .map_err(|e| format!("writing to the peer: {e}"))?;
+        self.expect().await
+    }
+
+    async fn exit(mut self) {
+        let _ = self.stdin.write_all(b"exit\n").await;
+        if tokio::time::timeout(PEER_STEP_TIMEOUT, self.child.wait())
+            .await
+            .is_err()
+        {
+            let _ = self.child.kill().await;
+        }
+    }
+}
+
+/// The peer side: serve a region over `tcp` or `ucx` and answer commands on stdin.
+async fn peer_main(spec: &str) -> Result<(), String> {
+    let parts: Vec<&str> = spec.split(':').collect();
+    let [kind, blocks, block] = parts.as_slice() else {
+        return Err(format!("bad peer spec {spec:?}"));
+    };
+    let blocks: u32 = blocks.parse().map_err(|_| "bad block count")?;
+    let block: usize = block.parse().map_err(|_| "bad block size")?;
+    let me = RankInfo::single("bench-peer");
+    let (_keep, region): (Box<dyn std::any::Any>, Arc<HostRegion>) = match *kind {
+        "tcp" => {
+            let region = Arc::new(HostRegion::new(blocks, block).map_err(|e| e.to_string())?);
+            let server = DataServer::bind(
+                "127.0.0.1:0",
+                Arc::clone(&region),
+                Arc::new(AllowAll),
+                me,
+                None,
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+            say(&format!("ready tcp {}", server.local_addr()));
+            (Box::new(server), region)
+        }
+        "ucx" => {
+            let plane = UcxDataPlane::start(blocks, block, &me, UcxPlaneOptions::default())
+                .map_err(|e| e.to_string())?;
+            let d = plane.descriptor();
+            say(&format!(
+                "ready ucx {} {} {} {}",
+                hex(&d.worker_address),
+                hex(&d.region.remote_key),
+                d.region.base,
+                d.region.len
+            ));
+            let region = Arc::clone(plane.region());
+            (Box::new(plane), region)
+        }
+        other => return Err(format!("unknown peer transport {other:?}")),
+    };
+    // Stdin through a thread (the workspace's tokio has no `io-std`); bounded channel.
+    let (tx, mut lines) = tokio::sync::mpsc::channel::<String>(16);
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::stdin().lock().lines() {
+            let Ok(line) = line else { break };
+            if tx.blocking_send(line).is_err() {
+                break;
+            }
+        }
+    });
+    while let Some(line) = lines.recv().await {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["checksum", seed, n] => {
+                let (seed, n) = (seed.parse().unwrap_or(0), n.parse().unwrap_or(0));
+                say(&format!(
+                    "checksum {}",
+                    checksum(&region, &permutation(seed, n))?
+                ));
+            }
+            ["fill", seed] => {
+                fill(&region, seed.parse().unwrap_or(0))?;
+                say("filled");
+            }
+            ["exit"] => break,
+            _ => say(&format!("error unknown command {line:?}")),
+        }
+    }
+    Ok(())
+}
+
+fn say(text: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{PEER_PREFIX}{text}");
+    let _ = out.flush();
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(text: &str) -> Option<Vec<u8>> {
+    if text.len() % 2 != 0 {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+// ------------------------------------------------------------------ ucx_perftest
+
+fn find_perftest() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join("ucx_perftest"))
+        .find(|p| p.is_file())
+}
+
+async fn perftest_points(plan: &Plan, report: &mut Report) {
+    let Some(exe) = find_perftest() else {
+        report
+            .notes
+            .push("ucx_perftest not installed: its reference is skipped".into());
+        return;
+    };
+    report.notes.push(
+        "ucx_perftest puts one buffer over and over (cache-resident for small sizes), \
+         without peer-failure handling: an upper bound, not the same work"
+            .into(),
+    );
+    for &block in &BLOCK_SIZES {
+        let iters = (plan.total_bytes / block).max(16);
+        match perftest(&exe, "ucp_put_bw", block, iters).await {
+            Ok(final_line) => report.points.push(Point {
+                transport: "ucx_perftest".into(),
+                op: "put_bw".into(),
+                block_bytes: block,
+                bytes: (iters * block) as u64,
+                secs: (iters * block) as f64 / (final_line.bandwidth_mib_s * 1_048_576.0),
+                verified: None,
+                note: String::new(),
+            }),
+            Err(e) => report
+                .notes
+                .push(format!("ucx_perftest put_bw {} KiB: {e}", block >> 10)),
+        }
+    }
+    match perftest(&exe, "ucp_put_lat", LATENCY_BLOCK_BYTES, plan.latency_iters).await {
+        Ok(f) => report.latency.push(Latency {
+            transport: "ucx_perftest".into(),
+            op: "put_lat".into(),
+            samples: plan.latency_iters,
+            p50_us: f.p50_us,
+            p99_us: f64::NAN,
+            note: "ping-pong half round trip; perftest prints no p99 (average shown in JSON)"
+                .into(),
+        }),
+        Err(e) => report.notes.push(format!("ucx_perftest put_lat: {e}")),
+    }
+}
+
+/// The `Final:` line of a `ucx_perftest` run.
+struct PerftestFinal {
+    p50_us: f64,
+    bandwidth_mib_s: f64,
+}
+
+/// Runs `ucx_perftest` as server and client on loopback and parses the client's result.
+async fn perftest(
+    exe: &std::path::Path,
+    test: &str,
+    size: usize,
+    iters: usize,
+) -> Result<PerftestFinal, String> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| format!("no free port: {e}"))?
+        .port()
+        .to_string();
+    let mut server = Command::new(exe)
+        .args(["-p", &port])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| format!("cannot start the server: {e}"))?;
+    let run = async {
+        // The server needs a moment to listen; retry the client a few times.
+        let mut last = String::new();
+        for _ in 0..20 {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let out = Command::new(exe)
+                .args([
+                    "127.0.0.1",
+                    "-p",
+                    &port,
+                    "-t",
+                    test,
+                    "-s",
+                    &size.to_string(),
+                    "-n",
+                    &iters.to_string(),
+                ])
+                .stdin(Stdio::null())
+                .kill_on_drop(true)
+                .output()
+                .await
+                .map_err(|e| format!("cannot start the client: {e}"))?;
+            let text = String::from_utf8_lossy(&out.stdout).to_string();
+            if let Some(f) = parse_perftest(&text) {
+                return Ok(f);
+            }
+            last = format!("{}{}", text, String::from_utf8_lossy(&out.stderr));
+        }
+        Err(format!("no result: {}", last.lines().last().unwrap_or("")))
+    };
+    let result = tokio::time::timeout(PERFTEST_TIMEOUT, run)
+        .await
+        .unwrap_or_else(|_| Err("timed out".into()));
+    let _ = server.kill().await;
+    result
+}
+
+fn parse_perftest(text: &str) -> Option<PerftestFinal> {
+    let line = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("Final:"))?;
+    let fields: Vec<f64> = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    // iterations, p50, average, overall (µs), bandwidth average, overall (MB/s), rates.
+    if fields.len() < 6 {
+        return None;
+    }
+    Some(PerftestFinal {
+        p50_us: fields[1],
+        bandwidth_mib_s: fields[5],
+    })
+}
+
+// ------------------------------------------------------------------ output
+
+impl Report {
+    fn memcpy_gbps(&self, block: usize) -> Option<f64> {
+        self.points
+            .iter()
+            .find(|p| p.transport == "memcpy" && p.block_bytes == block)
+            .map(Point::gbps)
+    }
+
+    /// The human-readable table.
+    pub fn table(&self) -> String {
+        let mut out = format!(
+            "handoff bench: {} MiB regions, {} MiB per point after a warm-up, blocks to a seeded random permutation\n\n",
+            self.region_bytes >> 20,
+            self.total_bytes >> 20
+        );
+        out += &format!(
+            "{:<13} {:<7} {:>8} {:>9} {:>10}  {}\n",
+            "transport", "op", "block", "GB/s", "vs memcpy", "checksum"
+        );
+        for p in &self.points {
+            let ratio = self
+                .memcpy_gbps(p.block_bytes)
+                .filter(|&m| m > 0.0)
+                .map(|m| p.gbps() / m);
+            out += &format!(
+                "{:<13} {:<7} {:>8} {:>9.2} {:>10}  {}{}\n",
+                p.transport,
+                p.op,
+                size_label(p.block_bytes),
+                p.gbps(),
+                ratio.map_or("-".into(), |r| format!("{r:.2}")),
+                match p.verified {
+                    Some(true) => "ok",
+                    Some(false) => "MISMATCH",
+                    None => "-",
+                },
+                if p.note.is_empty() {
+                    String::new()
+                } else {
+                    format!("  ({})", p.note)
+                }
+            );
+        }
+        out += &format!(
+            "\n{:<13} {:<8} {:>8} {:>10} {:>10}\n",
+            "latency", "op", "samples", "p50 µs", "p99 µs"
+        );
+        for l in self.latency.iter().chain(&self.lifecycle) {
+            out += &format!(
+                "{:<13} {:<8} {:>8} {:>10.1} {:>10}  ({})\n",
+                l.transport,
+                l.op,
+                l.samples,
+                l.p50_us,
+                if l.p99_us.is_nan() {
+                    "-".into()
+                } else {
+                    format!("{:.1}", l.p99_us)
+                },
+                l.note
+            );
+        }
+        if self.lifecycle.is_none() {
+            out += "lifecycle     (full request lifecycle through the request actors: not measured yet)\n";
+        }
+        for n in &self.notes {
+            out += &format!("note: {n}\n");
+        }
+        out
+    }
+
+    /// The report as JSON.
+    pub fn to_json(&self) -> String {
+        let num = |v: f64| {
+            if v.is_finite() {
+                format!("{v:.4}")
+            } else {
+                "null".into()
+            }
+        };
+        let points: Vec<String> = self
+            .points
+            .iter()
+            .map(|p| {
+                format!(
+                    "{{\"transport\":{},\"op\":{},\"block_bytes\":{},\"bytes\":{},\"secs\":{},\"gbps\":{},\"vs_memcpy\":{},\"verified\":{},\"note\":{}}}",
+                    json_str(&p.transport),
+                    json_str(&p.op),
+                    p.block_bytes,
+                    p.bytes,
+                    num(p.secs),
+                    num(p.gbps()),
+                    self.memcpy_gbps(p.block_bytes).filter(|&m| m > 0.0).map_or("null".into(), |m| num(p.gbps() / m)),
+                    p.verified.map_or("null".into(), |v| v.to_string()),
+                    json_str(&p.note)
+                )
+            })
+            .collect();
+        let latency = |l: &Latency| {
+            format!(
+                "{{\"transport\":{},\"op\":{},\"samples\":{},\"p50_us\":{},\"p99_us\":{},\"note\":{}}}",
+                json_str(&l.transport),
+                json_str(&l.op),
+                l.samples,
+                num(l.p50_us),
+                num(l.p99_us),
+                json_str(&l.note)
+            )
+        };
+        let latencies: Vec<String> = self.latency.iter().map(latency).collect();
+        let notes: Vec<String> = self.notes.iter().map(|n| json_str(n)).collect();
+        format!(
+            "{{\"region_bytes\":{},\"total_bytes\":{},\"points\":[{}],\"latency\":[{}],\"lifecycle\":{},\"notes\":[{}]}}\n",
+            self.region_bytes,
+            self.total_bytes,
+            points.join(","),
+            latencies.join(","),
+            self.lifecycle.as_ref().map_or("null".into(), latency),
+            notes.join(",")
+        )
+    }
+}
+
+fn size_label(bytes: usize) -> String {
+    if bytes >= 1 << 20 {
+        format!("{} MiB", bytes >> 20)
+    } else {
+        format!("{} KiB", bytes >> 10)
+    }
+}
+
+fn json_str(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn permutations_are_seeded_and_complete() {
+        let p = permutation(3, 100);
+        assert_eq!(p, permutation(3, 100));
+        let mut sorted = p.clone();
+        sorted.sort();
+        assert_eq!(sorted, all(100));
+        assert_ne!(p, all(100));
+    }
+
+    #[test]
+    fn perftest_final_line_parses() {
+        let text = "junk\nFinal:                   500     25.710    59.108    59.108    16918.11   16918.11       16918       16918\n";
+        let f = parse_perftest(text).unwrap();
+        assert!((f.bandwidth_mib_s - 16918.11).abs() < 1e-6 && (f.p50_us - 25.71).abs() < 1e-6);
+        assert!(parse_perftest("Final: 1 2").is_none());
+    }
+
+    #[test]
+    fn json_strings_are_escaped() {
+        assert_eq!(json_str("a\"b\\c\n"), "\"a\\\"b\\\\c\\u000a\"");
+    }
+}

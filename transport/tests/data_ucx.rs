@@ -1,0 +1,259 @@
+//! The UCX data plane between two processes: the test re-executes its own binary as a
+//! child (env `HANDOFF_UCX_PLANE_CHILD`) that starts a `UcxDataPlane` and prints its
+//! descriptor; the parent pushes and pulls permuted blocks and compares checksums, checks
+//! that descriptors and blocks out of range are refused before anything is posted, and that
+//! a killed child fails transfers promptly. Skips with a printed reason when libucp cannot
+//! be loaded.
+
+mod data_common;
+
+use std::time::{Duration, Instant};
+
+use data_common::{
+    checksum, fill, format_ids, hex, ids, parse_ids, say, stdin_lines, unhex, ChildPeer, Rng,
+};
+use handoff_transport::data::{DataError, UcxDataPlane, UcxPeer, UcxPlaneOptions};
+use handoff_transport::ucx::ContextOptions;
+use handoff_transport::wire::{RegionDescriptor, TransportKind};
+use handoff_transport::{BlockId, RankInfo, RequestId};
+
+const CHILD_ENV: &str = "HANDOFF_UCX_PLANE_CHILD";
+const PREFIX: &str = "UCX_PLANE_CHILD ";
+const BLOCKS: u32 = 128;
+const BLOCK_BYTES: usize = 64 * 1024;
+const STEP: Duration = Duration::from_secs(30);
+const CHILD_LIFETIME: Duration = Duration::from_secs(120);
+
+/// Both sides: the defaults with a short keepalive, so a dead peer is seen quickly.
+fn options() -> UcxPlaneOptions {
+    UcxPlaneOptions {
+        context: ContextOptions {
+            keepalive_interval: Some(Duration::from_millis(200)),
+            ..ContextOptions::default()
+        },
+        ..UcxPlaneOptions::default()
+    }
+}
+
+/// The plane, or `None` (reason printed) where UCX cannot be loaded.
+fn plane_or_skip(test: &str, name: &str) -> Option<UcxDataPlane> {
+    match UcxDataPlane::start(BLOCKS, BLOCK_BYTES, &RankInfo::single(name), options()) {
+        Ok(plane) => Some(plane),
+        Err(e) if e.is_ucx_unavailable() => {
+            eprintln!("SKIP {test}: libucp not usable here: {e}");
+            None
+        }
+        Err(e) => panic!("{test}: UCX data plane failed to start: {e}"),
+    }
+}
+
+/// Not a test by itself: the child's entry point (a no-op unless `CHILD_ENV` is set).
+#[test]
+fn ucx_plane_child_process_entry() {
+    if std::env::var_os(CHILD_ENV).is_none() {
+        return;
+    }
+    let plane = match UcxDataPlane::start(
+        BLOCKS,
+        BLOCK_BYTES,
+        &RankInfo::single("decode-child"),
+        options(),
+    ) {
+        Ok(plane) => plane,
+        Err(e) => {
+            say(PREFIX, &format!("error {e}"));
+            std::process::exit(0);
+        }
+    };
+    let d = plane.descriptor();
+    say(
+        PREFIX,
+        &format!(
+            "ready {} {} {} {}",
+            hex(&d.worker_address),
+            hex(&d.region.remote_key),
+            d.region.base,
+            d.region.len
+        ),
+    );
+    let region = plane.region();
+    let lines = stdin_lines();
+    let stop_at = Instant::now() + CHILD_LIFETIME;
+    while Instant::now() < stop_at {
+        let line = match lines.recv_timeout(Duration::from_millis(50)) {
+            Ok(line) => line,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+        };
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["checksum", list] => say(
+                PREFIX,
+                &format!("checksum {}", checksum(region, &parse_ids(list))),
+            ),
+            ["fill", seed] => {
+                fill(region, seed.parse().unwrap_or(0));
+                say(PREFIX, "filled");
+            }
+            ["exit"] => break,
+            _ => say(PREFIX, &format!("error unknown command {line:?}")),
+        }
+    }
+    std::process::exit(0);
+}
+
+fn spawn_child() -> (ChildPeer, UcxPeer) {
+    let mut child = ChildPeer::spawn(
+        "ucx_plane_child_process_entry",
+        &[(CHILD_ENV, "1".into())],
+        PREFIX,
+    );
+    let ready = child.expect(STEP);
+    let words: Vec<&str> = ready.split_whitespace().collect();
+    let ["ready", address, rkey, base, len] = words.as_slice() else {
+        panic!("child said {ready:?}");
+    };
+    let peer = UcxPeer {
+        name: "decode-child".into(),
+        worker_address: unhex(address).unwrap(),
+        region: RegionDescriptor {
+            transport: TransportKind::Ucx,
+            address: "decode-child".into(),
+            remote_key: unhex(rkey).unwrap(),
+            base: base.parse().unwrap(),
+            len: len.parse().unwrap(),
+            block_bytes: BLOCK_BYTES as u64,
+        },
+    };
+    (child, peer)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_processes_put_and_get_permuted_blocks_with_matching_checksums() {
+    let Some(plane) = plane_or_skip("ucx put/get", "prefill") else {
+        return;
+    };
+    let (mut child, peer) = spawn_child();
+    let local = plane.region();
+    fill(local, 21);
+    let r = RequestId::new("r1");
+    let src = ids(0..BLOCKS);
+    let dst = Rng::new(5).permutation(BLOCKS);
+    plane
+        .write(&r, &peer, &src, &dst, Instant::now() + STEP)
+        .await
+        .unwrap();
+    let remote = child.ask(&format!("checksum {}", format_ids(&dst)), STEP);
+    assert_eq!(remote, format!("checksum {}", checksum(local, &src)));
+
+    assert_eq!(child.ask("fill 8", STEP), "filled");
+    let from = Rng::new(6).permutation(BLOCKS);
+    plane
+        .read(&r, &peer, &from, &src, Instant::now() + STEP)
+        .await
+        .unwrap();
+    let remote = child.ask(&format!("checksum {}", format_ids(&from)), STEP);
+    assert_eq!(remote, format!("checksum {}", checksum(local, &src)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_outside_the_descriptor_and_bad_descriptors_are_refused_before_posting() {
+    let Some(plane) = plane_or_skip("ucx refusals", "prefill") else {
+        return;
+    };
+    let (mut child, peer) = spawn_child();
+    assert_eq!(child.ask("fill 3", STEP), "filled");
+    let before = child.ask(&format!("checksum {}", format_ids(&ids(0..BLOCKS))), STEP);
+    let r = RequestId::new("r1");
+    let deadline = || Instant::now() + STEP;
+    // A block past the peer's region.
+    let err = plane
+        .write(&r, &peer, &[BlockId(0)], &[BlockId(BLOCKS)], deadline())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, DataError::Protocol { peer, .. } if peer == "decode-child"),
+        "{err}"
+    );
+    // A descriptor whose length overflows, or of another transport, or another block size.
+    let mut bad = peer.clone();
+    bad.region.len = u64::MAX;
+    let err = plane
+        .write(&r, &bad, &[BlockId(0)], &[BlockId(0)], deadline())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, DataError::Protocol { .. }), "{err}");
+    let mut bad = peer.clone();
+    bad.region.transport = TransportKind::Tcp;
+    let err = plane
+        .write(&r, &bad, &[BlockId(0)], &[BlockId(0)], deadline())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, DataError::Protocol { .. }), "{err}");
+    let mut bad = peer.clone();
+    bad.region.block_bytes *= 2;
+    let err = plane
+        .write(&r, &bad, &[BlockId(0)], &[BlockId(0)], deadline())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, DataError::Mismatch { .. }), "{err}");
+    // Our own block out of range.
+    let err = plane
+        .read(&r, &peer, &[BlockId(0)], &[BlockId(BLOCKS + 3)], deadline())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, DataError::Region(_)), "{err}");
+    // A descriptor that claims more than the peer registered: our check passes, UCX's own
+    // rkey bounds would refuse it; we never send it (pretend the region is one block short
+    // instead, and check the last block is refused).
+    let mut short = peer.clone();
+    short.region.len -= BLOCK_BYTES as u64;
+    let err = plane
+        .write(
+            &r,
+            &short,
+            &[BlockId(0)],
+            &[BlockId(BLOCKS - 1)],
+            deadline(),
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(err, DataError::Protocol { .. }), "{err}");
+    let after = child.ask(&format!("checksum {}", format_ids(&ids(0..BLOCKS))), STEP);
+    assert_eq!(before, after, "nothing was written");
+    // The plane still works.
+    plane
+        .write(&r, &peer, &[BlockId(1)], &[BlockId(2)], deadline())
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_peer_fails_transfers_promptly() {
+    let Some(plane) = plane_or_skip("ucx killed peer", "prefill") else {
+        return;
+    };
+    let (mut child, peer) = spawn_child();
+    let r = RequestId::new("r1");
+    let blocks = ids(0..BLOCKS);
+    plane
+        .write(&r, &peer, &blocks, &blocks, Instant::now() + STEP)
+        .await
+        .unwrap();
+    child.kill();
+    let killed = Instant::now();
+    let deadline = killed + Duration::from_secs(10);
+    let err = loop {
+        match plane.write(&r, &peer, &blocks, &blocks, deadline).await {
+            Ok(()) => tokio::time::sleep(Duration::from_millis(20)).await,
+            Err(e) => break e,
+        }
+        assert!(
+            Instant::now() < deadline,
+            "writes to a dead peer kept succeeding"
+        );
+    };
+    let after = killed.elapsed();
+    println!("UCX transfer failed {after:?} after the kill: {err}");
+    assert!(after < Duration::from_secs(5), "{after:?}: {err}");
+}

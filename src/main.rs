@@ -64,13 +64,21 @@ enum Mode {
 }
 
 fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // RUST_LOG overrides. The bootstrap server logs registrations at info; the simulator's
+    // report is its output (injected faults would flood warnings); the rest warn.
+    let default_level = match &cli.command {
+        Command::Bootstrap { query: None, .. } => "info",
+        Command::Sim(_) => "off",
+        _ => "warn",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| default_level.into()),
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

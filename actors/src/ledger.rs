@@ -104,8 +104,10 @@ impl Ledger {
         });
     }
 
-    /// Records a state the machine moved to. Forward only; entering a terminal state
-    /// releases every block still held.
+    /// Records a state the machine moved to. Forward only. Entering a terminal state does
+    /// not release blocks by itself: the machine says when (a failed push request on decode
+    /// holds them until its prefill ranks stopped writing), and whatever is left when the
+    /// request is buried goes then ([`Ledger::release_all`]).
     pub(crate) fn transition(&self, state: State) {
         self.cell.send_if_modified(|r| {
             if r.state.is_terminal() || state.phase() <= r.state.phase() {
@@ -117,11 +119,13 @@ impl Ledger {
                 role: self.role,
                 state: state.clone(),
             });
-            if state.is_terminal() {
-                self.release_held(r, None);
-            }
             true
         });
+    }
+
+    /// Releases every block still held.
+    pub(crate) fn release_all(&self) {
+        self.cell.send_if_modified(|r| self.release_held(r, None));
     }
 
     /// Releases those of `blocks` that are still held (the rest were released already).

@@ -77,6 +77,15 @@ pub trait Link: Send + Sync + 'static {
         dst: Vec<BlockId>,
     ) -> TransferFuture;
 
+    /// True when this link's data plane moves bytes one-sidedly (RDMA put and get): the
+    /// side whose memory is touched cannot refuse a late operation, so a failed request
+    /// fences its blocks until the peer acknowledges (decode in push mode, prefill in pull
+    /// mode; see `ReceiverMachine::fence_writes`, `SenderMachine::fence_reads`). False when
+    /// every operation is checked against a grant on arrival (TCP, in-process).
+    fn one_sided(&self) -> bool {
+        false
+    }
+
     /// The request has ended here: revoke whatever the transport granted peers for it
     /// (remote write or read access to its blocks). Called before the blocks are released,
     /// so no byte can land in a block the engine is about to reuse.

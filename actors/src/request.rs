@@ -113,10 +113,12 @@ impl Actor for RequestActor {
     ) -> Result<RequestState, ActorProcessingErr> {
         let t = now();
         let machine = match &args.kind {
-            Kind::Sender => Machine::Sender(SenderMachine::new(t, args.timeouts)),
-            Kind::Receiver { mode, .. } => {
-                Machine::Receiver(ReceiverMachine::new(t, args.timeouts, *mode))
-            }
+            Kind::Sender => Machine::Sender(
+                SenderMachine::new(t, args.timeouts).fence_reads(args.link.one_sided()),
+            ),
+            Kind::Receiver { mode, .. } => Machine::Receiver(
+                ReceiverMachine::new(t, args.timeouts, *mode).fence_writes(args.link.one_sided()),
+            ),
         };
         let mut state = RequestState {
             ledger: args.ledger,
@@ -217,10 +219,11 @@ impl RequestState {
         }
     }
 
-    fn state(&self) -> &State {
+    /// Terminal, and nothing left in flight or held back: the root may stop this actor.
+    fn settled(&self) -> bool {
         match &self.machine {
-            Machine::Sender(m) => m.state(),
-            Machine::Receiver(m) => m.state(),
+            Machine::Sender(m) => m.is_settled(),
+            Machine::Receiver(m) => m.is_settled(),
         }
     }
 
@@ -230,7 +233,7 @@ impl RequestState {
             self.perform(myself, action);
         }
         self.arm(myself);
-        if self.state().is_terminal() && !self.ended {
+        if self.settled() && !self.ended {
             self.ended = true;
             self.tell_unresolved_peers();
             // The root stops this actor; until then late events are absorbed by the machine.

@@ -67,6 +67,8 @@ pub(crate) enum RootMsg {
     InjectPanic { id: RequestId },
     /// A buffered request's bootstrap deadline has passed: expire what is due.
     ExpirePending,
+    /// The fence bound of a request whose actor died has passed: release its blocks.
+    ReleaseOrphan { id: RequestId },
 }
 
 #[derive(Debug)]
@@ -107,6 +109,9 @@ struct RootState {
     /// Pending requests in the order they expire (all live for the same bootstrap timeout).
     pending_order: VecDeque<(Instant, RequestId)>,
     tombstones: BTreeMap<RequestId, State>,
+    /// Decode requests whose actor died while their blocks could still be written into
+    /// (one-sided writes): held until the fence bound passes.
+    orphans: BTreeMap<RequestId, Ledger>,
     tombstone_order: VecDeque<RequestId>,
 }
 
@@ -132,6 +137,9 @@ impl Shared {
             ledger.fail_if_live(FailureReason::Internal {
                 detail: why.to_string(),
             });
+            // Requests that ended but still held blocks (a fence) give them back too: the
+            // runtime is going away, and nothing it started can land after this.
+            ledger.release_all();
         }
     }
 }
@@ -177,6 +185,7 @@ impl Actor for RootActor {
             pending: BTreeMap::new(),
             pending_order: VecDeque::new(),
             tombstones: BTreeMap::new(),
+            orphans: BTreeMap::new(),
             tombstone_order: VecDeque::new(),
         })
     }
@@ -224,6 +233,15 @@ impl Actor for RootActor {
             RootMsg::Ended { id } => state.ended(&id),
             RootMsg::PeerLost { peer } => state.peer_lost(&peer),
             RootMsg::ExpirePending => state.expire_pending(now()),
+            RootMsg::ReleaseOrphan { id } => {
+                if let Some(ledger) = state.orphans.remove(&id) {
+                    ledger.release_all();
+                    // Whatever the dead actor left in flight has ended by now.
+                    for peer in ledger.peers() {
+                        let _ = state.link.send(&peer, &id, Outbound::AbortAck);
+                    }
+                }
+            }
             RootMsg::InjectPanic { id } => {
                 if let Some(e) = state.requests.get(&id) {
                     let _ = e.actor.cast(RequestMsg::Panic);
@@ -235,17 +253,18 @@ impl Actor for RootActor {
 
     async fn handle_supervisor_evt(
         &self,
-        _myself: ActorRef<RootMsg>,
+        myself: ActorRef<RootMsg>,
         evt: SupervisionEvent,
         state: &mut RootState,
     ) -> Result<(), ActorProcessingErr> {
         match evt {
             SupervisionEvent::ActorFailed(cell, err) => {
-                state.child_gone(&cell, &format!("request actor failed: {err}"));
+                state.child_gone(&myself, &cell, &format!("request actor failed: {err}"));
             }
             SupervisionEvent::ActorTerminated(cell, _, reason) => {
                 let why = reason.unwrap_or_else(|| "no reason given".into());
                 state.child_gone(
+                    &myself,
                     &cell,
                     &format!("request actor stopped before the request ended: {why}"),
                 );
@@ -264,6 +283,9 @@ impl Actor for RootActor {
         // In request-id order, so a simulated shutdown replays the same way.
         for id in state.requests.keys() {
             state.link.request_ended(id);
+        }
+        for (_, ledger) in std::mem::take(&mut state.orphans) {
+            ledger.release_all();
         }
         state.shared.fail_all("runtime stopped");
         for (_, entry) in std::mem::take(&mut state.requests) {
@@ -354,12 +376,25 @@ impl RootState {
                 });
                 let _ = self.link.send(&from, &id, Outbound::Abort { reason });
             }
+            // A request buried here is settled: no write of ours for it is in flight, so a
+            // decode rank fencing its blocks can have its acknowledgement at once.
+            // (Not an orphan, whose dead actor may have left a transfer in flight: it is
+            // acknowledged when its fence bound passes.)
+            if matches!(msg, Outbound::Abort { .. }) && !self.orphans.contains_key(&id) {
+                let _ = self.link.send(&from, &id, Outbound::AbortAck);
+            }
             debug!(request = %id, peer = %from, "message for an ended request dropped");
             return;
         }
+        let is_abort = matches!(msg, Outbound::Abort { .. });
         let event = to_event(self.cfg.role, from.clone(), msg);
         if self.requests.contains_key(&id) {
             return self.deliver(&id, event);
+        }
+        if is_abort && self.cfg.role == Role::Prefill {
+            // Not opened here yet, so nothing of ours was written: decode may release now.
+            // (The abort is still buffered: the request fails as soon as it is opened.)
+            let _ = self.link.send(&from, &id, Outbound::AbortAck);
         }
         self.buffer(myself, from, id, event);
     }
@@ -426,6 +461,15 @@ impl RootState {
             if let Some(p) = self.pending.remove(&id) {
                 warn!(request = %id, peers = ?p.from, "request never opened here before its bootstrap deadline");
                 for peer in p.from {
+                    if self.cfg.role == Role::Prefill {
+                        // Never opened here: nothing of ours was written (after the abort).
+                        let abort = Outbound::Abort {
+                            reason: FailureReason::BootstrapTimeout,
+                        };
+                        let _ = self.link.send(&peer, &id, abort);
+                        let _ = self.link.send(&peer, &id, Outbound::AbortAck);
+                        continue;
+                    }
                     let _ = self.link.send(
                         &peer,
                         &id,
@@ -444,6 +488,8 @@ impl RootState {
         };
         self.by_actor.remove(&entry.actor.get_id());
         entry.actor.stop(None);
+        // Blocks handed over while the request was ending, never seen by its machine.
+        entry.ledger.release_all();
         self.bury(&entry.ledger);
     }
 
@@ -475,7 +521,7 @@ impl RootState {
     }
 
     /// A request actor died: its request fails (if it had not ended), its peers are told.
-    fn child_gone(&mut self, cell: &ActorCell, why: &str) {
+    fn child_gone(&mut self, myself: &ActorRef<RootMsg>, cell: &ActorCell, why: &str) {
         let Some(id) = self.by_actor.remove(&cell.get_id()) else {
             return;
         };
@@ -485,8 +531,18 @@ impl RootState {
         let reason = FailureReason::Internal {
             detail: why.to_string(),
         };
-        if entry.ledger.fail_if_live(reason.clone()) {
+        // With one-sided writes, a decode request's blocks may still be written into by a
+        // prefill rank (or by a read of ours in flight), and the fence that tracked it died
+        // with the actor: hold them for the whole fence bound instead of releasing now.
+        let orphan = self.link.one_sided();
+        let live = !entry.ledger.state().is_terminal();
+        if live {
             warn!(request = %id, %why, "request failed with its actor");
+            if orphan {
+                entry.ledger.transition(State::Failed(reason.clone()));
+            } else {
+                entry.ledger.fail_if_live(reason.clone());
+            }
             for peer in entry.ledger.peers() {
                 let _ = self.link.send(
                     &peer,
@@ -496,6 +552,15 @@ impl RootState {
                     },
                 );
             }
+        }
+        if orphan {
+            let wait = self.cfg.timeouts.fence_max();
+            warn!(request = %id, ?wait, "holding the blocks of a request whose actor died, for the fence bound");
+            self.orphans.insert(id.clone(), entry.ledger.clone());
+            let orphan_id = id.clone();
+            myself.send_after(wait, move || RootMsg::ReleaseOrphan { id: orphan_id });
+        } else {
+            entry.ledger.release_all();
         }
         self.bury(&entry.ledger);
     }
@@ -529,6 +594,7 @@ fn to_event(role: Role, from: Peer, msg: Outbound) -> MachineEvent {
             Outbound::Rejected { reason } => SenderEvent::Rejected { from, reason },
             Outbound::ReadDone => SenderEvent::ReadDone { from },
             Outbound::Abort { reason } => SenderEvent::PeerAbort { from, reason },
+            Outbound::AbortAck => SenderEvent::AbortAck { from },
             other => SenderEvent::Unexpected {
                 from,
                 what: format!("{other:?}"),
@@ -538,6 +604,7 @@ fn to_event(role: Role, from: Peer, msg: Outbound) -> MachineEvent {
             Outbound::Done => ReceiverEvent::Done { from },
             Outbound::Ready { blocks } => ReceiverEvent::Ready { from, blocks },
             Outbound::Abort { reason } => ReceiverEvent::PeerAbort { from, reason },
+            Outbound::AbortAck => ReceiverEvent::AbortAck { from },
             other => ReceiverEvent::Unexpected {
                 from,
                 what: format!("{other:?}"),

@@ -132,10 +132,16 @@ fn sender_refuses_a_block_count_mismatch_and_tells_decode() {
             ..
         }
     )));
+    assert!(actions.contains(&Action::Release { blocks: b(&[1, 2]) }));
+    // No write was started, so decode's fence can lift at once.
     assert_eq!(
         actions.last(),
-        Some(&Action::Release { blocks: b(&[1, 2]) })
+        Some(&Action::Send {
+            to: d,
+            msg: Outbound::AbortAck
+        })
     );
+    assert!(m.is_settled());
 }
 
 #[test]
@@ -295,4 +301,122 @@ fn receiver_names_a_stranger_and_a_wrong_mode_as_protocol_errors() {
         };
         assert!(detail.contains(expect), "{detail}");
     }
+}
+
+#[test]
+fn a_failed_push_receiver_holds_its_blocks_until_prefill_acknowledges() {
+    let t = Instant::now();
+    let (p0, p1) = (rank("P", 0), rank("P", 1));
+    let timeouts = Timeouts::default();
+    let mut m = ReceiverMachine::new(t, timeouts, TransferMode::Push).fence_writes(true);
+    m.handle(
+        t,
+        ReceiverEvent::PeersResolved {
+            peers: vec![p0.clone(), p1.clone()],
+        },
+    );
+    m.handle(t, ReceiverEvent::Allocated { blocks: b(&[4, 5]) });
+    m.handle(t, ReceiverEvent::Done { from: p1.clone() }); // p1's writes are complete
+    drain_r(&mut m);
+    m.handle_timeout(t + timeouts.transfer); // transferring since p1's Done
+    assert_eq!(
+        drain_r(&mut m),
+        vec![
+            Action::Send {
+                to: p0.clone(),
+                msg: Outbound::Abort {
+                    reason: FailureReason::TransferTimeout
+                }
+            },
+            changed(State::Failed(FailureReason::TransferTimeout))
+        ],
+        "failed, but the blocks stay: p0 may still be writing"
+    );
+    assert!(!m.is_settled());
+    m.handle(t, ReceiverEvent::AbortAck { from: p1 });
+    assert_eq!(
+        drain_r(&mut m),
+        vec![],
+        "p1 already finished; p0 is the one fenced"
+    );
+    m.handle(t, ReceiverEvent::AbortAck { from: p0 });
+    assert_eq!(
+        drain_r(&mut m),
+        vec![Action::Release { blocks: b(&[4, 5]) }]
+    );
+    assert!(m.is_settled());
+    assert_eq!(m.poll_timeout(), None);
+}
+
+#[test]
+fn a_fence_without_acknowledgement_lifts_at_its_deadline() {
+    let t = Instant::now();
+    let p0 = rank("P", 0);
+    let timeouts = Timeouts::default();
+    let mut m = ReceiverMachine::new(t, timeouts, TransferMode::Push).fence_writes(true);
+    m.handle(
+        t,
+        ReceiverEvent::PeersResolved {
+            peers: vec![p0.clone()],
+        },
+    );
+    m.handle(t, ReceiverEvent::Allocated { blocks: b(&[4]) });
+    m.handle(t, ReceiverEvent::Abort);
+    drain_r(&mut m);
+    assert_eq!(m.poll_timeout(), Some(t + timeouts.fence_max()));
+    m.handle_timeout(t + timeouts.fence_max() - Duration::from_millis(1));
+    assert_eq!(drain_r(&mut m), vec![]);
+    m.handle_timeout(t + timeouts.fence_max());
+    assert_eq!(drain_r(&mut m), vec![Action::Release { blocks: b(&[4]) }]);
+    assert!(m.is_settled());
+}
+
+#[test]
+fn a_prefill_rank_acknowledges_only_after_its_write_reported_back() {
+    let t = Instant::now();
+    let d = rank("D", 0);
+    let mut m = SenderMachine::new(t, Timeouts::default());
+    m.handle(
+        t,
+        SenderEvent::TransferInfo {
+            from: d.clone(),
+            mode: TransferMode::Push,
+            blocks: b(&[7]),
+        },
+    );
+    m.handle(t, SenderEvent::Input { blocks: b(&[1]) });
+    drain_s(&mut m); // the write is posted
+    m.handle(
+        t,
+        SenderEvent::PeerAbort {
+            from: d.clone(),
+            reason: FailureReason::AbortedByEngine,
+        },
+    );
+    let actions = drain_s(&mut m);
+    assert!(
+        !actions.iter().any(|a| matches!(
+            a,
+            Action::Send {
+                msg: Outbound::AbortAck,
+                ..
+            }
+        )),
+        "acked with a write in flight: {actions:?}"
+    );
+    assert!(!m.is_settled());
+    m.handle(
+        t,
+        SenderEvent::TransferFailed {
+            detail: "cancelled".into(),
+        },
+    );
+    assert_eq!(
+        drain_s(&mut m),
+        vec![Action::Send {
+            to: d,
+            msg: Outbound::AbortAck
+        }]
+    );
+    assert!(m.is_settled());
 }

@@ -91,6 +91,7 @@ enum ROp {
     Peers(u8),
     BootstrapFailed(FailureReason),
     Reject,
+    AbortAck(u8),
     Allocated(usize),
     Done(u8),
     Ready(u8, usize),
@@ -107,6 +108,7 @@ fn receiver_op() -> impl Strategy<Value = ROp> {
         3 => (0u8..3).prop_map(ROp::Peers),
         1 => reason().prop_map(ROp::BootstrapFailed),
         1 => Just(ROp::Reject),
+        2 => (0u8..3).prop_map(ROp::AbortAck),
         3 => len().prop_map(ROp::Allocated),
         3 => (0u8..3).prop_map(ROp::Done),
         3 => (0u8..3, len()).prop_map(|(p, n)| ROp::Ready(p, n)),
@@ -127,6 +129,9 @@ struct Ledger {
     released: BTreeMap<BlockId, u32>,
     phase: Phase,
     terminal_at: Option<Instant>,
+    /// Latest instant a fence may hold blocks until (terminal time + fence_max).
+    fenced_by: Option<Instant>,
+    fence_max: Duration,
 }
 
 impl Ledger {
@@ -138,6 +143,8 @@ impl Ledger {
             released: BTreeMap::new(),
             phase: Phase::Bootstrapping,
             terminal_at: None,
+            fenced_by: None,
+            fence_max: timeouts().fence_max(),
         }
     }
 
@@ -202,10 +209,16 @@ impl Ledger {
             "state() changed without a StateChanged action"
         );
         if state.is_terminal() {
-            assert!(deadline.is_none(), "terminal state with a deadline");
+            // A terminal receiver may still hold its blocks behind a fence, with the fence's
+            // deadline armed; otherwise nothing is armed once terminal.
             if self.terminal_at.is_none() {
                 self.terminal_at = Some(now);
+                self.fenced_by = Some(now + self.fence_max);
             }
+            assert!(
+                deadline.is_none() || self.fenced_by.is_some_and(|t| deadline <= Some(t)),
+                "terminal state with a deadline past the fence bound"
+            );
         } else {
             assert!(
                 deadline.is_some(),
@@ -287,19 +300,20 @@ proptest! {
             ledger.check(now, m.state(), m.poll_timeout(), actions);
         }
         // With no more input, the deadlines alone must end it.
-        fire_due!(m, ledger, drain_sender, start + t.lifetime_max() + Duration::from_secs(1));
+        fire_due!(m, ledger, drain_sender, start + t.lifetime_max() + t.fence_max() + Duration::from_secs(1));
         ledger.check_end(&t);
     }
 
     #[test]
     fn receiver_machine_properties(
         mode in mode(),
+        fence in any::<bool>(),
         ops in prop::collection::vec((0u64..8_000, receiver_op()), 0..24),
     ) {
         let t = timeouts();
         let start = Instant::now();
         let mut now = start;
-        let mut m = ReceiverMachine::new(now, t, mode);
+        let mut m = ReceiverMachine::new(now, t, mode).fence_writes(fence);
         let mut ledger = Ledger::new(start);
         for (dt_ms, op) in ops {
             let next = now + Duration::from_millis(dt_ms);
@@ -309,6 +323,7 @@ proptest! {
                 ROp::Peers(n) => ReceiverEvent::PeersResolved { peers: (0..n).map(peer).collect() },
                 ROp::BootstrapFailed(reason) => ReceiverEvent::BootstrapFailed { reason },
                 ROp::Reject => ReceiverEvent::Reject { reason: FailureReason::RejectedBusy },
+                ROp::AbortAck(p) => ReceiverEvent::AbortAck { from: peer(p) },
                 ROp::Allocated(n) => ReceiverEvent::Allocated { blocks: ledger.blocks(n, true) },
                 ROp::Done(p) => ReceiverEvent::Done { from: peer(p) },
                 ROp::Ready(p, n) => ReceiverEvent::Ready { from: peer(p), blocks: ledger.blocks(n, false) },
@@ -323,7 +338,9 @@ proptest! {
             let actions = drain_receiver(&mut m);
             ledger.check(now, m.state(), m.poll_timeout(), actions);
         }
-        fire_due!(m, ledger, drain_receiver, start + t.lifetime_max() + Duration::from_secs(1));
+        // The deadlines alone end it, and a fence lifts by its own deadline at the latest.
+        fire_due!(m, ledger, drain_receiver, start + t.lifetime_max() + t.fence_max() + Duration::from_secs(1));
+        assert!(m.is_settled(), "receiver still fencing after the fence deadline");
         ledger.check_end(&t);
     }
 

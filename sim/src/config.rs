@@ -523,6 +523,8 @@ pub enum MessageKind {
     Rejected,
     /// `Abort`, either way.
     Abort,
+    /// Prefill's `AbortAck` (push): its writes are over.
+    AbortAck,
 }
 
 impl MessageKind {
@@ -536,6 +538,7 @@ impl MessageKind {
             Outbound::ReadDone => Self::ReadDone,
             Outbound::Rejected { .. } => Self::Rejected,
             Outbound::Abort { .. } => Self::Abort,
+            Outbound::AbortAck => Self::AbortAck,
         }
     }
 }

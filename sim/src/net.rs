@@ -185,6 +185,11 @@ struct NetState {
     timing: Timing,
     drops: Vec<MessageKind>,
     data_plane: DataPlane,
+    /// RDMA: which incarnation granted access, as each worker learned it for a request
+    /// (from a delivered `TransferInfo` or `Ready`). A one-sided transfer targets that
+    /// registration, so it fails once the granting worker has restarted (its memory was
+    /// registered anew; the old key is dead), as on real hardware.
+    rkeys: BTreeMap<(usize, RequestId), (usize, u32)>,
     rng: Rng,
     agenda: BTreeMap<(u64, u64), NetEvent>,
     seq: u64,
@@ -240,6 +245,7 @@ impl SimNet {
             timing,
             drops,
             data_plane,
+            rkeys: BTreeMap::new(),
             rng: Rng::fork(seed, "net"),
             agenda: BTreeMap::new(),
             seq: 0,
@@ -545,6 +551,9 @@ impl NetState {
         self.hash.bytes(&(to.0 as u64).to_le_bytes());
         self.hash.str(id.as_str());
         self.hash.bytes(&[MessageKind::of(&msg) as u8]);
+        if matches!(msg, Outbound::TransferInfo { .. } | Outbound::Ready { .. }) {
+            self.rkeys.insert((to.0, id.clone()), from);
+        }
         let from_rank = self.ranks[from.0].clone();
         if let Some(inbox) = self.node_at(to.0).and_then(|n| n.inbox.clone()) {
             if inbox.deliver(from_rank, id, msg) {
@@ -883,6 +892,7 @@ pub struct SimLink {
 impl SimLink {
     fn transfer(
         &self,
+        id: &RequestId,
         src_node: &Peer,
         dst_node: &Peer,
         src: Vec<BlockId>,
@@ -895,10 +905,20 @@ impl SimLink {
             let mut guard = net.lock();
             let st = &mut *guard;
             let now = net.now_ms();
-            let ends = (
+            let mut ends = (
                 st.nodes.get(src_node).map(|n| (n.idx, n.inc)),
                 st.nodes.get(dst_node).map(|n| (n.idx, n.inc)),
             );
+            if st.data_plane == DataPlane::Rdma {
+                // The remote end is the registration this worker learned for the request.
+                if let Some(granted) = st.rkeys.get(&(self.idx, id.clone())).copied() {
+                    if ends.0.is_some_and(|(i, _)| i == granted.0) {
+                        ends.0 = Some(granted);
+                    } else if ends.1.is_some_and(|(i, _)| i == granted.0) {
+                        ends.1 = Some(granted);
+                    }
+                }
+            }
             match ends {
                 (Some(s), Some(d)) if st.alive(s) && st.alive(d) => {
                     let owner = st
@@ -956,6 +976,12 @@ impl SimLink {
 impl Link for SimLink {
     fn me(&self) -> &RankInfo {
         &self.me
+    }
+
+    /// The RDMA-like plane lands writes whatever happened since they were posted, as
+    /// one-sided writes do; the fenced plane refuses late ones on arrival, as TCP does.
+    fn one_sided(&self) -> bool {
+        self.net.lock().data_plane == DataPlane::Rdma
     }
 
     fn send(&self, to: &Peer, id: &RequestId, msg: Outbound) -> Result<(), LinkError> {
@@ -1056,24 +1082,28 @@ impl Link for SimLink {
 
     fn write(
         &self,
-        _id: &RequestId,
+        id: &RequestId,
         to: &Peer,
         src: Vec<BlockId>,
         dst: Vec<BlockId>,
     ) -> TransferFuture {
         let owner_blocks = src.clone();
-        self.transfer(&self.me.clone(), to, src, dst, &owner_blocks)
+        self.transfer(id, &self.me.clone(), to, src, dst, &owner_blocks)
     }
 
     fn read(
         &self,
-        _id: &RequestId,
+        id: &RequestId,
         from: &Peer,
         src: Vec<BlockId>,
         dst: Vec<BlockId>,
     ) -> TransferFuture {
         let owner_blocks = dst.clone();
-        self.transfer(from, &self.me.clone(), src, dst, &owner_blocks)
+        self.transfer(id, from, &self.me.clone(), src, dst, &owner_blocks)
+    }
+
+    fn request_ended(&self, id: &RequestId) {
+        self.net.lock().rkeys.remove(&(self.idx, id.clone()));
     }
 
     fn detach(&self) {

@@ -225,22 +225,25 @@ fn late_prefill(seed: u64, plane: DataPlane) -> SimConfig {
     cfg
 }
 
-/// Known bug in the actors crate (reported): in push mode decode releases its blocks when
-/// it fails, while prefill may still be writing into them (decode's abort is in flight).
-/// With RDMA semantics the write lands in memory the engine has reused. Flips when fixed.
+/// Found by this simulator, now fixed: in push mode decode used to release its blocks the
+/// moment it failed, while prefill might still be writing into them (decode's abort in
+/// flight, or prefill partitioned away); with RDMA semantics the write landed in memory the
+/// engine had reused. Decode now fences a failed push request's blocks until every granted
+/// prefill rank says `AbortAck` (or `Done`), or the fence deadline passes.
 #[test]
-fn push_write_can_land_in_blocks_decode_already_released_under_rdma() {
-    let found = (0..20u64).find(|seed| {
-        let report = simulate(&late_prefill(*seed, DataPlane::Rdma)).expect("runs");
-        report
+fn push_writes_never_land_in_blocks_decode_released_under_rdma() {
+    for seed in 0..20u64 {
+        let report = simulate(&late_prefill(seed, DataPlane::Rdma)).expect("runs");
+        let landed: Vec<_> = report
             .violations
             .iter()
-            .any(|v| v.detail.contains("use after release"))
-    });
-    assert!(
-        found.is_some(),
-        "the push-mode use after release no longer reproduces: fixed? update this test"
-    );
+            .filter(|v| v.detail.contains("use after release"))
+            .collect();
+        assert!(
+            landed.is_empty(),
+            "seed {seed}: {landed:?}\nreplay: HANDOFF_SIM_SEED={seed}"
+        );
+    }
 }
 
 #[test]

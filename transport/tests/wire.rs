@@ -8,11 +8,11 @@ use handoff_transport::wire::limits::{
     REQUEST_ID_BYTES_MAX,
 };
 use handoff_transport::wire::{
-    self, check_hello, check_hello_ack, Abort, Done, EngineStatus, Heartbeat, Hello, HelloAck,
-    Message, MessageType, ProtocolError, Query, QueryAnswer, QueryReply, Queued, ReadDone, Ready,
-    RegionDescriptor, RegisterConflict, RegisterOk, Rejected, StatusReply, StatusRequest,
-    TransferInfo, TransportKind, Unregister, Unregistered, WireError, WithPeer, WorkerRecord,
-    WorkerSummary, HEADER_BYTES,
+    self, check_hello, check_hello_ack, Abort, AbortAck, Done, EngineStatus, Heartbeat, Hello,
+    HelloAck, Message, MessageType, ProtocolError, Query, QueryAnswer, QueryReply, Queued,
+    ReadDone, Ready, RegionDescriptor, RegisterConflict, RegisterOk, Rejected, StatusReply,
+    StatusRequest, TransferInfo, TransportKind, Unregister, Unregistered, WireError, WithPeer,
+    WorkerRecord, WorkerSummary, HEADER_BYTES,
 };
 use handoff_transport::{
     BlockId, EngineId, FailureReason, Rank, RankInfo, RequestId, Role, TransferMode,
@@ -148,6 +148,9 @@ fn every_message() -> Vec<Message> {
                 peer: "decode-0/dp0tp1pp0".into(),
                 cause: "engine aborted".into(),
             },
+        }),
+        Message::AbortAck(AbortAck {
+            request_id: request(),
         }),
     ]
 }
@@ -894,6 +897,7 @@ fn any_peer_message() -> impl Strategy<Value = Message> {
         }),
         any_request_id().prop_map(|request_id| Message::Done(Done { request_id })),
         any_request_id().prop_map(|request_id| Message::ReadDone(ReadDone { request_id })),
+        any_request_id().prop_map(|request_id| Message::AbortAck(AbortAck { request_id })),
         (any_request_id(), any_failure_reason())
             .prop_map(|(request_id, reason)| Message::Abort(Abort { request_id, reason })),
     ]

@@ -78,6 +78,16 @@ impl Timeouts {
     pub fn lifetime_max(&self) -> Duration {
         self.bootstrap + self.waiting + self.transfer.max(self.pull_ttl)
     }
+
+    /// The longest a failed push-mode decode request holds its blocks waiting for its
+    /// prefill ranks to confirm that no write of theirs can still land (`AbortAck`). A
+    /// prefill rank that got the transfer info can start a write no later than its waiting
+    /// deadline and finish it within its transfer deadline; the info itself may still be in
+    /// flight for up to a bootstrap timeout. Normally the acknowledgement comes in one
+    /// round trip; this bound only matters when it is lost.
+    pub fn fence_max(&self) -> Duration {
+        self.lifetime_max()
+    }
 }
 
 /// Where a request is in its lifecycle, on one rank.
@@ -213,6 +223,9 @@ pub enum Outbound {
         /// Why.
         reason: FailureReason,
     },
+    /// Prefill → decode (push): this request ended here and no write of ours into your
+    /// blocks is in flight or can start: you may release them.
+    AbortAck,
     /// Either way: this request has failed here; free its blocks.
     Abort {
         /// Why.
@@ -293,6 +306,25 @@ impl Core {
         self.state = next.clone();
         self.deadline = Some(now + limit);
         self.actions.push_back(Action::StateChanged(next));
+    }
+
+    /// Moves to `Failed` but keeps the blocks until [`Core::release_now`] (or the fence
+    /// deadline `until`): peers may still be writing into them.
+    fn finish_fenced(&mut self, end: State, until: Instant) {
+        debug_assert!(end.is_terminal());
+        if self.state.is_terminal() {
+            return;
+        }
+        self.state = end.clone();
+        self.deadline = Some(until);
+        self.actions.push_back(Action::StateChanged(end));
+    }
+
+    /// Ends a fence: releases every held block.
+    fn release_now(&mut self) {
+        self.deadline = None;
+        let blocks = std::mem::take(&mut self.held);
+        self.actions.push_back(Action::Release { blocks });
     }
 
     /// Moves to `Done` or `Failed`, disarms the deadline and releases every held block.

@@ -53,6 +53,12 @@ pub enum ReceiverEvent {
         /// Its source blocks.
         blocks: Vec<BlockId>,
     },
+    /// Push: a prefill rank confirms no write of its into our blocks can land any more
+    /// (it answers our abort, or its own failure).
+    AbortAck {
+        /// The prefill rank.
+        from: Peer,
+    },
     /// Pull: the read from one prefill rank finished.
     ReadComplete {
         /// The prefill rank.
@@ -97,6 +103,8 @@ enum Progress {
     Waiting,
     Reading,
     Complete,
+    /// Lost: it can no longer write, and it is not told anything.
+    Gone,
 }
 
 /// One request's lifecycle on one decode rank. See the [module docs](super).
@@ -110,6 +118,24 @@ pub struct ReceiverMachine {
     queued_sent: bool,
     /// Set by `Reject` before the peers are known: reject them once they are.
     rejecting: Option<FailureReason>,
+    /// Transfer info went out: in push mode, prefill ranks hold write grants from then on.
+    info_sent: bool,
+    /// Failed, with the blocks held until nothing can write into them any more: our own
+    /// reads in flight (any data plane) and, with `fence_writes`, granted prefill ranks.
+    fencing: bool,
+    /// The one-sided write fence is part of `fencing`: granted prefill ranks must confirm.
+    write_fence: bool,
+    /// Pull: reads we posted that have not reported back. A read's completion copies into
+    /// our blocks, so they are not released while one is in flight.
+    reads_outstanding: u32,
+    /// Pull: prefill ranks owed an `AbortAck` (they hold their blocks for our reads) once
+    /// no read of ours is in flight.
+    acks_owed: Vec<Peer>,
+    /// The data plane's writes are one-sided (RDMA): our side cannot refuse a late one, so a
+    /// failed push request fences its blocks. Off for planes that check a grant per write.
+    fence_writes: bool,
+    /// The latest instant the driver gave (timeouts and events), for deadlines set inside.
+    now: Instant,
 }
 
 impl ReceiverMachine {
@@ -122,7 +148,28 @@ impl ReceiverMachine {
             allocated: false,
             queued_sent: false,
             rejecting: None,
+            info_sent: false,
+            fencing: false,
+            write_fence: false,
+            reads_outstanding: 0,
+            acks_owed: Vec::new(),
+            fence_writes: false,
+            now,
         }
+    }
+
+    /// Makes a failed push request hold its blocks until every granted prefill rank says
+    /// `AbortAck` or `Done` (or the fence deadline passes): for data planes whose writes are
+    /// one-sided, which the receiving side cannot refuse once a grant is revoked. A lost
+    /// peer is not taken as stopped: a partitioned one may come back and write.
+    pub fn fence_writes(mut self, on: bool) -> Self {
+        self.fence_writes = on;
+        self
+    }
+
+    /// True once the machine is terminal and holds nothing back: its driver may stop.
+    pub fn is_settled(&self) -> bool {
+        self.core.state.is_terminal() && !self.fencing
     }
 
     /// The current state.
@@ -152,6 +199,7 @@ impl ReceiverMachine {
 
     /// Fails the request if the current state's deadline has passed at `now`.
     pub fn handle_timeout(&mut self, now: Instant) {
+        self.now = self.now.max(now);
         if !self.core.timed_out(now) {
             return;
         }
@@ -159,18 +207,21 @@ impl ReceiverMachine {
             State::Bootstrapping => FailureReason::BootstrapTimeout,
             State::WaitingForInput => FailureReason::WaitingTimeout,
             State::Transferring => FailureReason::TransferTimeout,
-            State::Done | State::Failed(_) => return,
+            State::Done | State::Failed(_) => {
+                // The fence's deadline: no acknowledgement came; every prefill rank's own
+                // deadlines have passed by now, so none can still write.
+                self.fencing = false;
+                return self.core.release_now();
+            }
         };
         self.fail(reason, None);
     }
 
     /// Feeds one event. Never panics, whatever the event and state.
     pub fn handle(&mut self, now: Instant, event: ReceiverEvent) {
+        self.now = self.now.max(now);
         if self.core.state.is_terminal() {
-            if let ReceiverEvent::Allocated { blocks } = event {
-                self.core.release_late(blocks);
-            }
-            return;
+            return self.handle_after_end(event);
         }
         match event {
             ReceiverEvent::PeersResolved { peers } => self.on_peers(now, peers),
@@ -190,6 +241,7 @@ impl ReceiverMachine {
             ReceiverEvent::Ready { from, blocks } => self.on_ready(now, from, blocks),
             ReceiverEvent::ReadComplete { from } => self.on_read_complete(from),
             ReceiverEvent::TransferFailed { detail } => {
+                self.reads_outstanding = self.reads_outstanding.saturating_sub(1);
                 if self.core.state == State::Transferring {
                     self.fail(FailureReason::TransferFailed { detail }, None);
                 }
@@ -200,8 +252,10 @@ impl ReceiverMachine {
                 let peer = from.to_string();
                 self.fail(FailureReason::AbortedByPeer { peer, cause }, Some(&from));
             }
+            ReceiverEvent::AbortAck { .. } => {} // only meaningful once failed
             ReceiverEvent::PeerLost { peer } => {
-                if self.index(&peer).is_some() {
+                if let Some(i) = self.index(&peer) {
+                    self.peers[i].1 = Progress::Gone;
                     let name = peer.to_string();
                     self.fail(FailureReason::PeerLost { peer: name }, Some(&peer));
                 }
@@ -277,6 +331,7 @@ impl ReceiverMachine {
             }
             return;
         }
+        self.info_sent = true;
         for (peer, _) in self.peers.clone() {
             let msg = Outbound::TransferInfo {
                 mode: self.mode,
@@ -348,6 +403,7 @@ impl ReceiverMachine {
             return self.fail(protocol(&from, detail), None);
         }
         self.peers[i].1 = Progress::Reading;
+        self.reads_outstanding += 1;
         self.enter_transferring(now);
         let dst = self.core.held.clone();
         self.core.actions.push_back(Action::Read {
@@ -358,6 +414,7 @@ impl ReceiverMachine {
     }
 
     fn on_read_complete(&mut self, from: Peer) {
+        self.reads_outstanding = self.reads_outstanding.saturating_sub(1);
         let Some(i) = self.index(&from) else {
             return;
         };
@@ -379,14 +436,18 @@ impl ReceiverMachine {
         }
     }
 
-    /// Fails the request: tells every prefill rank but the one that caused the failure,
-    /// and releases every held block.
+    /// Fails the request: tells every prefill rank but the one that caused the failure.
+    /// In push mode, once transfer info went out, prefill ranks that have not said `Done`
+    /// hold write grants on our blocks, and a one-sided write cannot be refused here: the
+    /// blocks are then held (the fence) until each of them says `AbortAck`, says `Done`, or
+    /// is lost, or until [`Timeouts::fence_max`] passes. Otherwise the blocks go at once.
     fn fail(&mut self, reason: FailureReason, caused_by: Option<&Peer>) {
         if self.core.state.is_terminal() {
             return;
         }
         for (peer, progress) in self.peers.clone() {
-            if caused_by != Some(&peer) && progress != Progress::Complete {
+            let live = matches!(progress, Progress::Waiting | Progress::Reading);
+            if caused_by != Some(&peer) && live {
                 self.core.send(
                     &peer,
                     Outbound::Abort {
@@ -395,7 +456,80 @@ impl ReceiverMachine {
                 );
             }
         }
-        self.core.finish(State::Failed(reason));
+        self.write_fence = self.fence_writes
+            && self.mode == TransferMode::Push
+            && self.info_sent
+            && self.writers_left();
+        if self.mode == TransferMode::Pull {
+            for (peer, progress) in &self.peers {
+                if *progress == Progress::Reading {
+                    self.acks_owed.push(peer.clone());
+                }
+            }
+            self.pay_acks();
+        }
+        if self.write_fence || self.reads_outstanding > 0 {
+            self.fencing = true;
+            let until = self.now + self.core.timeouts.fence_max();
+            self.core.finish_fenced(State::Failed(reason), until);
+        } else {
+            self.core.finish(State::Failed(reason));
+        }
+    }
+
+    /// Pull: tells prefill ranks we stopped reading, once no read of ours is in flight.
+    fn pay_acks(&mut self) {
+        if self.reads_outstanding > 0 {
+            return;
+        }
+        for peer in std::mem::take(&mut self.acks_owed) {
+            self.core.send(&peer, Outbound::AbortAck);
+        }
+    }
+
+    /// True when nothing can write into our blocks any more.
+    fn fence_can_lift(&self) -> bool {
+        self.reads_outstanding == 0 && !(self.write_fence && self.writers_left())
+    }
+
+    /// Push: prefill ranks that may still write into our blocks (a lost one may too).
+    fn writers_left(&self) -> bool {
+        self.peers
+            .iter()
+            .any(|(_, p)| matches!(p, Progress::Waiting | Progress::Gone))
+    }
+
+    /// After the end: blocks handed over are released at once; while fencing, each
+    /// prefill rank's `AbortAck`, `Done` or loss lifts its part of the fence.
+    fn handle_after_end(&mut self, event: ReceiverEvent) {
+        match event {
+            ReceiverEvent::Allocated { blocks } => return self.core.release_late(blocks),
+            ReceiverEvent::AbortAck { from } | ReceiverEvent::Done { from } => {
+                if let Some(i) = self.index(&from) {
+                    self.peers[i].1 = Progress::Complete;
+                }
+            }
+            ReceiverEvent::ReadComplete { .. } | ReceiverEvent::TransferFailed { .. } => {
+                self.reads_outstanding = self.reads_outstanding.saturating_sub(1);
+                self.pay_acks();
+            }
+            // Pull: a prefill rank that offers (or re-offers) its blocks after we ended, or
+            // aborts, holds them for us: tell it we will not read.
+            ReceiverEvent::Ready { from, .. } | ReceiverEvent::PeerAbort { from, .. }
+                if self.mode == TransferMode::Pull =>
+            {
+                if !self.acks_owed.contains(&from) {
+                    self.acks_owed.push(from);
+                }
+                self.pay_acks();
+                return;
+            }
+            _ => return,
+        }
+        if self.fencing && self.fence_can_lift() {
+            self.fencing = false;
+            self.core.release_now();
+        }
     }
 }
 

@@ -51,6 +51,12 @@ pub enum SenderEvent {
         /// What it said.
         detail: String,
     },
+    /// Decode confirms it will not read our blocks any more (pull), answering our abort or
+    /// its own failure.
+    AbortAck {
+        /// The decode rank.
+        from: Peer,
+    },
     /// Pull: decode read every block.
     ReadDone {
         /// The decode rank.
@@ -96,6 +102,17 @@ pub struct SenderMachine {
     dst: Option<Vec<BlockId>>,
     /// True once the engine has handed over its blocks.
     has_input: bool,
+    /// A push write was handed to the data plane and has not reported back.
+    write_outstanding: bool,
+    /// Decode is owed an `AbortAck` as soon as no write is outstanding.
+    ack_owed: bool,
+    /// Reads are one-sided (RDMA): a failed pull request holds its source blocks until
+    /// decode confirms it stopped reading.
+    fence_reads: bool,
+    /// Failed, with the source blocks held until decode confirms (pull, one-sided).
+    fencing: bool,
+    /// The latest instant the driver gave, for deadlines set inside.
+    now: Instant,
 }
 
 impl SenderMachine {
@@ -107,7 +124,27 @@ impl SenderMachine {
             mode: TransferMode::Push,
             dst: None,
             has_input: false,
+            write_outstanding: false,
+            ack_owed: false,
+            fence_reads: false,
+            fencing: false,
+            now,
         }
+    }
+
+    /// Makes a failed pull request hold its source blocks until decode says `AbortAck` or
+    /// `ReadDone` (or the fence deadline passes): for data planes whose reads are
+    /// one-sided, which this side cannot refuse once a grant is revoked.
+    pub fn fence_reads(mut self, on: bool) -> Self {
+        self.fence_reads = on;
+        self
+    }
+
+    /// True once the machine is terminal and no write of its is in flight: its driver may
+    /// stop. (A write it started ends by its own deadline; until then the request's actor
+    /// stays, so that `AbortAck` is sent only once the write can no longer land.)
+    pub fn is_settled(&self) -> bool {
+        self.core.state.is_terminal() && !self.write_outstanding && !self.fencing
     }
 
     /// The current state.
@@ -137,6 +174,7 @@ impl SenderMachine {
 
     /// Fails the request if the current state's deadline has passed at `now`.
     pub fn handle_timeout(&mut self, now: Instant) {
+        self.now = self.now.max(now);
         if !self.core.timed_out(now) {
             return;
         }
@@ -145,19 +183,20 @@ impl SenderMachine {
             (State::WaitingForInput, _) => FailureReason::WaitingTimeout,
             (State::Transferring, TransferMode::Push) => FailureReason::TransferTimeout,
             (State::Transferring, TransferMode::Pull) => FailureReason::TtlExpired,
-            (State::Done | State::Failed(_), _) => return,
+            (State::Done | State::Failed(_), _) => {
+                // The read fence's deadline: decode's reads have all ended by now.
+                self.fencing = false;
+                return self.core.release_now();
+            }
         };
         self.fail(reason, None);
     }
 
     /// Feeds one event. Never panics, whatever the event and state.
     pub fn handle(&mut self, now: Instant, event: SenderEvent) {
+        self.now = self.now.max(now);
         if self.core.state.is_terminal() {
-            // Blocks handed over after the end are released at once; all else is stale.
-            if let SenderEvent::Input { blocks } = event {
-                self.core.release_late(blocks);
-            }
-            return;
+            return self.handle_after_end(event);
         }
         match event {
             SenderEvent::TransferInfo { from, mode, blocks } => {
@@ -172,11 +211,13 @@ impl SenderMachine {
             SenderEvent::Input { blocks } => self.on_input(now, blocks),
             SenderEvent::TransferComplete => self.on_transfer_complete(),
             SenderEvent::TransferFailed { detail } => {
+                self.write_outstanding = false;
                 if self.core.state == State::Transferring {
                     self.fail(FailureReason::TransferFailed { detail }, None);
                 }
             }
             SenderEvent::ReadDone { from } => self.on_read_done(from),
+            SenderEvent::AbortAck { .. } => {} // only meaningful once failed
             SenderEvent::Abort => self.fail(FailureReason::AbortedByEngine, None),
             SenderEvent::PeerAbort { from, reason } => {
                 let cause = reason.to_string();
@@ -255,6 +296,7 @@ impl SenderMachine {
             TransferMode::Push => {
                 let limit = self.core.timeouts.transfer;
                 self.core.advance(now, State::Transferring, limit);
+                self.write_outstanding = true;
                 self.core
                     .actions
                     .push_back(Action::Write { to: peer, src, dst });
@@ -268,6 +310,7 @@ impl SenderMachine {
     }
 
     fn on_transfer_complete(&mut self) {
+        self.write_outstanding = false;
         if self.core.state != State::Transferring || self.mode != TransferMode::Push {
             return; // stale completion
         }
@@ -293,8 +336,51 @@ impl SenderMachine {
         }
     }
 
+    /// After the end: blocks handed over are released at once; a write reporting back
+    /// settles the machine (and pays an `AbortAck` owed); decode's abort is acknowledged;
+    /// everything else is stale.
+    fn handle_after_end(&mut self, event: SenderEvent) {
+        match event {
+            SenderEvent::Input { blocks } => self.core.release_late(blocks),
+            SenderEvent::TransferComplete | SenderEvent::TransferFailed { .. } => {
+                self.write_outstanding = false;
+                self.pay_ack();
+            }
+            SenderEvent::PeerAbort { from, .. } if self.peer.as_ref() == Some(&from) => {
+                self.owe_ack();
+            }
+            SenderEvent::AbortAck { from } | SenderEvent::ReadDone { from }
+                if self.fencing && self.peer.as_ref() == Some(&from) =>
+            {
+                self.fencing = false;
+                self.core.release_now();
+            }
+            _ => {}
+        }
+    }
+
+    /// Push mode, decode granted its blocks: decode holds them until we say no write of
+    /// ours can land any more.
+    fn owe_ack(&mut self) {
+        if self.mode == TransferMode::Push && self.dst.is_some() {
+            self.ack_owed = true;
+            self.pay_ack();
+        }
+    }
+
+    fn pay_ack(&mut self) {
+        if !self.ack_owed || self.write_outstanding {
+            return;
+        }
+        if let Some(peer) = self.peer.clone() {
+            self.ack_owed = false;
+            self.core.send(&peer, Outbound::AbortAck);
+        }
+    }
+
     /// Fails the request: tells the paired decode rank (unless it is the one that caused
-    /// the failure) and releases every held block.
+    /// the failure), releases every held block, and, in push mode, owes decode an
+    /// `AbortAck` once no write is in flight.
     fn fail(&mut self, reason: FailureReason, caused_by: Option<&Peer>) {
         if self.core.state.is_terminal() {
             return;
@@ -309,7 +395,18 @@ impl SenderMachine {
                 );
             }
         }
-        self.core.finish(State::Failed(reason));
+        let readable = self.fence_reads
+            && self.mode == TransferMode::Pull
+            && self.core.state == State::Transferring;
+        if readable {
+            // Decode may be reading our blocks one-sidedly: hold them until it confirms.
+            self.fencing = true;
+            let until = self.now + self.core.timeouts.fence_max();
+            self.core.finish_fenced(State::Failed(reason), until);
+        } else {
+            self.core.finish(State::Failed(reason));
+        }
+        self.owe_ack();
     }
 }
 

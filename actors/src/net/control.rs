@@ -268,6 +268,7 @@ impl Control {
             Message::Done(d) => (d.request_id, Outbound::Done),
             Message::ReadDone(d) => (d.request_id, Outbound::ReadDone),
             Message::Abort(a) => (a.request_id, Outbound::Abort { reason: a.reason }),
+            Message::AbortAck(a) => (a.request_id, Outbound::AbortAck),
             other => {
                 return Err(WireError::Invalid {
                     what: "control message",
@@ -383,6 +384,7 @@ impl Control {
             Outbound::Done => Message::Done(messages::Done { request_id: id }),
             Outbound::ReadDone => Message::ReadDone(messages::ReadDone { request_id: id }),
             Outbound::Abort { reason } => Message::Abort(messages::Abort::new(id, reason)),
+            Outbound::AbortAck => Message::AbortAck(messages::AbortAck { request_id: id }),
         };
         wire::encode(&wire_msg, self.key())
     }

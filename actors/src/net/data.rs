@@ -25,6 +25,11 @@ pub trait DataPlane: Send + Sync + 'static {
     /// The address (or name) registered with the bootstrap server.
     fn address(&self) -> String;
 
+    /// True when writes are one-sided (RDMA) and cannot be refused on arrival.
+    fn one_sided(&self) -> bool {
+        false
+    }
+
     /// The grants this plane enforces.
     fn grants(&self) -> &Arc<GrantTable>;
 

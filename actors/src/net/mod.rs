@@ -362,6 +362,10 @@ impl Link for NetLink {
         }
     }
 
+    fn one_sided(&self) -> bool {
+        self.data.one_sided()
+    }
+
     fn request_ended(&self, id: &RequestId) {
         self.data.grants().revoke(id);
         let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());

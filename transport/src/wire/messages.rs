@@ -197,6 +197,12 @@ messages! {
     /// receiver fails the request with `AbortedByPeer` and frees its blocks; an abort for an
     /// unknown or finished request is ignored (aborts may cross or repeat).
     Abort(Abort) = 0x0207,
+    /// Push mode: sent by a prefill rank to the decode rank that aborted (or that it
+    /// aborted), once the request has ended here and no write of its into the decode
+    /// rank's blocks is in flight or can start. Decode holds a failed push request's blocks
+    /// until every granted prefill rank said this (or was lost): a one-sided write cannot be
+    /// refused by its target, so this fence is what keeps it out of reused blocks.
+    AbortAck(AbortAck) = 0x0208,
 }
 
 impl fmt::Display for MessageType {
@@ -222,6 +228,7 @@ impl Message {
             Message::Done(m) => Some(&m.request_id),
             Message::ReadDone(m) => Some(&m.request_id),
             Message::Abort(m) => Some(&m.request_id),
+            Message::AbortAck(m) => Some(&m.request_id),
             Message::Hello(_)
             | Message::HelloAck(_)
             | Message::Heartbeat(_)
@@ -682,6 +689,13 @@ pub struct ReadDone {
     pub request_id: RequestId,
 }
 
+/// Payload of [`Message::AbortAck`].
+#[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct AbortAck {
+    /// The request whose writes are over.
+    pub request_id: RequestId,
+}
+
 /// Payload of [`Message::Abort`].
 #[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
 pub struct Abort {
@@ -981,6 +995,12 @@ impl Validate for Done {
 impl Validate for ReadDone {
     fn validate(&self) -> Result<(), WireError> {
         check_request_id("ReadDone.request_id", &self.request_id)
+    }
+}
+
+impl Validate for AbortAck {
+    fn validate(&self) -> Result<(), WireError> {
+        check_request_id("AbortAck.request_id", &self.request_id)
     }
 }
 

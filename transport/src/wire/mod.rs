@@ -29,11 +29,11 @@ pub use error::{PeerError, WireError, WithPeer};
 pub use frame::{FrameLen, FRAME_BYTES_MAX, HEADER_BYTES};
 pub use limits::{BLOCKS_PER_MESSAGE_MAX, FRAME_PAYLOAD_BYTES_MAX};
 pub use messages::{
-    bounded_reason, bounded_text, check_hello, check_hello_ack, Abort, Done, EngineStatus,
-    Heartbeat, Hello, HelloAck, Message, MessageType, ProtocolError, Query, QueryAnswer,
-    QueryReply, Queued, ReadDone, Ready, RegionDescriptor, RegisterConflict, RegisterOk, Rejected,
-    StatusReply, StatusRequest, TransferInfo, TransportKind, Unregister, Unregistered,
-    WorkerRecord, WorkerSummary,
+    bounded_reason, bounded_text, check_hello, check_hello_ack, Abort, AbortAck, Done,
+    EngineStatus, Heartbeat, Hello, HelloAck, Message, MessageType, ProtocolError, Query,
+    QueryAnswer, QueryReply, Queued, ReadDone, Ready, RegionDescriptor, RegisterConflict,
+    RegisterOk, Rejected, StatusReply, StatusRequest, TransferInfo, TransportKind, Unregister,
+    Unregistered, WorkerRecord, WorkerSummary,
 };
 
 use crate::auth::{self, Key};

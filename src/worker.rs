@@ -5,7 +5,7 @@
 //! count serve the same requests, as a router would arrange), fills each prefill block with
 //! a pattern derived from the request id and the block's position, verifies every block on
 //! decode, and prints one JSON line per event on stdout:
-//! - `{"event":"ready", "role", "rank", "control", "data", "incarnation"}` once registered;
+//! - `{"event":"ready", "role", "rank", "control", "data", "transport", "incarnation"}` once registered;
 //! - `{"event":"end", "request", "state", "kind", "reason", "verified", "ms"}` per request;
 //! - `{"event":"summary", "done", "failed", "corrupted", "by_kind"}` at the end.
 //!
@@ -21,6 +21,8 @@ use std::time::{Duration, Instant};
 use clap::ValueEnum;
 use handoff_actors::bootstrap::{BootstrapClient, ClientConfig};
 use handoff_actors::net::tcp::TcpDataPlane;
+use handoff_actors::net::ucx::UcxPlane;
+use handoff_actors::net::DataPlane;
 use handoff_actors::net::{NetConfig, NetTransport};
 use handoff_actors::{
     BlockId, EngineId, Event, HostRegion, RankInfo, ReceiverSpec, RequestId, Role, Runtime, State,
@@ -36,6 +38,17 @@ pub enum RoleArg {
     Prefill,
     /// Receives KV blocks.
     Decode,
+}
+
+/// Which data plane moves the blocks.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum TransportArg {
+    /// UCX when libucp loads (`HANDOFF_UCX_LIB`, else the system's), otherwise TCP, logged.
+    Auto,
+    /// UCX: one-sided puts and gets into UCX-allocated memory; an error if libucp is missing.
+    Ucx,
+    /// TCP: the built-in transport, every write checked against its grant on arrival.
+    Tcp,
 }
 
 /// Push or pull.
@@ -76,6 +89,9 @@ pub struct WorkerArgs {
     /// The host peers should dial, when listening on 0.0.0.0.
     #[arg(long)]
     pub advertise_host: Option<String>,
+    /// The data plane.
+    #[arg(long, value_enum, default_value_t = TransportArg::Auto)]
+    pub transport: TransportArg,
     /// Data-parallel rank and size.
     #[arg(long, default_value_t = 0)]
     pub dp_rank: u32,
@@ -220,18 +236,8 @@ async fn run_inner(a: WorkerArgs) -> Result<ExitCode, String> {
             a.requests, a.blocks_per_request, a.pool_blocks
         ));
     }
-    let region =
-        Arc::new(HostRegion::new(a.pool_blocks, a.block_bytes).map_err(|e| e.to_string())?);
-    let data = TcpDataPlane::bind(
-        &a.data_listen,
-        a.advertise_host.as_deref(),
-        region.clone(),
-        rank.clone(),
-        key.clone(),
-    )
-    .await
-    .map_err(|e| format!("data plane: {e}"))?;
-    let data_address = handoff_actors::net::DataPlane::address(&data);
+    let (region, data, transport) = data_plane(&a, &rank, key.clone()).await?;
+    let data_address = data.address();
     let directory = Arc::new(BootstrapClient::new(
         &a.bootstrap,
         key.clone(),
@@ -245,7 +251,7 @@ async fn run_inner(a: WorkerArgs) -> Result<ExitCode, String> {
         key,
         ..NetConfig::default()
     };
-    let net = NetTransport::bind(cfg, rank.clone(), role, directory, Arc::new(data))
+    let net = NetTransport::bind(cfg, rank.clone(), role, directory, data)
         .await
         .map_err(|e| e.to_string())?;
     let (control, incarnation) = (net.control_address().to_string(), net.incarnation());
@@ -269,7 +275,7 @@ async fn run_inner(a: WorkerArgs) -> Result<ExitCode, String> {
         .await
         .map_err(|e| e.to_string())?;
     emit(
-        json!({"event": "ready", "role": role.to_string(), "rank": rank.to_string(), "control": control, "data": data_address, "incarnation": incarnation}),
+        json!({"event": "ready", "role": role.to_string(), "rank": rank.to_string(), "control": control, "data": data_address, "transport": transport, "incarnation": incarnation}),
     );
     tokio::time::sleep(Duration::from_millis(a.start_delay_ms)).await;
     let mut plan = Plan {
@@ -293,6 +299,38 @@ async fn run_inner(a: WorkerArgs) -> Result<ExitCode, String> {
     let code = drive(&a, &rt, role, plan).await;
     rt.shutdown().await;
     Ok(code)
+}
+
+/// The data plane `--transport` asks for, with the region it moves blocks of.
+async fn data_plane(
+    a: &WorkerArgs,
+    rank: &RankInfo,
+    key: Option<handoff_actors::bootstrap::Key>,
+) -> Result<(Arc<HostRegion>, Arc<dyn DataPlane>, &'static str), String> {
+    if a.transport != TransportArg::Tcp {
+        match UcxPlane::start(a.pool_blocks, a.block_bytes, rank) {
+            Ok(plane) => {
+                tracing::info!(version = plane.version(), "data plane: UCX");
+                return Ok((plane.region(), Arc::new(plane), "ucx"));
+            }
+            Err(e) if a.transport == TransportArg::Auto && e.is_ucx_unavailable() => {
+                tracing::warn!(error = %e, "UCX unavailable; using the TCP data plane");
+            }
+            Err(e) => return Err(format!("UCX data plane: {e}")),
+        }
+    }
+    let region =
+        Arc::new(HostRegion::new(a.pool_blocks, a.block_bytes).map_err(|e| e.to_string())?);
+    let data = TcpDataPlane::bind(
+        &a.data_listen,
+        a.advertise_host.as_deref(),
+        region.clone(),
+        rank.clone(),
+        key,
+    )
+    .await
+    .map_err(|e| format!("TCP data plane: {e}"))?;
+    Ok((region, Arc::new(data), "tcp"))
 }
 
 /// Opens the requests, then drains events until every one has ended (or, with `--serve`,

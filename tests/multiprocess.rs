@@ -156,22 +156,21 @@ fn kinds(ends: &[Value]) -> Vec<String> {
         .collect()
 }
 
-fn hands_over_across_processes(mode: &str) {
+fn hands_over_across_processes(mode: &str, transport: &str) {
     let (_boot, addr) = bootstrap();
-    let _p = worker(
-        "prefill",
-        "prefill",
+    let p_args = ["--requests", "8", "--serve", "--transport", transport];
+    let _p = worker("prefill", "prefill", "P", &addr, &p_args);
+    let d_args = [
+        "--requests",
+        "8",
+        "--prefill",
         "P",
-        &addr,
-        &["--requests", "8", "--serve"],
-    );
-    let d = worker(
-        "decode",
-        "decode",
-        "D",
-        &addr,
-        &["--requests", "8", "--prefill", "P", "--mode", mode],
-    );
+        "--mode",
+        mode,
+        "--transport",
+        transport,
+    ];
+    let d = worker("decode", "decode", "D", &addr, &d_args);
     let (ends, summary) = d.ends();
     assert_eq!(summary["done"], 8, "{ends:?}");
     assert_eq!(summary["corrupted"], 0);
@@ -180,12 +179,37 @@ fn hands_over_across_processes(mode: &str) {
 
 #[test]
 fn requests_are_handed_over_between_processes_in_push_mode() {
-    hands_over_across_processes("push");
+    hands_over_across_processes("push", "tcp");
 }
 
 #[test]
 fn requests_are_handed_over_between_processes_in_pull_mode() {
-    hands_over_across_processes("pull");
+    hands_over_across_processes("pull", "tcp");
+}
+
+/// Whether libucp loads here (`HANDOFF_UCX_LIB`, else the system's); says why not.
+fn ucx_available() -> bool {
+    match handoff::transport::ucx::sys::api() {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!("skipping: UCX is not available ({e}); install libucx0 to run the UCX tests");
+            false
+        }
+    }
+}
+
+#[test]
+fn requests_are_handed_over_between_processes_over_ucx_in_push_mode() {
+    if ucx_available() {
+        hands_over_across_processes("push", "ucx");
+    }
+}
+
+#[test]
+fn requests_are_handed_over_between_processes_over_ucx_in_pull_mode() {
+    if ucx_available() {
+        hands_over_across_processes("pull", "ucx");
+    }
 }
 
 /// kill -9 of prefill mid-request: decode's requests end `Failed(peer lost)` within the

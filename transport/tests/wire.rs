@@ -834,6 +834,7 @@ fn any_connection_message() -> impl Strategy<Value = Message> {
             Message::HelloAck(HelloAck {
                 protocol_version,
                 incarnation,
+                data_descriptor: vec![7; (incarnation % 40) as usize],
             })
         }),
         (any::<u64>(), any::<u64>())

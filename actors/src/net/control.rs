@@ -20,7 +20,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use super::{Cmd, DataPlane, Directory, NetConfig, Regions, DIAL_QUEUE_MESSAGES_MAX};
+use super::{Cmd, DataPlane, Directory, NetConfig, PeerData, Regions, DIAL_QUEUE_MESSAGES_MAX};
 use crate::link::Inbox;
 use crate::machine::{Outbound, Peer};
 
@@ -34,6 +34,7 @@ pub(crate) struct Setup {
     pub(crate) directory: Arc<dyn Directory>,
     pub(crate) data: Arc<dyn DataPlane>,
     pub(crate) regions: Regions,
+    pub(crate) peer_data: PeerData,
     pub(crate) cmds: mpsc::Receiver<Cmd>,
 }
 
@@ -59,6 +60,7 @@ struct Dialed {
     tx: DealerSender,
     rx: DealerReceiver,
     incarnation: u64,
+    data_descriptor: Vec<u8>,
 }
 
 #[derive(Default)]
@@ -91,6 +93,7 @@ struct Control {
     directory: Arc<dyn Directory>,
     data: Arc<dyn DataPlane>,
     regions: Regions,
+    peer_data: PeerData,
     peers: BTreeMap<Peer, PeerState>,
     conns: BTreeMap<ConnId, Peer>,
     reports: mpsc::Sender<Report>,
@@ -109,6 +112,7 @@ pub(crate) fn spawn(setup: Setup) -> tokio::task::JoinHandle<()> {
         directory,
         data,
         regions,
+        peer_data,
         cmds,
     } = setup;
     let control = Control {
@@ -121,6 +125,7 @@ pub(crate) fn spawn(setup: Setup) -> tokio::task::JoinHandle<()> {
         directory,
         data,
         regions,
+        peer_data,
         peers: BTreeMap::new(),
         conns: BTreeMap::new(),
         reports,
@@ -197,16 +202,16 @@ impl Control {
 
     fn on_hello(&mut self, conn: ConnId, hello: Hello) -> Result<(), WireError> {
         let peer = hello.rank.clone();
+        self.remember_data(&peer, hello.data_descriptor);
         self.note_incarnation(&peer, hello.incarnation);
         self.conns.insert(conn, peer.clone());
         let state = self.peers.entry(peer.clone()).or_default();
         state.inbound = Some(conn);
         state.last_heard = Some(Instant::now());
         debug!(%peer, role = %hello.role, "peer connected");
-        let ack = wire::encode(
-            &Message::HelloAck(HelloAck::new(self.incarnation)),
-            self.key(),
-        )?;
+        let mut ack = HelloAck::new(self.incarnation);
+        ack.data_descriptor = self.data.data_descriptor();
+        let ack = wire::encode(&Message::HelloAck(ack), self.key())?;
         let _ = self.router.send(conn, vec![ack]);
         self.flush(&peer);
         Ok(())
@@ -305,6 +310,13 @@ impl Control {
             ));
         }
         Ok(())
+    }
+
+    /// A peer's data descriptor, learned at connect: transfers to it never need the
+    /// bootstrap server.
+    fn remember_data(&self, peer: &Peer, descriptor: Vec<u8>) {
+        let mut map = self.peer_data.lock().unwrap_or_else(|e| e.into_inner());
+        map.insert(peer.clone(), descriptor);
     }
 
     fn remember_region(&self, id: &RequestId, peer: &Peer, region: RegionDescriptor) {
@@ -443,7 +455,10 @@ impl Control {
         }
         let job = DialJob {
             directory: self.directory.clone(),
-            hello: Hello::new(self.role, self.me.clone(), self.incarnation),
+            hello: Hello {
+                data_descriptor: self.data.data_descriptor(),
+                ..Hello::new(self.role, self.me.clone(), self.incarnation)
+            },
             key: self.cfg.key.clone(),
             peer: peer.clone(),
             timeout: self.cfg.connect_timeout,
@@ -475,7 +490,12 @@ impl Control {
                 tx,
                 mut rx,
                 incarnation,
+                data_descriptor,
             }) => {
+                self.remember_data(&peer, data_descriptor);
+                let Some(state) = self.peers.get_mut(&peer) else {
+                    return;
+                };
                 state.out = Some((tx, generation));
                 state.last_heard = Some(Instant::now());
                 self.note_incarnation(&peer, incarnation);
@@ -638,6 +658,7 @@ impl DialJob {
                 tx,
                 rx,
                 incarnation: ack.incarnation,
+                data_descriptor: ack.data_descriptor.clone(),
             })
         };
         match tokio::time::timeout(self.timeout, work).await {

@@ -30,14 +30,22 @@ pub trait DataPlane: Send + Sync + 'static {
         false
     }
 
+    /// Opaque details peers need to reach this plane (e.g. a UCX worker address), carried
+    /// in the bootstrap record; empty when the region descriptor is enough.
+    fn data_descriptor(&self) -> Vec<u8> {
+        Vec::new()
+    }
+
     /// The grants this plane enforces.
     fn grants(&self) -> &Arc<GrantTable>;
 
-    /// Writes local `src` blocks into the peer's `dst` blocks, described by `region`.
+    /// Writes local `src` blocks into the peer's `dst` blocks, described by `region`;
+    /// `peer_data` is the peer's [`DataPlane::data_descriptor`] from its bootstrap record.
     fn write(
         &self,
         id: &RequestId,
         peer: &RankInfo,
+        peer_data: &[u8],
         region: &RegionDescriptor,
         src: Vec<BlockId>,
         dst: Vec<BlockId>,
@@ -48,6 +56,7 @@ pub trait DataPlane: Send + Sync + 'static {
         &self,
         id: &RequestId,
         peer: &RankInfo,
+        peer_data: &[u8],
         region: &RegionDescriptor,
         src: Vec<BlockId>,
         dst: Vec<BlockId>,

@@ -24,11 +24,13 @@
 //! - [`directory`]: the [`Directory`] trait, [`StaticDirectory`].
 //! - [`data`]: the [`DataPlane`] trait, [`GrantTable`].
 //! - [`tcp`]: [`tcp::TcpDataPlane`], the data plane over TCP.
+//! - [`ucx`]: [`ucx::UcxPlane`], the data plane over UCX (one-sided, fenced).
 
 mod control;
 pub mod data;
 pub mod directory;
 pub mod tcp;
+pub mod ucx;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -120,6 +122,9 @@ pub enum NetError {
 /// goes. Filled from transfer info and `Ready`; emptied when the request ends.
 pub(crate) type Regions = Arc<Mutex<BTreeMap<(RequestId, RankInfo), RegionDescriptor>>>;
 
+/// Peers' data descriptors (e.g. UCX worker addresses), learned in `Hello`/`HelloAck`.
+pub(crate) type PeerData = Arc<Mutex<BTreeMap<RankInfo, Vec<u8>>>>;
+
 /// What the control loop is asked to do.
 pub(crate) enum Cmd {
     Send {
@@ -186,7 +191,7 @@ impl NetTransport {
             incarnation,
             control_address: control_address.clone(),
             data_address: data.address(),
-            data_descriptor: Vec::new(),
+            data_descriptor: data.data_descriptor(),
         };
         match tokio::time::timeout(cfg.register_timeout, directory.register(record)).await {
             Ok(Ok(())) => {}
@@ -242,6 +247,7 @@ impl Attach for NetTransport {
         })?;
         let (cmds, cmd_rx) = mpsc::channel(CONTROL_QUEUE_MESSAGES_MAX);
         let regions: Regions = Arc::default();
+        let peer_data: PeerData = Arc::default();
         let task = control::spawn(control::Setup {
             cfg: self.cfg.clone(),
             me: rank.clone(),
@@ -252,6 +258,7 @@ impl Attach for NetTransport {
             directory: self.directory.clone(),
             data: self.data.clone(),
             regions: regions.clone(),
+            peer_data: peer_data.clone(),
             cmds: cmd_rx,
         });
         let siblings = Arc::default();
@@ -262,6 +269,7 @@ impl Attach for NetTransport {
             self.cfg.register_timeout,
         ));
         Ok(Arc::new(NetLink {
+            peer_data,
             me: rank,
             siblings,
             cmds,
@@ -275,6 +283,7 @@ impl Attach for NetTransport {
 
 /// One runtime's view of the network transport.
 struct NetLink {
+    peer_data: PeerData,
     me: RankInfo,
     /// The other ranks of this engine at this dp rank, filled by a lookup at attach.
     siblings: Arc<Mutex<Vec<Peer>>>,
@@ -286,6 +295,54 @@ struct NetLink {
 }
 
 impl NetLink {
+    /// One transfer: the peer's region from its transfer info or `Ready`, and, for a
+    /// one-sided plane, its data descriptor (e.g. UCX worker address) from its bootstrap
+    /// record (cached by the directory).
+    fn transfer(
+        &self,
+        id: &RequestId,
+        peer: &Peer,
+        src: Vec<BlockId>,
+        dst: Vec<BlockId>,
+        write: bool,
+    ) -> TransferFuture {
+        let region = match self.region_of(id, peer) {
+            Ok(region) => region,
+            Err(e) => return Box::pin(async move { Err(e) }),
+        };
+        let (data, id, peer) = (self.data.clone(), id.clone(), peer.clone());
+        // Learned at connect (Hello/HelloAck); the directory only as a fallback.
+        let known = self
+            .peer_data
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&peer)
+            .cloned();
+        let lookup =
+            (data.one_sided() && known.is_none()).then(|| self.directory.lookup(&peer.engine_id));
+        Box::pin(async move {
+            let peer_data = match (known, lookup) {
+                (Some(known), _) => known,
+                (None, None) => Vec::new(),
+                (None, Some(lookup)) => {
+                    let records = lookup
+                        .await
+                        .map_err(|e| format!("looking up {peer}: {e:?}"))?;
+                    let record = records.into_iter().find(|r| r.rank == peer);
+                    record
+                        .ok_or_else(|| format!("{peer} is not registered"))?
+                        .data_descriptor
+                }
+            };
+            let fut = if write {
+                data.write(&id, &peer, &peer_data, &region, src, dst)
+            } else {
+                data.read(&id, &peer, &peer_data, &region, src, dst)
+            };
+            fut.await
+        })
+    }
+
     fn region_of(&self, id: &RequestId, peer: &Peer) -> Result<RegionDescriptor, String> {
         let regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
         regions
@@ -343,10 +400,7 @@ impl Link for NetLink {
         src: Vec<BlockId>,
         dst: Vec<BlockId>,
     ) -> TransferFuture {
-        match self.region_of(id, to) {
-            Ok(region) => self.data.write(id, to, &region, src, dst),
-            Err(e) => Box::pin(async move { Err(e) }),
-        }
+        self.transfer(id, to, src, dst, true)
     }
 
     fn read(
@@ -356,10 +410,7 @@ impl Link for NetLink {
         src: Vec<BlockId>,
         dst: Vec<BlockId>,
     ) -> TransferFuture {
-        match self.region_of(id, from) {
-            Ok(region) => self.data.read(id, from, &region, src, dst),
-            Err(e) => Box::pin(async move { Err(e) }),
-        }
+        self.transfer(id, from, src, dst, false)
     }
 
     fn one_sided(&self) -> bool {

@@ -298,6 +298,10 @@ pub struct Hello {
     pub rank: RankInfo,
     /// The sender's incarnation: a number that changes every time the worker process starts.
     pub incarnation: u64,
+    /// What a peer needs to reach the sender's data plane (e.g. its UCX worker address),
+    /// at most [`DATA_DESCRIPTOR_BYTES_MAX`] bytes; empty when there is nothing to say.
+    /// Exchanged here so that transfers never wait on the bootstrap server.
+    pub data_descriptor: Vec<u8>,
 }
 
 impl Hello {
@@ -308,6 +312,7 @@ impl Hello {
             role,
             rank,
             incarnation,
+            data_descriptor: Vec::new(),
         }
     }
 }
@@ -319,6 +324,8 @@ pub struct HelloAck {
     pub protocol_version: u16,
     /// The acceptor's incarnation (a worker's, or the bootstrap server's).
     pub incarnation: u64,
+    /// The acceptor's data descriptor, as in [`Hello::data_descriptor`].
+    pub data_descriptor: Vec<u8>,
 }
 
 impl HelloAck {
@@ -327,6 +334,7 @@ impl HelloAck {
         HelloAck {
             protocol_version: PROTOCOL_VERSION,
             incarnation,
+            data_descriptor: Vec::new(),
         }
     }
 }
@@ -837,13 +845,22 @@ impl Validate for RegionDescriptor {
 
 impl Validate for Hello {
     fn validate(&self) -> Result<(), WireError> {
-        self.rank.validate()
+        self.rank.validate()?;
+        check_len(
+            "Hello.data_descriptor",
+            self.data_descriptor.len(),
+            DATA_DESCRIPTOR_BYTES_MAX,
+        )
     }
 }
 
 impl Validate for HelloAck {
     fn validate(&self) -> Result<(), WireError> {
-        Ok(())
+        check_len(
+            "HelloAck.data_descriptor",
+            self.data_descriptor.len(),
+            DATA_DESCRIPTOR_BYTES_MAX,
+        )
     }
 }
 

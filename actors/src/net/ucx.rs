@@ -1,0 +1,128 @@
+//! The UCX data plane under the network transport: one-sided puts and gets into
+//! UCX-allocated memory (shared memory between processes on one host, RDMA across hosts).
+//!
+//! A one-sided operation cannot be refused by the side whose memory it touches, so the
+//! grant table here is bookkeeping only; what keeps late operations out of reused blocks is
+//! the fence in the lifecycle machines (`one_sided()` is true: decode holds a failed push
+//! request's blocks until prefill says `AbortAck`, prefill holds a failed pull request's
+//! blocks until decode does), the bounds check of every block against the peer's region
+//! descriptor before anything is posted, and the remote key's scope.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use handoff_transport::data::{DataError, UcxDataPlane, UcxPeer, UcxPlaneOptions};
+use handoff_transport::wire::messages::RegionDescriptor;
+use handoff_transport::{BlockId, HostRegion, RankInfo, RequestId};
+
+use super::data::{DataPlane, GrantTable};
+use crate::link::TransferFuture;
+
+/// Longest one write or read may take inside the plane (the request's own transfer
+/// deadline normally ends it first).
+pub const UCX_CALL_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Moves blocks with UCX.
+pub struct UcxPlane {
+    plane: Arc<UcxDataPlane>,
+    grants: Arc<GrantTable>,
+}
+
+impl UcxPlane {
+    /// Starts the UCX thread and allocates the region through UCX (`blocks` × `block_bytes`).
+    /// With no loadable libucp this is `DataError::Ucx(LibraryNotFound ..)`
+    /// ([`DataError::is_ucx_unavailable`]).
+    pub fn start(blocks: u32, block_bytes: usize, me: &RankInfo) -> Result<UcxPlane, DataError> {
+        let plane = UcxDataPlane::start(blocks, block_bytes, me, UcxPlaneOptions::default())?;
+        Ok(UcxPlane {
+            plane: Arc::new(plane),
+            grants: Arc::default(),
+        })
+    }
+
+    /// The region (UCX-allocated memory): give it to the runtime and the engine.
+    pub fn region(&self) -> Arc<HostRegion> {
+        self.plane.region().clone()
+    }
+
+    /// The loaded UCX version and library.
+    pub fn version(&self) -> &str {
+        self.plane.version()
+    }
+
+    fn peer(&self, peer: &RankInfo, worker_address: &[u8], region: &RegionDescriptor) -> UcxPeer {
+        UcxPeer {
+            name: peer.to_string(),
+            worker_address: worker_address.to_vec(),
+            region: region.clone(),
+        }
+    }
+}
+
+impl DataPlane for UcxPlane {
+    fn descriptor(&self) -> RegionDescriptor {
+        self.plane.descriptor().region.clone()
+    }
+
+    fn address(&self) -> String {
+        format!("ucx:{}", self.plane.descriptor().name)
+    }
+
+    fn data_descriptor(&self) -> Vec<u8> {
+        self.plane.descriptor().worker_address.clone()
+    }
+
+    fn one_sided(&self) -> bool {
+        true
+    }
+
+    fn grants(&self) -> &Arc<GrantTable> {
+        &self.grants
+    }
+
+    fn write(
+        &self,
+        id: &RequestId,
+        peer: &RankInfo,
+        peer_data: &[u8],
+        region: &RegionDescriptor,
+        src: Vec<BlockId>,
+        dst: Vec<BlockId>,
+    ) -> TransferFuture {
+        let (plane, id, peer) = (
+            self.plane.clone(),
+            id.clone(),
+            self.peer(peer, peer_data, region),
+        );
+        Box::pin(async move {
+            let deadline = std::time::Instant::now() + UCX_CALL_TIMEOUT;
+            plane
+                .write(&id, &peer, &src, &dst, deadline)
+                .await
+                .map_err(|e| e.to_string())
+        })
+    }
+
+    fn read(
+        &self,
+        id: &RequestId,
+        peer: &RankInfo,
+        peer_data: &[u8],
+        region: &RegionDescriptor,
+        src: Vec<BlockId>,
+        dst: Vec<BlockId>,
+    ) -> TransferFuture {
+        let (plane, id, peer) = (
+            self.plane.clone(),
+            id.clone(),
+            self.peer(peer, peer_data, region),
+        );
+        Box::pin(async move {
+            let deadline = std::time::Instant::now() + UCX_CALL_TIMEOUT;
+            plane
+                .read(&id, &peer, &src, &dst, deadline)
+                .await
+                .map_err(|e| e.to_string())
+        })
+    }
+}

@@ -15,8 +15,8 @@
 //! `HostRegion::copy_blocks`; `tcp` uses `DataServer`/`DataClient`; `ucx` the
 //! `UcxDataPlane`; `auto` is UCX, or TCP (logged) where libucp cannot be loaded.
 //!
-//! The full request lifecycle's latency (through the request actors) is not measured
-//! here yet: [`Report::lifecycle`] is the hook, printed as a column when filled.
+//! The full request lifecycle's latency (through the request actors, on the network
+//! transport, peers cached) is [`Report::lifecycle`], measured by [`crate::lifecycle`].
 
 use std::path::PathBuf;
 use std::process::{ExitCode, Stdio};
@@ -256,6 +256,24 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
     }
     for &t in &transports {
         report.latency.push(latency(t, &plan).await?);
+    }
+    let network = transports.iter().find_map(|t| match t {
+        BenchTransport::Ucx => Some(crate::lifecycle::Plane::Ucx),
+        BenchTransport::Tcp => Some(crate::lifecycle::Plane::Tcp),
+        _ => None,
+    });
+    if let Some(plane) = network {
+        let samples = crate::lifecycle::measure(plane, 16 << 10, plan.latency_iters).await?;
+        let at = |q: f64| samples[((samples.len() as f64 - 1.0) * q).round() as usize];
+        report.lifecycle = Some(Latency {
+            transport: "lifecycle".into(),
+            op: format!("{plane:?}").to_lowercase(),
+            samples: samples.len(),
+            p50_us: at(0.5),
+            p99_us: at(0.99),
+            note: "one 16 KiB request: open both sides, transfer info, write, Done (peers cached)"
+                .into(),
+        });
     }
     if !args.no_perftest {
         perftest_points(&plan, &mut report).await;

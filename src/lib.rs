@@ -10,10 +10,12 @@
 //! - [`sim`]: the deterministic simulated cluster.
 //! - [`demo`]: the in-process demo behind `handoff demo`.
 //! - [`bench`]: the data-plane benchmark behind `handoff bench`.
+//! - [`lifecycle`]: the full-lifecycle latency measurement in `handoff bench`.
 //! - [`worker`]: `handoff worker`, one worker process on the network transport.
 
 pub mod bench;
 pub mod demo;
+pub mod lifecycle;
 pub mod worker;
 
 pub use handoff_actors as actors;

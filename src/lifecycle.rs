@@ -1,0 +1,103 @@
+//! The full request lifecycle's latency, for `handoff bench`: a prefill and a decode
+//! runtime in this process on the real network transport (ZMTP control channels and the
+//! TCP or UCX data plane over loopback), peers already resolved and connected (the
+//! bootstrap answer cached), then one-block requests one after the other, each timed from
+//! opening both sides to decode's `Done`: transfer info, the write (or `Ready` and the
+//! read), `Done`, and every actor hop in between.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use handoff_actors::net::tcp::TcpDataPlane;
+use handoff_actors::net::ucx::UcxPlane;
+use handoff_actors::net::{DataPlane, NetConfig, NetTransport, StaticDirectory};
+use handoff_actors::{
+    BlockId, EngineId, HostRegion, RankInfo, ReceiverSpec, Role, Runtime, State, TransferMode,
+    TransportChoice,
+};
+
+/// Blocks each side's pool holds; requests cycle through them.
+const POOL_BLOCKS: u32 = 64;
+/// Longest one request may take before the measurement gives up on it.
+const REQUEST_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Which data plane the lifecycle runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Plane {
+    /// The TCP data plane.
+    Tcp,
+    /// The UCX data plane.
+    Ucx,
+}
+
+async fn side(
+    dir: &Arc<StaticDirectory>,
+    role: Role,
+    engine: &str,
+    plane: Plane,
+    block_bytes: usize,
+) -> Result<Runtime, String> {
+    let rank = RankInfo::single(engine);
+    let (region, data): (Arc<HostRegion>, Arc<dyn DataPlane>) = match plane {
+        Plane::Ucx => {
+            let p = UcxPlane::start(POOL_BLOCKS, block_bytes, &rank).map_err(|e| e.to_string())?;
+            (p.region(), Arc::new(p))
+        }
+        Plane::Tcp => {
+            let region =
+                Arc::new(HostRegion::new(POOL_BLOCKS, block_bytes).map_err(|e| e.to_string())?);
+            let p = TcpDataPlane::bind("127.0.0.1:0", None, region.clone(), rank.clone(), None)
+                .await
+                .map_err(|e| e.to_string())?;
+            (region, Arc::new(p))
+        }
+    };
+    let net = NetTransport::bind(NetConfig::default(), rank.clone(), role, dir.clone(), data)
+        .await
+        .map_err(|e| e.to_string())?;
+    Runtime::builder(role, rank)
+        .mode(TransferMode::Push)
+        .transport(TransportChoice::Custom(Arc::new(net)))
+        .region(region)
+        .start()
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// Times `iters` one-block requests (after one warm-up request); the latencies, µs, sorted.
+pub async fn measure(plane: Plane, block_bytes: usize, iters: usize) -> Result<Vec<f64>, String> {
+    let dir = Arc::new(StaticDirectory::new());
+    let p = side(&dir, Role::Prefill, "bench-prefill", plane, block_bytes).await?;
+    let d = side(&dir, Role::Decode, "bench-decode", plane, block_bytes).await?;
+    let mut samples = Vec::with_capacity(iters);
+    for i in 0..=iters {
+        let id = format!("lat-{i}");
+        let block = vec![BlockId(i as u32 % POOL_BLOCKS)];
+        let started = Instant::now();
+        let spec = ReceiverSpec {
+            prefill: EngineId::new("bench-prefill"),
+            prefill_dp_rank: None,
+            blocks: Some(block.clone()),
+        };
+        let r = d.receiver(id.as_str(), spec).map_err(|e| e.to_string())?;
+        p.sender(id.as_str())
+            .map_err(|e| e.to_string())?
+            .send(block)
+            .map_err(|e| e.to_string())?;
+        let end = tokio::time::timeout(REQUEST_DEADLINE, r.completion())
+            .await
+            .map_err(|_| format!("request {id} took over {REQUEST_DEADLINE:?}"))?;
+        if end != State::Done {
+            return Err(format!("request {id} ended {end}"));
+        }
+        if i > 0 {
+            samples.push(started.elapsed().as_secs_f64() * 1e6);
+        }
+        // Keep the engines' event queues (and their admission counts) drained.
+        let _ = (p.drain_events(), d.drain_events());
+    }
+    p.shutdown().await;
+    d.shutdown().await;
+    samples.sort_by(f64::total_cmp);
+    Ok(samples)
+}

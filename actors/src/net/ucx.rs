@@ -50,6 +50,26 @@ impl UcxPlane {
         self.plane.version()
     }
 
+    fn transfer(
+        &self,
+        id: &RequestId,
+        peer: UcxPeer,
+        src: Vec<BlockId>,
+        dst: Vec<BlockId>,
+        write: bool,
+    ) -> TransferFuture {
+        let (plane, id) = (self.plane.clone(), id.clone());
+        Box::pin(async move {
+            let deadline = std::time::Instant::now() + UCX_CALL_TIMEOUT;
+            let result = if write {
+                plane.write(&id, &peer, &src, &dst, deadline).await
+            } else {
+                plane.read(&id, &peer, &src, &dst, deadline).await
+            };
+            result.map_err(|e| e.to_string())
+        })
+    }
+
     fn peer(&self, peer: &RankInfo, worker_address: &[u8], region: &RegionDescriptor) -> UcxPeer {
         UcxPeer {
             name: peer.to_string(),
@@ -89,18 +109,7 @@ impl DataPlane for UcxPlane {
         src: Vec<BlockId>,
         dst: Vec<BlockId>,
     ) -> TransferFuture {
-        let (plane, id, peer) = (
-            self.plane.clone(),
-            id.clone(),
-            self.peer(peer, peer_data, region),
-        );
-        Box::pin(async move {
-            let deadline = std::time::Instant::now() + UCX_CALL_TIMEOUT;
-            plane
-                .write(&id, &peer, &src, &dst, deadline)
-                .await
-                .map_err(|e| e.to_string())
-        })
+        self.transfer(id, self.peer(peer, peer_data, region), src, dst, true)
     }
 
     fn read(
@@ -112,17 +121,6 @@ impl DataPlane for UcxPlane {
         src: Vec<BlockId>,
         dst: Vec<BlockId>,
     ) -> TransferFuture {
-        let (plane, id, peer) = (
-            self.plane.clone(),
-            id.clone(),
-            self.peer(peer, peer_data, region),
-        );
-        Box::pin(async move {
-            let deadline = std::time::Instant::now() + UCX_CALL_TIMEOUT;
-            plane
-                .read(&id, &peer, &src, &dst, deadline)
-                .await
-                .map_err(|e| e.to_string())
-        })
+        self.transfer(id, self.peer(peer, peer_data, region), src, dst, false)
     }
 }

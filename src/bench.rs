@@ -581,6 +581,52 @@ fn parse_ucx_ready(ready: &str, block: usize) -> Result<UcxPeer, String> {
     })
 }
 
+/// One throughput point's setting: which blocks go where, how many passes.
+struct Timed<'a> {
+    name: &'static str,
+    block: usize,
+    src: &'a [BlockId],
+    perm: &'a [BlockId],
+    perm_seed: u64,
+    plan: &'a Plan,
+}
+
+impl Timed<'_> {
+    /// A warm-up pass, then the timed passes, then both sides' checksums compared.
+    async fn measure(&self, link: &mut Link, write: bool) -> Result<Point, String> {
+        let op = if write { "write" } else { "read" };
+        let passes = passes(self.plan);
+        let mut started = Instant::now();
+        for pass in 0..=passes {
+            let deadline = Instant::now() + CALL_TIMEOUT;
+            let result = if write {
+                link.write(self.src, self.perm, deadline).await
+            } else {
+                link.read(self.perm, self.src, deadline).await
+            };
+            result.map_err(|e| {
+                format!("{} {op} at {} KiB blocks: {e}", self.name, self.block >> 10)
+            })?;
+            if pass == 0 {
+                started = Instant::now(); // the first pass was the warm-up
+            }
+        }
+        let secs = started.elapsed().as_secs_f64();
+        let n = self.src.len() as u32;
+        let verified =
+            link.remote_checksum(self.perm_seed, n).await? == checksum(link.local(), self.src)?;
+        Ok(Point {
+            transport: self.name.into(),
+            op: op.into(),
+            block_bytes: self.block,
+            bytes: (passes * n as usize * self.block) as u64,
+            secs,
+            verified: Some(verified),
+            note: String::new(),
+        })
+    }
+}
+
 /// Write and read points for one transport at one block size.
 async fn transport_points(
     t: BenchTransport,
@@ -589,58 +635,24 @@ async fn transport_points(
 ) -> Result<Vec<Point>, String> {
     let n = blocks_of(plan, block)?;
     let mut link = Link::open(t, n, block).await?;
-    let name = t.name();
-    let fail = |op: &str, e: DataError| format!("{name} {op} at {} KiB blocks: {e}", block >> 10);
     let src = all(n);
     let perm_seed = plan.seed ^ (block as u64).rotate_left(17);
     let perm = permutation(perm_seed, n);
-    let mut points = Vec::new();
-
+    let point = Timed {
+        name: t.name(),
+        block,
+        src: &src,
+        perm: &perm,
+        perm_seed,
+        plan,
+    };
     // Push: our blocks 0..n into the peer's permuted positions.
     fill(link.local(), plan.seed)?;
-    link.write(&src, &perm, Instant::now() + CALL_TIMEOUT)
-        .await
-        .map_err(|e| fail("write", e))?;
-    let started = Instant::now();
-    for _ in 0..passes(plan) {
-        link.write(&src, &perm, Instant::now() + CALL_TIMEOUT)
-            .await
-            .map_err(|e| fail("write", e))?;
-    }
-    let secs = started.elapsed().as_secs_f64();
-    let verified = link.remote_checksum(perm_seed, n).await? == checksum(link.local(), &src)?;
-    points.push(Point {
-        transport: name.into(),
-        op: "write".into(),
-        block_bytes: block,
-        bytes: (passes(plan) * n as usize * block) as u64,
-        secs,
-        verified: Some(verified),
-        note: String::new(),
-    });
-
+    let write = point.measure(&mut link, true).await?;
     // Pull: the peer's permuted positions into our blocks 0..n.
     link.remote_fill(plan.seed.wrapping_add(1)).await?;
-    link.read(&perm, &src, Instant::now() + CALL_TIMEOUT)
-        .await
-        .map_err(|e| fail("read", e))?;
-    let started = Instant::now();
-    for _ in 0..passes(plan) {
-        link.read(&perm, &src, Instant::now() + CALL_TIMEOUT)
-            .await
-            .map_err(|e| fail("read", e))?;
-    }
-    let secs = started.elapsed().as_secs_f64();
-    let verified = link.remote_checksum(perm_seed, n).await? == checksum(link.local(), &src)?;
-    points.push(Point {
-        transport: name.into(),
-        op: "read".into(),
-        block_bytes: block,
-        bytes: (passes(plan) * n as usize * block) as u64,
-        secs,
-        verified: Some(verified),
-        note: String::new(),
-    });
+    let read = point.measure(&mut link, false).await?;
+    let points = vec![write, read];
     link.close().await;
     Ok(points)
 }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use handoff::actors::{
-    BlockId, EngineId, Event, Fabric, HostRegion, RankInfo, ReceiverSpec, Role, Runtime, State,
+    BlockId, EngineId, Event, Fabric, RankInfo, ReceiverSpec, Region, Role, Runtime, State,
     TransportChoice,
 };
 
@@ -24,7 +24,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Runtime::builder(role, RankInfo::single(engine))
             .transport(TransportChoice::InProcess(fabric.clone()))
             .region(Arc::new(
-                HostRegion::new(BLOCKS, BLOCK_BYTES).expect("valid region size"),
+                Region::new(BLOCKS, BLOCK_BYTES).expect("valid region size"),
             ))
             .start()
     };

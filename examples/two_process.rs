@@ -12,7 +12,7 @@ use handoff::actors::bootstrap::{serve, BootstrapClient, ClientConfig, ServerCon
 use handoff::actors::net::tcp::TcpDataPlane;
 use handoff::actors::net::{NetConfig, NetTransport};
 use handoff::actors::{
-    BlockId, EngineId, HostRegion, RankInfo, ReceiverSpec, RequestId, Role, Runtime, State,
+    BlockId, EngineId, RankInfo, ReceiverSpec, Region, RequestId, Role, Runtime, State,
     TransportChoice,
 };
 
@@ -35,7 +35,7 @@ async fn runtime(
     bootstrap: &str,
 ) -> Result<Runtime, Box<dyn std::error::Error>> {
     let rank = RankInfo::single(engine);
-    let region = Arc::new(HostRegion::new(BLOCKS, BLOCK_BYTES)?);
+    let region = Arc::new(Region::new(BLOCKS, BLOCK_BYTES)?);
     let data = TcpDataPlane::bind("127.0.0.1:0", None, region.clone(), rank.clone(), None).await?;
     let directory = Arc::new(BootstrapClient::new(
         bootstrap,

@@ -12,8 +12,15 @@
 //! latency (p50/p99 over `--latency-iters` transfers) follows.
 //!
 //! `--transport inproc` copies between two regions of this process with
-//! `HostRegion::copy_blocks`; `tcp` uses `DataServer`/`DataClient`; `ucx` the
+//! `Region::copy_blocks`; `tcp` uses `DataServer`/`DataClient`; `ucx` the
 //! `UcxDataPlane`; `auto` is UCX, or TCP (logged) where libucp cannot be loaded.
+//!
+//! `--memory cuda` puts both regions in device memory on `--cuda-device` (each process
+//! allocates its own; UCX moves them with `cuda_ipc`), and `--peer-memory host` puts the
+//! peer's in host memory (GPU↔host). The reference is then `cuda_memcpy`: one
+//! `cuMemcpyDtoDAsync` per block of the same permutation, between two device buffers of
+//! this process, as one stream's work. Checksums of device blocks are computed from copies
+//! back to the host (see `handoff_gpu`).
 //!
 //! The full request lifecycle's latency (through the request actors, on the network
 //! transport, peers cached) is [`Report::lifecycle`], measured by [`crate::lifecycle`].
@@ -24,11 +31,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use handoff_gpu::checksum::fill_pattern;
-use handoff_gpu::Checksum64;
+use handoff_gpu::{Checksum64, DeviceBuffer, GpuError};
 use handoff_transport::data::{AllowAll, DataError, UcxDataPlane, UcxPeer, UcxPlaneOptions};
 use handoff_transport::tcp::{DataClient, DataServer};
 use handoff_transport::wire::{RegionDescriptor, TransportKind};
-use handoff_transport::{BlockId, HostRegion, RankInfo, RequestId};
+use handoff_transport::{BlockId, RankInfo, Region, RequestId};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 
@@ -59,7 +66,7 @@ pub enum BenchTransport {
     Ucx,
     /// The TCP data transport over loopback.
     Tcp,
-    /// `HostRegion::copy_blocks` between two regions of one process.
+    /// `Region::copy_blocks` between two regions of one process.
     Inproc,
 }
 
@@ -70,6 +77,24 @@ impl BenchTransport {
             BenchTransport::Ucx => "ucx",
             BenchTransport::Tcp => "tcp",
             BenchTransport::Inproc => "inproc",
+        }
+    }
+}
+
+/// Where a bench region lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchMemory {
+    /// Host memory (UCX-allocated for UCX, heap for TCP).
+    Host,
+    /// CUDA device memory on `--cuda-device` (UCX only).
+    Cuda,
+}
+
+impl BenchMemory {
+    fn name(self) -> &'static str {
+        match self {
+            BenchMemory::Host => "host",
+            BenchMemory::Cuda => "cuda",
         }
     }
 }
@@ -101,6 +126,17 @@ pub struct BenchArgs {
     /// Skip the `ucx_perftest` reference.
     #[arg(long)]
     pub no_perftest: bool,
+    /// Where this process's region lives. `cuda` moves device memory with UCX (a UCX
+    /// built with CUDA: `HANDOFF_UCX_LIB`) and compares with a device-to-device copy.
+    #[arg(long, value_enum, default_value = "host")]
+    pub memory: BenchMemory,
+    /// Where the peer process's region lives (default: as `--memory`); `--memory cuda
+    /// --peer-memory host` measures GPU to host and back.
+    #[arg(long, value_enum)]
+    pub peer_memory: Option<BenchMemory>,
+    /// The CUDA device both processes use for `cuda` memory.
+    #[arg(long, default_value_t = 0)]
+    pub cuda_device: u32,
     /// Internal: run as the peer process (`tcp:<blocks>:<block bytes>` or `ucx:...`).
     #[arg(long, hide = true)]
     pub peer: Option<String>,
@@ -169,6 +205,9 @@ pub struct Report {
     pub lifecycle: Option<Latency>,
     /// Remarks: fallbacks, skipped references, the machine.
     pub notes: Vec<String>,
+    /// The reference rows' transport name (`memcpy`, or `cuda_memcpy` for device
+    /// memory): the ratio column divides by it.
+    pub reference: String,
 }
 
 /// Runs `handoff bench` (or, with the hidden `--peer`, the peer process it starts).
@@ -212,24 +251,38 @@ struct Plan {
     total_bytes: usize,
     latency_iters: usize,
     seed: u64,
+    /// Where this process's regions live.
+    memory: BenchMemory,
+    /// Where the peer's regions live.
+    peer_memory: BenchMemory,
+    cuda_device: u32,
+}
+
+impl Plan {
+    fn uses_cuda(&self) -> bool {
+        self.memory == BenchMemory::Cuda || self.peer_memory == BenchMemory::Cuda
+    }
 }
 
 /// Measures every point `args` asks for.
 pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
-    let plan = if args.quick {
-        Plan {
-            region_bytes: 64 << 20,
-            total_bytes: 256 << 20,
-            latency_iters: 200,
-            seed: args.seed,
-        }
+    let (region_bytes, total_bytes, latency_iters) = if args.quick {
+        (64 << 20, 256 << 20, 200)
     } else {
-        Plan {
-            region_bytes: args.region_mib << 20,
-            total_bytes: args.total_mib << 20,
-            latency_iters: args.latency_iters,
-            seed: args.seed,
-        }
+        (
+            args.region_mib << 20,
+            args.total_mib << 20,
+            args.latency_iters,
+        )
+    };
+    let plan = Plan {
+        region_bytes,
+        total_bytes,
+        latency_iters,
+        seed: args.seed,
+        memory: args.memory,
+        peer_memory: args.peer_memory.unwrap_or(args.memory),
+        cuda_device: args.cuda_device,
     };
     if plan.region_bytes < BLOCK_SIZES[3] || plan.total_bytes == 0 || plan.latency_iters == 0 {
         return Err(format!(
@@ -240,15 +293,29 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
     let mut report = Report {
         region_bytes: plan.region_bytes,
         total_bytes: plan.total_bytes,
+        reference: if plan.uses_cuda() {
+            "cuda_memcpy"
+        } else {
+            "memcpy"
+        }
+        .into(),
         ..Report::default()
     };
     report.notes.push(format!(
         "{} CPU cores; machine shared with other work: numbers are noisy",
         std::thread::available_parallelism().map_or(0, |n| n.get())
     ));
-    let transports = resolve_transports(&args.transport, &mut report)?;
+    let transports = if plan.uses_cuda() {
+        cuda_transports(&args.transport, &plan, &mut report)?
+    } else {
+        resolve_transports(&args.transport, &mut report)?
+    };
     for &block in &BLOCK_SIZES {
-        report.points.push(memcpy_point(&plan, block)?);
+        report.points.push(if plan.uses_cuda() {
+            cuda_memcpy_point(&plan, block)?
+        } else {
+            memcpy_point(&plan, block)?
+        });
         for &t in &transports {
             let mut points = transport_points(t, &plan, block).await?;
             report.points.append(&mut points);
@@ -257,7 +324,9 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
     for &t in &transports {
         report.latency.push(latency(t, &plan).await?);
     }
+    // The lifecycle and perftest references run in host memory only.
     let network = transports.iter().find_map(|t| match t {
+        _ if plan.uses_cuda() => None,
         BenchTransport::Ucx => Some(crate::lifecycle::Plane::Ucx),
         BenchTransport::Tcp => Some(crate::lifecycle::Plane::Tcp),
         _ => None,
@@ -275,10 +344,90 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
                 .into(),
         });
     }
-    if !args.no_perftest {
+    if plan.uses_cuda() {
+        report.notes.push(
+            "device memory: the lifecycle latency and ucx_perftest rows run with host memory only (run without --memory cuda)"
+                .into(),
+        );
+    } else if !args.no_perftest {
         perftest_points(&plan, &mut report).await;
     }
     Ok(report)
+}
+
+/// The transports `--memory cuda` can use (UCX alone: the others copy through the CPU),
+/// after checking that there is a GPU and that UCX can register its memory.
+fn cuda_transports(
+    asked: &[BenchTransport],
+    plan: &Plan,
+    report: &mut Report,
+) -> Result<Vec<BenchTransport>, String> {
+    if let Some(t) = asked
+        .iter()
+        .find(|t| matches!(t, BenchTransport::Tcp | BenchTransport::Inproc))
+    {
+        return Err(format!(
+            "--memory cuda moves device memory with UCX only; --transport {} copies through the CPU",
+            t.name()
+        ));
+    }
+    let info = handoff_gpu::probe().map_err(|e| match e {
+        GpuError::NoDriver { .. } | GpuError::NoDevice => {
+            format!("--memory cuda needs a GPU: {e}")
+        }
+        other => format!("--memory cuda: {other}"),
+    })?;
+    let device = info
+        .devices
+        .iter()
+        .find(|d| d.ordinal == plan.cuda_device)
+        .ok_or_else(|| {
+            format!(
+                "--cuda-device {}: {} device(s) visible",
+                plan.cuda_device,
+                info.devices.len()
+            )
+        })?;
+    report.notes.push(format!(
+        "device {}: {} ({} GiB), driver {}; this process {}, peer {}",
+        device.ordinal,
+        device.name,
+        device.total_memory_bytes >> 30,
+        info.driver_version,
+        plan.memory.name(),
+        plan.peer_memory.name()
+    ));
+    // A one-block plane on the device: fails here, with UCX's reason, where the loaded
+    // UCX has no CUDA support.
+    let probe_plane = bench_plane(plan.memory, plan.peer_memory, plan.cuda_device, 1, 4096)
+        .map_err(|e| format!("--memory cuda: UCX cannot use device memory here: {e}"))?;
+    report.notes.push(probe_plane.version().to_string());
+    Ok(vec![BenchTransport::Ucx])
+}
+
+/// A UCX plane of `blocks × block` bytes in `memory`, its thread bound to `device` when
+/// either side's memory is CUDA.
+fn bench_plane(
+    memory: BenchMemory,
+    other: BenchMemory,
+    device: u32,
+    blocks: u32,
+    block: usize,
+) -> Result<UcxDataPlane, String> {
+    let me = RankInfo::single("bench");
+    let mut options = UcxPlaneOptions::default();
+    if other == BenchMemory::Cuda {
+        options.cuda_device = Some(device);
+    }
+    match memory {
+        BenchMemory::Host => UcxDataPlane::start(blocks, block, &me, options),
+        BenchMemory::Cuda => {
+            let buffer = DeviceBuffer::alloc_zeroed(device, blocks as usize * block)
+                .map_err(|e| format!("device allocation: {e}"))?;
+            UcxDataPlane::start_on_device(Arc::new(buffer), blocks, block, &me, options)
+        }
+    }
+    .map_err(|e| e.to_string())
 }
 
 fn resolve_transports(
@@ -344,7 +493,7 @@ fn permutation(seed: u64, n: u32) -> Vec<BlockId> {
     p
 }
 
-fn fill(region: &HostRegion, seed: u64) -> Result<(), String> {
+fn fill(region: &Region, seed: u64) -> Result<(), String> {
     let mut buf = vec![0u8; region.block_bytes()];
     for b in 0..region.blocks() {
         fill_pattern(&mut buf, seed, u64::from(b) * region.block_bytes() as u64);
@@ -355,7 +504,7 @@ fn fill(region: &HostRegion, seed: u64) -> Result<(), String> {
     Ok(())
 }
 
-fn checksum(region: &HostRegion, blocks: &[BlockId]) -> Result<u64, String> {
+fn checksum(region: &Region, blocks: &[BlockId]) -> Result<u64, String> {
     let mut sum = Checksum64::new();
     for b in blocks {
         sum.update(&region.read_block(*b).map_err(|e| e.to_string())?);
@@ -380,20 +529,22 @@ fn blocks_of(plan: &Plan, block: usize) -> Result<u32, String> {
 
 fn memcpy_point(plan: &Plan, block: usize) -> Result<Point, String> {
     let n = blocks_of(plan, block)?;
-    let src = HostRegion::new(n, block).map_err(|e| e.to_string())?;
-    let dst = HostRegion::new(n, block).map_err(|e| e.to_string())?;
+    let src = Region::new(n, block).map_err(|e| e.to_string())?;
+    let dst = Region::new(n, block).map_err(|e| e.to_string())?;
     fill(&src, plan.seed)?;
     let from = all(n);
     let to = permutation(plan.seed ^ block as u64, n);
+    let (src_host, dst_host) = (
+        src.host_ptr().map_err(|e| e.to_string())?,
+        dst.host_ptr().map_err(|e| e.to_string())?,
+    );
     let copy = || {
         for (s, d) in from.iter().zip(&to) {
             let s = s.0 as usize * block;
             let d = d.0 as usize * block;
-            // SAFETY: both offsets are block starts inside regions of `n` blocks; the two
-            // regions are distinct allocations only this function touches.
-            unsafe {
-                std::ptr::copy_nonoverlapping(src.as_ptr().add(s), dst.as_ptr().add(d), block)
-            };
+            // SAFETY: both offsets are block starts inside host regions of `n` blocks; the
+            // two regions are distinct allocations only this function touches.
+            unsafe { std::ptr::copy_nonoverlapping(src_host.add(s), dst_host.add(d), block) };
         }
     };
     copy();
@@ -414,6 +565,51 @@ fn memcpy_point(plan: &Plan, block: usize) -> Result<Point, String> {
     })
 }
 
+/// The device reference: the same permutation as [`memcpy_point`], one
+/// `cuMemcpyDtoDAsync` per block between two device buffers, each pass one stream's
+/// work waited for at its end.
+fn cuda_memcpy_point(plan: &Plan, block: usize) -> Result<Point, String> {
+    let n = blocks_of(plan, block)?;
+    let alloc = || {
+        DeviceBuffer::alloc_zeroed(plan.cuda_device, n as usize * block)
+            .map(Arc::new)
+            .map_err(|e| format!("device allocation: {e}"))
+    };
+    let (src, dst) = (alloc()?, alloc()?);
+    let on_device = |buffer: &Arc<DeviceBuffer>| {
+        Region::on_device(Arc::clone(buffer), n, block).map_err(|e| e.to_string())
+    };
+    let (src_region, dst_region) = (on_device(&src)?, on_device(&dst)?);
+    fill(&src_region, plan.seed)?;
+    let from = all(n);
+    let to = permutation(plan.seed ^ block as u64, n);
+    let pairs: Vec<(u64, u64)> = from
+        .iter()
+        .zip(&to)
+        .map(|(s, d)| (u64::from(s.0) * block as u64, u64::from(d.0) * block as u64))
+        .collect();
+    let copy = || {
+        src.copy_to(&dst, &pairs, block as u64)
+            .map_err(|e| format!("cuda_memcpy at {} KiB blocks: {e}", block >> 10))
+    };
+    copy()?;
+    let started = Instant::now();
+    for _ in 0..passes(plan) {
+        copy()?;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let verified = checksum(&src_region, &from)? == checksum(&dst_region, &to)?;
+    Ok(Point {
+        transport: "cuda_memcpy".into(),
+        op: "dtod".into(),
+        block_bytes: block,
+        bytes: (passes(plan) * n as usize * block) as u64,
+        secs,
+        verified: Some(verified),
+        note: "cuMemcpyDtoDAsync per block, one stream, same permutation".into(),
+    })
+}
+
 // ------------------------------------------------------------------ transports
 
 /// The two sides of one transport at one block size.
@@ -421,11 +617,11 @@ fn memcpy_point(plan: &Plan, block: usize) -> Result<Point, String> {
 #[allow(clippy::large_enum_variant)]
 enum Link {
     Inproc {
-        local: Arc<HostRegion>,
-        remote: Arc<HostRegion>,
+        local: Arc<Region>,
+        remote: Arc<Region>,
     },
     Tcp {
-        local: Arc<HostRegion>,
+        local: Arc<Region>,
         client: DataClient,
         peer: PeerProcess,
     },
@@ -437,12 +633,17 @@ enum Link {
 }
 
 impl Link {
-    async fn open(t: BenchTransport, blocks: u32, block: usize) -> Result<Link, String> {
+    async fn open(
+        t: BenchTransport,
+        plan: &Plan,
+        blocks: u32,
+        block: usize,
+    ) -> Result<Link, String> {
         let me = RankInfo::single("bench");
         match t {
             BenchTransport::Inproc => Ok(Link::Inproc {
-                local: Arc::new(HostRegion::new(blocks, block).map_err(|e| e.to_string())?),
-                remote: Arc::new(HostRegion::new(blocks, block).map_err(|e| e.to_string())?),
+                local: Arc::new(Region::new(blocks, block).map_err(|e| e.to_string())?),
+                remote: Arc::new(Region::new(blocks, block).map_err(|e| e.to_string())?),
             }),
             BenchTransport::Tcp => {
                 let mut peer = PeerProcess::spawn(&format!("tcp:{blocks}:{block}")).await?;
@@ -453,7 +654,7 @@ impl Link {
                 let client = DataClient::connect(addr, me, None, PEER_STEP_TIMEOUT)
                     .await
                     .map_err(|e| e.to_string())?;
-                let local = Arc::new(HostRegion::new(blocks, block).map_err(|e| e.to_string())?);
+                let local = Arc::new(Region::new(blocks, block).map_err(|e| e.to_string())?);
                 Ok(Link::Tcp {
                     local,
                     client,
@@ -461,11 +662,22 @@ impl Link {
                 })
             }
             BenchTransport::Ucx | BenchTransport::Auto => {
-                let mut peer = PeerProcess::spawn(&format!("ucx:{blocks}:{block}")).await?;
+                let spec = format!(
+                    "ucx:{blocks}:{block}:{}:{}:{}",
+                    plan.peer_memory.name(),
+                    plan.memory.name(),
+                    plan.cuda_device
+                );
+                let mut peer = PeerProcess::spawn(&spec).await?;
                 let ready = peer.expect().await?;
                 let remote = parse_ucx_ready(&ready, block)?;
-                let plane = UcxDataPlane::start(blocks, block, &me, UcxPlaneOptions::default())
-                    .map_err(|e| e.to_string())?;
+                let plane = bench_plane(
+                    plan.memory,
+                    plan.peer_memory,
+                    plan.cuda_device,
+                    blocks,
+                    block,
+                )?;
                 Ok(Link::Ucx {
                     plane,
                     remote,
@@ -475,7 +687,7 @@ impl Link {
         }
     }
 
-    fn local(&self) -> &HostRegion {
+    fn local(&self) -> &Region {
         match self {
             Link::Inproc { local, .. } | Link::Tcp { local, .. } => local,
             Link::Ucx { plane, .. } => plane.region(),
@@ -491,7 +703,7 @@ impl Link {
     ) -> Result<(), DataError> {
         let request = RequestId::new("bench");
         match self {
-            Link::Inproc { local, remote } => Ok(HostRegion::copy_blocks(local, src, remote, dst)?),
+            Link::Inproc { local, remote } => Ok(Region::copy_blocks(local, src, remote, dst)?),
             Link::Tcp { local, client, .. } => {
                 client.write(&request, local, src, dst, deadline).await
             }
@@ -510,7 +722,7 @@ impl Link {
     ) -> Result<(), DataError> {
         let request = RequestId::new("bench");
         match self {
-            Link::Inproc { local, remote } => Ok(HostRegion::copy_blocks(remote, src, local, dst)?),
+            Link::Inproc { local, remote } => Ok(Region::copy_blocks(remote, src, local, dst)?),
             Link::Tcp { local, client, .. } => {
                 client.read(&request, local, src, dst, deadline).await
             }
@@ -634,7 +846,7 @@ async fn transport_points(
     block: usize,
 ) -> Result<Vec<Point>, String> {
     let n = blocks_of(plan, block)?;
-    let mut link = Link::open(t, n, block).await?;
+    let mut link = Link::open(t, plan, n, block).await?;
     let src = all(n);
     let perm_seed = plan.seed ^ (block as u64).rotate_left(17);
     let perm = permutation(perm_seed, n);
@@ -660,7 +872,7 @@ async fn transport_points(
 async fn latency(t: BenchTransport, plan: &Plan) -> Result<Latency, String> {
     let block = LATENCY_BLOCK_BYTES;
     let n = blocks_of(plan, block)?;
-    let mut link = Link::open(t, n, block).await?;
+    let mut link = Link::open(t, plan, n, block).await?;
     // Touch every page on both sides first: a first touch costs a page fault, not a transfer.
     fill(link.local(), plan.seed)?;
     link.remote_fill(plan.seed).await?;
@@ -773,15 +985,31 @@ impl PeerProcess {
 /// The peer side: serve a region over `tcp` or `ucx` and answer commands on stdin.
 async fn peer_main(spec: &str) -> Result<(), String> {
     let parts: Vec<&str> = spec.split(':').collect();
-    let [kind, blocks, block] = parts.as_slice() else {
-        return Err(format!("bad peer spec {spec:?}"));
+    // `tcp:<blocks>:<block>` or `ucx:<blocks>:<block>:<memory>:<peer's memory>:<device>`.
+    let (kind, blocks, block, memory) = match parts.as_slice() {
+        [kind, blocks, block] => (*kind, *blocks, *block, None),
+        [kind, blocks, block, memory, other, device] => {
+            let parse = |name: &str| match name {
+                "host" => Ok(BenchMemory::Host),
+                "cuda" => Ok(BenchMemory::Cuda),
+                _ => Err(format!("bad memory {name:?} in peer spec")),
+            };
+            let device: u32 = device.parse().map_err(|_| "bad device in peer spec")?;
+            (
+                *kind,
+                *blocks,
+                *block,
+                Some((parse(memory)?, parse(other)?, device)),
+            )
+        }
+        _ => return Err(format!("bad peer spec {spec:?}")),
     };
     let blocks: u32 = blocks.parse().map_err(|_| "bad block count")?;
     let block: usize = block.parse().map_err(|_| "bad block size")?;
     let me = RankInfo::single("bench-peer");
-    let (_keep, region): (Box<dyn std::any::Any>, Arc<HostRegion>) = match *kind {
+    let (_keep, region): (Box<dyn std::any::Any>, Arc<Region>) = match kind {
         "tcp" => {
-            let region = Arc::new(HostRegion::new(blocks, block).map_err(|e| e.to_string())?);
+            let region = Arc::new(Region::new(blocks, block).map_err(|e| e.to_string())?);
             let server = DataServer::bind(
                 "127.0.0.1:0",
                 Arc::clone(&region),
@@ -795,8 +1023,9 @@ async fn peer_main(spec: &str) -> Result<(), String> {
             (Box::new(server), region)
         }
         "ucx" => {
-            let plane = UcxDataPlane::start(blocks, block, &me, UcxPlaneOptions::default())
-                .map_err(|e| e.to_string())?;
+            let (memory, other, device) =
+                memory.unwrap_or((BenchMemory::Host, BenchMemory::Host, 0));
+            let plane = bench_plane(memory, other, device, blocks, block)?;
             let d = plane.descriptor();
             say(&format!(
                 "ready ucx {} {} {} {}",
@@ -999,11 +1228,13 @@ fn parse_perftest(text: &str) -> Option<PerftestFinal> {
 // ------------------------------------------------------------------ output
 
 impl Report {
-    fn memcpy_gbps(&self, block: usize) -> Option<f64> {
+    /// The reference's throughput at one block size, when measured.
+    fn reference_gbps(&self, block: usize) -> Option<f64> {
         self.points
             .iter()
-            .find(|p| p.transport == "memcpy" && p.block_bytes == block)
+            .find(|p| p.transport == self.reference && p.block_bytes == block)
             .map(Point::gbps)
+            .filter(|&gbps| gbps > 0.0)
     }
 
     /// The human-readable table.
@@ -1014,16 +1245,18 @@ impl Report {
             self.total_bytes >> 20
         );
         out += &format!(
-            "{:<13} {:<7} {:>8} {:>9} {:>10}  {}\n",
-            "transport", "op", "block", "GB/s", "vs memcpy", "checksum"
+            "{:<13} {:<7} {:>8} {:>9} {:>14}  {}\n",
+            "transport",
+            "op",
+            "block",
+            "GB/s",
+            format!("vs {}", self.reference),
+            "checksum"
         );
         for p in &self.points {
-            let ratio = self
-                .memcpy_gbps(p.block_bytes)
-                .filter(|&m| m > 0.0)
-                .map(|m| p.gbps() / m);
+            let ratio = self.reference_gbps(p.block_bytes).map(|m| p.gbps() / m);
             out += &format!(
-                "{:<13} {:<7} {:>8} {:>9.2} {:>10}  {}{}\n",
+                "{:<13} {:<7} {:>8} {:>9.2} {:>14}  {}{}\n",
                 p.transport,
                 p.op,
                 size_label(p.block_bytes),
@@ -1083,14 +1316,14 @@ impl Report {
             .iter()
             .map(|p| {
                 format!(
-                    "{{\"transport\":{},\"op\":{},\"block_bytes\":{},\"bytes\":{},\"secs\":{},\"gbps\":{},\"vs_memcpy\":{},\"verified\":{},\"note\":{}}}",
+                    "{{\"transport\":{},\"op\":{},\"block_bytes\":{},\"bytes\":{},\"secs\":{},\"gbps\":{},\"vs_reference\":{},\"verified\":{},\"note\":{}}}",
                     json_str(&p.transport),
                     json_str(&p.op),
                     p.block_bytes,
                     p.bytes,
                     num(p.secs),
                     num(p.gbps()),
-                    self.memcpy_gbps(p.block_bytes).filter(|&m| m > 0.0).map_or("null".into(), |m| num(p.gbps() / m)),
+                    self.reference_gbps(p.block_bytes).map_or("null".into(), |m| num(p.gbps() / m)),
                     p.verified.map_or("null".into(), |v| v.to_string()),
                     json_str(&p.note)
                 )
@@ -1110,9 +1343,10 @@ impl Report {
         let latencies: Vec<String> = self.latency.iter().map(latency).collect();
         let notes: Vec<String> = self.notes.iter().map(|n| json_str(n)).collect();
         format!(
-            "{{\"region_bytes\":{},\"total_bytes\":{},\"points\":[{}],\"latency\":[{}],\"lifecycle\":{},\"notes\":[{}]}}\n",
+            "{{\"region_bytes\":{},\"total_bytes\":{},\"reference\":{},\"points\":[{}],\"latency\":[{}],\"lifecycle\":{},\"notes\":[{}]}}\n",
             self.region_bytes,
             self.total_bytes,
+            json_str(&self.reference),
             points.join(","),
             latencies.join(","),
             self.lifecycle.as_ref().map_or("null".into(), latency),

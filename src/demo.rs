@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use handoff_actors::{
-    BlockId, EngineId, Event, Fabric, HostRegion, RankInfo, ReceiverSpec, RequestId, Role, Runtime,
+    BlockId, EngineId, Event, Fabric, RankInfo, ReceiverSpec, Region, RequestId, Role, Runtime,
     State, TransferMode, TransportChoice,
 };
 
@@ -74,7 +74,7 @@ fn pattern(id: u32, block: u32) -> Vec<u8> {
 pub async fn run(opts: &DemoOptions) -> Result<DemoReport, handoff_actors::Error> {
     let fabric = Fabric::new();
     let start = |role: Role, engine: &str| {
-        let region = HostRegion::new(POOL_BLOCKS, BLOCK_BYTES);
+        let region = Region::new(POOL_BLOCKS, BLOCK_BYTES);
         let fabric = fabric.clone();
         let rank = RankInfo::single(engine);
         async move {

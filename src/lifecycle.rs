@@ -12,7 +12,7 @@ use handoff_actors::net::tcp::TcpDataPlane;
 use handoff_actors::net::ucx::UcxPlane;
 use handoff_actors::net::{DataPlane, NetConfig, NetTransport, StaticDirectory};
 use handoff_actors::{
-    BlockId, EngineId, HostRegion, RankInfo, ReceiverSpec, Role, Runtime, State, TransferMode,
+    BlockId, EngineId, RankInfo, ReceiverSpec, Region, Role, Runtime, State, TransferMode,
     TransportChoice,
 };
 
@@ -38,14 +38,14 @@ async fn side(
     block_bytes: usize,
 ) -> Result<Runtime, String> {
     let rank = RankInfo::single(engine);
-    let (region, data): (Arc<HostRegion>, Arc<dyn DataPlane>) = match plane {
+    let (region, data): (Arc<Region>, Arc<dyn DataPlane>) = match plane {
         Plane::Ucx => {
             let p = UcxPlane::start(POOL_BLOCKS, block_bytes, &rank).map_err(|e| e.to_string())?;
             (p.region(), Arc::new(p))
         }
         Plane::Tcp => {
             let region =
-                Arc::new(HostRegion::new(POOL_BLOCKS, block_bytes).map_err(|e| e.to_string())?);
+                Arc::new(Region::new(POOL_BLOCKS, block_bytes).map_err(|e| e.to_string())?);
             let p = TcpDataPlane::bind("127.0.0.1:0", None, region.clone(), rank.clone(), None)
                 .await
                 .map_err(|e| e.to_string())?;

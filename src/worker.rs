@@ -25,7 +25,7 @@ use handoff_actors::net::ucx::UcxPlane;
 use handoff_actors::net::DataPlane;
 use handoff_actors::net::{NetConfig, NetTransport};
 use handoff_actors::{
-    BlockId, EngineId, Event, HostRegion, RankInfo, ReceiverSpec, RequestId, Role, Runtime, State,
+    BlockId, EngineId, Event, RankInfo, ReceiverSpec, Region, RequestId, Role, Runtime, State,
     Timeouts, TransferMode, TransportChoice,
 };
 use handoff_gpu::checksum::{checksum64, fill_pattern};
@@ -306,7 +306,7 @@ async fn data_plane(
     a: &WorkerArgs,
     rank: &RankInfo,
     key: Option<handoff_actors::bootstrap::Key>,
-) -> Result<(Arc<HostRegion>, Arc<dyn DataPlane>, &'static str), String> {
+) -> Result<(Arc<Region>, Arc<dyn DataPlane>, &'static str), String> {
     if a.transport != TransportArg::Tcp {
         match UcxPlane::start(a.pool_blocks, a.block_bytes, rank) {
             Ok(plane) => {
@@ -319,8 +319,7 @@ async fn data_plane(
             Err(e) => return Err(format!("UCX data plane: {e}")),
         }
     }
-    let region =
-        Arc::new(HostRegion::new(a.pool_blocks, a.block_bytes).map_err(|e| e.to_string())?);
+    let region = Arc::new(Region::new(a.pool_blocks, a.block_bytes).map_err(|e| e.to_string())?);
     let data = TcpDataPlane::bind(
         &a.data_listen,
         a.advertise_host.as_deref(),

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use handoff_transport::{HostRegion, RankInfo, Role, TransferMode};
+use handoff_transport::{RankInfo, Region, Role, TransferMode};
 
 use crate::inproc::Fabric;
 use crate::link::Attach;
@@ -69,5 +69,5 @@ pub struct RuntimeConfig {
     /// The transport.
     pub transport: TransportChoice,
     /// The KV memory this worker registers with its transport.
-    pub region: Arc<HostRegion>,
+    pub region: Arc<Region>,
 }

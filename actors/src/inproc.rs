@@ -2,13 +2,13 @@
 //!
 //! A [`Fabric`] is a directory of the runtimes attached to it. Control messages become
 //! messages to the destination runtime's root actor; data moves by bounds-checked copies
-//! between the runtimes' [`HostRegion`]s. It is a real transport for P and D in one process
+//! between the runtimes' [`Region`]s. It is a real transport for P and D in one process
 //! (tests, examples, single-host setups), not a stand-in: the runtime above it is the same.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use handoff_transport::{BlockId, EngineId, HostRegion, RankInfo, RequestId, Role};
+use handoff_transport::{BlockId, EngineId, RankInfo, Region, RequestId, Role};
 
 use crate::link::{Attach, Inbox, Link, LinkError, ResolveError, ResolveFuture, TransferFuture};
 use crate::machine::{Outbound, Peer};
@@ -18,7 +18,7 @@ use crate::Error;
 struct Node {
     role: Role,
     root: Inbox,
-    region: Arc<HostRegion>,
+    region: Arc<Region>,
     /// What this runtime let its peers touch; every copy into or out of its region is
     /// checked against it, so nothing lands in blocks after their request ended here.
     grants: Arc<GrantTable>,
@@ -52,7 +52,7 @@ impl Fabric {
         rank: RankInfo,
         role: Role,
         root: Inbox,
-        region: Arc<HostRegion>,
+        region: Arc<Region>,
     ) -> Result<Arc<InProcessLink>, Error> {
         let mut nodes = self.nodes();
         if nodes.contains_key(&rank) {
@@ -107,7 +107,7 @@ impl Fabric {
             .collect()
     }
 
-    fn region_of(&self, peer: &Peer) -> Result<(Arc<HostRegion>, Arc<GrantTable>), String> {
+    fn region_of(&self, peer: &Peer) -> Result<(Arc<Region>, Arc<GrantTable>), String> {
         self.nodes()
             .get(peer)
             .map(|n| (n.region.clone(), n.grants.clone()))
@@ -134,7 +134,7 @@ impl Fabric {
 pub struct InProcessLink {
     fabric: Arc<Fabric>,
     me: RankInfo,
-    region: Arc<HostRegion>,
+    region: Arc<Region>,
     grants: Arc<GrantTable>,
 }
 
@@ -147,13 +147,12 @@ fn copy_granted(
     id: &RequestId,
     access: Access,
     checked: &[BlockId],
-    (from, from_blocks): (&HostRegion, &[BlockId]),
-    (to, to_blocks): (&HostRegion, &[BlockId]),
+    (from, from_blocks): (&Region, &[BlockId]),
+    (to, to_blocks): (&Region, &[BlockId]),
 ) -> Result<(), String> {
     let mut result = Ok(());
     grants.check_and_copy(peer, id, access, checked, &mut || {
-        result =
-            HostRegion::copy_blocks(from, from_blocks, to, to_blocks).map_err(|e| e.to_string());
+        result = Region::copy_blocks(from, from_blocks, to, to_blocks).map_err(|e| e.to_string());
     })?;
     result
 }
@@ -263,7 +262,7 @@ impl Attach for Arc<Fabric> {
         rank: RankInfo,
         role: Role,
         inbox: Inbox,
-        region: Arc<HostRegion>,
+        region: Arc<Region>,
     ) -> Result<Arc<dyn Link>, Error> {
         Ok(self.attach_node(rank, role, inbox, region)?)
     }

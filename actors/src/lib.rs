@@ -33,7 +33,7 @@ pub use config::{RuntimeConfig, TransportChoice};
 pub use error::Error;
 pub use event::Event;
 pub use handoff_transport::{
-    BlockId, EngineId, FailureReason, HostRegion, RankInfo, RequestId, Role, TransferMode,
+    BlockId, EngineId, FailureReason, RankInfo, Region, RequestId, Role, TransferMode,
 };
 pub use inproc::Fabric;
 pub use link::{Attach, Inbox, Link};

@@ -9,7 +9,7 @@ use std::pin::Pin;
 
 use std::sync::Arc;
 
-use handoff_transport::{BlockId, EngineId, FailureReason, HostRegion, RankInfo, RequestId, Role};
+use handoff_transport::{BlockId, EngineId, FailureReason, RankInfo, Region, RequestId, Role};
 use ractor::ActorRef;
 
 use crate::machine::{Outbound, Peer};
@@ -106,7 +106,7 @@ pub trait Attach: Send + Sync + 'static {
         rank: RankInfo,
         role: Role,
         inbox: Inbox,
-        region: Arc<HostRegion>,
+        region: Arc<Region>,
     ) -> Result<Arc<dyn Link>, Error>;
 }
 

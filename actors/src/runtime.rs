@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use handoff_transport::{
-    BlockId, EngineId, FailureReason, HostRegion, RankInfo, RequestId, Role, TransferMode,
+    BlockId, EngineId, FailureReason, RankInfo, Region, RequestId, Role, TransferMode,
 };
 use ractor::{Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef, SupervisionEvent};
 use tokio::sync::watch;
@@ -623,7 +623,7 @@ pub struct RuntimeBuilder {
     requests_open_max: usize,
     unallocated_max: Option<usize>,
     transport: Option<TransportChoice>,
-    region: Option<Arc<HostRegion>>,
+    region: Option<Arc<Region>>,
 }
 
 impl RuntimeBuilder {
@@ -661,7 +661,7 @@ impl RuntimeBuilder {
     }
 
     /// The KV memory this worker registers (required).
-    pub fn region(mut self, region: Arc<HostRegion>) -> Self {
+    pub fn region(mut self, region: Arc<Region>) -> Self {
         self.region = Some(region);
         self
     }
@@ -750,7 +750,7 @@ impl Runtime {
     }
 
     /// The KV memory this worker registered.
-    pub fn region(&self) -> &Arc<HostRegion> {
+    pub fn region(&self) -> &Arc<Region> {
         &self.cfg.region
     }
 
@@ -862,7 +862,7 @@ struct Handle {
     ledger: Ledger,
     rx: watch::Receiver<Record>,
     root: ActorRef<RootMsg>,
-    region: Arc<HostRegion>,
+    region: Arc<Region>,
 }
 
 impl Handle {

@@ -8,7 +8,7 @@ use std::time::Duration;
 use handoff_actors::link::TransferFuture;
 use handoff_actors::net::{DataPlane, GrantTable, NetConfig, NetTransport, StaticDirectory};
 use handoff_actors::{
-    BlockId, EngineId, FailureReason, HostRegion, RankInfo, ReceiverSpec, RequestId, Role, Runtime,
+    BlockId, EngineId, FailureReason, RankInfo, ReceiverSpec, Region, RequestId, Role, Runtime,
     State, Timeouts, TransportChoice,
 };
 use handoff_transport::wire;
@@ -100,7 +100,7 @@ async fn worker(
         .timeouts(timeouts())
         .admission(admission)
         .transport(TransportChoice::Custom(Arc::new(transport)))
-        .region(Arc::new(HostRegion::new(256, 4096).unwrap()))
+        .region(Arc::new(Region::new(256, 4096).unwrap()))
         .start()
         .await
         .unwrap()
@@ -230,7 +230,7 @@ async fn a_peer_on_another_protocol_version_is_refused_by_name() {
     let addr = transport.control_address().to_string();
     let p = Runtime::builder(Role::Prefill, rank)
         .transport(TransportChoice::Custom(Arc::new(transport)))
-        .region(Arc::new(HostRegion::new(16, 4096).unwrap()))
+        .region(Arc::new(Region::new(16, 4096).unwrap()))
         .start()
         .await
         .unwrap();
@@ -296,7 +296,7 @@ async fn pipeline_siblings_fail_together_over_the_network() {
         let rt = Runtime::builder(Role::Prefill, rank)
             .timeouts(if pp == 0 { short } else { timeouts() })
             .transport(TransportChoice::Custom(Arc::new(transport)))
-            .region(Arc::new(HostRegion::new(16, 4096).unwrap()))
+            .region(Arc::new(Region::new(16, 4096).unwrap()))
             .start()
             .await
             .unwrap();

@@ -7,7 +7,7 @@ use std::time::Duration;
 use handoff_actors::net::tcp::TcpDataPlane;
 use handoff_actors::net::{DataPlane, NetConfig, NetTransport, StaticDirectory};
 use handoff_actors::{
-    BlockId, EngineId, HostRegion, RankInfo, ReceiverSpec, Role, Runtime, State, TransferMode,
+    BlockId, EngineId, RankInfo, ReceiverSpec, Region, Role, Runtime, State, TransferMode,
     TransportChoice,
 };
 
@@ -21,7 +21,7 @@ async fn worker(
     mode: TransferMode,
 ) -> (Runtime, Arc<TcpDataPlane>) {
     let rank = RankInfo::single(engine);
-    let region = Arc::new(HostRegion::new(64, BLOCK_BYTES).unwrap());
+    let region = Arc::new(Region::new(64, BLOCK_BYTES).unwrap());
     let data = Arc::new(
         TcpDataPlane::bind("127.0.0.1:0", None, region.clone(), rank.clone(), None)
             .await

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use handoff_actors::machine::Outbound;
 use handoff_actors::{
-    merge, BlockId, EngineId, Error, Event, Fabric, FailureReason, HostRegion, RankInfo,
-    ReceiverSpec, RequestId, Role, Runtime, State, Timeouts, TransferMode, TransportChoice,
+    merge, BlockId, EngineId, Error, Event, Fabric, FailureReason, RankInfo, ReceiverSpec, Region,
+    RequestId, Role, Runtime, State, Timeouts, TransferMode, TransportChoice,
 };
 
 const BLOCKS: u32 = 64;
@@ -32,7 +32,7 @@ fn rank(engine: &str, pp: u32, pp_size: u32) -> RankInfo {
 }
 
 async fn start(fabric: &Arc<Fabric>, role: Role, rank: RankInfo, mode: TransferMode) -> Runtime {
-    let region = Arc::new(HostRegion::new(BLOCKS, BLOCK_BYTES).unwrap());
+    let region = Arc::new(Region::new(BLOCKS, BLOCK_BYTES).unwrap());
     Runtime::builder(role, rank)
         .timeouts(timeouts())
         .mode(mode)
@@ -418,7 +418,7 @@ async fn a_stopped_runtime_fails_its_requests_and_its_peers_notice() {
 #[tokio::test(start_paused = true)]
 async fn bad_engine_calls_are_named_errors() {
     let fabric = Fabric::new();
-    let region = Arc::new(HostRegion::new(8, 16).unwrap());
+    let region = Arc::new(Region::new(8, 16).unwrap());
     let p = Runtime::builder(Role::Prefill, "P")
         .transport(TransportChoice::InProcess(fabric.clone()))
         .region(region.clone())
@@ -475,7 +475,7 @@ async fn saturated_decode_rejects_and_prefill_fails_fast() {
     let fabric = Fabric::new();
     let p0 = start(&fabric, Role::Prefill, rank("P", 0, 2), TransferMode::Push).await;
     let p1 = start(&fabric, Role::Prefill, rank("P", 1, 2), TransferMode::Push).await;
-    let region = Arc::new(HostRegion::new(BLOCKS, BLOCK_BYTES).unwrap());
+    let region = Arc::new(Region::new(BLOCKS, BLOCK_BYTES).unwrap());
     let d = Runtime::builder(Role::Decode, rank("D", 0, 1))
         .timeouts(timeouts())
         .admission(Some(1))
@@ -532,7 +532,7 @@ async fn a_late_write_never_lands_in_blocks_decode_released() {
     let p = Runtime::builder(Role::Prefill, rank("P", 0, 1))
         .timeouts(patient)
         .transport(TransportChoice::InProcess(fabric.clone()))
-        .region(Arc::new(HostRegion::new(BLOCKS, BLOCK_BYTES).unwrap()))
+        .region(Arc::new(Region::new(BLOCKS, BLOCK_BYTES).unwrap()))
         .start()
         .await
         .unwrap();
@@ -608,7 +608,7 @@ async fn transfer_info_for_a_request_never_opened_is_answered_at_the_deadline() 
     let d = Runtime::builder(Role::Decode, rank("D", 0, 1))
         .timeouts(patient)
         .transport(TransportChoice::InProcess(fabric.clone()))
-        .region(Arc::new(HostRegion::new(BLOCKS, BLOCK_BYTES).unwrap()))
+        .region(Arc::new(Region::new(BLOCKS, BLOCK_BYTES).unwrap()))
         .start()
         .await
         .unwrap();

@@ -1,19 +1,78 @@
-//! Device memory through cudarc: the CUDA side of [`KvBuffer`].
+//! Device memory through cudarc: the CUDA side of [`KvBuffer`], the device-to-device copy
+//! that GPU benchmarks measure transports against, and binding a device's context to a
+//! thread (which a transport's I/O thread needs before it touches CUDA memory).
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{result as cu, CudaContext, CudaSlice, CudaStream, DevicePtr};
 
 use crate::buffer::{checked_range, KvBuffer};
 use crate::probe::{device_count, guarded, init_driver};
 use crate::{GpuError, MemoryKind};
 
+/// Most copies one [`DeviceBuffer::copy_to`] call may enqueue: a plan bigger than this
+/// is a caller's mistake, not a workload (a 4 GiB region holds 262,144 16 KiB blocks).
+pub const COPIES_PER_CALL_MAX: usize = 1 << 22;
+
+/// A device's primary context, made current on the thread that asked for it.
+///
+/// Made by [`bind_device_to_thread`]. Keeps the primary context retained while it lives,
+/// so a thread that holds one can keep calling into CUDA (and into libraries such as UCX
+/// that call CUDA on its behalf). Dropping it releases the retention, not the binding.
+#[derive(Debug)]
+pub struct DeviceContext {
+    /// Held only to keep the primary context retained.
+    _context: Arc<CudaContext>,
+    ordinal: u32,
+}
+
+impl DeviceContext {
+    /// The device this context belongs to.
+    pub fn ordinal(&self) -> u32 {
+        self.ordinal
+    }
+}
+
+/// Retains device `ordinal`'s primary context (the one the CUDA runtime, and so PyTorch,
+/// also uses) and makes it current on the calling thread.
+///
+/// # Errors
+/// The probe errors ([`GpuError::NoDriver`], [`GpuError::NoDevice`]),
+/// [`GpuError::NoSuchDevice`], and [`GpuError::Driver`].
+pub fn bind_device_to_thread(ordinal: u32) -> Result<DeviceContext, GpuError> {
+    let context = primary_context(ordinal)?;
+    guarded("cuCtxSetCurrent", || context.bind_to_thread())?;
+    Ok(DeviceContext {
+        _context: context,
+        ordinal,
+    })
+}
+
+fn primary_context(ordinal: u32) -> Result<Arc<CudaContext>, GpuError> {
+    init_driver()?;
+    let count = device_count()?;
+    if ordinal >= count {
+        return Err(GpuError::NoSuchDevice { ordinal, count });
+    }
+    // `ordinal < count <= DEVICE_COUNT_MAX`, so it fits a usize.
+    guarded("cuDevicePrimaryCtxRetain", || {
+        CudaContext::new(ordinal as usize)
+    })
+}
+
 /// A CUDA device allocation that this type owns and frees (when dropped, on its stream).
 ///
-/// Allocated by GPU tests, examples and benchmarks. Copies to and from it are
-/// synchronous: each returns once the bytes have landed, so callers never race the
-/// device. That costs speed, which is fine: this type serves setup and verification, not
-/// the timed data path (transports read and write the memory directly by address).
+/// Allocated by GPU tests, examples, benchmarks and the worker's `--memory cuda`. Copies
+/// to and from it are synchronous: each returns once the bytes have landed, so callers
+/// never race the device. That costs speed, which is fine: this type serves setup and
+/// verification, not the timed data path (transports read and write the memory directly
+/// by address).
+///
+/// Copies take `&self` ([`DeviceBuffer::read_at`], [`DeviceBuffer::write_at`]) because a
+/// registered buffer is shared between its owner and a transport, like a host region:
+/// device memory is never behind a Rust reference, and the owner keeps the block
+/// ownership contract (one live request per block) that makes concurrent copies into
+/// different blocks sound.
 #[derive(Debug)]
 pub struct DeviceBuffer {
     slice: CudaSlice<u8>,
@@ -24,7 +83,7 @@ pub struct DeviceBuffer {
 
 impl DeviceBuffer {
     /// Allocates `len` zeroed bytes on device `ordinal`, retaining that device's primary
-    /// context (the one the CUDA runtime, and so PyTorch, also uses).
+    /// context.
     ///
     /// # Errors
     /// The probe errors ([`GpuError::NoDriver`], [`GpuError::NoDevice`]) on machines
@@ -34,15 +93,7 @@ impl DeviceBuffer {
         if len == 0 {
             return Err(GpuError::EmptyBuffer);
         }
-        init_driver()?;
-        let count = device_count()?;
-        if ordinal >= count {
-            return Err(GpuError::NoSuchDevice { ordinal, count });
-        }
-        // `ordinal < count <= DEVICE_COUNT_MAX`, so it fits a usize.
-        let context = guarded("cuDevicePrimaryCtxRetain", || {
-            CudaContext::new(ordinal as usize)
-        })?;
+        let context = primary_context(ordinal)?;
         let stream = context.default_stream();
         let slice = guarded("cuMemAlloc", || stream.alloc_zeros::<u8>(len))?;
         let addr = {
@@ -62,6 +113,90 @@ impl DeviceBuffer {
     /// The device this memory is on.
     pub fn ordinal(&self) -> u32 {
         self.ordinal
+    }
+
+    /// Copies `dst.len()` bytes from `offset` to the host, and waits for them.
+    ///
+    /// # Errors
+    /// [`GpuError::OutOfBounds`] (nothing copied), [`GpuError::Driver`].
+    pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<(), GpuError> {
+        let range = checked_range(offset, dst.len() as u64, self.len())?;
+        if range.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: `range` lies inside our allocation (checked), which lives as long as
+        // `self`; `dst` is a host slice of exactly that length that stays borrowed until
+        // the synchronize below has waited for the copy.
+        guarded("cuMemcpyDtoHAsync", || unsafe {
+            cu::memcpy_dtoh_async(dst, self.addr + range.start as u64, self.stream.cu_stream())
+        })?;
+        self.synchronize()
+    }
+
+    /// Copies `src` to the device at `offset`, and waits for it.
+    ///
+    /// # Errors
+    /// [`GpuError::OutOfBounds`] (nothing copied), [`GpuError::Driver`].
+    pub fn write_at(&self, offset: u64, src: &[u8]) -> Result<(), GpuError> {
+        let range = checked_range(offset, src.len() as u64, self.len())?;
+        if range.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: as in `read_at`, in the other direction; `src` stays borrowed until the
+        // copy is done.
+        guarded("cuMemcpyHtoDAsync", || unsafe {
+            cu::memcpy_htod_async(self.addr + range.start as u64, src, self.stream.cu_stream())
+        })?;
+        self.synchronize()
+    }
+
+    /// Copies `len` bytes from each `(src offset, dst offset)` pair of `pairs` into `dst`
+    /// with `cuMemcpyDtoDAsync`, all enqueued on this buffer's stream, then waits for them:
+    /// the device-to-device reference that GPU benchmarks compare transports against.
+    ///
+    /// # Errors
+    /// [`GpuError::TooManyBlocks`], [`GpuError::OutOfBounds`] (every pair is checked
+    /// before the first copy, so a bad plan copies nothing), [`GpuError::Driver`].
+    pub fn copy_to(
+        &self,
+        dst: &DeviceBuffer,
+        pairs: &[(u64, u64)],
+        len: u64,
+    ) -> Result<(), GpuError> {
+        if pairs.len() > COPIES_PER_CALL_MAX {
+            return Err(GpuError::TooManyBlocks {
+                count: pairs.len(),
+                max: COPIES_PER_CALL_MAX,
+            });
+        }
+        let bytes = usize::try_from(len).map_err(|_| GpuError::Overflow {
+            what: "copy length",
+        })?;
+        for &(from, to) in pairs {
+            checked_range(from, len, self.len())?;
+            checked_range(to, len, dst.len())?;
+        }
+        self.bind()?;
+        for &(from, to) in pairs {
+            // SAFETY: both ranges were checked to lie inside their allocations, which
+            // live until the synchronize below returns (we borrow both buffers).
+            guarded("cuMemcpyDtoDAsync", || unsafe {
+                cu::memcpy_dtod_async(
+                    dst.addr + to,
+                    self.addr + from,
+                    bytes,
+                    self.stream.cu_stream(),
+                )
+            })?;
+        }
+        self.synchronize()
+    }
+
+    /// Makes this buffer's context current on the calling thread (raw driver calls need it).
+    fn bind(&self) -> Result<(), GpuError> {
+        guarded("cuCtxSetCurrent", || self.stream.context().bind_to_thread())
     }
 
     /// Waits for the stream, then reports any error cudarc recorded on the way (its
@@ -86,35 +221,10 @@ impl KvBuffer for DeviceBuffer {
     }
 
     fn read_into(&self, offset: u64, dst: &mut [u8]) -> Result<(), GpuError> {
-        let range = checked_range(offset, dst.len() as u64, self.len())?;
-        if range.is_empty() {
-            return Ok(());
-        }
-        let out_of_bounds = out_of_bounds(offset, &range, self.len());
-        let view = self.slice.try_slice(range).ok_or(out_of_bounds)?;
-        guarded("cuMemcpyDtoHAsync", || self.stream.memcpy_dtoh(&view, dst))?;
-        self.synchronize()
+        self.read_at(offset, dst)
     }
 
     fn write_from(&mut self, offset: u64, src: &[u8]) -> Result<(), GpuError> {
-        let range = checked_range(offset, src.len() as u64, self.len())?;
-        if range.is_empty() {
-            return Ok(());
-        }
-        let out_of_bounds = out_of_bounds(offset, &range, self.len());
-        let stream = &self.stream;
-        let mut view = self.slice.try_slice_mut(range).ok_or(out_of_bounds)?;
-        guarded("cuMemcpyHtoDAsync", || stream.memcpy_htod(src, &mut view))?;
-        self.synchronize()
-    }
-}
-
-/// The error for a range cudarc refuses after [`checked_range`] accepted it: cannot
-/// happen, but is an error value rather than cudarc's `unwrap`.
-fn out_of_bounds(offset: u64, range: &std::ops::Range<usize>, buffer_len: usize) -> GpuError {
-    GpuError::OutOfBounds {
-        offset,
-        len: range.len() as u64,
-        buffer_len: buffer_len as u64,
+        self.write_at(offset, src)
     }
 }

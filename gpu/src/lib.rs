@@ -21,7 +21,10 @@
 //!   prefill block list with a decode block list.
 //! - [`buffer`] (`buffer.rs`): the [`KvBuffer`] trait, [`HostBuffer`] (page-aligned heap
 //!   memory), [`checksum_segments`] and [`copy_transfers`].
-//! - [`device`] (`device.rs`): [`DeviceBuffer`], CUDA memory through cudarc.
+//! - [`device`] (`device.rs`): [`DeviceBuffer`], CUDA memory through cudarc, with copies
+//!   through `&self` (a registered buffer is shared with a transport) and the
+//!   device-to-device reference copy [`DeviceBuffer::copy_to`];
+//!   [`bind_device_to_thread`] for a transport's I/O thread.
 //! - [`checksum`] (`checksum.rs`): [`Checksum64`] / [`checksum64`] and the
 //!   deterministic fill pattern.
 //! - `error.rs`: [`GpuError`], the crate's one error type.
@@ -49,7 +52,7 @@ pub use buffer::{
     checksum_segments, copy_transfers, HostBuffer, KvBuffer, HOST_ALIGN_BYTES, STAGING_BYTES_MAX,
 };
 pub use checksum::{checksum64, Checksum64};
-pub use device::DeviceBuffer;
+pub use device::{bind_device_to_thread, DeviceBuffer, DeviceContext, COPIES_PER_CALL_MAX};
 pub use error::GpuError;
 pub use layout::{
     coalesce, transfer_plan, KvLayout, KvShape, LayoutKind, Segment, Transfer,

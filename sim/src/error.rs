@@ -12,7 +12,7 @@ pub enum SimError {
     Runtime(#[from] handoff_actors::Error),
     /// A worker's region could not be allocated.
     #[error("region: {0}")]
-    HostRegion(#[from] handoff_transport::RegionError),
+    Region(#[from] handoff_transport::RegionError),
     /// The tokio runtime could not be built.
     #[error("tokio runtime: {0}")]
     Io(#[from] std::io::Error),

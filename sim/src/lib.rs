@@ -3,7 +3,7 @@
 //! It runs the *real* runtimes of the actors crate (root actors, request actors, sans-IO
 //! machines, ledgers) for many prefill and decode workers, each a rank of a TP × PP (× DP)
 //! engine, on one current-thread tokio runtime in paused time, over a simulated network,
-//! bootstrap server and data transport that move real bytes between [`HostRegion`]s.
+//! bootstrap server and data transport that move real bytes between [`Region`]s.
 //! Every fault is drawn from one seed, printed at the start; the same seed gives the same
 //! trace, bit for bit, and a failing run prints `replay: HANDOFF_SIM_SEED=<n>`.
 //!
@@ -40,7 +40,7 @@
 //! - [`cli`]: the `handoff sim` subcommand ([`cli::SimArgs`], [`cli::run`]) and the scale bench.
 //! - `panic`: the panic hook that tells injected panics from real ones.
 //!
-//! [`HostRegion`]: handoff_transport::HostRegion
+//! [`Region`]: handoff_transport::Region
 
 pub mod cli;
 pub mod config;

@@ -12,7 +12,7 @@
 //! cut off for longer than one heartbeat window, is reported with [`Inbox::peer_lost`] one
 //! window later, and sends to it fail with [`LinkError::PeerGone`] until it is back.
 //!
-//! The data transport moves real bytes between [`HostRegion`]s with RDMA semantics: once
+//! The data transport moves real bytes between [`Region`]s with RDMA semantics: once
 //! posted, a write or read lands when its transfer time is over whether or not the request
 //! that posted it still waits for it. At landing it checks that the destination blocks are
 //! still owned by the transfer's request; a transfer that lands in blocks their engine has
@@ -27,7 +27,7 @@ use handoff_actors::link::{
 };
 use handoff_actors::machine::{Outbound, Peer};
 use handoff_actors::{
-    BlockId, EngineId, Error as ActorError, FailureReason, HostRegion, RankInfo, RequestId, Role,
+    BlockId, EngineId, Error as ActorError, FailureReason, RankInfo, Region, RequestId, Role,
 };
 use tokio::sync::{oneshot, Notify};
 
@@ -56,7 +56,7 @@ struct Node {
     inc: u32,
     up: bool,
     inbox: Option<Inbox>,
-    region: Option<Arc<HostRegion>>,
+    region: Option<Arc<Region>>,
     pool: Option<Arc<Mutex<Pool>>>,
 }
 
@@ -293,13 +293,7 @@ impl SimNet {
     }
 
     /// Gives worker `idx` (incarnation `inc`) its memory before its runtime attaches.
-    pub fn set_memory(
-        &self,
-        idx: usize,
-        inc: u32,
-        region: Arc<HostRegion>,
-        pool: Arc<Mutex<Pool>>,
-    ) {
+    pub fn set_memory(&self, idx: usize, inc: u32, region: Arc<Region>, pool: Arc<Mutex<Pool>>) {
         let mut st = self.lock();
         let rank = st.ranks[idx].clone();
         if let Some(n) = st.nodes.get_mut(&rank) {
@@ -638,7 +632,7 @@ impl NetState {
                 );
             }
         }
-        match HostRegion::copy_blocks(&sr, src_blocks, &dr, dst_blocks) {
+        match Region::copy_blocks(&sr, src_blocks, &dr, dst_blocks) {
             Ok(()) => {
                 self.stats.transfers_ok += 1;
                 self.hash.bytes(&t.to_le_bytes());
@@ -828,7 +822,7 @@ impl Attach for SimAttach {
         rank: RankInfo,
         role: Role,
         inbox: Inbox,
-        region: Arc<HostRegion>,
+        region: Arc<Region>,
     ) -> Result<Arc<dyn Link>, ActorError> {
         let net = &self.0;
         let mut st = net.lock();

@@ -12,8 +12,8 @@ use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
 
 use handoff_actors::{
-    Attach, BlockId, EngineId, Error as ActorError, Event, HostRegion, RankInfo, ReceiverHandle,
-    ReceiverSpec, RequestId, Role, Runtime, SenderHandle, State, TransferMode, TransportChoice,
+    Attach, BlockId, EngineId, Error as ActorError, Event, RankInfo, ReceiverHandle, ReceiverSpec,
+    Region, RequestId, Role, Runtime, SenderHandle, State, TransferMode, TransportChoice,
 };
 
 use crate::config::{Scripted, SimConfig, Target};
@@ -61,7 +61,7 @@ struct Worker {
     mode: TransferMode,
     inc: u32,
     rt: Option<Runtime>,
-    region: Arc<HostRegion>,
+    region: Arc<Region>,
     pool: Arc<Mutex<Pool>>,
     handles: BTreeMap<u64, Handle>,
     waiters: VecDeque<Waiter>,
@@ -276,7 +276,7 @@ impl World {
         let attach: Arc<dyn Attach> = Arc::new(SimAttach(net.clone()));
         let mut workers = Vec::with_capacity(ranks.len());
         for (idx, (rank, role, mode)) in ranks.into_iter().enumerate() {
-            let region = Arc::new(HostRegion::new(s.blocks_per_worker, s.block_bytes)?);
+            let region = Arc::new(Region::new(s.blocks_per_worker, s.block_bytes)?);
             workers.push(Worker {
                 idx,
                 rank,
@@ -1378,7 +1378,7 @@ impl World {
         worker.inc += 1;
         // A new process: new memory, a new pool.
         let s = &self.cfg.shape;
-        match HostRegion::new(s.blocks_per_worker, s.block_bytes) {
+        match Region::new(s.blocks_per_worker, s.block_bytes) {
             Ok(r) => worker.region = Arc::new(r),
             Err(e) => return self.violate(Invariant::Api, None, format!("w{w}: {e}")),
         }

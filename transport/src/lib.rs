@@ -8,7 +8,7 @@
 //!
 //! # Layout
 //! - [`types`]: identities, ranks, blocks, [`types::FailureReason`].
-//! - [`region`]: block-addressed host memory ([`region::HostRegion`]), bounds-checked copies.
+//! - [`region`]: block-addressed host memory ([`region::Region`]), bounds-checked copies.
 //! - [`wire`]: frames, control messages, limits and wire errors.
 //! - [`codec`]: the one place that touches bincode (payload bytes to messages and back).
 //! - [`auth`]: optional HMAC-SHA256 frame authentication with a shared key.
@@ -28,7 +28,7 @@ pub mod ucx;
 pub mod wire;
 pub mod zmtp;
 
-pub use region::{HostRegion, RegionError};
+pub use region::{Region, RegionError};
 pub use types::{BlockId, EngineId, FailureReason, Rank, RankInfo, RequestId, Role, TransferMode};
 
 /// The version of the wire protocol this build speaks. A peer on another version is

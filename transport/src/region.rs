@@ -1,15 +1,24 @@
-//! Host memory regions cut into equal blocks: the memory the in-process transport moves
-//! bytes between, and what tests, examples and the simulator use as KV pools.
+//! Memory regions cut into equal blocks: a worker's KV pool as the runtime and its
+//! transports see it, in host memory or in CUDA device memory.
 //!
 //! A region is shared between the engine (which fills and reads blocks) and the runtime
 //! (which copies blocks on the engine's behalf), so it hands out copies and takes writes
 //! through `&self`. The contract that makes this sound is the one every KV-cache allocator
 //! already keeps: a block belongs to at most one live request at a time, so two writers
 //! never touch the same block at once.
+//!
+//! A device region ([`Region::on_device`]) is never dereferenced by the CPU: its block
+//! reads and writes are explicit copies through the driver ([`DeviceBuffer::read_at`],
+//! [`DeviceBuffer::write_at`]), and [`Region::host_ptr`], which the TCP transport moves
+//! bytes through, is an error ([`RegionError::NotHostMemory`]) for it. One-sided
+//! transports (UCX) register it by address and move its bytes on the device side.
 
 use std::cell::UnsafeCell;
 use std::ops::Range;
 use std::ptr::NonNull;
+use std::sync::Arc;
+
+use handoff_gpu::{DeviceBuffer, GpuError, KvBuffer, MemoryKind};
 
 use crate::types::BlockId;
 
@@ -51,6 +60,30 @@ pub enum RegionError {
         /// What differed.
         detail: String,
     },
+    /// A CPU access (`op`) to a region in device memory, which only copies through the
+    /// driver and one-sided transports can reach.
+    #[error("{op} needs host memory, but this region is CUDA memory on device {device}")]
+    NotHostMemory {
+        /// What was asked for.
+        op: &'static str,
+        /// The device the region is on.
+        device: u32,
+    },
+    /// A device region larger than the buffer it was made over.
+    #[error(
+        "{blocks} blocks of {block_bytes} bytes do not fit a device buffer of {buffer_len} bytes"
+    )]
+    DeviceTooSmall {
+        /// Blocks asked for.
+        blocks: u32,
+        /// Bytes per block asked for.
+        block_bytes: usize,
+        /// The buffer's length.
+        buffer_len: usize,
+    },
+    /// A copy to or from device memory failed in the driver.
+    #[error("device copy failed: {0}")]
+    Device(#[from] GpuError),
 }
 
 /// Where a region's bytes live.
@@ -63,13 +96,20 @@ enum Storage {
         ptr: NonNull<u8>,
         _keeper: Box<dyn Send + Sync>,
     },
+    /// CUDA device memory: reached only through the driver's copies, never dereferenced.
+    /// `_keeper` keeps whatever else the region depends on (a transport's registration).
+    Device {
+        buffer: Arc<DeviceBuffer>,
+        _keeper: Option<Box<dyn Send + Sync>>,
+    },
 }
 
-/// A block-addressed host memory region.
+/// A block-addressed memory region, in host or device memory.
 ///
-/// Made by [`HostRegion::new`] (zeroed heap memory) or [`HostRegion::from_external`]
-/// (memory owned by something else, e.g. a UCX allocation that peers can write directly).
-pub struct HostRegion {
+/// Made by [`Region::new`] (zeroed heap memory), [`Region::from_external`] (host memory
+/// owned by something else, e.g. a UCX allocation that peers can write directly) or
+/// [`Region::on_device`] (a CUDA allocation, e.g. an engine's KV cache).
+pub struct Region {
     storage: Storage,
     block_bytes: usize,
     blocks: u32,
@@ -77,21 +117,22 @@ pub struct HostRegion {
 
 // SAFETY: all access goes through raw byte copies of whole blocks; the module contract
 // (a block belongs to one live request at a time) keeps writers of one block exclusive.
-unsafe impl Sync for HostRegion {}
+unsafe impl Sync for Region {}
 // SAFETY: the region owns its bytes (or, for external memory, a `Send` keeper that keeps
 // them alive); moving it between threads moves that ownership.
-unsafe impl Send for HostRegion {}
+unsafe impl Send for Region {}
 
-impl std::fmt::Debug for HostRegion {
+impl std::fmt::Debug for Region {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HostRegion")
+        f.debug_struct("Region")
+            .field("memory", &self.memory_kind())
             .field("blocks", &self.blocks)
             .field("block_bytes", &self.block_bytes)
             .finish()
     }
 }
 
-impl HostRegion {
+impl Region {
     /// Allocates `blocks` zeroed blocks of `block_bytes` each.
     pub fn new(blocks: u32, block_bytes: usize) -> Result<Self, RegionError> {
         let total = Self::total_bytes(blocks, block_bytes)?;
@@ -134,6 +175,45 @@ impl HostRegion {
         })
     }
 
+    /// A region over the first `blocks × block_bytes` bytes of a CUDA allocation. The
+    /// region holds the buffer, so the memory lives at least as long as the region.
+    ///
+    /// # Errors
+    /// [`RegionError::BadSize`], [`RegionError::DeviceTooSmall`].
+    pub fn on_device(
+        buffer: Arc<DeviceBuffer>,
+        blocks: u32,
+        block_bytes: usize,
+    ) -> Result<Self, RegionError> {
+        Self::on_device_kept(buffer, blocks, block_bytes, None)
+    }
+
+    /// [`Region::on_device`], also holding `keeper` (e.g. a transport's handle that must
+    /// outlive every user of the region) until the region drops.
+    pub(crate) fn on_device_kept(
+        buffer: Arc<DeviceBuffer>,
+        blocks: u32,
+        block_bytes: usize,
+        keeper: Option<Box<dyn Send + Sync>>,
+    ) -> Result<Self, RegionError> {
+        let total = Self::total_bytes(blocks, block_bytes)?;
+        if total > buffer.len() {
+            return Err(RegionError::DeviceTooSmall {
+                blocks,
+                block_bytes,
+                buffer_len: buffer.len(),
+            });
+        }
+        Ok(Self {
+            storage: Storage::Device {
+                buffer,
+                _keeper: keeper,
+            },
+            block_bytes,
+            blocks,
+        })
+    }
+
     fn total_bytes(blocks: u32, block_bytes: usize) -> Result<usize, RegionError> {
         (blocks as usize)
             .checked_mul(block_bytes)
@@ -149,13 +229,54 @@ impl HostRegion {
         self.blocks as usize * self.block_bytes
     }
 
-    /// The first byte of the region, for transports that move bytes without a copy
-    /// through a `Vec` (socket reads and writes, RDMA). Every access through it must stay
-    /// inside [`HostRegion::len_bytes`] and follow the module's block-ownership contract.
-    pub fn as_ptr(&self) -> *mut u8 {
+    /// Where the bytes live.
+    pub fn memory_kind(&self) -> MemoryKind {
+        match &self.storage {
+            Storage::Owned(_) | Storage::External { .. } => MemoryKind::Host,
+            Storage::Device { .. } => MemoryKind::Cuda,
+        }
+    }
+
+    /// The device buffer under a device region (`None` for host memory).
+    pub fn device_buffer(&self) -> Option<&Arc<DeviceBuffer>> {
+        match &self.storage {
+            Storage::Device { buffer, .. } => Some(buffer),
+            Storage::Owned(_) | Storage::External { .. } => None,
+        }
+    }
+
+    /// The address of the first byte: a host pointer, or a `CUdeviceptr`. For
+    /// registration with a transport and for logs; never dereference it.
+    pub fn base_addr(&self) -> u64 {
+        match &self.storage {
+            Storage::Device { buffer, .. } => buffer.addr(),
+            Storage::Owned(_) | Storage::External { .. } => self.raw_host_ptr() as u64,
+        }
+    }
+
+    /// The first byte of a host region, for transports that move bytes without a copy
+    /// through a `Vec` (socket reads and writes). Every access through it must stay
+    /// inside [`Region::len_bytes`] and follow the module's block-ownership contract.
+    ///
+    /// # Errors
+    /// [`RegionError::NotHostMemory`] for a device region, which the CPU must not touch.
+    pub fn host_ptr(&self) -> Result<*mut u8, RegionError> {
+        match &self.storage {
+            Storage::Device { buffer, .. } => Err(RegionError::NotHostMemory {
+                op: "direct CPU access",
+                device: buffer.ordinal(),
+            }),
+            Storage::Owned(_) | Storage::External { .. } => Ok(self.raw_host_ptr()),
+        }
+    }
+
+    /// The host pointer of a host region; null for a device region (never dereferenced:
+    /// every caller matches on the storage first).
+    fn raw_host_ptr(&self) -> *mut u8 {
         match &self.storage {
             Storage::Owned(bytes) => UnsafeCell::raw_get(bytes.as_ptr()),
             Storage::External { ptr, .. } => ptr.as_ptr(),
+            Storage::Device { .. } => std::ptr::null_mut(),
         }
     }
 
@@ -188,12 +309,14 @@ impl HostRegion {
             .try_for_each(|b| self.block_range(*b).map(|_| ()))
     }
 
-    /// The address of byte `offset`. Callers pass offsets of checked block ranges.
+    /// The host address of byte `offset`. Callers pass offsets of checked block ranges of
+    /// host regions.
     fn ptr(&self, offset: usize) -> *mut u8 {
         debug_assert!(offset <= self.len_bytes());
+        debug_assert!(self.device_buffer().is_none());
         // SAFETY: callers pass offsets inside the region (from `block_range`), so the result
         // stays inside the allocation.
-        unsafe { self.as_ptr().add(offset) }
+        unsafe { self.raw_host_ptr().add(offset) }
     }
 
     /// Overwrites one block with `data` (exactly one block long).
@@ -205,8 +328,11 @@ impl HostRegion {
                 want: self.block_bytes,
             });
         }
-        // SAFETY: `range` is inside the region (checked above) and `data` is one block
-        // long; the block is owned by the caller's request (module contract).
+        if let Some(buffer) = self.device_buffer() {
+            return Ok(buffer.write_at(range.start as u64, data)?);
+        }
+        // SAFETY: `range` is inside the host region (checked above) and `data` is one
+        // block long; the block is owned by the caller's request (module contract).
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr(range.start), data.len()) };
         Ok(())
     }
@@ -215,7 +341,11 @@ impl HostRegion {
     pub fn read_block(&self, block: BlockId) -> Result<Vec<u8>, RegionError> {
         let range = self.block_range(block)?;
         let mut out = vec![0u8; self.block_bytes];
-        // SAFETY: `range` is inside the region; `out` is one block long.
+        if let Some(buffer) = self.device_buffer() {
+            buffer.read_at(range.start as u64, &mut out)?;
+            return Ok(out);
+        }
+        // SAFETY: `range` is inside the host region; `out` is one block long.
         unsafe {
             std::ptr::copy_nonoverlapping(self.ptr(range.start), out.as_mut_ptr(), out.len())
         };
@@ -223,11 +353,12 @@ impl HostRegion {
     }
 
     /// Copies `src_blocks` of `src` into `dst_blocks` of `dst`, pairwise. Every block of both
-    /// lists is checked before the first byte moves, so a bad list copies nothing.
+    /// lists is checked before the first byte moves, so a bad list copies nothing. Blocks
+    /// of a device region go through host memory, one block at a time.
     pub fn copy_blocks(
-        src: &HostRegion,
+        src: &Region,
         src_blocks: &[BlockId],
-        dst: &HostRegion,
+        dst: &Region,
         dst_blocks: &[BlockId],
     ) -> Result<(), RegionError> {
         if src.block_bytes != dst.block_bytes || src_blocks.len() != dst_blocks.len() {
@@ -243,6 +374,12 @@ impl HostRegion {
         }
         src.check_blocks(src_blocks)?;
         dst.check_blocks(dst_blocks)?;
+        if src.device_buffer().is_some() || dst.device_buffer().is_some() {
+            for (s, d) in src_blocks.iter().zip(dst_blocks) {
+                dst.write_block(*d, &src.read_block(*s)?)?;
+            }
+            return Ok(());
+        }
         for (s, d) in src_blocks.iter().zip(dst_blocks) {
             let (s, d) = (src.block_range(*s)?, dst.block_range(*d)?);
             // SAFETY: both ranges are inside their regions (checked); they cannot overlap
@@ -271,21 +408,20 @@ mod tests {
 
     #[test]
     fn copies_blocks_and_refuses_out_of_range_before_touching_anything() {
-        let a = HostRegion::new(4, 8).unwrap();
-        let b = HostRegion::new(4, 8).unwrap();
+        let a = Region::new(4, 8).unwrap();
+        let b = Region::new(4, 8).unwrap();
         a.write_block(BlockId(1), &[7; 8]).unwrap();
-        HostRegion::copy_blocks(&a, &[BlockId(1)], &b, &[BlockId(3)]).unwrap();
+        Region::copy_blocks(&a, &[BlockId(1)], &b, &[BlockId(3)]).unwrap();
         assert_eq!(b.read_block(BlockId(3)).unwrap(), vec![7; 8]);
-        let err =
-            HostRegion::copy_blocks(&a, &[BlockId(1), BlockId(1)], &b, &[BlockId(0), BlockId(4)]);
+        let err = Region::copy_blocks(&a, &[BlockId(1), BlockId(1)], &b, &[BlockId(0), BlockId(4)]);
         assert!(matches!(err, Err(RegionError::OutOfRange { .. })));
         assert_eq!(
             b.read_block(BlockId(0)).unwrap(),
             vec![0; 8],
             "nothing copied"
         );
-        assert!(HostRegion::new(0, 8).is_err());
-        assert!(HostRegion::new(u32::MAX, usize::MAX).is_err());
+        assert!(Region::new(0, 8).is_err());
+        assert!(Region::new(u32::MAX, usize::MAX).is_err());
     }
 
     #[test]
@@ -304,11 +440,13 @@ mod tests {
         let ptr = NonNull::new(backing.as_mut_ptr()).unwrap();
         let keeper = Box::new(Keeper(dropped.clone(), backing));
         // SAFETY: the keeper owns the 32 bytes and lives as long as the region.
-        let region = unsafe { HostRegion::from_external(ptr, 4, 8, keeper) }.unwrap();
+        let region = unsafe { Region::from_external(ptr, 4, 8, keeper) }.unwrap();
         region.write_block(BlockId(2), &[9; 8]).unwrap();
-        assert_eq!(region.as_ptr(), ptr.as_ptr());
+        assert_eq!(region.host_ptr(), Ok(ptr.as_ptr()));
+        assert_eq!(region.base_addr(), ptr.as_ptr() as u64);
+        assert_eq!(region.memory_kind(), MemoryKind::Host);
         // SAFETY: byte 16 is inside the 32-byte backing, which the keeper keeps alive.
-        assert_eq!(unsafe { *region.as_ptr().add(16) }, 9);
+        assert_eq!(unsafe { *ptr.as_ptr().add(16) }, 9);
         assert_eq!(region.len_bytes(), 32);
         drop(region);
         assert!(dropped.load(std::sync::atomic::Ordering::SeqCst));

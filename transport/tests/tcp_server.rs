@@ -11,7 +11,7 @@ use handoff_transport::auth::Key;
 use handoff_transport::data::{Access, AllowAll, DataError, Grants, RefusalCode};
 use handoff_transport::tcp::frame::{self, Header, Op, Segment, HEADER_BYTES};
 use handoff_transport::tcp::{DataClient, DataServer, ServerConfig, OP_BYTES_MAX};
-use handoff_transport::{BlockId, HostRegion, RankInfo, RequestId};
+use handoff_transport::{BlockId, RankInfo, Region, RequestId};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -27,8 +27,8 @@ async fn server(
     grants: Arc<dyn Grants>,
     key: Option<Key>,
     config: ServerConfig,
-) -> (DataServer, Arc<HostRegion>) {
-    let region = Arc::new(HostRegion::new(BLOCKS, BLOCK_BYTES).unwrap());
+) -> (DataServer, Arc<Region>) {
+    let region = Arc::new(Region::new(BLOCKS, BLOCK_BYTES).unwrap());
     let server = DataServer::bind_with(
         "127.0.0.1:0",
         Arc::clone(&region),
@@ -56,7 +56,7 @@ async fn client(server: &DataServer, key: Option<Key>) -> DataClient {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_then_read_a_permutation_with_matching_checksums() {
     let (server, remote) = server(Arc::new(AllowAll), None, ServerConfig::default()).await;
-    let local = HostRegion::new(BLOCKS, BLOCK_BYTES).unwrap();
+    let local = Region::new(BLOCKS, BLOCK_BYTES).unwrap();
     fill(&local, 7);
     let c = client(&server, None).await;
     let src = ids(0..BLOCKS);
@@ -65,7 +65,7 @@ async fn write_then_read_a_permutation_with_matching_checksums() {
         .await
         .unwrap();
     assert_eq!(checksum(&remote, &dst), checksum(&local, &src));
-    let back = HostRegion::new(BLOCKS, BLOCK_BYTES).unwrap();
+    let back = Region::new(BLOCKS, BLOCK_BYTES).unwrap();
     let order = Rng::new(2).permutation(BLOCKS);
     c.read(&RequestId::new("r"), &back, &dst, &order, deadline())
         .await
@@ -84,7 +84,7 @@ async fn write_then_read_a_permutation_with_matching_checksums() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_tasks_share_one_client() {
     let (server, remote) = server(Arc::new(AllowAll), None, ServerConfig::default()).await;
-    let local = Arc::new(HostRegion::new(BLOCKS, BLOCK_BYTES).unwrap());
+    let local = Arc::new(Region::new(BLOCKS, BLOCK_BYTES).unwrap());
     fill(&local, 3);
     let c = client(&server, None).await;
     let mut tasks = Vec::new();
@@ -117,7 +117,7 @@ async fn ungranted_and_out_of_range_blocks_are_refused_and_serving_goes_on() {
     grants.grant("r1", Access::Write, 0..8);
     grants.grant("r1", Access::Read, 8..16);
     let (server, remote) = server(grants, None, ServerConfig::default()).await;
-    let local = HostRegion::new(BLOCKS, BLOCK_BYTES).unwrap();
+    let local = Region::new(BLOCKS, BLOCK_BYTES).unwrap();
     fill(&local, 11);
     let c = client(&server, None).await;
     let r1 = RequestId::new("r1");
@@ -132,7 +132,7 @@ async fn ungranted_and_out_of_range_blocks_are_refused_and_serving_goes_on() {
     );
     assert_eq!(
         checksum(&remote, &[BlockId(8)]),
-        checksum(&HostRegion::new(1, BLOCK_BYTES).unwrap(), &[BlockId(0)])
+        checksum(&Region::new(1, BLOCK_BYTES).unwrap(), &[BlockId(0)])
     );
     // Another request has no grant at all.
     let err = c
@@ -231,7 +231,7 @@ async fn keys_must_match() {
         "{err}"
     );
     let c = client(&server, Some(key)).await;
-    let local = HostRegion::new(BLOCKS, BLOCK_BYTES).unwrap();
+    let local = Region::new(BLOCKS, BLOCK_BYTES).unwrap();
     fill(&local, 5);
     c.write(
         &RequestId::new("r"),
@@ -290,9 +290,9 @@ async fn expect_refusal_then_close(s: &mut TcpStream, code: RefusalCode) {
     assert_eq!(n, 0, "closed after a malformed frame");
 }
 
-async fn still_serves(server: &DataServer, remote: &HostRegion) {
+async fn still_serves(server: &DataServer, remote: &Region) {
     let c = client(server, None).await;
-    let local = HostRegion::new(BLOCKS, BLOCK_BYTES).unwrap();
+    let local = Region::new(BLOCKS, BLOCK_BYTES).unwrap();
     fill(&local, 99);
     c.write(
         &RequestId::new("ok"),
@@ -503,7 +503,7 @@ async fn a_dropped_server_fails_calls_promptly_and_a_dead_address_fails_to_conne
     let addr = server.local_addr().to_string();
     let c = client(&server, None).await;
     drop(server);
-    let local = HostRegion::new(BLOCKS, BLOCK_BYTES).unwrap();
+    let local = Region::new(BLOCKS, BLOCK_BYTES).unwrap();
     let started = Instant::now();
     // Dropping the server aborts its connection tasks asynchronously: a write already on
     // an open connection may still be served once. What must hold is that calls fail, and

@@ -14,7 +14,7 @@ use data_common::{
 };
 use handoff_transport::data::{Access, DataError, RefusalCode};
 use handoff_transport::tcp::{DataClient, DataServer};
-use handoff_transport::{BlockId, HostRegion, RankInfo, RequestId};
+use handoff_transport::{BlockId, RankInfo, Region, RequestId};
 
 const CHILD_ENV: &str = "HANDOFF_TCP_CHILD";
 const SLOW_ENV: &str = "HANDOFF_TCP_CHILD_SLOW_MS";
@@ -42,7 +42,7 @@ fn tcp_child_process_entry() {
 }
 
 async fn child_main() {
-    let region = Arc::new(HostRegion::new(BLOCKS, BLOCK_BYTES).unwrap());
+    let region = Arc::new(Region::new(BLOCKS, BLOCK_BYTES).unwrap());
     let grants = TableGrants::slow(
         std::env::var(SLOW_ENV)
             .ok()
@@ -110,7 +110,7 @@ async fn two_processes_push_and_pull_permuted_blocks_with_matching_checksums() {
     let c = DataClient::connect(&addr, RankInfo::single("prefill"), None, STEP)
         .await
         .unwrap();
-    let local = HostRegion::new(BLOCKS, BLOCK_BYTES).unwrap();
+    let local = Region::new(BLOCKS, BLOCK_BYTES).unwrap();
     fill(&local, 42);
     let r1 = RequestId::new("r1");
     let n = BLOCKS - 8;
@@ -199,7 +199,7 @@ async fn a_peer_killed_mid_transfer_fails_the_transfer_promptly() {
     let c = DataClient::connect(&addr, RankInfo::single("prefill"), None, STEP)
         .await
         .unwrap();
-    let local = Arc::new(HostRegion::new(BLOCKS, BLOCK_BYTES).unwrap());
+    let local = Arc::new(Region::new(BLOCKS, BLOCK_BYTES).unwrap());
     let transfer = {
         let (c, local) = (c.clone(), Arc::clone(&local));
         tokio::spawn(async move {

@@ -39,7 +39,7 @@ use std::time::Duration;
 use handoff_transport::auth::Key;
 use handoff_transport::wire::messages::{RegionDescriptor, WorkerRecord};
 use handoff_transport::zmtp::{Router, ZmtpError};
-use handoff_transport::{BlockId, EngineId, HostRegion, RankInfo, RequestId, Role};
+use handoff_transport::{BlockId, EngineId, RankInfo, Region, RequestId, Role};
 use tokio::sync::mpsc;
 
 pub use data::{Access, DataPlane, GrantTable};
@@ -233,7 +233,7 @@ impl Attach for NetTransport {
         rank: RankInfo,
         role: Role,
         inbox: Inbox,
-        _region: Arc<HostRegion>,
+        _region: Arc<Region>,
     ) -> Result<Arc<dyn Link>, Error> {
         if rank != self.rank || role != self.role {
             return Err(Error::Config(format!(

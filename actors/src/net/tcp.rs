@@ -9,7 +9,7 @@ use handoff_transport::auth::Key;
 use handoff_transport::data::DataError;
 use handoff_transport::tcp::{DataClient, DataServer};
 use handoff_transport::wire::messages::{RegionDescriptor, TransportKind};
-use handoff_transport::{BlockId, HostRegion, RankInfo, RequestId};
+use handoff_transport::{BlockId, RankInfo, Region, RequestId};
 
 use super::data::{DataPlane, GrantTable};
 use crate::link::TransferFuture;
@@ -30,7 +30,7 @@ pub const DATA_CLIENTS_MAX: usize = 1024;
 pub struct TcpDataPlane {
     server: DataServer,
     address: String,
-    region: Arc<HostRegion>,
+    region: Arc<Region>,
     me: RankInfo,
     key: Option<Key>,
     grants: Arc<GrantTable>,
@@ -43,7 +43,7 @@ impl TcpDataPlane {
     pub async fn bind(
         listen: &str,
         advertise_host: Option<&str>,
-        region: Arc<HostRegion>,
+        region: Arc<Region>,
         me: RankInfo,
         key: Option<Key>,
     ) -> Result<TcpDataPlane, DataError> {

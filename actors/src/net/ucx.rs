@@ -11,9 +11,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use handoff_gpu::DeviceBuffer;
 use handoff_transport::data::{DataError, UcxDataPlane, UcxPeer, UcxPlaneOptions};
 use handoff_transport::wire::messages::RegionDescriptor;
-use handoff_transport::{BlockId, HostRegion, RankInfo, RequestId};
+use handoff_transport::{BlockId, RankInfo, Region, RequestId};
 
 use super::data::{DataPlane, GrantTable};
 use crate::link::TransferFuture;
@@ -40,8 +41,31 @@ impl UcxPlane {
         })
     }
 
-    /// The region (UCX-allocated memory): give it to the runtime and the engine.
-    pub fn region(&self) -> Arc<HostRegion> {
+    /// Starts the UCX thread over the first `blocks` × `block_bytes` bytes of a CUDA
+    /// allocation (the engine's KV cache), registered as CUDA memory. Needs a UCX built
+    /// with CUDA (`HANDOFF_UCX_LIB`, e.g. the `libucx-cu12` wheel's `libucp.so`).
+    pub fn start_on_device(
+        buffer: Arc<DeviceBuffer>,
+        blocks: u32,
+        block_bytes: usize,
+        me: &RankInfo,
+    ) -> Result<UcxPlane, DataError> {
+        let plane = UcxDataPlane::start_on_device(
+            buffer,
+            blocks,
+            block_bytes,
+            me,
+            UcxPlaneOptions::default(),
+        )?;
+        Ok(UcxPlane {
+            plane: Arc::new(plane),
+            grants: Arc::default(),
+        })
+    }
+
+    /// The region (UCX-allocated host memory, or the registered device buffer): give it
+    /// to the runtime and the engine.
+    pub fn region(&self) -> Arc<Region> {
         self.plane.region().clone()
     }
 

@@ -1,7 +1,7 @@
 //! The data plane's common vocabulary: what the TCP and UCX transports share.
 //!
 //! The runtime moves KV blocks with one of two transports, both built on the shapes here:
-//! - [`crate::tcp`]: a framed TCP protocol with a server that serves one [`HostRegion`]
+//! - [`crate::tcp`]: a framed TCP protocol with a server that serves one [`Region`]
 //!   and checks every operation against the runtime's [`Grants`] before a byte moves.
 //! - [`ucx`]: [`UcxDataPlane`], one-sided RDMA through UCX on a dedicated thread.
 //!
@@ -24,7 +24,7 @@
 //! - [`plan`]: block lists to coalesced, size-bounded operations.
 //! - [`ucx`]: [`UcxDataPlane`] and its descriptor [`UcxPeer`].
 //!
-//! [`HostRegion`]: crate::region::HostRegion
+//! [`Region`]: crate::region::Region
 //! [`RegionDescriptor`]: crate::wire::RegionDescriptor
 
 pub mod plan;
@@ -265,6 +265,10 @@ pub enum DataError {
     /// A UCX call failed.
     #[error("UCX: {0}")]
     Ucx(#[from] UcxError),
+    /// A CUDA driver call failed, or there is no usable GPU (e.g. binding a device's context
+    /// to the UCX thread).
+    #[error("GPU: {0}")]
+    Gpu(#[from] handoff_gpu::GpuError),
     /// The UCX data plane's thread has stopped (it can no longer serve calls).
     #[error("UCX data plane thread stopped: {detail}")]
     PlaneStopped {

@@ -5,12 +5,21 @@
 //! async [`UcxDataPlane::write`]/[`UcxDataPlane::read`] send it a job through a bounded
 //! queue ([`UCX_JOBS_QUEUED_MAX`]) and await its answer.
 //!
-//! The memory is UCX's (`MemoryRegion::allocate`): on one host the shared-memory transports
-//! map it into peers directly, an order of magnitude faster than registered heap memory.
-//! The runtime sees it as an ordinary [`HostRegion`] ([`UcxDataPlane::region`]) over the
-//! very same bytes, so blocks the engine fills are the blocks peers read, without a copy.
-//! The region keeps the thread (and so the memory) alive: the memory is unmapped only
-//! after the plane and every clone of the region are dropped.
+//! Host memory is UCX's (`MemoryRegion::allocate`): on one host the shared-memory
+//! transports map it into peers directly, an order of magnitude faster than registered
+//! heap memory. Device memory is the engine's (a [`DeviceBuffer`], e.g. its KV cache),
+//! registered as `UCS_MEMORY_TYPE_CUDA` ([`UcxDataPlane::start_on_device`]): between
+//! processes on one GPU UCX moves it with `cuda_ipc`, and to or from host memory with
+//! `cuda_copy`. Either way the runtime sees an ordinary [`Region`]
+//! ([`UcxDataPlane::region`]) over the very same bytes, so blocks the engine fills are the
+//! blocks peers read, without a copy. The region keeps the thread (and so the
+//! registration) alive: the memory is unmapped only after the plane and every clone of
+//! the region are dropped, and a device buffer is released only after that.
+//!
+//! CUDA transports call the driver on the thread that drives UCX, so a plane whose memory
+//! is on a device binds that device's primary context to its thread first; a host plane
+//! that exchanges with peers' device memory names a device in
+//! [`UcxPlaneOptions::cuda_device`] for the same reason.
 //!
 //! Protection: a write is one-sided RDMA into the peer's memory, so no code of the peer
 //! runs per operation and no grant check can. What protects the peer is the remote key's
@@ -31,11 +40,12 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use handoff_gpu::{bind_device_to_thread, DeviceBuffer, DeviceContext, KvBuffer};
 use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 
 use super::plan;
 use super::DataError;
-use crate::region::HostRegion;
+use crate::region::Region;
 use crate::types::{BlockId, RankInfo, RequestId};
 use crate::ucx::{
     Context, ContextOptions, Direction, Endpoint, MemoryRegion, MemoryType, RemoteKey, Segment,
@@ -82,9 +92,10 @@ pub struct UcxPlaneOptions {
     /// UCX context options (shared memory under peer-failure handling and a short
     /// keepalive by default).
     pub context: ContextOptions,
-    /// Where the region lives. Only [`MemoryType::Host`] today; CUDA comes with the GPU
-    /// data path.
-    pub memory_type: MemoryType,
+    /// A CUDA device whose primary context the plane's thread makes current before it
+    /// starts UCX: for a host plane that reads or writes peers' device memory. A plane on
+    /// device memory binds its buffer's device whatever this says. Default: none.
+    pub cuda_device: Option<u32>,
     /// Time for the thread to start.
     pub start_timeout: Duration,
 }
@@ -93,7 +104,7 @@ impl Default for UcxPlaneOptions {
     fn default() -> Self {
         Self {
             context: ContextOptions::default(),
-            memory_type: MemoryType::Host,
+            cuda_device: None,
             start_timeout: UCX_START_TIMEOUT_DEFAULT,
         }
     }
@@ -141,6 +152,14 @@ impl Drop for PlaneThread {
     }
 }
 
+/// The memory a plane's thread registers.
+enum Memory {
+    /// Host memory UCX allocates, of this many bytes.
+    Allocate(usize),
+    /// The first `usize` bytes of a device buffer.
+    Device(Arc<DeviceBuffer>, usize),
+}
+
 /// What the thread reports once it is up.
 struct Ready {
     ptr: usize,
@@ -158,7 +177,7 @@ struct Ready {
 /// [`UcxDataPlane::write`] (push) and [`UcxDataPlane::read`] (pull), from any task.
 pub struct UcxDataPlane {
     thread: Arc<PlaneThread>,
-    region: Arc<HostRegion>,
+    region: Arc<Region>,
     me: UcxPeer,
     version: String,
 }
@@ -199,23 +218,74 @@ impl UcxDataPlane {
         me: &RankInfo,
         options: UcxPlaneOptions,
     ) -> Result<UcxDataPlane, DataError> {
-        if options.memory_type != MemoryType::Host {
-            return Err(DataError::Unsupported {
-                what: format!(
-                    "{:?} memory in the UCX data plane (host only for now)",
-                    options.memory_type
-                ),
-            });
-        }
         // Check the shape with the region's own rules before starting anything.
         let len = checked_len(blocks, block_bytes)?;
+        Self::launch(Memory::Allocate(len), blocks, block_bytes, me, options)
+    }
+
+    /// Starts the UCX thread over the first `blocks × block_bytes` bytes of a CUDA
+    /// allocation (an engine's KV cache, or one made for a test or benchmark), registered
+    /// as CUDA memory; the thread binds the buffer's device first. The plane keeps the
+    /// buffer alive until its registration is gone.
+    ///
+    /// Needs a UCX built with CUDA (e.g. the `libucx-cu12` wheel's, through
+    /// `HANDOFF_UCX_LIB`); another UCX refuses the registration with a named error.
+    pub fn start_on_device(
+        buffer: Arc<DeviceBuffer>,
+        blocks: u32,
+        block_bytes: usize,
+        me: &RankInfo,
+        options: UcxPlaneOptions,
+    ) -> Result<UcxDataPlane, DataError> {
+        let len = checked_len(blocks, block_bytes)?;
+        if len > buffer.len() {
+            return Err(DataError::Region(
+                crate::region::RegionError::DeviceTooSmall {
+                    blocks,
+                    block_bytes,
+                    buffer_len: buffer.len(),
+                },
+            ));
+        }
+        Self::launch(
+            Memory::Device(buffer, len),
+            blocks,
+            block_bytes,
+            me,
+            options,
+        )
+    }
+
+    fn launch(
+        memory: Memory,
+        blocks: u32,
+        block_bytes: usize,
+        me: &RankInfo,
+        options: UcxPlaneOptions,
+    ) -> Result<UcxDataPlane, DataError> {
+        let device = match &memory {
+            Memory::Device(buffer, _) => Some(Arc::clone(buffer)),
+            Memory::Allocate(_) => None,
+        };
+        let len = match &memory {
+            Memory::Allocate(len) | Memory::Device(_, len) => *len,
+        };
+        let cuda_device = device.as_ref().map(|b| b.ordinal()).or(options.cuda_device);
         let (ready_tx, ready_rx) = mpsc::sync_channel(1);
         let (tx, rx) = mpsc::channel();
         let context = options.context.clone();
         let name = format!("handoff-ucx-{me}");
         let spawned = std::thread::Builder::new()
             .name(name.chars().take(15).collect())
-            .spawn(move || thread_main(len, block_bytes, context, ready_tx, rx));
+            .spawn(move || {
+                let setup = Setup {
+                    memory,
+                    block_bytes,
+                    cuda_device,
+                    options: context,
+                };
+                thread_main(setup, ready_tx, rx)
+            });
         if let Err(e) = spawned {
             return Err(DataError::PlaneStopped {
                 detail: format!("cannot spawn the UCX thread: {e}"),
@@ -233,14 +303,20 @@ impl UcxDataPlane {
                 })
             }
         };
-        let ptr = NonNull::new(ready.ptr as *mut u8).ok_or_else(|| DataError::PlaneStopped {
-            detail: "UCX returned a null region".into(),
-        })?;
         let keeper: Box<dyn Send + Sync> = Box::new(Arc::clone(&thread));
-        // SAFETY: the thread mapped `len` bytes of host memory at `ptr` and unmaps them only
-        // after `Stop`, which is sent when the last `PlaneThread` handle drops, and `keeper`
-        // is one; nothing else holds Rust references to the memory.
-        let region = unsafe { HostRegion::from_external(ptr, blocks, block_bytes, keeper) }?;
+        let region = match device {
+            Some(buffer) => Region::on_device_kept(buffer, blocks, block_bytes, Some(keeper))?,
+            None => {
+                let ptr =
+                    NonNull::new(ready.ptr as *mut u8).ok_or_else(|| DataError::PlaneStopped {
+                        detail: "UCX returned a null region".into(),
+                    })?;
+                // SAFETY: the thread mapped `len` bytes of host memory at `ptr` and unmaps
+                // them only after `Stop`, which is sent when the last `PlaneThread` handle
+                // drops, and `keeper` is one; nothing else holds Rust references to them.
+                unsafe { Region::from_external(ptr, blocks, block_bytes, keeper) }?
+            }
+        };
         let me = UcxPeer {
             name: me.to_string(),
             worker_address: ready.worker_address,
@@ -263,7 +339,7 @@ impl UcxDataPlane {
     }
 
     /// The plane's memory as a block region: give it to the runtime as its KV pool.
-    pub fn region(&self) -> &Arc<HostRegion> {
+    pub fn region(&self) -> &Arc<Region> {
         &self.region
     }
 
@@ -420,12 +496,25 @@ fn check_peer(peer: &UcxPeer, remote: &[BlockId], block_bytes: usize) -> Result<
 
 // ---------------------------------------------------------------------- the thread
 
+/// What the thread is started with.
+struct Setup {
+    memory: Memory,
+    block_bytes: usize,
+    /// The device whose context the thread binds before starting UCX.
+    cuda_device: Option<u32>,
+    options: ContextOptions,
+}
+
 /// Everything the thread owns. The memory is `ManuallyDrop`: it is unmapped only on an
-/// orderly stop, never by an unwinding panic while a `HostRegion` may still point at it
-/// (its `Rc` on the context then also keeps the context alive).
+/// orderly stop, never by an unwinding panic while a `Region` may still point at it
+/// (its `Rc` on the context then also keeps the context alive). A device buffer is
+/// `ManuallyDrop` for the same reason: it is released only after its registration.
 struct State {
     worker: Worker,
     memory: ManuallyDrop<MemoryRegion>,
+    device: ManuallyDrop<Option<Arc<DeviceBuffer>>>,
+    /// The bound CUDA context, retained while the thread runs.
+    _cuda: Option<DeviceContext>,
     block_bytes: usize,
     endpoints: HashMap<Vec<u8>, Endpoint>,
     /// Keyed by (worker address, packed key, base, len).
@@ -433,13 +522,11 @@ struct State {
 }
 
 fn thread_main(
-    len: usize,
-    block_bytes: usize,
-    options: ContextOptions,
+    setup: Setup,
     ready: mpsc::SyncSender<Result<Ready, DataError>>,
     rx: mpsc::Receiver<Cmd>,
 ) {
-    let mut state = match setup(len, block_bytes, &options) {
+    let mut state = match start_ucx(setup) {
         Ok((state, up)) => {
             if ready.send(Ok(up)).is_err() {
                 // `start` gave up waiting: nobody can point at the memory; unmap it.
@@ -484,18 +571,38 @@ fn thread_main(
     teardown(state);
 }
 
-fn setup(
-    len: usize,
-    block_bytes: usize,
-    options: &ContextOptions,
-) -> Result<(State, Ready), DataError> {
-    let ctx = Context::with_options(options)?;
+fn start_ucx(setup: Setup) -> Result<(State, Ready), DataError> {
+    let Setup {
+        memory,
+        block_bytes,
+        cuda_device,
+        options,
+    } = setup;
+    // Before UCX starts: its CUDA transports look for a current context when they load.
+    let cuda = cuda_device.map(bind_device_to_thread).transpose()?;
+    let ctx = Context::with_options(&options)?;
     let worker = Worker::new(&ctx)?;
-    let memory = MemoryRegion::allocate(&ctx, len, MemoryType::Host)?;
-    // Zero it (UCX leaves it unspecified) and fault the pages in now, not in the first
-    // transfer.
-    // SAFETY: `len` bytes of host memory were just mapped at `as_ptr`; no one else has it yet.
-    unsafe { std::ptr::write_bytes(memory.as_ptr(), 0, len) };
+    let (memory, device) = match memory {
+        Memory::Allocate(len) => {
+            let memory = MemoryRegion::allocate(&ctx, len, MemoryType::Host)?;
+            // Zero it (UCX leaves it unspecified) and fault the pages in now, not in the
+            // first transfer.
+            // SAFETY: `len` bytes of host memory were just mapped at `as_ptr`; no one else
+            // has them yet.
+            unsafe { std::ptr::write_bytes(memory.as_ptr(), 0, len) };
+            (memory, None)
+        }
+        Memory::Device(buffer, len) => {
+            // SAFETY: `len` bytes of device memory (checked against the buffer's length)
+            // at the buffer's address stay allocated while `State::device` holds the
+            // buffer, which `teardown` releases only after unmapping; no Rust reference
+            // can point into device memory.
+            let memory = unsafe {
+                MemoryRegion::register(&ctx, buffer.addr() as *mut u8, len, MemoryType::Cuda)
+            }?;
+            (memory, Some(buffer))
+        }
+    };
     let worker_address = worker.address()?;
     let rkey = memory.pack_rkey()?;
     if worker_address.len() > DATA_DESCRIPTOR_BYTES_MAX || rkey.len() > REMOTE_KEY_BYTES_MAX {
@@ -517,6 +624,8 @@ fn setup(
     let state = State {
         worker,
         memory: ManuallyDrop::new(memory),
+        device: ManuallyDrop::new(device),
+        _cuda: cuda,
         block_bytes,
         endpoints: HashMap::new(),
         rkeys: HashMap::new(),
@@ -528,9 +637,11 @@ fn teardown(mut state: State) {
     // Keys before endpoints before memory before worker, as UCX wants.
     state.rkeys.clear();
     state.endpoints.clear();
-    // SAFETY: every `HostRegion` over this memory is gone (we got `Stop` or were never
+    // SAFETY: every `Region` over this memory is gone (we got `Stop` or were never
     // handed out), and no operation is in flight (each job waits for its own).
     unsafe { ManuallyDrop::drop(&mut state.memory) };
+    // SAFETY: dropped once, after the registration above is gone.
+    unsafe { ManuallyDrop::drop(&mut state.device) };
 }
 
 impl State {

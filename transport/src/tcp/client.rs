@@ -20,7 +20,7 @@ use super::{
 use crate::auth::Key;
 use crate::data::plan::{self, Plan};
 use crate::data::{Access, DataError, RefusalCode};
-use crate::region::HostRegion;
+use crate::region::Region;
 use crate::types::{BlockId, RankInfo, RequestId};
 
 /// One handshaken connection.
@@ -127,7 +127,7 @@ impl DataClient {
     pub async fn write(
         &self,
         request: &RequestId,
-        src_region: &HostRegion,
+        src_region: &Region,
         src: &[BlockId],
         dst: &[BlockId],
         deadline: Instant,
@@ -143,7 +143,7 @@ impl DataClient {
     pub async fn read(
         &self,
         request: &RequestId,
-        dst_region: &HostRegion,
+        dst_region: &Region,
         src: &[BlockId],
         dst: &[BlockId],
         deadline: Instant,
@@ -156,13 +156,15 @@ impl DataClient {
     /// Checks both block lists and cuts the transfer into operations.
     fn plan(
         &self,
-        local_region: &HostRegion,
+        local_region: &Region,
         local: &[BlockId],
         remote: &[BlockId],
         distinct_local: bool,
     ) -> Result<Plan, DataError> {
         plan::check_lists(local, remote)?;
         local_region.check_blocks(local)?;
+        // TCP moves bytes through the CPU: device memory goes over UCX.
+        local_region.host_ptr()?;
         let server = &self.inner.server;
         if local_region.block_bytes() as u64 != server.block_bytes {
             return Err(DataError::Mismatch {
@@ -198,7 +200,7 @@ impl DataClient {
     async fn run(
         &self,
         request: &RequestId,
-        region: &HostRegion,
+        region: &Region,
         plan: &Plan,
         access: Access,
         deadline: Instant,
@@ -383,10 +385,12 @@ impl Conn {
         &mut self,
         inner: &Inner,
         request: &RequestId,
-        region: &HostRegion,
+        region: &Region,
         plan: &Plan,
         access: Access,
     ) -> Result<(), DataError> {
+        // Kept as an address, not a pointer, so the futures below stay `Send`.
+        let host = region.host_ptr()? as usize;
         let base = self.seq;
         self.seq = self.seq.wrapping_add(plan.ops.len() as u32);
         let window = Semaphore::new(OPS_INFLIGHT_MAX);
@@ -418,7 +422,7 @@ impl Conn {
                         Op::Write,
                         pieces
                             .iter()
-                            .map(|p| IoSlice::new(unsafe { local(region, p.local, p.len) }))
+                            .map(|p| IoSlice::new(unsafe { local(host, p.local, p.len) }))
                             .collect(),
                     ),
                     Access::Read => (Op::Read, Vec::new()),
@@ -456,7 +460,7 @@ impl Conn {
                             .iter()
                             // SAFETY: inside `region` (checked by `plan`), and no two pieces
                             // overlap (`plan` refused a destination block listed twice).
-                            .map(|p| IoSliceMut::new(unsafe { local_mut(region, p.local, p.len) }))
+                            .map(|p| IoSliceMut::new(unsafe { local_mut(host, p.local, p.len) }))
                             .collect();
                         read_exact_vectored(r, &mut bufs).await.map_err(|e| io_error(peer, "receiving read data", e))?;
                     }
@@ -478,23 +482,22 @@ impl Conn {
     }
 }
 
-/// `len` bytes of `region` at `offset`.
+/// `len` bytes at `offset` of the host region whose first byte is at address `host`
+/// ([`Region::host_ptr`]).
 ///
 /// # Safety
-/// The range must lie inside the region, and the caller's request must own its blocks.
-unsafe fn local(region: &HostRegion, offset: usize, len: usize) -> &[u8] {
-    debug_assert!(offset + len <= region.len_bytes());
+/// The range must lie inside that region, which must outlive the slice, and the caller's
+/// request must own its blocks.
+unsafe fn local<'a>(host: usize, offset: usize, len: usize) -> &'a [u8] {
     // SAFETY: per the function's contract.
-    unsafe { std::slice::from_raw_parts(region.as_ptr().add(offset), len) }
+    unsafe { std::slice::from_raw_parts((host as *const u8).add(offset), len) }
 }
 
-/// `len` bytes of `region` at `offset`, to write into.
+/// `len` bytes at `offset` of the host region at `host`, to write into.
 ///
 /// # Safety
 /// As [`local`], and no other reference to the range may exist while this one lives.
-#[allow(clippy::mut_from_ref)]
-unsafe fn local_mut(region: &HostRegion, offset: usize, len: usize) -> &mut [u8] {
-    debug_assert!(offset + len <= region.len_bytes());
+unsafe fn local_mut<'a>(host: usize, offset: usize, len: usize) -> &'a mut [u8] {
     // SAFETY: per the function's contract.
-    unsafe { std::slice::from_raw_parts_mut(region.as_ptr().add(offset), len) }
+    unsafe { std::slice::from_raw_parts_mut((host as *mut u8).add(offset), len) }
 }

@@ -21,7 +21,7 @@ use super::{
 };
 use crate::auth::Key;
 use crate::data::{plan, Access, DataError, Grants, RefusalCode};
-use crate::region::HostRegion;
+use crate::region::Region;
 use crate::types::{BlockId, RankInfo, RequestId};
 
 /// How long the server tries to deliver an `Error` frame to a peer it is about to drop.
@@ -74,7 +74,7 @@ struct Counters {
 }
 
 struct Shared {
-    region: Arc<HostRegion>,
+    region: Arc<Region>,
     grants: Arc<dyn Grants>,
     me: RankInfo,
     key: Option<Key>,
@@ -119,7 +119,7 @@ impl DataServer {
     /// [`ServerConfig::default`]. `key`: peers must authenticate every frame with it.
     pub async fn bind(
         addr: &str,
-        region: Arc<HostRegion>,
+        region: Arc<Region>,
         grants: Arc<dyn Grants>,
         me: RankInfo,
         key: Option<Key>,
@@ -130,7 +130,7 @@ impl DataServer {
     /// [`DataServer::bind`] with explicit limits.
     pub async fn bind_with(
         addr: &str,
-        region: Arc<HostRegion>,
+        region: Arc<Region>,
         grants: Arc<dyn Grants>,
         me: RankInfo,
         key: Option<Key>,
@@ -140,6 +140,8 @@ impl DataServer {
             addr: addr.to_string(),
             detail,
         };
+        // The server copies through the CPU: device memory is served over UCX.
+        region.host_ptr()?;
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|e| bind_error(e.to_string()))?;
@@ -484,10 +486,13 @@ impl Conn<'_> {
     async fn write(&mut self, head: &Header, request: &RequestId) -> Result<(), End> {
         let rank = self.hello_rank()?;
         self.stage(head.data_len as usize).await?;
-        let region = &self.shared.region;
+        // An address, not a pointer, so this future stays `Send`.
+        let host = self.shared.region.host_ptr().map(|p| p as usize);
         let (segments, staging) = (&self.segments, &self.staging);
         let mut copied = false;
         let mut copy = || {
+            // `bind` refused a device region, so this is always a host pointer.
+            let Ok(host) = host else { return };
             let mut pos = 0usize;
             for seg in segments {
                 let len = seg.len as usize;
@@ -497,7 +502,7 @@ impl Conn<'_> {
                 unsafe {
                     std::ptr::copy_nonoverlapping(
                         staging[pos..pos + len].as_ptr(),
-                        region.as_ptr().add(seg.offset as usize),
+                        (host as *mut u8).add(seg.offset as usize),
                         len,
                     )
                 };
@@ -550,10 +555,13 @@ impl Conn<'_> {
         let rank = self.hello_rank()?;
         let total: usize = self.segments.iter().map(|s| s.len as usize).sum();
         self.staging.resize(total, 0);
-        let region = &self.shared.region;
+        // An address, not a pointer, so this future stays `Send`.
+        let host = self.shared.region.host_ptr().map(|p| p as usize);
         let (segments, staging) = (&self.segments, &mut self.staging);
         let mut copied = false;
         let mut copy = || {
+            // `bind` refused a device region, so this is always a host pointer.
+            let Ok(host) = host else { return };
             let mut pos = 0usize;
             for seg in segments {
                 let len = seg.len as usize;
@@ -561,7 +569,7 @@ impl Conn<'_> {
                 // long; the grant held around this call keeps the blocks readable.
                 unsafe {
                     std::ptr::copy_nonoverlapping(
-                        region.as_ptr().add(seg.offset as usize),
+                        (host as *mut u8).add(seg.offset as usize),
                         staging[pos..pos + len].as_mut_ptr(),
                         len,
                     )

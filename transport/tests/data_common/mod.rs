@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use handoff_gpu::checksum::fill_pattern;
 use handoff_gpu::Checksum64;
 use handoff_transport::data::{Access, Grants};
-use handoff_transport::{BlockId, HostRegion, RankInfo, RequestId};
+use handoff_transport::{BlockId, RankInfo, Region, RequestId};
 
 /// Grants kept in a table: (request, access) → blocks; optionally slow inside the copy.
 #[derive(Default)]
@@ -94,7 +94,7 @@ impl Rng {
 }
 
 /// Fills every block of `region` with the pattern of `seed` (block `b` at offset b × size).
-pub fn fill(region: &HostRegion, seed: u64) {
+pub fn fill(region: &Region, seed: u64) {
     let mut buf = vec![0u8; region.block_bytes()];
     for b in 0..region.blocks() {
         fill_pattern(&mut buf, seed, u64::from(b) * region.block_bytes() as u64);
@@ -103,7 +103,7 @@ pub fn fill(region: &HostRegion, seed: u64) {
 }
 
 /// Checksum of the listed blocks, in order.
-pub fn checksum(region: &HostRegion, blocks: &[BlockId]) -> u64 {
+pub fn checksum(region: &Region, blocks: &[BlockId]) -> u64 {
     let mut sum = Checksum64::new();
     for b in blocks {
         sum.update(&region.read_block(*b).unwrap());

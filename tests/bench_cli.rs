@@ -1,0 +1,187 @@
+//! `handoff bench` as a user runs it: two real processes per point, every point's
+//! destination checked by checksum, results read back from `--json`.
+//!
+//! The host run needs no GPU (UCX rows where libucp loads). The `--memory cuda` runs
+//! need a GPU and a UCX built with CUDA (`HANDOFF_UCX_LIB`, the `libucx-cu12` wheel's
+//! `libucp.so`): they are the two-process same-GPU transfers (`cuda_ipc`) and GPU↔host.
+//! Without a GPU, `--memory cuda` must fail with a message naming what is missing.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use handoff_gpu::GpuError;
+use serde_json::Value;
+
+fn handoff() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_handoff"))
+}
+
+/// Small regions and few bytes per point: this checks behaviour, not speed.
+const SMALL: [&str; 8] = [
+    "--region-mib",
+    "8",
+    "--total-mib",
+    "8",
+    "--latency-iters",
+    "20",
+    "--seed",
+    "7",
+];
+
+fn run(args: &[&str], json: &Path) -> (Output, Option<Value>) {
+    let out = handoff()
+        .arg("bench")
+        .args(SMALL)
+        .args(["--no-perftest", "--json"])
+        .arg(json)
+        .args(args)
+        .output()
+        .unwrap();
+    let report = std::fs::read_to_string(json)
+        .ok()
+        .and_then(|text| serde_json::from_str(&text).ok());
+    (out, report)
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// Every point of `report` was verified, and `want` (transport, op) rows exist at every
+/// block size.
+fn check_points(report: &Value, want: &[(&str, &str)], log: &str) {
+    let points = report["points"].as_array().expect("points");
+    for p in points {
+        assert_eq!(p["verified"], Value::Bool(true), "{p}\n{log}");
+    }
+    for (transport, op) in want {
+        let rows = points
+            .iter()
+            .filter(|p| p["transport"] == *transport && p["op"] == *op)
+            .count();
+        assert_eq!(rows, 4, "{transport} {op}: {rows} rows\n{log}");
+    }
+}
+
+#[test]
+fn host_bench_verifies_every_point_against_the_memcpy_reference() {
+    let dir = tempdir();
+    let json = dir.join("host.json");
+    let (out, report) = run(&["--transport", "inproc,tcp"], &json);
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    let report = report.expect("a JSON report");
+    assert_eq!(report["reference"], "memcpy", "{log}");
+    check_points(
+        &report,
+        &[
+            ("memcpy", "copy"),
+            ("inproc", "write"),
+            ("inproc", "read"),
+            ("tcp", "write"),
+            ("tcp", "read"),
+        ],
+        &log,
+    );
+    // The reference's own ratio is 1, and every row has one.
+    for p in report["points"].as_array().unwrap() {
+        assert!(p["vs_reference"].as_f64().is_some(), "{p}");
+    }
+    assert!(log.contains("vs memcpy"), "{log}");
+}
+
+#[test]
+fn cuda_memory_refuses_transports_that_copy_through_the_cpu() {
+    let out = handoff()
+        .args(["bench", "--memory", "cuda", "--transport", "tcp"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("UCX only"), "{}", text(&out));
+}
+
+#[test]
+fn cuda_bench_without_a_gpu_names_what_is_missing() {
+    let reason = match handoff_gpu::probe() {
+        Ok(_) => {
+            eprintln!("a GPU is present: the GPU runs below cover --memory cuda");
+            return;
+        }
+        Err(e) => e,
+    };
+    let out = handoff()
+        .args(["bench", "--memory", "cuda", "--no-perftest"])
+        .output()
+        .unwrap();
+    let log = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{log}");
+    assert!(log.contains("--memory cuda needs a GPU"), "{log}");
+    assert!(log.contains(&reason.to_string()), "{log}");
+}
+
+/// The GPU, or `None` after saying why not (past the harness's output capture).
+fn gpu_with_cuda_ucx() -> Option<()> {
+    let reason = match handoff_gpu::probe() {
+        Ok(_) if std::env::var_os("HANDOFF_UCX_LIB").is_some() => return Some(()),
+        Ok(_) => "HANDOFF_UCX_LIB is not set: name a libucp built with CUDA".to_string(),
+        Err(e @ (GpuError::NoDriver { .. } | GpuError::NoDevice)) => e.to_string(),
+        Err(other) => panic!("CUDA probe failed with a driver present: {other}"),
+    };
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        use std::io::Write;
+        let line = format!("handoff bench: GPU runs skipped: {reason}\n");
+        let _ = std::io::stderr().write_all(line.as_bytes());
+    });
+    None
+}
+
+#[test]
+fn cuda_bench_moves_device_memory_between_two_processes_on_one_gpu() {
+    let Some(()) = gpu_with_cuda_ucx() else {
+        return;
+    };
+    let dir = tempdir();
+    let json = dir.join("cuda.json");
+    let (out, report) = run(&["--memory", "cuda"], &json);
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    let report = report.expect("a JSON report");
+    assert_eq!(report["reference"], "cuda_memcpy", "{log}");
+    check_points(
+        &report,
+        &[("cuda_memcpy", "dtod"), ("ucx", "write"), ("ucx", "read")],
+        &log,
+    );
+    eprintln!("{log}");
+}
+
+#[test]
+fn cuda_bench_moves_blocks_between_a_gpu_and_host_memory() {
+    let Some(()) = gpu_with_cuda_ucx() else {
+        return;
+    };
+    let dir = tempdir();
+    let json = dir.join("cuda-host.json");
+    let (out, report) = run(&["--memory", "cuda", "--peer-memory", "host"], &json);
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    check_points(
+        &report.expect("a JSON report"),
+        &[("ucx", "write"), ("ucx", "read")],
+        &log,
+    );
+}
+
+/// A fresh directory under the target dir (no tempfile crate needed).
+fn tempdir() -> std::path::PathBuf {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("handoff-bench-cli-{}-{n}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}

@@ -29,6 +29,7 @@ use handoff_actors::{
     Timeouts, TransferMode, TransportChoice,
 };
 use handoff_gpu::checksum::{checksum64, fill_pattern};
+use handoff_gpu::DeviceBuffer;
 use serde_json::json;
 
 /// Which side.
@@ -49,6 +50,16 @@ pub enum TransportArg {
     Ucx,
     /// TCP: the built-in transport, every write checked against its grant on arrival.
     Tcp,
+}
+
+/// Where the KV pool lives.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum MemoryArg {
+    /// Host memory.
+    Host,
+    /// CUDA device memory on `--cuda-device`, registered with UCX (a UCX built with
+    /// CUDA: `HANDOFF_UCX_LIB`, e.g. the `libucx-cu12` wheel's).
+    Cuda,
 }
 
 /// Push or pull.
@@ -92,6 +103,15 @@ pub struct WorkerArgs {
     /// The data plane.
     #[arg(long, value_enum, default_value_t = TransportArg::Auto)]
     pub transport: TransportArg,
+    /// Where the KV pool lives. `cuda` needs `--transport ucx` or `auto` (TCP copies
+    /// through the CPU) and a UCX built with CUDA.
+    #[arg(long, value_enum, default_value_t = MemoryArg::Host)]
+    pub memory: MemoryArg,
+    /// The CUDA device: it holds the pool with `--memory cuda`; with host memory over
+    /// UCX, naming one binds the UCX thread to it, so that it can reach peers' device
+    /// memory.
+    #[arg(long)]
+    pub cuda_device: Option<u32>,
     /// Data-parallel rank and size.
     #[arg(long, default_value_t = 0)]
     pub dp_rank: u32,
@@ -307,8 +327,28 @@ async fn data_plane(
     rank: &RankInfo,
     key: Option<handoff_actors::bootstrap::Key>,
 ) -> Result<(Arc<Region>, Arc<dyn DataPlane>, &'static str), String> {
+    if a.memory == MemoryArg::Cuda {
+        if a.transport == TransportArg::Tcp {
+            return Err(
+                "--memory cuda needs --transport ucx or auto: TCP copies through the CPU".into(),
+            );
+        }
+        let device = a.cuda_device.unwrap_or(0);
+        let len = a.pool_blocks as usize * a.block_bytes;
+        let buffer = DeviceBuffer::alloc_zeroed(device, len).map_err(|e| {
+            format!("--memory cuda: KV pool of {len} bytes on device {device}: {e}")
+        })?;
+        let plane = UcxPlane::start_on_device(Arc::new(buffer), a.pool_blocks, a.block_bytes, rank)
+            .map_err(|e| format!("UCX data plane on device memory: {e}"))?;
+        tracing::info!(
+            version = plane.version(),
+            device,
+            "data plane: UCX, KV pool in device memory"
+        );
+        return Ok((plane.region(), Arc::new(plane), "ucx"));
+    }
     if a.transport != TransportArg::Tcp {
-        match UcxPlane::start(a.pool_blocks, a.block_bytes, rank) {
+        match UcxPlane::start_with(a.pool_blocks, a.block_bytes, rank, a.cuda_device) {
             Ok(plane) => {
                 tracing::info!(version = plane.version(), "data plane: UCX");
                 return Ok((plane.region(), Arc::new(plane), "ucx"));

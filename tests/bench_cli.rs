@@ -12,8 +12,14 @@ use std::process::{Command, Output};
 use handoff_gpu::GpuError;
 use serde_json::Value;
 
+/// The binary under test: `HANDOFF_BIN` when set (`scripts/gpu-check.sh run` carries a
+/// release build to a GPU machine, where the build's own path does not exist), else the
+/// one cargo built for this test.
 fn handoff() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_handoff"))
+    match std::env::var_os("HANDOFF_BIN") {
+        Some(bin) => Command::new(bin),
+        None => Command::new(env!("CARGO_BIN_EXE_handoff")),
+    }
 }
 
 /// Small regions and few bytes per point: this checks behaviour, not speed.

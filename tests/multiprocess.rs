@@ -21,7 +21,10 @@ struct Proc {
 
 impl Proc {
     fn spawn(name: &str, args: &[&str]) -> Proc {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_handoff"))
+        // `HANDOFF_BIN` where a prebuilt binary is carried to another machine (a GPU's).
+        let bin =
+            std::env::var_os("HANDOFF_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_handoff").into());
+        let mut child = Command::new(bin)
             .args(args)
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
@@ -157,19 +160,21 @@ fn kinds(ends: &[Value]) -> Vec<String> {
 }
 
 fn hands_over_across_processes(mode: &str, transport: &str) {
-    let (_boot, addr) = bootstrap();
-    let p_args = ["--requests", "8", "--serve", "--transport", transport];
-    let _p = worker("prefill", "prefill", "P", &addr, &p_args);
-    let d_args = [
-        "--requests",
-        "8",
-        "--prefill",
-        "P",
-        "--mode",
+    hands_over_with(
         mode,
-        "--transport",
-        transport,
-    ];
+        &["--transport", transport],
+        &["--transport", transport],
+    );
+}
+
+/// Eight requests from prefill (`p_extra`) to decode (`d_extra`), every one verified.
+fn hands_over_with(mode: &str, p_extra: &[&str], d_extra: &[&str]) {
+    let (_boot, addr) = bootstrap();
+    let mut p_args = vec!["--requests", "8", "--serve"];
+    p_args.extend_from_slice(p_extra);
+    let _p = worker("prefill", "prefill", "P", &addr, &p_args);
+    let mut d_args = vec!["--requests", "8", "--prefill", "P", "--mode", mode];
+    d_args.extend_from_slice(d_extra);
     let d = worker("decode", "decode", "D", &addr, &d_args);
     let (ends, summary) = d.ends();
     assert_eq!(summary["done"], 8, "{ends:?}");
@@ -210,6 +215,70 @@ fn requests_are_handed_over_between_processes_over_ucx_in_pull_mode() {
     if ucx_available() {
         hands_over_across_processes("pull", "ucx");
     }
+}
+
+/// A GPU and a UCX built with CUDA (`HANDOFF_UCX_LIB`), or `None` after saying why not.
+fn gpu_with_cuda_ucx() -> Option<()> {
+    let why = match handoff_gpu::probe() {
+        Ok(_) if std::env::var_os("HANDOFF_UCX_LIB").is_some() => return Some(()),
+        Ok(_) => "HANDOFF_UCX_LIB is not set: name a libucp built with CUDA".to_string(),
+        Err(e) => e.to_string(),
+    };
+    use std::io::Write;
+    let line = format!("skipping a GPU test: {why}\n");
+    let _ = std::io::stderr().write_all(line.as_bytes());
+    None
+}
+
+/// Both KV pools in device memory on one GPU: UCX moves the blocks between the two
+/// processes (`cuda_ipc`), and decode checks every block's bytes.
+#[test]
+fn requests_are_handed_over_between_gpu_workers_on_one_gpu() {
+    let Some(()) = gpu_with_cuda_ucx() else {
+        return;
+    };
+    let gpu = ["--transport", "ucx", "--memory", "cuda"];
+    hands_over_with("push", &gpu, &gpu);
+    hands_over_with("pull", &gpu, &gpu);
+}
+
+/// Prefill's pool on the GPU, decode's in host memory (its UCX thread bound to the GPU).
+#[test]
+fn requests_are_handed_over_from_a_gpu_worker_to_a_host_worker() {
+    let Some(()) = gpu_with_cuda_ucx() else {
+        return;
+    };
+    let gpu = ["--transport", "ucx", "--memory", "cuda"];
+    let host = ["--transport", "ucx", "--cuda-device", "0"];
+    hands_over_with("push", &gpu, &host);
+    hands_over_with("pull", &gpu, &host);
+}
+
+/// `--memory cuda` where it cannot work fails at start, saying why, and never hangs.
+#[test]
+fn a_gpu_worker_that_cannot_have_its_memory_says_why() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_handoff"))
+        .args([
+            "worker", "--role", "prefill", "--engine", "P", "--memory", "cuda",
+        ])
+        .args(["--transport", "tcp"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("TCP copies through the CPU"), "{stderr}");
+    let Err(reason) = handoff_gpu::probe() else {
+        return; // with a GPU, the tests above cover a working device pool
+    };
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_handoff"))
+        .args([
+            "worker", "--role", "prefill", "--engine", "P", "--memory", "cuda",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains(&reason.to_string()), "{stderr}");
 }
 
 /// kill -9 of prefill mid-request: decode's requests end `Failed(peer lost)` within the

@@ -34,7 +34,22 @@ impl UcxPlane {
     /// With no loadable libucp this is `DataError::Ucx(LibraryNotFound ..)`
     /// ([`DataError::is_ucx_unavailable`]).
     pub fn start(blocks: u32, block_bytes: usize, me: &RankInfo) -> Result<UcxPlane, DataError> {
-        let plane = UcxDataPlane::start(blocks, block_bytes, me, UcxPlaneOptions::default())?;
+        Self::start_with(blocks, block_bytes, me, None)
+    }
+
+    /// [`UcxPlane::start`], binding the UCX thread to `cuda_device` (when given) so that it
+    /// can read and write peers' device memory.
+    pub fn start_with(
+        blocks: u32,
+        block_bytes: usize,
+        me: &RankInfo,
+        cuda_device: Option<u32>,
+    ) -> Result<UcxPlane, DataError> {
+        let options = UcxPlaneOptions {
+            cuda_device,
+            ..UcxPlaneOptions::default()
+        };
+        let plane = UcxDataPlane::start(blocks, block_bytes, me, options)?;
         Ok(UcxPlane {
             plane: Arc::new(plane),
             grants: Arc::default(),

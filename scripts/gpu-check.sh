@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 5, in two halves:
+#
+#   scripts/gpu-check.sh prepare   here (with cargo and the network): builds the release
+#                                  binary and the GPU test binaries, and unpacks UCX 1.22
+#                                  with CUDA (the libucx-cu12 wheel) into .carry/
+#   scripts/gpu-check.sh run       on the GPU machine (no cargo, no network), from the
+#                                  repository root with .carry/ carried: runs the GPU tests
+#                                  and `handoff bench --memory cuda`; logs go to $OUT (or
+#                                  .carry/out) as well as to the terminal.
+#
+# .carry/ is ignored by git. Everything in it is stripped to stay well under the device
+# tool's 64 MiB working-tree limit.
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+carry="$root/.carry"
+ucx_version="1.22.0"
+
+prepare() {
+    cd "$root"
+    rm -rf "$carry/bin" "$carry/ucx"
+    mkdir -p "$carry/bin" "$carry/ucx" "$carry/wheels"
+    cargo build --release --bin handoff
+    cp target/release/handoff "$carry/bin/handoff"
+    # The test binaries that exercise a GPU: the gpu crate's, the CUDA data plane's, and
+    # the bench CLI's (two processes on one GPU).
+    local built
+    built=$(cargo test --release --no-run --message-format=json \
+        -p handoff-gpu --test cuda \
+        -p handoff-transport --test data_ucx_cuda \
+        -p handoff --test bench_cli --test multiprocess 2>/dev/null |
+        python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable"):
+        print(m["target"]["name"], m["executable"])
+')
+    while read -r name exe; do
+        cp "$exe" "$carry/bin/test-$name"
+    done <<<"$built"
+    if ! ls "$carry"/wheels/libucx_cu12-"$ucx_version"-*.whl >/dev/null 2>&1; then
+        python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+            --implementation cp --platform manylinux_2_28_x86_64 \
+            -d "$carry/wheels" "libucx-cu12==$ucx_version"
+    fi
+    # Only the shared objects UCX loads (one name each), not the static archives or
+    # perftest's CUDA plugin.
+    python3 - "$carry"/wheels/libucx_cu12-"$ucx_version"-*.whl "$carry/ucx" <<'PY'
+import re, sys, zipfile
+wheel, dest = sys.argv[1], sys.argv[2]
+with zipfile.ZipFile(wheel) as z:
+    for name in z.namelist():
+        keep = re.search(r"libucx/lib/(ucx/)?lib[a-z_]+\.so\.0$", name) or \
+            name.startswith("libucx_cu12.libs/")
+        if keep and "perftest" not in name:
+            z.extract(name, dest)
+PY
+    strip --strip-debug "$carry"/bin/* 2>/dev/null || true
+    chmod +x "$carry"/bin/*
+    du -sh "$carry/bin" "$carry/ucx"
+    echo "ready: carry .carry/bin and .carry/ucx, then run: bash scripts/gpu-check.sh run"
+}
+
+run() {
+    cd "$root"
+    local out="${OUT:-$carry/out}"
+    mkdir -p "$out"
+    export HANDOFF_UCX_LIB="$carry/ucx/libucx/lib"
+    export HANDOFF_BIN="$carry/bin/handoff"
+    export LD_LIBRARY_PATH="$carry/ucx/libucx_cu12.libs:${LD_LIBRARY_PATH:-}"
+    export RUST_BACKTRACE=1
+    checks "$out" 2>&1 | tee "$out/gpu-check.log"
+    return "${PIPESTATUS[0]}"
+}
+
+checks() {
+    local out=$1 status=0
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
+    for t in "$carry"/bin/test-*; do
+        echo "== $(basename "$t")"
+        "$t" --test-threads=1 --nocapture || status=1
+    done
+    echo "== handoff bench --memory cuda"
+    "$HANDOFF_BIN" bench --memory cuda --no-perftest --json "$out/bench-cuda.json" || status=1
+    echo "== handoff bench --memory cuda --peer-memory host"
+    "$HANDOFF_BIN" bench --memory cuda --peer-memory host --quick \
+        --json "$out/bench-cuda-host.json" || status=1
+    echo "== gpu-check status $status"
+    return "$status"
+}
+
+case "${1:-}" in
+    prepare) prepare ;;
+    run) run ;;
+    *)
+        echo "usage: $0 prepare|run" >&2
+        exit 2
+        ;;
+esac

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{result as cu, CudaContext, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{result as cu, CudaContext, CudaStream};
 
 use crate::buffer::{checked_range, KvBuffer};
 use crate::probe::{device_count, guarded, init_driver};
@@ -60,7 +60,13 @@ fn primary_context(ordinal: u32) -> Result<Arc<CudaContext>, GpuError> {
     })
 }
 
-/// A CUDA device allocation that this type owns and frees (when dropped, on its stream).
+/// A CUDA device allocation (`cuMemAlloc`) that this type owns and frees (`cuMemFree`).
+///
+/// Plain `cuMemAlloc` memory, not a stream-ordered pool allocation (`cuMemAllocAsync`,
+/// which cudarc's own allocations use where the device supports it): PyTorch's caching
+/// allocator, and so an engine's KV cache, is `cudaMalloc` memory, and only that kind can
+/// be shared with another process through `cuIpcGetMemHandle`, which UCX's `cuda_ipc`
+/// transport uses between processes on one GPU.
 ///
 /// Allocated by GPU tests, examples, benchmarks and the worker's `--memory cuda`. Copies
 /// to and from it are synchronous: each returns once the bytes have landed, so callers
@@ -75,10 +81,11 @@ fn primary_context(ordinal: u32) -> Result<Arc<CudaContext>, GpuError> {
 /// different blocks sound.
 #[derive(Debug)]
 pub struct DeviceBuffer {
-    slice: CudaSlice<u8>,
+    /// The device address (`CUdeviceptr`) of `len` bytes we allocated.
+    addr: u64,
+    len: usize,
     stream: Arc<CudaStream>,
     ordinal: u32,
-    addr: u64,
 }
 
 impl DeviceBuffer {
@@ -94,18 +101,18 @@ impl DeviceBuffer {
             return Err(GpuError::EmptyBuffer);
         }
         let context = primary_context(ordinal)?;
-        let stream = context.default_stream();
-        let slice = guarded("cuMemAlloc", || stream.alloc_zeros::<u8>(len))?;
-        let addr = {
-            let (ptr, _record) = slice.device_ptr(&stream);
-            ptr
-        };
+        guarded("cuCtxSetCurrent", || context.bind_to_thread())?;
+        // SAFETY: a plain allocation in the current context (bound above); the pointer is
+        // owned by the buffer made just below, which frees it once, on drop.
+        let addr = guarded("cuMemAlloc", || unsafe { cu::malloc_sync(len) })?;
         let buffer = Self {
-            slice,
-            stream,
-            ordinal,
             addr,
+            len,
+            stream: context.default_stream(),
+            ordinal,
         };
+        // SAFETY: `len` bytes at `addr` were just allocated; nothing else uses them yet.
+        guarded("cuMemsetD8", || unsafe { cu::memset_d8_sync(addr, 0, len) })?;
         buffer.synchronize()?;
         Ok(buffer)
     }
@@ -207,13 +214,27 @@ impl DeviceBuffer {
     }
 }
 
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        // Finish any copy still queued on our stream, then free on the owning context.
+        let freed = self.bind().and_then(|()| self.synchronize()).and_then(|()| {
+            // SAFETY: `addr` came from `cuMemAlloc` in this context and is freed only here;
+            // the synchronize above waited for every copy this type enqueued.
+            guarded("cuMemFree", || unsafe { cu::free_sync(self.addr) })
+        });
+        if let Err(error) = freed {
+            tracing::warn!(%error, ordinal = self.ordinal, bytes = self.len, "freeing device memory failed");
+        }
+    }
+}
+
 impl KvBuffer for DeviceBuffer {
     fn memory_kind(&self) -> MemoryKind {
         MemoryKind::Cuda
     }
 
     fn len(&self) -> usize {
-        self.slice.len()
+        self.len
     }
 
     fn addr(&self) -> u64 {

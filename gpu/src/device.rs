@@ -217,11 +217,14 @@ impl DeviceBuffer {
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         // Finish any copy still queued on our stream, then free on the owning context.
-        let freed = self.bind().and_then(|()| self.synchronize()).and_then(|()| {
-            // SAFETY: `addr` came from `cuMemAlloc` in this context and is freed only here;
-            // the synchronize above waited for every copy this type enqueued.
-            guarded("cuMemFree", || unsafe { cu::free_sync(self.addr) })
-        });
+        let freed = self
+            .bind()
+            .and_then(|()| self.synchronize())
+            .and_then(|()| {
+                // SAFETY: `addr` came from `cuMemAlloc` in this context and is freed only here;
+                // the synchronize above waited for every copy this type enqueued.
+                guarded("cuMemFree", || unsafe { cu::free_sync(self.addr) })
+            });
         if let Err(error) = freed {
             tracing::warn!(%error, ordinal = self.ordinal, bytes = self.len, "freeing device memory failed");
         }

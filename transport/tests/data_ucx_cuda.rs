@@ -1,8 +1,8 @@
-//! The UCX data plane on CUDA memory, in one process: two planes on one GPU (device to
-//! device) and a device plane with a host plane (GPU to host and back), every transfer
-//! checked by checksums of the destination blocks, computed from copies back to the host.
-//! The two-process same-GPU case (`cuda_ipc`) is `tests/bench_cli.rs` at the workspace
-//! root, which runs `handoff bench --memory cuda`.
+//! The UCX data plane on CUDA memory between two processes (the test re-executes its
+//! own binary as a child, env `HANDOFF_CUDA_PLANE_CHILD`): device to device on one GPU
+//! (UCX's `cuda_ipc`), and device to host and back, every transfer checked by checksums
+//! of the destination blocks, computed from copies back to the host. Two processes, not
+//! two planes in one: `cuda_ipc` serves other processes only, as engines are.
 //!
 //! These tests need a GPU and a UCX built with CUDA, named by `HANDOFF_UCX_LIB` (the
 //! `libucx-cu12` wheel's `libucp.so`); without either they print why and return. With
@@ -14,15 +14,22 @@ mod data_common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use data_common::{checksum, fill, ids, Rng};
+use data_common::{
+    checksum, fill, format_ids, hex, ids, parse_ids, say, stdin_lines, unhex, ChildPeer, Rng,
+};
 use handoff_gpu::{DeviceBuffer, GpuError, MemoryKind};
-use handoff_transport::data::{DataError, UcxDataPlane, UcxPlaneOptions};
+use handoff_transport::data::{DataError, UcxDataPlane, UcxPeer, UcxPlaneOptions};
 use handoff_transport::region::RegionError;
+use handoff_transport::wire::{RegionDescriptor, TransportKind};
 use handoff_transport::{BlockId, RankInfo, Region, RequestId};
 
 const BLOCKS: u32 = 64;
 const BLOCK_BYTES: usize = 256 * 1024;
 const DEADLINE: Duration = Duration::from_secs(60);
+const STEP: Duration = Duration::from_secs(60);
+const CHILD_LIFETIME: Duration = Duration::from_secs(300);
+const CHILD_ENV: &str = "HANDOFF_CUDA_PLANE_CHILD";
+const PREFIX: &str = "CUDA_PLANE_CHILD ";
 
 /// Says once per test binary, past the harness's capture, why these tests do not run.
 fn skip(reason: &str) {
@@ -73,9 +80,81 @@ fn host_plane(name: &str, device: u32) -> UcxDataPlane {
         .unwrap_or_else(|e| panic!("UCX plane on host memory: {e}"))
 }
 
-/// Pushes every block of `a` to a permutation of `b`'s, then pulls them back into other
-/// positions of `a`, checking the bytes after each.
-async fn round_trip(a: &UcxDataPlane, b: &UcxDataPlane, seed: u64) {
+/// Not a test by itself: the child process's entry point (a no-op unless `CHILD_ENV`
+/// names its memory, `cuda` or `host`). It starts a plane, prints its descriptor, and
+/// answers `checksum <blocks>` and `exit` on stdin.
+#[test]
+fn cuda_plane_child_process_entry() {
+    let Some(memory) = std::env::var_os(CHILD_ENV) else {
+        return;
+    };
+    let plane = if memory == "cuda" {
+        device_plane("decode-child", 0)
+    } else {
+        host_plane("decode-child", 0)
+    };
+    let d = plane.descriptor();
+    say(
+        PREFIX,
+        &format!(
+            "ready {} {} {} {}",
+            hex(&d.worker_address),
+            hex(&d.region.remote_key),
+            d.region.base,
+            d.region.len
+        ),
+    );
+    let lines = stdin_lines();
+    let stop_at = Instant::now() + CHILD_LIFETIME;
+    while Instant::now() < stop_at {
+        let line = match lines.recv_timeout(Duration::from_millis(50)) {
+            Ok(line) => line,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+        };
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["checksum", list] => say(
+                PREFIX,
+                &format!("checksum {}", checksum(plane.region(), &parse_ids(list))),
+            ),
+            ["exit"] => break,
+            _ => say(PREFIX, &format!("error unknown command {line:?}")),
+        }
+    }
+    std::process::exit(0);
+}
+
+/// A child process with a plane in `memory` (`cuda` or `host`), and its descriptor.
+fn spawn_child(memory: &str) -> (ChildPeer, UcxPeer) {
+    let mut child = ChildPeer::spawn(
+        "cuda_plane_child_process_entry",
+        &[(CHILD_ENV, memory.into())],
+        PREFIX,
+    );
+    let ready = child.expect(STEP);
+    let words: Vec<&str> = ready.split_whitespace().collect();
+    let ["ready", address, rkey, base, len] = words.as_slice() else {
+        panic!("child said {ready:?}");
+    };
+    let peer = UcxPeer {
+        name: "decode-child".into(),
+        worker_address: unhex(address).unwrap(),
+        region: RegionDescriptor {
+            transport: TransportKind::Ucx,
+            address: "decode-child".into(),
+            remote_key: unhex(rkey).unwrap(),
+            base: base.parse().unwrap(),
+            len: len.parse().unwrap(),
+            block_bytes: BLOCK_BYTES as u64,
+        },
+    };
+    (child, peer)
+}
+
+/// Pushes half of `local`'s blocks to a permutation of the child's, checks the child's
+/// bytes, then pulls them back into the other half of `local` and checks those.
+async fn round_trip(local: &UcxDataPlane, child: &mut ChildPeer, peer: &UcxPeer, seed: u64) {
     let request = RequestId::new("cuda-round-trip");
     let half = BLOCKS / 2;
     let src = ids(0..half);
@@ -84,47 +163,52 @@ async fn round_trip(a: &UcxDataPlane, b: &UcxDataPlane, seed: u64) {
         .into_iter()
         .take(half as usize)
         .collect();
-    fill(a.region(), seed);
+    fill(local.region(), seed);
     let deadline = Instant::now() + DEADLINE;
-    a.write(&request, b.descriptor(), &src, &perm, deadline)
+    local
+        .write(&request, peer, &src, &perm, deadline)
         .await
         .unwrap_or_else(|e| panic!("write: {e}"));
+    let answer = child.ask(&format!("checksum {}", format_ids(&perm)), STEP);
     assert_eq!(
-        checksum(a.region(), &src),
-        checksum(b.region(), &perm),
+        answer,
+        format!("checksum {}", checksum(local.region(), &src)),
         "pushed blocks differ"
     );
-    // Pull them back into the other half of `a`.
     let back = ids(half..BLOCKS);
-    a.read(&request, b.descriptor(), &perm, &back, deadline)
+    local
+        .read(&request, peer, &perm, &back, deadline)
         .await
         .unwrap_or_else(|e| panic!("read: {e}"));
     assert_eq!(
-        checksum(a.region(), &src),
-        checksum(a.region(), &back),
+        checksum(local.region(), &src),
+        checksum(local.region(), &back),
         "pulled blocks differ"
     );
 }
 
+/// Two processes on one GPU: UCX's `cuda_ipc`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn device_to_device_on_one_gpu() {
+async fn device_to_device_between_two_processes_on_one_gpu() {
     let Some(device) = gpu() else { return };
-    let a = device_plane("prefill-gpu", device);
-    let b = device_plane("decode-gpu", device);
-    assert_eq!(a.region().memory_kind(), MemoryKind::Cuda);
-    eprintln!("{}", a.version());
-    round_trip(&a, &b, 11).await;
+    let local = device_plane("prefill-gpu", device);
+    assert_eq!(local.region().memory_kind(), MemoryKind::Cuda);
+    eprintln!("{}", local.version());
+    let (mut child, peer) = spawn_child("cuda");
+    round_trip(&local, &mut child, &peer, 11).await;
 }
 
+/// Device memory here, host memory in the other process, and the other way round.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn device_to_host_and_host_to_device() {
+async fn device_to_host_and_host_to_device_between_two_processes() {
     let Some(device) = gpu() else { return };
-    let gpu_side = device_plane("prefill-gpu", device);
-    let host_side = host_plane("decode-host", device);
-    assert_eq!(host_side.region().memory_kind(), MemoryKind::Host);
-    // The device plane drives both directions, then the host plane does.
-    round_trip(&gpu_side, &host_side, 12).await;
-    round_trip(&host_side, &gpu_side, 13).await;
+    let on_gpu = device_plane("prefill-gpu", device);
+    let (mut host_child, host_peer) = spawn_child("host");
+    round_trip(&on_gpu, &mut host_child, &host_peer, 12).await;
+    let on_host = host_plane("prefill-host", device);
+    assert_eq!(on_host.region().memory_kind(), MemoryKind::Host);
+    let (mut gpu_child, gpu_peer) = spawn_child("cuda");
+    round_trip(&on_host, &mut gpu_child, &gpu_peer, 13).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

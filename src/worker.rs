@@ -204,9 +204,13 @@ fn secs(s: f64) -> Duration {
     Duration::from_secs_f64(s.clamp(0.001, 1e7))
 }
 
-/// The bytes prefill writes into the `k`-th block of request `id`, and decode expects.
-fn pattern(id: &RequestId, k: usize, bytes: &mut [u8]) {
-    fill_pattern(bytes, checksum64(id.as_str().as_bytes()) ^ k as u64, 0);
+/// The bytes of the `k`-th block of request `id` that a worker holding `bytes.len()`
+/// bytes of each block as pipeline rank `pp_rank` holds: prefill writes them, decode
+/// expects them. Ranks hold consecutive slices of one whole-block pattern, so prefill
+/// pipeline ranks together fill a decode block, each with its own layers.
+fn pattern(id: &RequestId, k: usize, pp_rank: u32, bytes: &mut [u8]) {
+    let offset = u64::from(pp_rank) * bytes.len() as u64;
+    fill_pattern(bytes, checksum64(id.as_str().as_bytes()) ^ k as u64, offset);
 }
 
 fn rank_of(a: &WorkerArgs) -> RankInfo {
@@ -406,7 +410,7 @@ async fn drive(a: &WorkerArgs, rt: &Runtime, role: Role, mut plan: Plan) -> Exit
                     let (at, blocks) = opened.get(&id).cloned().unwrap_or((started, Vec::new()));
                     // Only decode can verify; prefill reports null.
                     let verified = (role == Role::Decode)
-                        .then(|| state == State::Done && verify(rt, &id, &blocks));
+                        .then(|| state == State::Done && verify(rt, a.pp_rank, &id, &blocks));
                     let (kind, reason) = match &state {
                         State::Done => ("done".to_string(), String::new()),
                         State::Failed(r) => (r.kind().to_string(), r.to_string()),
@@ -462,12 +466,12 @@ fn open(
         Role::Prefill => {
             let sender = rt.sender(id.clone()).map_err(|e| e.to_string())?;
             let region = rt.region().clone();
-            let (hold, id) = (Duration::from_millis(a.hold_ms), id.clone());
+            let (hold, id, pp_rank) = (Duration::from_millis(a.hold_ms), id.clone(), a.pp_rank);
             tokio::spawn(async move {
                 tokio::time::sleep(hold).await;
                 let mut bytes = vec![0u8; region.block_bytes()];
                 for (k, b) in blocks.iter().enumerate() {
-                    pattern(&id, k, &mut bytes);
+                    pattern(&id, k, pp_rank, &mut bytes);
                     if region.write_block(*b, &bytes).is_err() {
                         sender.abort();
                         return;
@@ -492,10 +496,10 @@ fn open(
     Ok(())
 }
 
-fn verify(rt: &Runtime, id: &RequestId, blocks: &[BlockId]) -> bool {
+fn verify(rt: &Runtime, pp_rank: u32, id: &RequestId, blocks: &[BlockId]) -> bool {
     let mut want = vec![0u8; rt.region().block_bytes()];
     blocks.iter().enumerate().all(|(k, b)| {
-        pattern(id, k, &mut want);
+        pattern(id, k, pp_rank, &mut want);
         rt.region().read_block(*b).is_ok_and(|got| got == want)
     })
 }

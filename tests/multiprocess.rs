@@ -217,6 +217,67 @@ fn requests_are_handed_over_between_processes_over_ucx_in_pull_mode() {
     }
 }
 
+/// Two prefill pipeline ranks, each holding half of every block (its layers), hand over
+/// to a decode worker holding whole blocks: each rank writes (push) or decode reads
+/// (pull) only that rank's half, and decode checks every byte of the whole blocks.
+fn pipeline_halves_meet_in_decode(mode: &str, transport: &str) {
+    let (_boot, addr) = bootstrap();
+    let mut prefill = Vec::new();
+    for pp_rank in ["0", "1"] {
+        let args = [
+            "--requests",
+            "6",
+            "--serve",
+            "--transport",
+            transport,
+            "--pp-size",
+            "2",
+            "--pp-rank",
+            pp_rank,
+            "--block-bytes",
+            "32768",
+        ];
+        prefill.push(worker(
+            &format!("prefill-pp{pp_rank}"),
+            "prefill",
+            "P",
+            &addr,
+            &args,
+        ));
+    }
+    let d_args = [
+        "--requests",
+        "6",
+        "--prefill",
+        "P",
+        "--mode",
+        mode,
+        "--transport",
+        transport,
+        "--block-bytes",
+        "65536",
+    ];
+    let d = worker("decode", "decode", "D", &addr, &d_args);
+    let (ends, summary) = d.ends();
+    assert_eq!(summary["done"], 6, "{mode} {transport}: {ends:?}");
+    assert_eq!(summary["corrupted"], 0, "{mode} {transport}: {ends:?}");
+    assert!(ends.iter().all(|e| e["verified"] == true), "{ends:?}");
+}
+
+#[test]
+fn pipeline_ranks_each_deliver_their_layers_over_tcp() {
+    pipeline_halves_meet_in_decode("push", "tcp");
+    pipeline_halves_meet_in_decode("pull", "tcp");
+}
+
+#[test]
+fn pipeline_ranks_each_deliver_their_layers_over_ucx() {
+    if ucx_available() {
+        pipeline_halves_meet_in_decode("push", "ucx");
+        pipeline_halves_meet_in_decode("pull", "ucx");
+    }
+}
+
 /// A GPU and a UCX built with CUDA (`HANDOFF_UCX_LIB`), or `None` after saying why not.
 fn gpu_with_cuda_ucx() -> Option<()> {
     let why = match handoff_gpu::probe() {

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use handoff_transport::{BlockId, EngineId, RankInfo, Region, RequestId, Role};
+use handoff_transport::{BlockId, BlockSlice, EngineId, RankInfo, Region, RequestId, Role};
 
 use crate::link::{Attach, Inbox, Link, LinkError, ResolveError, ResolveFuture, TransferFuture};
 use crate::machine::{Outbound, Peer};
@@ -139,7 +139,8 @@ pub struct InProcessLink {
 }
 
 /// Copies under the owner's grant: refused (and nothing copied) unless `peer` holds
-/// `access` to `checked` for request `id` in `grants`.
+/// `access` to `checked` for request `id` in `grants`. Between pipeline ranks only the
+/// layers both hold move ([`BlockSlice::for_ranks`]).
 #[allow(clippy::too_many_arguments)]
 fn copy_granted(
     grants: &GrantTable,
@@ -147,12 +148,18 @@ fn copy_granted(
     id: &RequestId,
     access: Access,
     checked: &[BlockId],
-    (from, from_blocks): (&Region, &[BlockId]),
-    (to, to_blocks): (&Region, &[BlockId]),
+    (from_rank, from, from_blocks): (&RankInfo, &Region, &[BlockId]),
+    (to_rank, to, to_blocks): (&RankInfo, &Region, &[BlockId]),
 ) -> Result<(), String> {
+    let slice = BlockSlice::for_ranks(from_rank, from.block_bytes(), to_rank, to.block_bytes())
+        .map_err(|e| format!("pipeline slice between {from_rank} and {to_rank}: {e}"))?;
+    let Some(slice) = slice else {
+        return Ok(()); // no layer in common: nothing to move
+    };
     let mut result = Ok(());
     grants.check_and_copy(peer, id, access, checked, &mut || {
-        result = Region::copy_blocks(from, from_blocks, to, to_blocks).map_err(|e| e.to_string());
+        result = Region::copy_block_slices(from, from_blocks, to, to_blocks, slice)
+            .map_err(|e| e.to_string());
     })?;
     result
 }
@@ -208,7 +215,7 @@ impl Link for InProcessLink {
         dst: Vec<BlockId>,
     ) -> TransferFuture {
         let target = self.fabric.region_of(to);
-        let (local, me, id) = (self.region.clone(), self.me.clone(), id.clone());
+        let (local, me, id, to) = (self.region.clone(), self.me.clone(), id.clone(), to.clone());
         Box::pin(async move {
             let (target, grants) = target?;
             copy_granted(
@@ -217,8 +224,8 @@ impl Link for InProcessLink {
                 &id,
                 Access::Write,
                 &dst,
-                (&local, &src),
-                (&target, &dst),
+                (&me, &local, &src),
+                (&to, &target, &dst),
             )
         })
     }
@@ -231,7 +238,12 @@ impl Link for InProcessLink {
         dst: Vec<BlockId>,
     ) -> TransferFuture {
         let source = self.fabric.region_of(from);
-        let (local, me, id) = (self.region.clone(), self.me.clone(), id.clone());
+        let (local, me, id, from) = (
+            self.region.clone(),
+            self.me.clone(),
+            id.clone(),
+            from.clone(),
+        );
         Box::pin(async move {
             let (source, grants) = source?;
             copy_granted(
@@ -240,8 +252,8 @@ impl Link for InProcessLink {
                 &id,
                 Access::Read,
                 &src,
-                (&source, &src),
-                (&local, &dst),
+                (&from, &source, &src),
+                (&me, &local, &dst),
             )
         })
     }

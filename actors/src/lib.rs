@@ -33,7 +33,8 @@ pub use config::{RuntimeConfig, TransportChoice};
 pub use error::Error;
 pub use event::Event;
 pub use handoff_transport::{
-    BlockId, EngineId, FailureReason, RankInfo, Region, RequestId, Role, TransferMode,
+    BlockId, BlockSlice, EngineId, FailureReason, PipelinePart, RankInfo, Region, RegionError,
+    RequestId, Role, TransferMode,
 };
 pub use inproc::Fabric;
 pub use link::{Attach, Inbox, Link};

@@ -420,3 +420,35 @@ fn a_prefill_rank_acknowledges_only_after_its_write_reported_back() {
     );
     assert!(m.is_settled());
 }
+
+/// The first message from decode is invalid (say, transfer info naming a region prefill
+/// cannot use): prefill fails, and tells that decode rank, which would otherwise wait out
+/// its whole deadline for a partner that has already given up.
+#[test]
+fn sender_failed_by_an_unpaired_peers_invalid_message_tells_that_peer() {
+    let t = Instant::now();
+    let d = rank("D", 0);
+    let mut m = SenderMachine::new(t, Timeouts::default());
+    m.handle(
+        t,
+        SenderEvent::Unexpected {
+            from: d.clone(),
+            what: "invalid message: peer blocks are 8 bytes, ours 4".into(),
+        },
+    );
+    let actions = drain_s(&mut m);
+    assert!(
+        actions.iter().any(|a| matches!(
+            a,
+            Action::Send { to, msg: Outbound::Abort { reason: FailureReason::Protocol { .. } } } if *to == d
+        )),
+        "{actions:?}"
+    );
+    assert!(
+        actions.iter().any(|a| matches!(
+            a,
+            Action::StateChanged(State::Failed(FailureReason::Protocol { .. }))
+        )),
+        "{actions:?}"
+    );
+}

@@ -6,10 +6,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use handoff_actors::link::TransferFuture;
-use handoff_actors::net::{DataPlane, GrantTable, NetConfig, NetTransport, StaticDirectory};
+use handoff_actors::net::{
+    DataPlane, GrantTable, NetConfig, NetTransport, PlaneTransfer, StaticDirectory,
+};
 use handoff_actors::{
-    BlockId, EngineId, FailureReason, RankInfo, ReceiverSpec, Region, RequestId, Role, Runtime,
-    State, Timeouts, TransportChoice,
+    BlockId, EngineId, FailureReason, RankInfo, ReceiverSpec, Region, Role, Runtime, State,
+    Timeouts, TransportChoice,
 };
 use handoff_transport::wire;
 use handoff_transport::wire::messages::{
@@ -38,26 +40,10 @@ impl DataPlane for NoData {
     fn grants(&self) -> &Arc<GrantTable> {
         &self.0
     }
-    fn write(
-        &self,
-        _: &RequestId,
-        _: &RankInfo,
-        _: &[u8],
-        _: &RegionDescriptor,
-        _: Vec<BlockId>,
-        _: Vec<BlockId>,
-    ) -> TransferFuture {
+    fn write(&self, _: PlaneTransfer<'_>) -> TransferFuture {
         Box::pin(async { Err("this test moves no data".to_string()) })
     }
-    fn read(
-        &self,
-        _: &RequestId,
-        _: &RankInfo,
-        _: &[u8],
-        _: &RegionDescriptor,
-        _: Vec<BlockId>,
-        _: Vec<BlockId>,
-    ) -> TransferFuture {
+    fn read(&self, _: PlaneTransfer<'_>) -> TransferFuture {
         Box::pin(async { Err("this test moves no data".to_string()) })
     }
 }

@@ -32,7 +32,17 @@ fn rank(engine: &str, pp: u32, pp_size: u32) -> RankInfo {
 }
 
 async fn start(fabric: &Arc<Fabric>, role: Role, rank: RankInfo, mode: TransferMode) -> Runtime {
-    let region = Arc::new(Region::new(BLOCKS, BLOCK_BYTES).unwrap());
+    start_with(fabric, role, rank, mode, BLOCK_BYTES).await
+}
+
+async fn start_with(
+    fabric: &Arc<Fabric>,
+    role: Role,
+    rank: RankInfo,
+    mode: TransferMode,
+    block_bytes: usize,
+) -> Runtime {
+    let region = Arc::new(Region::new(BLOCKS, block_bytes).unwrap());
     Runtime::builder(role, rank)
         .timeouts(timeouts())
         .mode(mode)
@@ -218,6 +228,82 @@ async fn sender_frees_blocks_at_ttl_when_decode_never_reads() {
 /// the request at different times (skew). The first rank to time out fails the request on
 /// every rank at once, as messages: no rank waits out its own timeout, nothing asserts,
 /// and each rank frees its blocks.
+/// Two prefill pipeline ranks each hold their layers, half of every block; decode holds
+/// whole blocks. Each rank's half lands in its place (push: each rank writes it; pull:
+/// decode reads it from each rank), and nothing else of decode's block is touched.
+async fn pipeline_halves_fill_whole_decode_blocks(mode: TransferMode) {
+    let fabric = Fabric::new();
+    let half = BLOCK_BYTES / 2;
+    let p0 = start_with(&fabric, Role::Prefill, rank("P", 0, 2), mode, half).await;
+    let p1 = start_with(&fabric, Role::Prefill, rank("P", 1, 2), mode, half).await;
+    let d = start(&fabric, Role::Decode, rank("D", 0, 1), mode).await;
+    let (src0, src1, dst) = (blocks(0..3), blocks(10..13), blocks(40..43));
+    for (k, (a, b)) in src0.iter().zip(&src1).enumerate() {
+        p0.region()
+            .write_block(*a, &vec![k as u8 + 1; half])
+            .unwrap();
+        p1.region()
+            .write_block(*b, &vec![k as u8 + 101; half])
+            .unwrap();
+    }
+    let r = d.receiver("r", spec("P", Some(dst.clone()))).unwrap();
+    let s0 = p0.sender("r").unwrap();
+    let s1 = p1.sender("r").unwrap();
+    s0.send(src0).unwrap();
+    s1.send(src1).unwrap();
+    assert_eq!(r.completion().await, State::Done);
+    assert_eq!(s0.completion().await, State::Done);
+    assert_eq!(s1.completion().await, State::Done);
+    for (k, b) in dst.iter().enumerate() {
+        let got = d.region().read_block(*b).unwrap();
+        assert_eq!(
+            &got[..half],
+            vec![k as u8 + 1; half],
+            "{mode:?}: block {b}, rank 0's half"
+        );
+        assert_eq!(
+            &got[half..],
+            vec![k as u8 + 101; half],
+            "{mode:?}: block {b}, rank 1's half"
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn pipeline_ranks_each_push_their_half_of_every_block() {
+    pipeline_halves_fill_whole_decode_blocks(TransferMode::Push).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn decode_pulls_each_pipeline_ranks_half_of_every_block() {
+    pipeline_halves_fill_whole_decode_blocks(TransferMode::Pull).await;
+}
+
+/// Pipeline ranks whose blocks do not add up to decode's (an uneven layer split, or a
+/// different model) fail the request by name instead of moving misplaced bytes.
+#[tokio::test(start_paused = true)]
+async fn pipeline_ranks_with_blocks_that_do_not_add_up_fail_by_name() {
+    let fabric = Fabric::new();
+    let mode = TransferMode::Push;
+    let p0 = start_with(&fabric, Role::Prefill, rank("P", 0, 2), mode, 64).await;
+    let p1 = start_with(&fabric, Role::Prefill, rank("P", 1, 2), mode, 64).await;
+    let d = start(&fabric, Role::Decode, rank("D", 0, 1), mode).await; // 256, not 128
+    let r = d.receiver("r", spec("P", Some(blocks(0..2)))).unwrap();
+    let s0 = p0.sender("r").unwrap();
+    let s1 = p1.sender("r").unwrap();
+    s0.send(blocks(0..2)).unwrap();
+    s1.send(blocks(0..2)).unwrap();
+    let on_decode = r.completion().await;
+    assert!(on_decode.failure().is_some(), "{on_decode}");
+    assert!(
+        format!("{on_decode}").contains("whole blocks differ"),
+        "{on_decode}"
+    );
+    for s in [s0, s1] {
+        assert!(s.completion().await.failure().is_some());
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn pipeline_ranks_that_disagree_in_time_fail_together() {
     let fabric = Fabric::new();

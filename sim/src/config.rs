@@ -123,6 +123,9 @@ impl Shape {
         if self.blocks_per_worker == 0 || self.block_bytes == 0 {
             return bad("workers need blocks of at least one byte");
         }
+        if self.block_bytes % self.pp as usize != 0 {
+            return bad("block bytes must split evenly across the prefill pipeline ranks");
+        }
         Ok(())
     }
 }

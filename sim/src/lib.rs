@@ -21,7 +21,9 @@
 //! - **no crash**: no panic anywhere but the injected ones (a panic hook records them).
 //! - **integrity**: a decode rank that ends `Done` holds exactly the bytes prefill wrote
 //!   (checked by checksum when its blocks are released to the engine), and no data transfer
-//!   lands in blocks their engine has taken back.
+//!   lands in blocks their engine has taken back. Prefill pipeline ranks each hold only
+//!   their slice of every block (`block_bytes / pp`), so with PP > 1 this also checks that
+//!   every rank's slice landed in its place.
 //! - **agreement**: a decode rank's `Done` is backed by its prefill ranks (push: each ended
 //!   `Done`; pull: each opened the request). The converse cannot be required: a final
 //!   message can be lost, so prefill `Done` with decode `Failed`, and ranks of one side

@@ -27,7 +27,8 @@ use handoff_actors::link::{
 };
 use handoff_actors::machine::{Outbound, Peer};
 use handoff_actors::{
-    BlockId, EngineId, Error as ActorError, FailureReason, RankInfo, Region, RequestId, Role,
+    BlockId, BlockSlice, EngineId, Error as ActorError, FailureReason, RankInfo, Region, RequestId,
+    Role,
 };
 use tokio::sync::{oneshot, Notify};
 
@@ -632,7 +633,19 @@ impl NetState {
                 );
             }
         }
-        match Region::copy_blocks(&sr, src_blocks, &dr, dst_blocks) {
+        // Between pipeline ranks only the layers both hold move.
+        let slice = BlockSlice::for_ranks(
+            &self.ranks[src.0],
+            sr.block_bytes(),
+            &self.ranks[dst.0],
+            dr.block_bytes(),
+        );
+        let copied = match slice {
+            Ok(Some(slice)) => Region::copy_block_slices(&sr, src_blocks, &dr, dst_blocks, slice),
+            Ok(None) => Ok(()),
+            Err(e) => Err(e),
+        };
+        match copied {
             Ok(()) => {
                 self.stats.transfers_ok += 1;
                 self.hash.bytes(&t.to_le_bytes());

@@ -13,10 +13,11 @@ use std::sync::{Arc, Mutex};
 
 use handoff_actors::{
     Attach, BlockId, EngineId, Error as ActorError, Event, RankInfo, ReceiverHandle, ReceiverSpec,
-    Region, RequestId, Role, Runtime, SenderHandle, State, TransferMode, TransportChoice,
+    Region, RegionError, RequestId, Role, Runtime, SenderHandle, State, TransferMode,
+    TransportChoice,
 };
 
-use crate::config::{Scripted, SimConfig, Target};
+use crate::config::{Scripted, Shape, SimConfig, Target};
 use crate::net::{req_index, SimAttach, SimNet};
 use crate::pool::Pool;
 use crate::report::{
@@ -185,9 +186,9 @@ fn rank_info(engine: &str, dp: (u32, u32), tp: (u32, u32), pp: (u32, u32)) -> Ra
     }
 }
 
-/// The bytes prefill writes into the `k`-th block of request `req` on tp rank `tp`. The
-/// same on every pp rank: every pipeline stage writes the same decode blocks (see the
-/// crate docs), so they must agree for the result to be checkable.
+/// The whole `k`-th block of request `req` on tp rank `tp`, as decode must end up
+/// holding it. A prefill pipeline rank holds only its layers: its slice of this pattern
+/// ([`pipeline_part`]), and writes only that slice of decode's block.
 fn pattern(req: u64, tp: u32, k: usize, block_bytes: usize) -> Vec<u8> {
     let mut rng = Rng::new(req.wrapping_mul(0x9e37_79b9) ^ (u64::from(tp) << 40) ^ k as u64);
     let mut out = Vec::with_capacity(block_bytes);
@@ -196,6 +197,21 @@ fn pattern(req: u64, tp: u32, k: usize, block_bytes: usize) -> Vec<u8> {
     }
     out.truncate(block_bytes);
     out
+}
+
+/// The slice of `whole` that pipeline rank `pp_rank` of `pp_size` holds.
+fn pipeline_part(whole: &[u8], pp_rank: u32, pp_size: u32) -> &[u8] {
+    let part = whole.len() / pp_size.max(1) as usize;
+    let start = part * pp_rank as usize;
+    &whole[start.min(whole.len())..(start + part).min(whole.len())]
+}
+
+/// A worker's region: each pipeline rank holds its share of every block.
+fn worker_region(shape: &Shape, rank: &RankInfo) -> Result<Region, RegionError> {
+    Region::new(
+        shape.blocks_per_worker,
+        shape.block_bytes / rank.pp_size.max(1) as usize,
+    )
 }
 
 fn expected_checksum(req: u64, tp: u32, blocks: usize, block_bytes: usize) -> u64 {
@@ -276,7 +292,7 @@ impl World {
         let attach: Arc<dyn Attach> = Arc::new(SimAttach(net.clone()));
         let mut workers = Vec::with_capacity(ranks.len());
         for (idx, (rank, role, mode)) in ranks.into_iter().enumerate() {
-            let region = Arc::new(Region::new(s.blocks_per_worker, s.block_bytes)?);
+            let region = Arc::new(worker_region(&s, &rank)?);
             workers.push(Worker {
                 idx,
                 rank,
@@ -820,9 +836,11 @@ impl World {
         };
         let tp = worker.rank.tp_rank;
         if worker.role == Role::Prefill {
+            let (pp_rank, pp_size) = (worker.rank.pp_rank, worker.rank.pp_size);
             for (k, b) in blocks.iter().enumerate() {
-                let bytes = pattern(req, tp, k, self.cfg.shape.block_bytes);
-                if let Err(e) = worker.region.write_block(*b, &bytes) {
+                let whole = pattern(req, tp, k, self.cfg.shape.block_bytes);
+                let bytes = pipeline_part(&whole, pp_rank, pp_size);
+                if let Err(e) = worker.region.write_block(*b, bytes) {
                     let detail = format!("w{w} could not fill block {b}: {e}");
                     return self.violate(Invariant::Api, Some(req), detail);
                 }
@@ -1378,7 +1396,7 @@ impl World {
         worker.inc += 1;
         // A new process: new memory, a new pool.
         let s = &self.cfg.shape;
-        match Region::new(s.blocks_per_worker, s.block_bytes) {
+        match worker_region(s, &worker.rank) {
             Ok(r) => worker.region = Arc::new(r),
             Err(e) => return self.violate(Invariant::Api, None, format!("w{w}: {e}")),
         }

@@ -312,3 +312,41 @@ fn a_long_partition_is_detected_as_lost_peers_and_healed() {
     assert!(report.net.peer_lost > 0, "{report}");
     assert!(report.safety.done > 0, "{report}");
 }
+
+// ----- pipeline parallelism -----
+
+/// Prefill pipeline ranks each hold their layers, a slice of every block, and each
+/// delivers only its slice: decode's whole blocks must come out exactly as the model's
+/// (the integrity invariant compares every byte), in push, pull and mixed modes, with 2
+/// and 4 stages, on both data planes.
+#[test]
+fn pipeline_ranks_each_deliver_their_slice_of_every_block() {
+    for (seed, pp, mode, plane) in [
+        (6001, 2, ModeChoice::Push, DataPlane::Fenced),
+        (6002, 2, ModeChoice::Pull, DataPlane::Fenced),
+        (6003, 4, ModeChoice::Mixed, DataPlane::Rdma),
+        (6004, 4, ModeChoice::Pull, DataPlane::Rdma),
+    ] {
+        let mut cfg = base(seed);
+        cfg.shape.pp = pp;
+        cfg.shape.mode = mode;
+        cfg.data_plane = plane;
+        let report = run(&cfg);
+        assert_eq!(report.safety.done, cfg.workload.requests, "{report}");
+        assert_eq!(report.liveness.done, cfg.workload.liveness_requests);
+    }
+}
+
+/// A block size that does not split evenly across the pipeline ranks is refused when the
+/// cluster is configured, by name.
+#[test]
+fn a_block_that_does_not_split_across_pipeline_ranks_is_refused() {
+    let mut cfg = base(6005);
+    cfg.shape.pp = 3;
+    cfg.shape.block_bytes = 32;
+    let err = simulate(&cfg)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(err.contains("split evenly"), "{err}");
+}

@@ -28,7 +28,7 @@ pub mod ucx;
 pub mod wire;
 pub mod zmtp;
 
-pub use region::{Region, RegionError};
+pub use region::{BlockSlice, PipelinePart, Region, RegionError};
 pub use types::{BlockId, EngineId, FailureReason, Rank, RankInfo, RequestId, Role, TransferMode};
 
 /// The version of the wire protocol this build speaks. A peer on another version is

@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use handoff_gpu::{DeviceBuffer, GpuError, KvBuffer, MemoryKind};
 
-use crate::types::BlockId;
+use crate::types::{BlockId, RankInfo};
 
 /// Largest region this type allocates: 64 GiB, more than one GPU's KV cache, so that a
 /// mistaken size fails with a named error instead of exhausting host memory.
@@ -84,6 +84,148 @@ pub enum RegionError {
     /// A copy to or from device memory failed in the driver.
     #[error("device copy failed: {0}")]
     Device(#[from] GpuError),
+}
+
+/// The part of a pipeline-parallel KV block that one rank holds.
+///
+/// With pipeline parallelism each rank holds its own layers of every block. Blocks are
+/// layer-major (`[layers, 2, tokens, heads, head_dim]`, as
+/// `handoff_gpu::LayoutKind::BlockContiguous`), so a rank's layers are one contiguous
+/// byte range of the whole block: rank `pp_rank` of `pp_size` holds `block_bytes` bytes at
+/// offset `pp_rank × block_bytes` of a whole block of `pp_size × block_bytes` bytes. Layers
+/// split evenly across ranks; an uneven split is refused by name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PipelinePart {
+    /// This rank's pipeline stage.
+    pub pp_rank: u32,
+    /// Pipeline stages.
+    pub pp_size: u32,
+    /// Bytes of each block this rank holds (its region's block size).
+    pub block_bytes: usize,
+}
+
+impl PipelinePart {
+    /// The byte range of a whole block this part holds.
+    fn range(&self) -> Result<Range<usize>, RegionError> {
+        let bad = || RegionError::Mismatch {
+            detail: format!(
+                "pipeline rank {} of {} with {}-byte blocks",
+                self.pp_rank, self.pp_size, self.block_bytes
+            ),
+        };
+        if self.pp_size == 0 || self.pp_rank >= self.pp_size || self.block_bytes == 0 {
+            return Err(bad());
+        }
+        let start = (self.pp_rank as usize)
+            .checked_mul(self.block_bytes)
+            .ok_or_else(bad)?;
+        let end = start.checked_add(self.block_bytes).ok_or_else(bad)?;
+        Ok(start..end)
+    }
+
+    /// Bytes in a whole block (every stage's part together).
+    fn whole_bytes(&self) -> Option<usize> {
+        (self.pp_size as usize).checked_mul(self.block_bytes)
+    }
+}
+
+/// Which bytes of each block a transfer moves: `len` bytes from `src_offset` of every
+/// source block to `dst_offset` of its destination block. Whole blocks
+/// ([`BlockSlice::whole`]) unless the two sides hold different pipeline parts of a block
+/// ([`BlockSlice::between`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BlockSlice {
+    /// Offset in each source block.
+    pub src_offset: usize,
+    /// Offset in each destination block.
+    pub dst_offset: usize,
+    /// Bytes moved per block.
+    pub len: usize,
+}
+
+impl BlockSlice {
+    /// Whole blocks of `block_bytes` on both sides.
+    pub fn whole(block_bytes: usize) -> Self {
+        Self {
+            src_offset: 0,
+            dst_offset: 0,
+            len: block_bytes,
+        }
+    }
+
+    /// The bytes of each block that a source holding `src` and a destination holding
+    /// `dst` have in common; `None` when they share no layer (nothing to move).
+    ///
+    /// # Errors
+    /// [`RegionError::Mismatch`] when the two sides disagree on the whole block's size
+    /// (different models, or layers not split evenly), or a part is malformed.
+    pub fn between(src: PipelinePart, dst: PipelinePart) -> Result<Option<Self>, RegionError> {
+        let (a, b) = (src.range()?, dst.range()?);
+        if src.whole_bytes() != dst.whole_bytes() {
+            return Err(RegionError::Mismatch {
+                detail: format!(
+                    "whole blocks differ: source holds {} bytes as pipeline rank {} of {}, destination {} bytes as rank {} of {} (layers must split evenly across pipeline ranks)",
+                    src.block_bytes, src.pp_rank, src.pp_size, dst.block_bytes, dst.pp_rank, dst.pp_size
+                ),
+            });
+        }
+        let (start, end) = (a.start.max(b.start), a.end.min(b.end));
+        Ok((start < end).then(|| Self {
+            src_offset: start - a.start,
+            dst_offset: start - b.start,
+            len: end - start,
+        }))
+    }
+
+    /// [`BlockSlice::between`] two ranks, each with its region's block size: `Ok(None)`
+    /// when they share no layer, `Ok(Some(whole))` between ranks without pipeline
+    /// parallelism.
+    ///
+    /// # Errors
+    /// Those of [`BlockSlice::between`].
+    pub fn for_ranks(
+        src: &RankInfo,
+        src_block_bytes: usize,
+        dst: &RankInfo,
+        dst_block_bytes: usize,
+    ) -> Result<Option<Self>, RegionError> {
+        let part = |rank: &RankInfo, block_bytes| PipelinePart {
+            pp_rank: rank.pp_rank,
+            pp_size: rank.pp_size,
+            block_bytes,
+        };
+        Self::between(part(src, src_block_bytes), part(dst, dst_block_bytes))
+    }
+
+    /// Checks that the slice lies inside blocks of `src_block_bytes` and `dst_block_bytes`.
+    ///
+    /// # Errors
+    /// [`RegionError::Mismatch`].
+    pub fn check(&self, src_block_bytes: usize, dst_block_bytes: usize) -> Result<(), RegionError> {
+        let fits = |offset: usize, block: usize| {
+            offset.checked_add(self.len).is_some_and(|end| end <= block)
+        };
+        if self.len == 0
+            || !fits(self.src_offset, src_block_bytes)
+            || !fits(self.dst_offset, dst_block_bytes)
+        {
+            return Err(RegionError::Mismatch {
+                detail: format!(
+                    "{} bytes from offset {} of {}-byte source blocks to offset {} of {}-byte destination blocks",
+                    self.len, self.src_offset, src_block_bytes, self.dst_offset, dst_block_bytes
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Whether this moves whole blocks of `block_bytes` on both sides.
+    pub fn is_whole(&self, src_block_bytes: usize, dst_block_bytes: usize) -> bool {
+        self.src_offset == 0
+            && self.dst_offset == 0
+            && self.len == src_block_bytes
+            && self.len == dst_block_bytes
+    }
 }
 
 /// Where a region's bytes live.
@@ -361,7 +503,34 @@ impl Region {
         dst: &Region,
         dst_blocks: &[BlockId],
     ) -> Result<(), RegionError> {
-        if src.block_bytes != dst.block_bytes || src_blocks.len() != dst_blocks.len() {
+        if src.block_bytes != dst.block_bytes {
+            return Err(RegionError::Mismatch {
+                detail: format!(
+                    "{}-byte blocks into {}-byte blocks",
+                    src.block_bytes, dst.block_bytes
+                ),
+            });
+        }
+        Self::copy_block_slices(
+            src,
+            src_blocks,
+            dst,
+            dst_blocks,
+            BlockSlice::whole(src.block_bytes),
+        )
+    }
+
+    /// [`Region::copy_blocks`] of one slice of every block (pipeline parallelism: each
+    /// rank holds a slice of every block; see [`BlockSlice::between`]).
+    pub fn copy_block_slices(
+        src: &Region,
+        src_blocks: &[BlockId],
+        dst: &Region,
+        dst_blocks: &[BlockId],
+        slice: BlockSlice,
+    ) -> Result<(), RegionError> {
+        slice.check(src.block_bytes, dst.block_bytes)?;
+        if src_blocks.len() != dst_blocks.len() {
             return Err(RegionError::Mismatch {
                 detail: format!(
                     "{} blocks of {} bytes into {} blocks of {} bytes",
@@ -374,18 +543,33 @@ impl Region {
         }
         src.check_blocks(src_blocks)?;
         dst.check_blocks(dst_blocks)?;
+        let whole = slice.is_whole(src.block_bytes, dst.block_bytes);
         if src.device_buffer().is_some() || dst.device_buffer().is_some() {
             for (s, d) in src_blocks.iter().zip(dst_blocks) {
-                dst.write_block(*d, &src.read_block(*s)?)?;
+                let from = src.read_block(*s)?;
+                let from = &from[slice.src_offset..slice.src_offset + slice.len];
+                if whole {
+                    dst.write_block(*d, from)?;
+                } else {
+                    let mut to = dst.read_block(*d)?;
+                    to[slice.dst_offset..slice.dst_offset + slice.len].copy_from_slice(from);
+                    dst.write_block(*d, &to)?;
+                }
             }
             return Ok(());
         }
         for (s, d) in src_blocks.iter().zip(dst_blocks) {
             let (s, d) = (src.block_range(*s)?, dst.block_range(*d)?);
-            // SAFETY: both ranges are inside their regions (checked); they cannot overlap
-            // unless src and dst are the same region and block, which copy (not
-            // copy_nonoverlapping) tolerates.
-            unsafe { std::ptr::copy(src.ptr(s.start), dst.ptr(d.start), src.block_bytes) };
+            // SAFETY: both blocks are inside their regions (checked) and the slice inside
+            // both blocks (`slice.check`); the ranges cannot overlap unless src and dst are
+            // the same region and block, which copy (not copy_nonoverlapping) tolerates.
+            unsafe {
+                std::ptr::copy(
+                    src.ptr(s.start + slice.src_offset),
+                    dst.ptr(d.start + slice.dst_offset),
+                    slice.len,
+                )
+            };
         }
         Ok(())
     }
@@ -422,6 +606,93 @@ mod tests {
         );
         assert!(Region::new(0, 8).is_err());
         assert!(Region::new(u32::MAX, usize::MAX).is_err());
+    }
+
+    #[test]
+    fn pipeline_parts_meet_where_their_layers_overlap() {
+        let part = |pp_rank, pp_size, block_bytes| PipelinePart {
+            pp_rank,
+            pp_size,
+            block_bytes,
+        };
+        // Two prefill stages of 32 bytes each into a 64-byte decode block.
+        assert_eq!(
+            BlockSlice::between(part(1, 2, 32), part(0, 1, 64)),
+            Ok(Some(BlockSlice {
+                src_offset: 0,
+                dst_offset: 32,
+                len: 32
+            }))
+        );
+        // Decode stage 0 reads its half from a whole prefill block.
+        assert_eq!(
+            BlockSlice::between(part(0, 1, 64), part(0, 2, 32)),
+            Ok(Some(BlockSlice {
+                src_offset: 0,
+                dst_offset: 0,
+                len: 32
+            }))
+        );
+        // 3 stages against 2: stage 1 of 3 (bytes 20..40 of 60) meets stage 0 of 2 (0..30).
+        assert_eq!(
+            BlockSlice::between(part(1, 3, 20), part(0, 2, 30)),
+            Ok(Some(BlockSlice {
+                src_offset: 0,
+                dst_offset: 20,
+                len: 10
+            }))
+        );
+        assert_eq!(
+            BlockSlice::between(part(0, 2, 32), part(1, 2, 32)),
+            Ok(None)
+        );
+        assert_eq!(
+            BlockSlice::between(part(0, 1, 8), part(0, 1, 8)),
+            Ok(Some(BlockSlice::whole(8)))
+        );
+        // Whole blocks of different sizes, and malformed parts, are named errors.
+        for (a, b) in [
+            (part(0, 2, 32), part(0, 1, 48)),
+            (part(2, 2, 32), part(0, 1, 64)),
+            (part(0, 0, 32), part(0, 1, 64)),
+            (part(u32::MAX - 1, u32::MAX, usize::MAX / 2), part(0, 1, 64)),
+        ] {
+            assert!(
+                matches!(BlockSlice::between(a, b), Err(RegionError::Mismatch { .. })),
+                "{a:?} {b:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn slices_of_blocks_copy_only_their_bytes_and_are_checked_first() {
+        let half = Region::new(2, 4).unwrap();
+        let whole = Region::new(2, 8).unwrap();
+        half.write_block(BlockId(1), &[5; 4]).unwrap();
+        let slice = BlockSlice {
+            src_offset: 0,
+            dst_offset: 4,
+            len: 4,
+        };
+        Region::copy_block_slices(&half, &[BlockId(1)], &whole, &[BlockId(0)], slice).unwrap();
+        assert_eq!(
+            whole.read_block(BlockId(0)).unwrap(),
+            [0, 0, 0, 0, 5, 5, 5, 5]
+        );
+        let too_long = BlockSlice { len: 5, ..slice };
+        assert!(matches!(
+            Region::copy_block_slices(&half, &[BlockId(1)], &whole, &[BlockId(1)], too_long),
+            Err(RegionError::Mismatch { .. })
+        ));
+        assert!(matches!(
+            Region::copy_blocks(&half, &[BlockId(1)], &whole, &[BlockId(1)]),
+            Err(RegionError::Mismatch { .. })
+        ));
+        assert_eq!(
+            whole.read_block(BlockId(1)).unwrap(),
+            [0; 8],
+            "nothing copied"
+        );
     }
 
     #[test]

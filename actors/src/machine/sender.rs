@@ -231,6 +231,12 @@ impl SenderMachine {
                 }
             }
             SenderEvent::Unexpected { from, what } => {
+                if self.peer.is_none() && !self.core.state.is_terminal() {
+                    // Not paired yet: its invalid message was the one that would have
+                    // paired us (e.g. transfer info with a region we cannot use), and it
+                    // now waits on us. Tell it, or it waits out its whole deadline.
+                    self.peer = Some(from.clone());
+                }
                 self.fail(protocol(&from, format!("unexpected {what}")), None)
             }
             SenderEvent::Internal { detail } => self.fail(FailureReason::Internal { detail }, None),

@@ -247,7 +247,7 @@ impl Control {
                         detail: format!("{} on a connection from {peer}", t.decode),
                     });
                 }
-                if let Err(e) = self.check_region(&t.region, &t.blocks) {
+                if let Err(e) = self.check_region(peer, &t.region, &t.blocks) {
                     self.inbox.deliver_invalid(peer.clone(), t.request_id, e);
                     return Ok(());
                 }
@@ -261,7 +261,7 @@ impl Control {
                 )
             }
             Message::Ready(r) => {
-                if let Err(e) = self.check_region(&r.region, &r.blocks) {
+                if let Err(e) = self.check_region(peer, &r.region, &r.blocks) {
                     self.inbox.deliver_invalid(peer.clone(), r.request_id, e);
                     return Ok(());
                 }
@@ -295,21 +295,34 @@ impl Control {
         true
     }
 
-    /// The peer's region must hold the blocks it names, with our block size.
+    /// The peer's region must hold the blocks it names, with our block size, or, between
+    /// pipeline ranks, with blocks that are its share of the same whole block as ours.
     fn check_region(
         &self,
+        peer: &Peer,
         region: &RegionDescriptor,
         blocks: &[handoff_transport::BlockId],
     ) -> Result<(), String> {
         region.check_blocks(blocks).map_err(|e| e.to_string())?;
         let ours = self.data.descriptor().block_bytes;
-        if region.block_bytes != ours {
-            return Err(format!(
-                "peer blocks are {} bytes, ours {ours}",
-                region.block_bytes
-            ));
+        if self.me.pp_size <= 1 && peer.pp_size <= 1 {
+            if region.block_bytes != ours {
+                return Err(format!(
+                    "peer blocks are {} bytes, ours {ours}",
+                    region.block_bytes
+                ));
+            }
+            return Ok(());
         }
-        Ok(())
+        let bytes = |b: u64| usize::try_from(b).unwrap_or(usize::MAX);
+        handoff_transport::BlockSlice::for_ranks(
+            &self.me,
+            bytes(ours),
+            peer,
+            bytes(region.block_bytes),
+        )
+        .map(|_| ())
+        .map_err(|e| e.to_string())
     }
 
     /// A peer's data descriptor, learned at connect: transfers to it never need the

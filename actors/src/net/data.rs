@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
 use handoff_transport::wire::messages::RegionDescriptor;
-use handoff_transport::{BlockId, RankInfo, RequestId};
+use handoff_transport::{BlockId, BlockSlice, RankInfo, RequestId};
 
 use crate::link::TransferFuture;
 
@@ -39,57 +39,68 @@ pub trait DataPlane: Send + Sync + 'static {
     /// The grants this plane enforces.
     fn grants(&self) -> &Arc<GrantTable>;
 
-    /// Writes local `src` blocks into the peer's `dst` blocks, described by `region`;
-    /// `peer_data` is the peer's [`DataPlane::data_descriptor`] from its bootstrap record.
-    fn write(
-        &self,
-        id: &RequestId,
-        peer: &RankInfo,
-        peer_data: &[u8],
-        region: &RegionDescriptor,
-        src: Vec<BlockId>,
-        dst: Vec<BlockId>,
-    ) -> TransferFuture;
+    /// Writes local `t.src` blocks into the peer's `t.dst` blocks.
+    fn write(&self, t: PlaneTransfer<'_>) -> TransferFuture;
 
-    /// Reads the peer's `src` blocks, described by `region`, into local `dst` blocks.
-    fn read(
-        &self,
-        id: &RequestId,
-        peer: &RankInfo,
-        peer_data: &[u8],
-        region: &RegionDescriptor,
-        src: Vec<BlockId>,
-        dst: Vec<BlockId>,
-    ) -> TransferFuture;
+    /// Reads the peer's `t.src` blocks into local `t.dst` blocks.
+    fn read(&self, t: PlaneTransfer<'_>) -> TransferFuture;
 }
 
-struct Grant {
-    peer: RankInfo,
-    access: Access,
-    blocks: BTreeSet<BlockId>,
+/// One transfer, as the network link hands it to a data plane.
+#[derive(Debug)]
+pub struct PlaneTransfer<'a> {
+    /// The request the blocks belong to (the peer checks its grant against it).
+    pub id: &'a RequestId,
+    /// The peer.
+    pub peer: &'a RankInfo,
+    /// The peer's [`DataPlane::data_descriptor`], from its hello or bootstrap record.
+    pub peer_data: &'a [u8],
+    /// The peer's region, from its transfer info or `Ready`.
+    pub region: &'a RegionDescriptor,
+    /// Source blocks (`src[i]` → `dst[i]`).
+    pub src: Vec<BlockId>,
+    /// Destination blocks.
+    pub dst: Vec<BlockId>,
+    /// The part of each block moved when the two sides are pipeline ranks holding
+    /// different layers ([`BlockSlice::for_ranks`]); `None` moves whole blocks of equal
+    /// size.
+    pub slice: Option<BlockSlice>,
+}
+
+/// One request's grants: a request has one peer per pipeline rank of the other side
+/// (decode grants each prefill pipeline rank write access to the same blocks), so each
+/// peer's grant is its own entry.
+#[derive(Default)]
+struct Grants {
+    by_peer: BTreeMap<(RankInfo, Access), BTreeSet<BlockId>>,
     revoked: bool,
 }
+
+/// Peers one request may grant to: the pipeline ranks of one engine at most.
+const GRANTS_PER_REQUEST_MAX: usize = 64;
 
 /// The grants of one worker, by request.
 #[derive(Default)]
 pub struct GrantTable {
-    grants: Mutex<BTreeMap<RequestId, Arc<Mutex<Grant>>>>,
+    grants: Mutex<BTreeMap<RequestId, Arc<Mutex<Grants>>>>,
 }
 
 impl GrantTable {
-    fn map(&self) -> std::sync::MutexGuard<'_, BTreeMap<RequestId, Arc<Mutex<Grant>>>> {
+    fn map(&self) -> std::sync::MutexGuard<'_, BTreeMap<RequestId, Arc<Mutex<Grants>>>> {
         self.grants.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Grants `peer` `access` to `blocks` for request `id` (replacing an earlier grant).
+    /// Grants `peer` `access` to `blocks` for request `id` (replacing that peer's earlier
+    /// grant of that access; other peers' grants stand).
     pub fn grant(&self, peer: &RankInfo, id: &RequestId, access: Access, blocks: &[BlockId]) {
-        let grant = Grant {
-            peer: peer.clone(),
-            access,
-            blocks: blocks.iter().copied().collect(),
-            revoked: false,
-        };
-        self.map().insert(id.clone(), Arc::new(Mutex::new(grant)));
+        let entry = self.map().entry(id.clone()).or_default().clone();
+        let mut grants = entry.lock().unwrap_or_else(|e| e.into_inner());
+        let key = (peer.clone(), access);
+        if grants.by_peer.len() >= GRANTS_PER_REQUEST_MAX && !grants.by_peer.contains_key(&key) {
+            tracing::warn!(request = %id, %peer, "too many peers granted for one request; grant dropped");
+            return;
+        }
+        grants.by_peer.insert(key, blocks.iter().copied().collect());
     }
 
     /// Revokes every grant of request `id`; waits for a copy in flight under it to finish.
@@ -115,14 +126,14 @@ impl GrantTable {
             .get(id)
             .cloned()
             .ok_or_else(|| format!("no grant for request {id}"))?;
-        let grant = grant.lock().unwrap_or_else(|e| e.into_inner());
-        if grant.revoked {
+        let grants = grant.lock().unwrap_or_else(|e| e.into_inner());
+        if grants.revoked {
             return Err(format!("grant for request {id} revoked"));
         }
-        if grant.peer != *peer || grant.access != access {
+        let Some(granted) = grants.by_peer.get(&(peer.clone(), access)) else {
             return Err(format!("request {id}: {peer} holds no {access} grant"));
-        }
-        if let Some(b) = blocks.iter().find(|b| !grant.blocks.contains(b)) {
+        };
+        if let Some(b) = blocks.iter().find(|b| !granted.contains(b)) {
             return Err(format!("request {id}: block {b} not granted to {peer}"));
         }
         copy();
@@ -177,11 +188,22 @@ mod tests {
         assert!(t
             .check_and_copy(&p, &id, Access::Write, &[BlockId(3)], &mut || copies += 1)
             .is_err());
-        t.revoke(&id);
+        // A second peer's grant for the same request (another pipeline rank) stands
+        // beside the first.
+        t.grant(&q, &id, Access::Write, &[BlockId(2)]);
+        assert!(t
+            .check_and_copy(&q, &id, Access::Write, &[BlockId(2)], &mut || copies += 1)
+            .is_ok());
         assert!(t
             .check_and_copy(&p, &id, Access::Write, &[BlockId(1)], &mut || copies += 1)
-            .is_err());
-        assert_eq!(copies, 1);
+            .is_ok());
+        t.revoke(&id);
+        for peer in [&p, &q] {
+            assert!(t
+                .check_and_copy(peer, &id, Access::Write, &[BlockId(2)], &mut || copies += 1)
+                .is_err());
+        }
+        assert_eq!(copies, 3);
         assert!(t.is_empty());
     }
 }

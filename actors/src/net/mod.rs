@@ -39,10 +39,10 @@ use std::time::Duration;
 use handoff_transport::auth::Key;
 use handoff_transport::wire::messages::{RegionDescriptor, WorkerRecord};
 use handoff_transport::zmtp::{Router, ZmtpError};
-use handoff_transport::{BlockId, EngineId, RankInfo, Region, RequestId, Role};
+use handoff_transport::{BlockId, BlockSlice, EngineId, RankInfo, Region, RequestId, Role};
 use tokio::sync::mpsc;
 
-pub use data::{Access, DataPlane, GrantTable};
+pub use data::{Access, DataPlane, GrantTable, PlaneTransfer};
 pub use directory::{Directory, StaticDirectory};
 
 use crate::link::{Attach, Inbox, Link, LinkError, ResolveError, ResolveFuture, TransferFuture};
@@ -294,6 +294,29 @@ struct NetLink {
     task: tokio::task::JoinHandle<()>,
 }
 
+/// The part of each block a transfer between this rank and `peer` moves: `Ok(None)` when
+/// they hold no layer in common, `Ok(Some(None))` for whole blocks.
+fn pipeline_slice(
+    me: &RankInfo,
+    mine: &RegionDescriptor,
+    peer: &RankInfo,
+    theirs: &RegionDescriptor,
+    write: bool,
+) -> Result<Option<Option<BlockSlice>>, String> {
+    if me.pp_size <= 1 && peer.pp_size <= 1 {
+        return Ok(Some(None));
+    }
+    let bytes = |d: &RegionDescriptor| usize::try_from(d.block_bytes).unwrap_or(usize::MAX);
+    let (src, src_bytes, dst, dst_bytes) = if write {
+        (me, bytes(mine), peer, bytes(theirs))
+    } else {
+        (peer, bytes(theirs), me, bytes(mine))
+    };
+    let slice = BlockSlice::for_ranks(src, src_bytes, dst, dst_bytes)
+        .map_err(|e| format!("pipeline slice between {src} and {dst}: {e}"))?;
+    Ok(slice.map(|s| (!s.is_whole(src_bytes, dst_bytes)).then_some(s)))
+}
+
 impl NetLink {
     /// One transfer: the peer's region from its transfer info or `Ready`, and, for a
     /// one-sided plane, its data descriptor (e.g. UCX worker address) from its bootstrap
@@ -308,6 +331,12 @@ impl NetLink {
     ) -> TransferFuture {
         let region = match self.region_of(id, peer) {
             Ok(region) => region,
+            Err(e) => return Box::pin(async move { Err(e) }),
+        };
+        let slice = match pipeline_slice(&self.me, &self.data.descriptor(), peer, &region, write) {
+            Ok(Some(slice)) => slice,
+            // The two pipeline ranks hold no layer in common: nothing to move.
+            Ok(None) => return Box::pin(async { Ok(()) }),
             Err(e) => return Box::pin(async move { Err(e) }),
         };
         let (data, id, peer) = (self.data.clone(), id.clone(), peer.clone());
@@ -334,11 +363,16 @@ impl NetLink {
                         .data_descriptor
                 }
             };
-            let fut = if write {
-                data.write(&id, &peer, &peer_data, &region, src, dst)
-            } else {
-                data.read(&id, &peer, &peer_data, &region, src, dst)
+            let t = PlaneTransfer {
+                id: &id,
+                peer: &peer,
+                peer_data: &peer_data,
+                region: &region,
+                src,
+                dst,
+                slice,
             };
+            let fut = if write { data.write(t) } else { data.read(t) };
             fut.await
         })
     }

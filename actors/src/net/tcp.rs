@@ -9,9 +9,9 @@ use handoff_transport::auth::Key;
 use handoff_transport::data::DataError;
 use handoff_transport::tcp::{DataClient, DataServer};
 use handoff_transport::wire::messages::{RegionDescriptor, TransportKind};
-use handoff_transport::{BlockId, RankInfo, Region, RequestId};
+use handoff_transport::{RankInfo, Region};
 
-use super::data::{DataPlane, GrantTable};
+use super::data::{DataPlane, GrantTable, PlaneTransfer};
 use crate::link::TransferFuture;
 
 /// Longest one write or read may take inside the data plane. The request's own transfer
@@ -81,15 +81,16 @@ impl TcpDataPlane {
         &self.server
     }
 
-    fn transfer(
-        &self,
-        id: &RequestId,
-        peer: &RankInfo,
-        region: &RegionDescriptor,
-        src: Vec<BlockId>,
-        dst: Vec<BlockId>,
-        write: bool,
-    ) -> TransferFuture {
+    fn transfer(&self, t: PlaneTransfer<'_>, write: bool) -> TransferFuture {
+        let PlaneTransfer {
+            id,
+            peer,
+            region,
+            src,
+            dst,
+            slice,
+            ..
+        } = t;
         if region.transport != TransportKind::Tcp {
             let detail = format!(
                 "{peer} offers a {:?} region; this worker moves data over TCP",
@@ -105,9 +106,13 @@ impl TcpDataPlane {
                 .map_err(|e| e.to_string())?;
             let deadline = tokio::time::Instant::now() + TRANSFER_CALL_TIMEOUT;
             let result = if write {
-                client.write(&id, &local, &src, &dst, deadline.into()).await
+                client
+                    .write_slice(&id, &local, &src, &dst, slice, deadline.into())
+                    .await
             } else {
-                client.read(&id, &local, &src, &dst, deadline.into()).await
+                client
+                    .read_slice(&id, &local, &src, &dst, slice, deadline.into())
+                    .await
             };
             if result.is_err() {
                 // A broken peer: the next transfer dials afresh.
@@ -161,27 +166,11 @@ impl DataPlane for TcpDataPlane {
         &self.grants
     }
 
-    fn write(
-        &self,
-        id: &RequestId,
-        peer: &RankInfo,
-        _peer_data: &[u8],
-        region: &RegionDescriptor,
-        src: Vec<BlockId>,
-        dst: Vec<BlockId>,
-    ) -> TransferFuture {
-        self.transfer(id, peer, region, src, dst, true)
+    fn write(&self, t: PlaneTransfer<'_>) -> TransferFuture {
+        self.transfer(t, true)
     }
 
-    fn read(
-        &self,
-        id: &RequestId,
-        peer: &RankInfo,
-        _peer_data: &[u8],
-        region: &RegionDescriptor,
-        src: Vec<BlockId>,
-        dst: Vec<BlockId>,
-    ) -> TransferFuture {
-        self.transfer(id, peer, region, src, dst, false)
+    fn read(&self, t: PlaneTransfer<'_>) -> TransferFuture {
+        self.transfer(t, false)
     }
 }

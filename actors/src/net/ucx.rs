@@ -14,9 +14,9 @@ use std::time::Duration;
 use handoff_gpu::DeviceBuffer;
 use handoff_transport::data::{DataError, UcxDataPlane, UcxPeer, UcxPlaneOptions};
 use handoff_transport::wire::messages::RegionDescriptor;
-use handoff_transport::{BlockId, RankInfo, Region, RequestId};
+use handoff_transport::{RankInfo, Region};
 
-use super::data::{DataPlane, GrantTable};
+use super::data::{DataPlane, GrantTable, PlaneTransfer};
 use crate::link::TransferFuture;
 
 /// Longest one write or read may take inside the plane (the request's own transfer
@@ -89,32 +89,27 @@ impl UcxPlane {
         self.plane.version()
     }
 
-    fn transfer(
-        &self,
-        id: &RequestId,
-        peer: UcxPeer,
-        src: Vec<BlockId>,
-        dst: Vec<BlockId>,
-        write: bool,
-    ) -> TransferFuture {
+    fn transfer(&self, t: PlaneTransfer<'_>, write: bool) -> TransferFuture {
+        let peer = UcxPeer {
+            name: t.peer.to_string(),
+            worker_address: t.peer_data.to_vec(),
+            region: t.region.clone(),
+        };
+        let (src, dst, slice, id) = (t.src, t.dst, t.slice, t.id);
         let (plane, id) = (self.plane.clone(), id.clone());
         Box::pin(async move {
             let deadline = std::time::Instant::now() + UCX_CALL_TIMEOUT;
             let result = if write {
-                plane.write(&id, &peer, &src, &dst, deadline).await
+                plane
+                    .write_slice(&id, &peer, &src, &dst, slice, deadline)
+                    .await
             } else {
-                plane.read(&id, &peer, &src, &dst, deadline).await
+                plane
+                    .read_slice(&id, &peer, &src, &dst, slice, deadline)
+                    .await
             };
             result.map_err(|e| e.to_string())
         })
-    }
-
-    fn peer(&self, peer: &RankInfo, worker_address: &[u8], region: &RegionDescriptor) -> UcxPeer {
-        UcxPeer {
-            name: peer.to_string(),
-            worker_address: worker_address.to_vec(),
-            region: region.clone(),
-        }
     }
 }
 
@@ -139,27 +134,11 @@ impl DataPlane for UcxPlane {
         &self.grants
     }
 
-    fn write(
-        &self,
-        id: &RequestId,
-        peer: &RankInfo,
-        peer_data: &[u8],
-        region: &RegionDescriptor,
-        src: Vec<BlockId>,
-        dst: Vec<BlockId>,
-    ) -> TransferFuture {
-        self.transfer(id, self.peer(peer, peer_data, region), src, dst, true)
+    fn write(&self, t: PlaneTransfer<'_>) -> TransferFuture {
+        self.transfer(t, true)
     }
 
-    fn read(
-        &self,
-        id: &RequestId,
-        peer: &RankInfo,
-        peer_data: &[u8],
-        region: &RegionDescriptor,
-        src: Vec<BlockId>,
-        dst: Vec<BlockId>,
-    ) -> TransferFuture {
-        self.transfer(id, self.peer(peer, peer_data, region), src, dst, false)
+    fn read(&self, t: PlaneTransfer<'_>) -> TransferFuture {
+        self.transfer(t, false)
     }
 }

@@ -45,7 +45,7 @@ pub use ucx::{UcxDataPlane, UcxPeer, UcxPlaneOptions};
 pub const BLOCKS_PER_CALL_MAX: usize = crate::wire::limits::BLOCKS_PER_MESSAGE_MAX;
 
 /// What a peer asks to do to a region's blocks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Access {
     /// The peer writes the blocks (push: prefill writes into decode's blocks).
     Write,

@@ -70,12 +70,69 @@ pub fn check_lists(local: &[BlockId], remote: &[BlockId]) -> Result<(), DataErro
 /// each pair into the previous piece when it continues it on both sides. The caller has
 /// checked both lists against their regions, so no offset overflows.
 pub fn pieces(local: &[BlockId], remote: &[BlockId], block_bytes: usize) -> Vec<Piece> {
+    let whole = Sliced {
+        local_block_bytes: block_bytes,
+        remote_block_bytes: block_bytes as u64,
+        local_offset: 0,
+        remote_offset: 0,
+        len: block_bytes,
+    };
+    sliced_pieces(local, remote, &whole)
+}
+
+/// Where in each block a sliced transfer reads and writes, from the local side's view
+/// (a [`crate::BlockSlice`] turned around for the direction of the call).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sliced {
+    /// Bytes per local block.
+    pub local_block_bytes: usize,
+    /// Bytes per block of the peer's region.
+    pub remote_block_bytes: u64,
+    /// Offset of the slice in each local block.
+    pub local_offset: usize,
+    /// Offset of the slice in each of the peer's blocks.
+    pub remote_offset: u64,
+    /// Bytes per block.
+    pub len: usize,
+}
+
+impl Sliced {
+    /// The local view of `slice` for a write (we are the source) or a read (we are the
+    /// destination), checked against both block sizes.
+    pub fn new(
+        slice: crate::BlockSlice,
+        write: bool,
+        local_block_bytes: usize,
+        remote_block_bytes: u64,
+    ) -> Result<Sliced, DataError> {
+        let remote = usize::try_from(remote_block_bytes).unwrap_or(usize::MAX);
+        let (local_offset, remote_offset) = if write {
+            slice.check(local_block_bytes, remote)?;
+            (slice.src_offset, slice.dst_offset)
+        } else {
+            slice.check(remote, local_block_bytes)?;
+            (slice.dst_offset, slice.src_offset)
+        };
+        Ok(Sliced {
+            local_block_bytes,
+            remote_block_bytes,
+            local_offset,
+            remote_offset: remote_offset as u64,
+            len: slice.len,
+        })
+    }
+}
+
+/// [`pieces`] for one slice of every block: `len` bytes at `local_offset` of `local[i]`
+/// pair with `remote_offset` of `remote[i]`, merged where contiguous on both sides (whole
+/// blocks only). The caller has checked the lists and the slice ([`Sliced::new`]).
+pub fn sliced_pieces(local: &[BlockId], remote: &[BlockId], at: &Sliced) -> Vec<Piece> {
     let mut out: Vec<Piece> = Vec::with_capacity(local.len().min(1024));
     for (l, r) in local.iter().zip(remote) {
         let piece = Piece {
-            local: l.0 as usize * block_bytes,
-            remote: u64::from(r.0) * block_bytes as u64,
-            len: block_bytes,
+            local: l.0 as usize * at.local_block_bytes + at.local_offset,
+            remote: u64::from(r.0) * at.remote_block_bytes + at.remote_offset,
+            len: at.len,
         };
         if let Some(last) = out.last_mut() {
             if last.local + last.len == piece.local && last.remote + last.len as u64 == piece.remote

@@ -45,7 +45,7 @@ use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 
 use super::plan;
 use super::DataError;
-use crate::region::Region;
+use crate::region::{BlockSlice, Region};
 use crate::types::{BlockId, RankInfo, RequestId};
 use crate::ucx::{
     Context, ContextOptions, Direction, Endpoint, MemoryRegion, MemoryType, RemoteKey, Segment,
@@ -129,6 +129,8 @@ struct Job {
     peer: UcxPeer,
     local: Vec<BlockId>,
     remote: Vec<BlockId>,
+    /// The slice of every block moved (`None`: whole blocks).
+    slice: Option<BlockSlice>,
     deadline: Instant,
     reply: oneshot::Sender<Result<(), DataError>>,
     /// The job's queue slot, released when the thread is done with it.
@@ -363,7 +365,22 @@ impl UcxDataPlane {
         dst: &[BlockId],
         deadline: Instant,
     ) -> Result<(), DataError> {
-        self.submit(Direction::Put, request, peer, src, dst, deadline)
+        self.submit(Direction::Put, request, peer, src, dst, None, deadline)
+            .await
+    }
+
+    /// [`UcxDataPlane::write`] of one slice of every block (`None`: whole blocks of equal
+    /// size on both sides), for pipeline ranks that hold different parts of a block.
+    pub async fn write_slice(
+        &self,
+        request: &RequestId,
+        peer: &UcxPeer,
+        src: &[BlockId],
+        dst: &[BlockId],
+        slice: Option<BlockSlice>,
+        deadline: Instant,
+    ) -> Result<(), DataError> {
+        self.submit(Direction::Put, request, peer, src, dst, slice, deadline)
             .await
     }
 
@@ -377,10 +394,26 @@ impl UcxDataPlane {
         dst: &[BlockId],
         deadline: Instant,
     ) -> Result<(), DataError> {
-        self.submit(Direction::Get, request, peer, dst, src, deadline)
+        self.submit(Direction::Get, request, peer, dst, src, None, deadline)
             .await
     }
 
+    /// [`UcxDataPlane::read`] of one slice of every block (`None`: whole blocks).
+    pub async fn read_slice(
+        &self,
+        request: &RequestId,
+        peer: &UcxPeer,
+        src: &[BlockId],
+        dst: &[BlockId],
+        slice: Option<BlockSlice>,
+        deadline: Instant,
+    ) -> Result<(), DataError> {
+        self.submit(Direction::Get, request, peer, dst, src, slice, deadline)
+            .await
+    }
+
+    // One private funnel for the four public calls: its arguments are theirs.
+    #[allow(clippy::too_many_arguments)]
     async fn submit(
         &self,
         direction: Direction,
@@ -388,12 +421,13 @@ impl UcxDataPlane {
         peer: &UcxPeer,
         local: &[BlockId],
         remote: &[BlockId],
+        slice: Option<BlockSlice>,
         deadline: Instant,
     ) -> Result<(), DataError> {
         let started = Instant::now();
         plan::check_lists(local, remote)?;
         self.region.check_blocks(local)?;
-        check_peer(peer, remote, self.region.block_bytes())?;
+        check_peer(peer, remote, self.region.block_bytes(), slice, direction)?;
         if local.is_empty() {
             return Ok(());
         }
@@ -416,6 +450,7 @@ impl UcxDataPlane {
             peer: peer.clone(),
             local: local.to_vec(),
             remote: remote.to_vec(),
+            slice,
             deadline,
             reply,
             _slot: slot,
@@ -457,8 +492,15 @@ fn checked_len(blocks: u32, block_bytes: usize) -> Result<usize, crate::region::
         })
 }
 
-/// Checks a peer's descriptor and our blocks in it before anything is posted.
-fn check_peer(peer: &UcxPeer, remote: &[BlockId], block_bytes: usize) -> Result<(), DataError> {
+/// Checks a peer's descriptor, our blocks in it and the slice before anything is posted;
+/// returns where in each block the transfer reads and writes.
+fn check_peer(
+    peer: &UcxPeer,
+    remote: &[BlockId],
+    block_bytes: usize,
+    slice: Option<BlockSlice>,
+    direction: Direction,
+) -> Result<plan::Sliced, DataError> {
     let protocol = |detail: String| DataError::Protocol {
         peer: peer.name.clone(),
         detail,
@@ -481,17 +523,28 @@ fn check_peer(peer: &UcxPeer, remote: &[BlockId], block_bytes: usize) -> Result<
             peer.region.remote_key.len()
         )));
     }
-    if peer.region.block_bytes != block_bytes as u64 {
-        return Err(DataError::Mismatch {
-            detail: format!(
-                "local blocks of {block_bytes} bytes, {}'s of {}",
-                peer.name, peer.region.block_bytes
-            ),
-        });
-    }
+    let at = match slice {
+        None if peer.region.block_bytes != block_bytes as u64 => {
+            return Err(DataError::Mismatch {
+                detail: format!(
+                    "local blocks of {block_bytes} bytes, {}'s of {}",
+                    peer.name, peer.region.block_bytes
+                ),
+            })
+        }
+        None => BlockSlice::whole(block_bytes),
+        Some(slice) => slice,
+    };
+    let at = plan::Sliced::new(
+        at,
+        direction == Direction::Put,
+        block_bytes,
+        peer.region.block_bytes,
+    )?;
     peer.region
         .check_blocks(remote)
-        .map_err(|e| protocol(e.to_string()))
+        .map_err(|e| protocol(e.to_string()))?;
+    Ok(at)
 }
 
 // ---------------------------------------------------------------------- the thread
@@ -656,7 +709,13 @@ impl State {
             });
         }
         // Checked again on this side of the queue: nothing unchecked is ever posted.
-        check_peer(peer, &job.remote, self.block_bytes)?;
+        let at = check_peer(
+            peer,
+            &job.remote,
+            self.block_bytes,
+            job.slice,
+            job.direction,
+        )?;
         let blocks = (self.memory.len() / self.block_bytes) as u64;
         if let Some(b) = job.local.iter().find(|b| u64::from(b.0) >= blocks) {
             return Err(DataError::Region(crate::region::RegionError::OutOfRange {
@@ -664,7 +723,7 @@ impl State {
                 blocks: blocks as u32,
             }));
         }
-        let segments: Vec<Segment> = plan::pieces(&job.local, &job.remote, self.block_bytes)
+        let segments: Vec<Segment> = plan::sliced_pieces(&job.local, &job.remote, &at)
             .into_iter()
             .map(|p| Segment {
                 local_offset: p.local,

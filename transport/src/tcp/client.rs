@@ -20,7 +20,7 @@ use super::{
 use crate::auth::Key;
 use crate::data::plan::{self, Plan};
 use crate::data::{Access, DataError, RefusalCode};
-use crate::region::Region;
+use crate::region::{BlockSlice, Region};
 use crate::types::{BlockId, RankInfo, RequestId};
 
 /// One handshaken connection.
@@ -132,7 +132,22 @@ impl DataClient {
         dst: &[BlockId],
         deadline: Instant,
     ) -> Result<(), DataError> {
-        let plan = self.plan(src_region, src, dst, false)?;
+        self.write_slice(request, src_region, src, dst, None, deadline)
+            .await
+    }
+
+    /// [`DataClient::write`] of one slice of every block (`None`: whole blocks of equal
+    /// size on both sides), for pipeline ranks that hold different parts of a block.
+    pub async fn write_slice(
+        &self,
+        request: &RequestId,
+        src_region: &Region,
+        src: &[BlockId],
+        dst: &[BlockId],
+        slice: Option<BlockSlice>,
+        deadline: Instant,
+    ) -> Result<(), DataError> {
+        let plan = self.plan(src_region, src, dst, Direction::Write(slice))?;
         self.run(request, src_region, &plan, Access::Write, deadline)
             .await
     }
@@ -148,7 +163,21 @@ impl DataClient {
         dst: &[BlockId],
         deadline: Instant,
     ) -> Result<(), DataError> {
-        let plan = self.plan(dst_region, dst, src, true)?;
+        self.read_slice(request, dst_region, src, dst, None, deadline)
+            .await
+    }
+
+    /// [`DataClient::read`] of one slice of every block (`None`: whole blocks).
+    pub async fn read_slice(
+        &self,
+        request: &RequestId,
+        dst_region: &Region,
+        src: &[BlockId],
+        dst: &[BlockId],
+        slice: Option<BlockSlice>,
+        deadline: Instant,
+    ) -> Result<(), DataError> {
+        let plan = self.plan(dst_region, dst, src, Direction::Read(slice))?;
         self.run(request, dst_region, &plan, Access::Read, deadline)
             .await
     }
@@ -159,14 +188,18 @@ impl DataClient {
         local_region: &Region,
         local: &[BlockId],
         remote: &[BlockId],
-        distinct_local: bool,
+        direction: Direction,
     ) -> Result<Plan, DataError> {
         plan::check_lists(local, remote)?;
         local_region.check_blocks(local)?;
         // TCP moves bytes through the CPU: device memory goes over UCX.
         local_region.host_ptr()?;
         let server = &self.inner.server;
-        if local_region.block_bytes() as u64 != server.block_bytes {
+        let (slice, write) = match direction {
+            Direction::Write(slice) => (slice, true),
+            Direction::Read(slice) => (slice, false),
+        };
+        if slice.is_none() && local_region.block_bytes() as u64 != server.block_bytes {
             return Err(DataError::Mismatch {
                 detail: format!(
                     "local blocks of {} bytes, {}'s blocks of {} bytes",
@@ -183,7 +216,7 @@ impl DataClient {
                 blocks: u64::from(server.blocks),
             });
         }
-        if distinct_local {
+        if !write {
             // Reads land directly in these blocks, through one mutable buffer per piece.
             let mut sorted = local.to_vec();
             sorted.sort_unstable();
@@ -193,7 +226,18 @@ impl DataClient {
                 });
             }
         }
-        let pieces = plan::pieces(local, remote, local_region.block_bytes());
+        let pieces = match slice {
+            None => plan::pieces(local, remote, local_region.block_bytes()),
+            Some(slice) => {
+                let at = plan::Sliced::new(
+                    slice,
+                    write,
+                    local_region.block_bytes(),
+                    server.block_bytes,
+                )?;
+                plan::sliced_pieces(local, remote, &at)
+            }
+        };
         Ok(plan::split(&pieces, OP_BYTES_MAX, SEGMENTS_PER_OP_MAX))
     }
 
@@ -480,6 +524,15 @@ impl Conn {
         };
         tokio::try_join!(send, recv).map(|_| ())
     }
+}
+
+/// Which way a call moves bytes, and which slice of each block.
+#[derive(Clone, Copy, Debug)]
+enum Direction {
+    /// Our blocks into the server's.
+    Write(Option<BlockSlice>),
+    /// The server's blocks into ours.
+    Read(Option<BlockSlice>),
 }
 
 /// `len` bytes at `offset` of the host region whose first byte is at address `host`

@@ -9,17 +9,13 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
-use handoff_gpu::GpuError;
 use serde_json::Value;
 
-/// The binary under test: `HANDOFF_BIN` when set (`scripts/gpu-check.sh run` carries a
-/// release build to a GPU machine, where the build's own path does not exist), else the
-/// one cargo built for this test.
+mod common;
+use common::gpu_with_cuda_ucx;
+
 fn handoff() -> Command {
-    match std::env::var_os("HANDOFF_BIN") {
-        Some(bin) => Command::new(bin),
-        None => Command::new(env!("CARGO_BIN_EXE_handoff")),
-    }
+    Command::new(common::handoff_bin())
 }
 
 /// Small regions and few bytes per point: this checks behaviour, not speed.
@@ -127,23 +123,6 @@ fn cuda_bench_without_a_gpu_names_what_is_missing() {
     assert_eq!(out.status.code(), Some(2), "{log}");
     assert!(log.contains("--memory cuda needs a GPU"), "{log}");
     assert!(log.contains(&reason.to_string()), "{log}");
-}
-
-/// The GPU, or `None` after saying why not (past the harness's output capture).
-fn gpu_with_cuda_ucx() -> Option<()> {
-    let reason = match handoff_gpu::probe() {
-        Ok(_) if std::env::var_os("HANDOFF_UCX_LIB").is_some() => return Some(()),
-        Ok(_) => "HANDOFF_UCX_LIB is not set: name a libucp built with CUDA".to_string(),
-        Err(e @ (GpuError::NoDriver { .. } | GpuError::NoDevice)) => e.to_string(),
-        Err(other) => panic!("CUDA probe failed with a driver present: {other}"),
-    };
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        use std::io::Write;
-        let line = format!("handoff bench: GPU runs skipped: {reason}\n");
-        let _ = std::io::stderr().write_all(line.as_bytes());
-    });
-    None
 }
 
 #[test]

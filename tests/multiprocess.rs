@@ -10,6 +10,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+mod common;
+use common::gpu_with_cuda_ucx;
+
 const T: Duration = Duration::from_secs(30);
 
 struct Proc {
@@ -21,10 +24,7 @@ struct Proc {
 
 impl Proc {
     fn spawn(name: &str, args: &[&str]) -> Proc {
-        // `HANDOFF_BIN` where a prebuilt binary is carried to another machine (a GPU's).
-        let bin =
-            std::env::var_os("HANDOFF_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_handoff").into());
-        let mut child = Command::new(bin)
+        let mut child = Command::new(common::handoff_bin())
             .args(args)
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
@@ -278,19 +278,6 @@ fn pipeline_ranks_each_deliver_their_layers_over_ucx() {
     }
 }
 
-/// A GPU and a UCX built with CUDA (`HANDOFF_UCX_LIB`), or `None` after saying why not.
-fn gpu_with_cuda_ucx() -> Option<()> {
-    let why = match handoff_gpu::probe() {
-        Ok(_) if std::env::var_os("HANDOFF_UCX_LIB").is_some() => return Some(()),
-        Ok(_) => "HANDOFF_UCX_LIB is not set: name a libucp built with CUDA".to_string(),
-        Err(e) => e.to_string(),
-    };
-    use std::io::Write;
-    let line = format!("skipping a GPU test: {why}\n");
-    let _ = std::io::stderr().write_all(line.as_bytes());
-    None
-}
-
 /// Both KV pools in device memory on one GPU: UCX moves the blocks between the two
 /// processes (`cuda_ipc`), and decode checks every block's bytes.
 #[test]
@@ -318,7 +305,7 @@ fn requests_are_handed_over_from_a_gpu_worker_to_a_host_worker() {
 /// `--memory cuda` where it cannot work fails at start, saying why, and never hangs.
 #[test]
 fn a_gpu_worker_that_cannot_have_its_memory_says_why() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_handoff"))
+    let out = std::process::Command::new(common::handoff_bin())
         .args([
             "worker", "--role", "prefill", "--engine", "P", "--memory", "cuda",
         ])
@@ -331,7 +318,7 @@ fn a_gpu_worker_that_cannot_have_its_memory_says_why() {
     let Err(reason) = handoff_gpu::probe() else {
         return; // with a GPU, the tests above cover a working device pool
     };
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_handoff"))
+    let out = std::process::Command::new(common::handoff_bin())
         .args([
             "worker", "--role", "prefill", "--engine", "P", "--memory", "cuda",
         ])
@@ -436,7 +423,7 @@ fn a_restarted_worker_registers_again_and_replaces_its_record() {
     let mut first = worker("prefill", "prefill", "P", &addr, &["--serve"]);
     first.kill9();
     let second = worker("prefill again", "prefill", "P", &addr, &["--serve"]);
-    let status = Command::new(env!("CARGO_BIN_EXE_handoff"))
+    let status = Command::new(common::handoff_bin())
         .args(["bootstrap", "status", "--connect", &addr, "--json"])
         .output()
         .unwrap();
@@ -477,7 +464,7 @@ fn a_query_for_an_unregistered_prefill_fails_by_name_and_nothing_crashes() {
         boot.child.try_wait().unwrap().is_none(),
         "the bootstrap server exited"
     );
-    let status = Command::new(env!("CARGO_BIN_EXE_handoff"))
+    let status = Command::new(common::handoff_bin())
         .args(["bootstrap", "status", "--connect", &addr])
         .output()
         .unwrap();
@@ -536,7 +523,7 @@ fn malformed_traffic_to_every_port_crashes_nothing() {
         &addr,
         &["--requests", "2", "--serve"],
     );
-    let status = Command::new(env!("CARGO_BIN_EXE_handoff"))
+    let status = Command::new(common::handoff_bin())
         .args(["bootstrap", "status", "--connect", &addr, "--json"])
         .output()
         .unwrap();

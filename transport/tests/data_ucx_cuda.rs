@@ -15,12 +15,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use data_common::{
-    checksum, fill, format_ids, hex, ids, parse_ids, say, stdin_lines, unhex, ChildPeer, Rng,
+    checksum, fill, format_ids, hex, ids, parse_ready, say, serve_commands, ChildPeer, Rng,
 };
 use handoff_gpu::{DeviceBuffer, GpuError, MemoryKind};
 use handoff_transport::data::{DataError, UcxDataPlane, UcxPeer, UcxPlaneOptions};
 use handoff_transport::region::RegionError;
-use handoff_transport::wire::{RegionDescriptor, TransportKind};
 use handoff_transport::{BlockId, RankInfo, Region, RequestId};
 
 const BLOCKS: u32 = 64;
@@ -104,25 +103,7 @@ fn cuda_plane_child_process_entry() {
             d.region.len
         ),
     );
-    let lines = stdin_lines();
-    let stop_at = Instant::now() + CHILD_LIFETIME;
-    while Instant::now() < stop_at {
-        let line = match lines.recv_timeout(Duration::from_millis(50)) {
-            Ok(line) => line,
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
-        };
-        let words: Vec<&str> = line.split_whitespace().collect();
-        match words.as_slice() {
-            ["checksum", list] => say(
-                PREFIX,
-                &format!("checksum {}", checksum(plane.region(), &parse_ids(list))),
-            ),
-            ["exit"] => break,
-            _ => say(PREFIX, &format!("error unknown command {line:?}")),
-        }
-    }
-    std::process::exit(0);
+    serve_commands(PREFIX, plane.region(), CHILD_LIFETIME);
 }
 
 /// A child process with a plane in `memory` (`cuda` or `host`), and its descriptor.
@@ -132,23 +113,7 @@ fn spawn_child(memory: &str) -> (ChildPeer, UcxPeer) {
         &[(CHILD_ENV, memory.into())],
         PREFIX,
     );
-    let ready = child.expect(STEP);
-    let words: Vec<&str> = ready.split_whitespace().collect();
-    let ["ready", address, rkey, base, len] = words.as_slice() else {
-        panic!("child said {ready:?}");
-    };
-    let peer = UcxPeer {
-        name: "decode-child".into(),
-        worker_address: unhex(address).unwrap(),
-        region: RegionDescriptor {
-            transport: TransportKind::Ucx,
-            address: "decode-child".into(),
-            remote_key: unhex(rkey).unwrap(),
-            base: base.parse().unwrap(),
-            len: len.parse().unwrap(),
-            block_bytes: BLOCK_BYTES as u64,
-        },
-    };
+    let peer = parse_ready(&child.expect(STEP), "decode-child", BLOCK_BYTES);
     (child, peer)
 }
 

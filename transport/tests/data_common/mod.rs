@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 
 use handoff_gpu::checksum::fill_pattern;
 use handoff_gpu::Checksum64;
-use handoff_transport::data::{Access, Grants};
+use handoff_transport::data::{Access, Grants, UcxPeer};
+use handoff_transport::wire::{RegionDescriptor, TransportKind};
 use handoff_transport::{BlockId, RankInfo, Region, RequestId};
 
 /// Grants kept in a table: (request, access) → blocks; optionally slow inside the copy.
@@ -244,4 +245,54 @@ pub fn unhex(text: &str) -> Option<Vec<u8>> {
         .step_by(2)
         .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
         .collect()
+}
+
+/// A child's command loop over `region`, until `exit`, stdin closing, or `lifetime`:
+/// `checksum <blocks>` answers the blocks' checksum, `fill <seed>` fills the region.
+/// Every answer is a line prefixed with `prefix`. Exits the process at the end.
+pub fn serve_commands(prefix: &str, region: &Region, lifetime: Duration) -> ! {
+    let lines = stdin_lines();
+    let stop_at = Instant::now() + lifetime;
+    while Instant::now() < stop_at {
+        let line = match lines.recv_timeout(Duration::from_millis(50)) {
+            Ok(line) => line,
+            Err(mpsc::RecvTimeoutError::Timeout) => continue,
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        };
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["checksum", list] => say(
+                prefix,
+                &format!("checksum {}", checksum(region, &parse_ids(list))),
+            ),
+            ["fill", seed] => {
+                fill(region, seed.parse().unwrap_or(0));
+                say(prefix, "filled");
+            }
+            ["exit"] => break,
+            _ => say(prefix, &format!("error unknown command {line:?}")),
+        }
+    }
+    std::process::exit(0);
+}
+
+/// The `ready <worker address> <rkey> <base> <len>` line a UCX child prints, as a peer
+/// named `name` with blocks of `block_bytes`.
+pub fn parse_ready(ready: &str, name: &str, block_bytes: usize) -> UcxPeer {
+    let words: Vec<&str> = ready.split_whitespace().collect();
+    let ["ready", address, rkey, base, len] = words.as_slice() else {
+        panic!("child said {ready:?}");
+    };
+    UcxPeer {
+        name: name.into(),
+        worker_address: unhex(address).unwrap(),
+        region: RegionDescriptor {
+            transport: TransportKind::Ucx,
+            address: name.into(),
+            remote_key: unhex(rkey).unwrap(),
+            base: base.parse().unwrap(),
+            len: len.parse().unwrap(),
+            block_bytes: block_bytes as u64,
+        },
+    }
 }

@@ -332,17 +332,24 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
         _ => None,
     });
     if let Some(plane) = network {
+        let floor = crate::lifecycle::loopback_rtt(plan.latency_iters).await?;
+        let floor = percentiles("loopback", "rtt", &floor, String::new());
         let samples = crate::lifecycle::measure(plane, 16 << 10, plan.latency_iters).await?;
-        let at = |q: f64| samples[((samples.len() as f64 - 1.0) * q).round() as usize];
-        report.lifecycle = Some(Latency {
-            transport: "lifecycle".into(),
-            op: format!("{plane:?}").to_lowercase(),
-            samples: samples.len(),
-            p50_us: at(0.5),
-            p99_us: at(0.99),
-            note: "one 16 KiB request: open both sides, transfer info, write, Done (peers cached)"
-                .into(),
+        let mut lifecycle = percentiles(
+            "lifecycle",
+            &format!("{plane:?}").to_lowercase(),
+            &samples,
+            String::new(),
+        );
+        lifecycle.note = format!(
+            "one 16 KiB request: open both sides, transfer info, write, Done (peers cached); p50 {:.2}x the loopback round trip",
+            lifecycle.p50_us / floor.p50_us.max(f64::MIN_POSITIVE)
+        );
+        report.latency.push(Latency {
+            note: "64 B TCP ping-pong between two tasks of this process: the one round trip every request's transfer info and Done make".into(),
+            ..floor
         });
+        report.lifecycle = Some(lifecycle);
     }
     if plan.uses_cuda() {
         report.notes.push(
@@ -908,6 +915,24 @@ async fn latency(t: BenchTransport, plan: &Plan) -> Result<Latency, String> {
         p99_us: at(0.99),
         note: "one call per block, from the async API".into(),
     })
+}
+
+/// The percentiles row of sorted `samples` (µs).
+fn percentiles(transport: &str, op: &str, samples: &[f64], note: String) -> Latency {
+    let at = |q: f64| {
+        samples
+            .get(((samples.len().max(1) as f64 - 1.0) * q).round() as usize)
+            .copied()
+            .unwrap_or(f64::NAN)
+    };
+    Latency {
+        transport: transport.into(),
+        op: op.into(),
+        samples: samples.len(),
+        p50_us: at(0.5),
+        p99_us: at(0.99),
+        note,
+    }
 }
 
 // ------------------------------------------------------------------ the peer process

@@ -101,3 +101,53 @@ pub async fn measure(plane: Plane, block_bytes: usize, iters: usize) -> Result<V
     samples.sort_by(f64::total_cmp);
     Ok(samples)
 }
+
+/// Bytes of one loopback ping: the size of a small control frame.
+const PING_BYTES: usize = 64;
+
+/// The floor under the lifecycle: the round trip of a small message between two tasks of
+/// this runtime over loopback TCP (each request's transfer info and `Done` make one such
+/// round trip between the two runtimes), `iters` times after a warm-up, sorted, in µs.
+pub async fn loopback_rtt(iters: usize) -> Result<Vec<f64>, String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| format!("loopback ping: bind: {e}"))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| format!("loopback ping: {e}"))?;
+    let echo = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await?;
+        s.set_nodelay(true)?;
+        let mut buf = [0u8; PING_BYTES];
+        loop {
+            s.read_exact(&mut buf).await?;
+            s.write_all(&buf).await?;
+        }
+        #[allow(unreachable_code)]
+        Ok::<(), std::io::Error>(())
+    });
+    let result = tokio::time::timeout(REQUEST_DEADLINE, async {
+        let mut s = tokio::net::TcpStream::connect(addr).await?;
+        s.set_nodelay(true)?;
+        let mut buf = [1u8; PING_BYTES];
+        let warmup = (iters / 10).max(10);
+        let mut samples = Vec::with_capacity(iters);
+        for i in 0..warmup + iters {
+            let started = Instant::now();
+            s.write_all(&buf).await?;
+            s.read_exact(&mut buf).await?;
+            if i >= warmup {
+                samples.push(started.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+        Ok::<_, std::io::Error>(samples)
+    })
+    .await;
+    echo.abort();
+    let mut samples = result
+        .map_err(|_| format!("loopback ping took over {REQUEST_DEADLINE:?}"))?
+        .map_err(|e| format!("loopback ping: {e}"))?;
+    samples.sort_by(f64::total_cmp);
+    Ok(samples)
+}

@@ -903,18 +903,14 @@ async fn latency(t: BenchTransport, plan: &Plan) -> Result<Latency, String> {
         }
     }
     link.close().await;
-    samples.sort_unstable();
-    let at = |q: f64| {
-        samples[((samples.len() as f64 * q) as usize).min(samples.len() - 1)].as_secs_f64() * 1e6
-    };
-    Ok(Latency {
-        transport: t.name().into(),
-        op: "write".into(),
-        samples: samples.len(),
-        p50_us: at(0.50),
-        p99_us: at(0.99),
-        note: "one call per block, from the async API".into(),
-    })
+    let mut micros: Vec<f64> = samples.iter().map(|d| d.as_secs_f64() * 1e6).collect();
+    micros.sort_by(f64::total_cmp);
+    Ok(percentiles(
+        t.name(),
+        "write",
+        &micros,
+        "one call per block, from the async API".into(),
+    ))
 }
 
 /// The percentiles row of sorted `samples` (µs).

@@ -218,14 +218,6 @@ impl BlockSlice {
         }
         Ok(())
     }
-
-    /// Whether this moves whole blocks of `block_bytes` on both sides.
-    pub fn is_whole(&self, src_block_bytes: usize, dst_block_bytes: usize) -> bool {
-        self.src_offset == 0
-            && self.dst_offset == 0
-            && self.len == src_block_bytes
-            && self.len == dst_block_bytes
-    }
 }
 
 /// Where a region's bytes live.
@@ -470,12 +462,32 @@ impl Region {
                 want: self.block_bytes,
             });
         }
+        self.write_at(range.start, data)
+    }
+
+    /// Copies `out.len()` bytes at byte `offset` of the region into `out`. Callers pass
+    /// ranges inside checked blocks.
+    fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<(), RegionError> {
+        debug_assert!(offset + out.len() <= self.len_bytes());
         if let Some(buffer) = self.device_buffer() {
-            return Ok(buffer.write_at(range.start as u64, data)?);
+            return Ok(buffer.read_at(offset as u64, out)?);
         }
-        // SAFETY: `range` is inside the host region (checked above) and `data` is one
-        // block long; the block is owned by the caller's request (module contract).
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr(range.start), data.len()) };
+        // SAFETY: the range is inside the host region (the callers' checks); `out` is a
+        // separate buffer of that length.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr(offset), out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    /// Copies `data` to byte `offset` of the region. Callers pass ranges inside checked
+    /// blocks that their request owns.
+    fn write_at(&self, offset: usize, data: &[u8]) -> Result<(), RegionError> {
+        debug_assert!(offset + data.len() <= self.len_bytes());
+        if let Some(buffer) = self.device_buffer() {
+            return Ok(buffer.write_at(offset as u64, data)?);
+        }
+        // SAFETY: as in `read_at`, in the other direction; the block is owned by the
+        // caller's request (module contract).
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr(offset), data.len()) };
         Ok(())
     }
 
@@ -483,14 +495,7 @@ impl Region {
     pub fn read_block(&self, block: BlockId) -> Result<Vec<u8>, RegionError> {
         let range = self.block_range(block)?;
         let mut out = vec![0u8; self.block_bytes];
-        if let Some(buffer) = self.device_buffer() {
-            buffer.read_at(range.start as u64, &mut out)?;
-            return Ok(out);
-        }
-        // SAFETY: `range` is inside the host region; `out` is one block long.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.ptr(range.start), out.as_mut_ptr(), out.len())
-        };
+        self.read_at(range.start, &mut out)?;
         Ok(out)
     }
 
@@ -543,18 +548,13 @@ impl Region {
         }
         src.check_blocks(src_blocks)?;
         dst.check_blocks(dst_blocks)?;
-        let whole = slice.is_whole(src.block_bytes, dst.block_bytes);
         if src.device_buffer().is_some() || dst.device_buffer().is_some() {
+            // Through host memory, and only the slice's bytes: another pipeline rank may be
+            // filling the rest of the same destination block at the same time.
+            let mut staged = vec![0u8; slice.len];
             for (s, d) in src_blocks.iter().zip(dst_blocks) {
-                let from = src.read_block(*s)?;
-                let from = &from[slice.src_offset..slice.src_offset + slice.len];
-                if whole {
-                    dst.write_block(*d, from)?;
-                } else {
-                    let mut to = dst.read_block(*d)?;
-                    to[slice.dst_offset..slice.dst_offset + slice.len].copy_from_slice(from);
-                    dst.write_block(*d, &to)?;
-                }
+                src.read_at(src.block_range(*s)?.start + slice.src_offset, &mut staged)?;
+                dst.write_at(dst.block_range(*d)?.start + slice.dst_offset, &staged)?;
             }
             return Ok(());
         }

@@ -295,8 +295,8 @@ impl Control {
         true
     }
 
-    /// The peer's region must hold the blocks it names, with our block size, or, between
-    /// pipeline ranks, with blocks that are its share of the same whole block as ours.
+    /// The peer's region must hold the blocks it names, in blocks that are the same whole
+    /// block as ours (equal blocks, or, between pipeline ranks, each side's share of it).
     fn check_region(
         &self,
         peer: &Peer,
@@ -304,20 +304,10 @@ impl Control {
         blocks: &[handoff_transport::BlockId],
     ) -> Result<(), String> {
         region.check_blocks(blocks).map_err(|e| e.to_string())?;
-        let ours = self.data.descriptor().block_bytes;
-        if self.me.pp_size <= 1 && peer.pp_size <= 1 {
-            if region.block_bytes != ours {
-                return Err(format!(
-                    "peer blocks are {} bytes, ours {ours}",
-                    region.block_bytes
-                ));
-            }
-            return Ok(());
-        }
         let bytes = |b: u64| usize::try_from(b).unwrap_or(usize::MAX);
         handoff_transport::BlockSlice::for_ranks(
             &self.me,
-            bytes(ours),
+            bytes(self.data.descriptor().block_bytes),
             peer,
             bytes(region.block_bytes),
         )

@@ -275,6 +275,7 @@ impl Attach for NetTransport {
             cmds,
             regions,
             directory: self.directory.clone(),
+            block_bytes: usize::try_from(self.data.descriptor().block_bytes).unwrap_or(usize::MAX),
             data: self.data.clone(),
             task,
         }))
@@ -290,31 +291,30 @@ struct NetLink {
     cmds: mpsc::Sender<Cmd>,
     regions: Regions,
     directory: Arc<dyn Directory>,
+    /// Bytes per block of this worker's region (its data plane's descriptor).
+    block_bytes: usize,
     data: Arc<dyn DataPlane>,
     task: tokio::task::JoinHandle<()>,
 }
 
-/// The part of each block a transfer between this rank and `peer` moves: `Ok(None)` when
-/// they hold no layer in common, `Ok(Some(None))` for whole blocks.
+/// The part of each block a transfer between this rank (blocks of `mine` bytes) and
+/// `peer` moves: whole blocks without pipeline parallelism, `Ok(None)` when the two hold no
+/// layer in common.
 fn pipeline_slice(
     me: &RankInfo,
-    mine: &RegionDescriptor,
+    mine: usize,
     peer: &RankInfo,
     theirs: &RegionDescriptor,
     write: bool,
-) -> Result<Option<Option<BlockSlice>>, String> {
-    if me.pp_size <= 1 && peer.pp_size <= 1 {
-        return Ok(Some(None));
-    }
-    let bytes = |d: &RegionDescriptor| usize::try_from(d.block_bytes).unwrap_or(usize::MAX);
+) -> Result<Option<BlockSlice>, String> {
+    let theirs = usize::try_from(theirs.block_bytes).unwrap_or(usize::MAX);
     let (src, src_bytes, dst, dst_bytes) = if write {
-        (me, bytes(mine), peer, bytes(theirs))
+        (me, mine, peer, theirs)
     } else {
-        (peer, bytes(theirs), me, bytes(mine))
+        (peer, theirs, me, mine)
     };
-    let slice = BlockSlice::for_ranks(src, src_bytes, dst, dst_bytes)
-        .map_err(|e| format!("pipeline slice between {src} and {dst}: {e}"))?;
-    Ok(slice.map(|s| (!s.is_whole(src_bytes, dst_bytes)).then_some(s)))
+    BlockSlice::for_ranks(src, src_bytes, dst, dst_bytes)
+        .map_err(|e| format!("blocks between {src} and {dst}: {e}"))
 }
 
 impl NetLink {
@@ -333,8 +333,8 @@ impl NetLink {
             Ok(region) => region,
             Err(e) => return Box::pin(async move { Err(e) }),
         };
-        let slice = match pipeline_slice(&self.me, &self.data.descriptor(), peer, &region, write) {
-            Ok(Some(slice)) => slice,
+        let slice = match pipeline_slice(&self.me, self.block_bytes, peer, &region, write) {
+            Ok(Some(slice)) => Some(slice),
             // The two pipeline ranks hold no layer in common: nothing to move.
             Ok(None) => return Box::pin(async { Ok(()) }),
             Err(e) => return Box::pin(async move { Err(e) }),

@@ -1,0 +1,639 @@
+"""A vLLM KV connector that moves KV cache through handoff.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "HandoffConnector",
+                           "kv_connector_module_path": "handoff.vllm",
+                           "kv_role": "kv_producer",            # or "kv_consumer"
+                           "kv_connector_extra_config": {"bootstrap": "tcp://HOST:PORT"}}'
+
+It follows NixlConnector's request flow, so a proxy written for NixlConnector works
+unchanged: the prefill instance is sent the request with ``max_tokens: 1`` and
+``kv_transfer_params: {"do_remote_decode": true}``; its response carries
+``kv_transfer_params`` (``remote_engine_id``, ``remote_request_id``, ``remote_block_ids``,
+``remote_num_tokens``, ...) which the proxy passes to the decode instance.
+
+How vLLM's connector calls map onto handoff's lifecycle:
+
+- Prefill, ``request_finished``: the request's computed blocks are handed to a handoff
+  *sender* (opened in the worker at the next step) and vLLM is told to keep them
+  (``delay_free``). They stay held until decode's transfer completes, decode fails or is
+  lost, or the TTL (``ttl_s``) passes: whichever comes first, handoff releases them and
+  ``get_finished`` reports the request as finished sending, so vLLM frees them.
+- Decode, ``get_num_new_matched_tokens``: the prompt's tokens are loaded asynchronously;
+  ``update_state_after_alloc`` hands the allocated blocks to a handoff *receiver* (opened
+  in the worker at the next step). When the receiver releases them after ``Done`` the
+  request is reported finished receiving; when it failed (prefill lost, timeout,
+  rejection), the blocks are reported through ``get_block_ids_with_load_errors`` so vLLM
+  fails the request or recomputes it (its ``kv_load_failure_policy``), never hangs.
+- Aborts on either side end the handoff request, which tells the other side, so both
+  free their blocks.
+
+Options (``kv_connector_extra_config``), every one optional but ``bootstrap``:
+
+``bootstrap``
+    The bootstrap server, ``tcp://HOST:PORT`` (run ``handoff bootstrap --listen ...``).
+``transport``
+    ``auto`` (UCX when libucp loads, else TCP), ``ucx`` or ``tcp``. Default ``auto``.
+``mode``
+    Decode: ``push`` (prefill writes into decode's blocks) or ``pull`` (decode reads).
+    Default ``push``.
+``ttl_s``
+    Prefill: how long finished requests' blocks wait for decode (default 120).
+``transfer_timeout_s``, ``bootstrap_timeout_s``, ``waiting_timeout_s``
+    Lifecycle deadlines (defaults 30, 120, 120).
+``heartbeat_ms``, ``heartbeats_missed``
+    Peer liveness on control connections (defaults 1000 and 3: a silent peer is lost
+    after about 3 s; a killed one at once, by its reset connections).
+``control_listen``, ``data_listen``, ``advertise_host``
+    Where this worker listens (defaults ``tcp://127.0.0.1:0``, ``127.0.0.1:0``) and the
+    host peers dial when listening on all interfaces.
+``secret_file``
+    A file holding a shared secret: control frames are then authenticated.
+``admission``
+    Decode: refuse new transfers while this many wait for blocks.
+``engine_id``
+    The name this instance registers under (default: vLLM's ``kv_transfer_config.engine_id``).
+``send_delay_ms``
+    Fault injection for tests: prefill hands its blocks to handoff this long after decode
+    asked for them, as a slow prefill would.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import handoff
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("handoff.vllm")
+
+__all__ = ["HandoffConnector", "HandoffConnectorMetadata"]
+
+
+@dataclass
+class _Recv:
+    """Decode: one transfer to start in the worker."""
+
+    transfer_id: str
+    prefill_engine: str
+    blocks: list[int]
+    #: True when nothing is to be loaded: the receiver is opened only to tell prefill to
+    #: free its blocks (decode aborted the request, or computes it locally).
+    abort: bool = False
+
+
+@dataclass
+class HandoffConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler side tells the worker side each step."""
+
+    #: Prefill: request id -> the blocks holding its computed KV.
+    sends: dict[str, list[int]] = field(default_factory=dict)
+    #: Decode: local request id -> the transfer to start.
+    recvs: dict[str, _Recv] = field(default_factory=dict)
+
+
+def _extra(vllm_config: VllmConfig) -> dict[str, Any]:
+    config = vllm_config.kv_transfer_config
+    return dict(config.kv_connector_extra_config or {}) if config else {}
+
+
+def _layer_index(name: str) -> int:
+    """The layer number in a vLLM layer name (``model.layers.3.self_attn.attn``)."""
+    found = re.findall(r"\.(\d+)\.", f".{name}.")
+    if not found:
+        raise handoff.HandoffError(f"cannot tell the layer of KV cache {name!r}")
+    return int(found[-1])
+
+
+class HandoffConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM's KV connector interface over a handoff runtime (see the module docs)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ):
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        extra = _extra(vllm_config)
+        if not extra.get("bootstrap"):
+            raise ValueError(
+                "HandoffConnector needs kv_connector_extra_config.bootstrap "
+                "(tcp://HOST:PORT of a `handoff bootstrap` server)"
+            )
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+        if len(groups) > 1:
+            raise ValueError(
+                f"HandoffConnector moves one KV cache group; this model has {len(groups)} "
+                "(hybrid attention is not supported yet)"
+            )
+        self._engine_id = str(extra.get("engine_id") or transfer.engine_id)
+        self._is_producer = bool(transfer.is_kv_producer)
+        self._block_size = int(vllm_config.cache_config.block_size)
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = _SchedulerSide(self._engine_id, self._block_size)
+            self._worker = None
+        else:
+            self._scheduler = None
+            self._worker = _WorkerSide(
+                vllm_config, kv_cache_config, self._engine_id, extra
+            )
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._scheduler is not None
+        self._scheduler.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput
+    ) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_meta()
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.finished(request, list(block_ids))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        if len(block_ids) > 1:
+            raise ValueError("HandoffConnector moves one KV cache group")
+        return self._scheduler.finished(
+            request, list(block_ids[0]) if block_ids else []
+        )
+
+    # --------------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, HandoffConnectorMetadata)
+        self._worker.start(metadata)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads are whole requests, finished before the request is scheduled.
+        return
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        # Blocks are handed over when the request finishes, not layer by layer.
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(
+        self, finished_req_ids: set[str]
+    ) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        return self._worker.finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.take_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+
+class _SchedulerSide:
+    """Decisions in the scheduler process: which requests load, which send."""
+
+    def __init__(self, engine_id: str, block_size: int):
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self.sends: dict[str, list[int]] = {}
+        self.recvs: dict[str, _Recv] = {}
+
+    def num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        if num_computed_tokens > 0:
+            # A local prefix hit: the transfer protocol moves a request's blocks from the
+            # first, so compute the rest here and let prefill free its copy.
+            return 0, False
+        remote_tokens = int(params.get("remote_num_tokens") or 0)
+        count = min(remote_tokens, len(request.prompt_token_ids or ()))
+        return (count, True) if count > 0 else (0, False)
+
+    def after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False
+        transfer_id = params.get("remote_request_id")
+        prefill = params.get("remote_engine_id")
+        if not transfer_id or not prefill:
+            log.warning(
+                "request %s: kv_transfer_params without remote_request_id/remote_engine_id: %s",
+                request.request_id,
+                params,
+            )
+            return
+        if num_external_tokens <= 0:
+            self.recvs[request.request_id] = _Recv(transfer_id, prefill, [], abort=True)
+            return
+        groups = blocks.get_block_ids()
+        wanted = math.ceil(num_external_tokens / self.block_size)
+        local = list(groups[0][:wanted]) if groups else []
+        if len(local) != wanted or len(params.get("remote_block_ids") or ()) != wanted:
+            log.warning(
+                "request %s: %d blocks allocated, %d remote, %d wanted: loading nothing",
+                request.request_id,
+                len(local),
+                len(params.get("remote_block_ids") or ()),
+                wanted,
+            )
+        self.recvs[request.request_id] = _Recv(transfer_id, prefill, local)
+
+    def build_meta(self) -> HandoffConnectorMetadata:
+        meta = HandoffConnectorMetadata(sends=self.sends, recvs=self.recvs)
+        self.sends, self.recvs = {}, {}
+        return meta
+
+    def finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):
+            # Decode: finished before its blocks were allocated (aborted while waiting):
+            # tell prefill so it frees the request's blocks now, not at its TTL.
+            params["do_remote_prefill"] = False
+            if params.get("remote_request_id") and params.get("remote_engine_id"):
+                self.recvs[request.request_id] = _Recv(
+                    params["remote_request_id"], params["remote_engine_id"], [], True
+                )
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        if request.status not in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        ):
+            return False, None
+        computed = int(request.num_computed_tokens)
+        count = math.ceil(computed / self.block_size)
+        blocks = block_ids[:count]
+        if not blocks:
+            return False, None
+        self.sends[request.request_id] = blocks
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_block_ids": blocks,
+            "remote_num_tokens": computed,
+            "remote_host": None,
+            "remote_port": None,
+        }
+
+
+class _WorkerSide:
+    """The handoff runtime in the worker process: owns every transfer's handle."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig | None,
+        engine_id: str,
+        extra: dict[str, Any],
+    ):
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.engine_id = engine_id
+        self.extra = extra
+        transfer = vllm_config.kv_transfer_config
+        self.role = "prefill" if transfer.is_kv_producer else "decode"
+        self.runtime: handoff.Runtime | None = None
+        self.senders: dict[str, Any] = {}
+        #: transfer id -> (local request id, receiver, blocks, when opened)
+        self.receivers: dict[str, tuple[str, Any, list[int], float]] = {}
+        #: Prefill, with ``send_delay_ms``: request id -> (due time, blocks).
+        self.delayed: dict[str, tuple[float, list[int]]] = {}
+        self.finished_sending: set[str] = set()
+        self.finished_recving: set[str] = set()
+        self.load_errors: set[int] = set()
+        #: transfer id -> failure reason, until its blocks are released.
+        self.failed: dict[str, str] = {}
+        self.send_delay_s = float(extra.get("send_delay_ms", 0)) / 1000.0
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import (
+            get_pp_group,
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        if not kv_caches:
+            raise ValueError("HandoffConnector: no KV caches to register")
+        names = sorted(kv_caches, key=_layer_index)
+        tensors = [kv_caches[n] for n in names]
+        block_size = int(self.vllm_config.cache_config.block_size)
+        num_blocks = int(
+            getattr(self.kv_cache_config, "num_blocks", 0)
+            or self.vllm_config.cache_config.num_gpu_blocks
+            or 0
+        )
+        if num_blocks <= 0:
+            raise ValueError("HandoffConnector: vLLM did not say how many KV blocks it has")
+        ranges = vllm_block_ranges(tensors, num_blocks)
+        first = tensors[0]
+        layers_total = int(self.vllm_config.model_config.get_total_num_hidden_layers())
+        first_layer = _layer_index(names[0])
+        parallel = self.vllm_config.parallel_config
+        x = self.extra
+        device = "cpu" if first.device.type == "cpu" else f"cuda:{first.device.index or 0}"
+        self.runtime = handoff.Runtime(
+            role=self.role,
+            engine=self.engine_id,
+            bootstrap=str(x["bootstrap"]),
+            kv_caches=ranges,
+            num_blocks=num_blocks,
+            device=device,
+            layers=(first_layer, len(tensors), layers_total),
+            block_tokens=block_size,
+            dtype_bytes=int(first.element_size()),
+            dp_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0),
+            dp_size=int(parallel.data_parallel_size),
+            tp_rank=int(get_tensor_model_parallel_rank()),
+            tp_size=int(get_tensor_model_parallel_world_size()),
+            pp_rank=int(get_pp_group().rank_in_group),
+            pp_size=int(parallel.pipeline_parallel_size),
+            transport=str(x.get("transport", "auto")),
+            mode=str(x.get("mode", "push")),
+            control_listen=str(x.get("control_listen", "tcp://127.0.0.1:0")),
+            data_listen=str(x.get("data_listen", "127.0.0.1:0")),
+            advertise_host=x.get("advertise_host"),
+            timeouts={
+                "bootstrap_s": float(x.get("bootstrap_timeout_s", 120.0)),
+                "waiting_s": float(x.get("waiting_timeout_s", 120.0)),
+                "transfer_s": float(x.get("transfer_timeout_s", 30.0)),
+                "pull_ttl_s": float(x.get("ttl_s", 120.0)),
+            },
+            heartbeat_ms=int(x.get("heartbeat_ms", 1000)),
+            heartbeats_missed=int(x.get("heartbeats_missed", 3)),
+            secret_file=x.get("secret_file"),
+            admission=x.get("admission"),
+        )
+        log.info(
+            "handoff %s %s: %d KV ranges (layers %d..%d of %d), %d blocks of %d tokens",
+            self.role,
+            self.engine_id,
+            len(ranges),
+            first_layer,
+            first_layer + len(tensors),
+            layers_total,
+            num_blocks,
+            block_size,
+        )
+
+    def start(self, meta: HandoffConnectorMetadata) -> None:
+        rt = self.runtime
+        if rt is None:
+            return
+        now = time.monotonic()
+        for req_id, blocks in meta.sends.items():
+            self._open_sender(req_id, blocks, now)
+        for local_id, recv in meta.recvs.items():
+            self._open_receiver(local_id, recv)
+        self._send_due(now)
+
+    def _open_sender(self, req_id: str, blocks: list[int], now: float) -> None:
+        assert self.runtime is not None
+        try:
+            sender = self.runtime.sender(req_id)
+        except handoff.HandoffError as e:
+            log.error("request %s: cannot open a handoff sender: %s", req_id, e)
+            self.finished_sending.add(req_id)
+            return
+        self.senders[req_id] = sender
+        if self.send_delay_s > 0:
+            self.delayed[req_id] = (now + self.send_delay_s, blocks)
+            return
+        self._send(req_id, sender, blocks)
+
+    def _send(self, req_id: str, sender: Any, blocks: list[int]) -> None:
+        try:
+            sender.send(blocks)
+        except handoff.HandoffError as e:
+            # The request already ended (e.g. decode gave up): its Released event, or
+            # none if the runtime never held the blocks, settles it.
+            log.warning("request %s: send refused: %s", req_id, e)
+            if sender.poll() in ("Done", "Failed"):
+                self.senders.pop(req_id, None)
+                self.finished_sending.add(req_id)
+
+    def _send_due(self, now: float) -> None:
+        for req_id, (due, blocks) in list(self.delayed.items()):
+            if due <= now:
+                del self.delayed[req_id]
+                sender = self.senders.get(req_id)
+                if sender is not None:
+                    self._send(req_id, sender, blocks)
+
+    def _open_receiver(self, local_id: str, recv: _Recv) -> None:
+        assert self.runtime is not None
+        try:
+            receiver = self.runtime.receiver(
+                recv.transfer_id, prefill_engine=recv.prefill_engine
+            )
+        except handoff.HandoffError as e:
+            log.error("request %s: cannot open a handoff receiver: %s", local_id, e)
+            if not recv.abort:
+                self.load_errors.update(recv.blocks)
+                self.finished_recving.add(local_id)
+            return
+        if recv.abort:
+            receiver.abort()
+            return
+        self.receivers[recv.transfer_id] = (
+            local_id,
+            receiver,
+            recv.blocks,
+            time.monotonic(),
+        )
+        try:
+            receiver.allocate(recv.blocks)
+        except handoff.HandoffError as e:
+            log.error("request %s: allocation refused: %s", local_id, e)
+            receiver.abort()
+
+    def finished(self) -> tuple[set[str] | None, set[str] | None]:
+        rt = self.runtime
+        if rt is None:
+            return None, None
+        self._send_due(time.monotonic())
+        for event in rt.drain_events():
+            self._on_event(event)
+        sending, recving = self.finished_sending, self.finished_recving
+        self.finished_sending, self.finished_recving = set(), set()
+        return (sending or None), (recving or None)
+
+    def _on_event(self, event: Any) -> None:
+        transfer_id = event.request_id
+        if event.kind == "state":
+            if event.state == "Failed":
+                self.failed[transfer_id] = str(event.reason)
+                log.warning(
+                    "handoff %s request %s failed: %s", self.role, transfer_id, event.reason
+                )
+            elif self.role == "prefill" and event.state in (
+                "WaitingForInput",
+                "Transferring",
+            ):
+                log.info("handoff prefill request %s: decode is ready", transfer_id)
+            return
+        if event.kind != "released":
+            return
+        reason = self.failed.pop(transfer_id, None)
+        outcome = "sent" if reason is None else f"failed: {reason}"
+        if self.role == "prefill":
+            self.senders.pop(transfer_id, None)
+            self.delayed.pop(transfer_id, None)
+            self.finished_sending.add(transfer_id)
+            log.info(
+                "handoff prefill request %s released %d blocks (%s)",
+                transfer_id,
+                len(event.blocks),
+                outcome,
+            )
+            return
+        entry = self.receivers.pop(transfer_id, None)
+        if entry is None:
+            return
+        local_id, _, blocks, opened = entry
+        elapsed_ms = (time.monotonic() - opened) * 1000.0
+        if reason is None:
+            log.info(
+                "handoff decode request %s: %d blocks in %.3f ms",
+                transfer_id,
+                len(blocks),
+                elapsed_ms,
+            )
+        else:
+            self.load_errors.update(blocks)
+            log.warning(
+                "handoff decode request %s: load failed after %.1f ms (%s); %d blocks "
+                "reported to vLLM",
+                transfer_id,
+                elapsed_ms,
+                reason,
+                len(blocks),
+            )
+        self.finished_recving.add(local_id)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self.load_errors = self.load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self.runtime is not None:
+            self.runtime.shutdown()
+            self.runtime = None
+
+
+def vllm_block_ranges(
+    tensors: list[torch.Tensor], num_blocks: int
+) -> list[handoff.KvRange]:
+    """The KV ranges of vLLM's per-layer KV cache tensors, in layer order.
+
+    vLLM allocates one tensor per layer. Its first dimension is either the block (the CPU
+    backend's ``[num_blocks, kv_heads, block_size, 2 * head_size]``, FlashInfer-style
+    ``[num_blocks, 2, ...]``: a block's K and V together, one range per layer) or K/V
+    (FlashAttention-style ``[2, num_blocks, ...]``: two ranges per layer, K then V). A
+    backend whose kernel blocks are smaller than the scheduler's keeps one scheduler block
+    as ``ratio`` consecutive kernel blocks, which stay one range entry of ``ratio`` × the
+    bytes. A block's bytes must be contiguous within its range; any other layout is
+    refused by name.
+    """
+    ranges: list[handoff.KvRange] = []
+    for t in tensors:
+        ranges.extend(_tensor_ranges(t, num_blocks))
+    return ranges
+
+
+def _tensor_ranges(t: torch.Tensor, num_blocks: int) -> list[handoff.KvRange]:
+    shape = tuple(int(d) for d in t.shape)
+    size = int(t.element_size())
+    split_kv = len(shape) >= 4 and shape[0] == 2 and shape[1] % num_blocks == 0
+    planes = [t[0], t[1]] if split_kv else [t]
+    out = []
+    for plane in planes:
+        pshape = tuple(int(d) for d in plane.shape)
+        if not pshape or pshape[0] % num_blocks != 0:
+            raise ValueError(
+                f"KV cache tensor of shape {shape}: cannot find {num_blocks} blocks in it"
+            )
+        ratio = pshape[0] // num_blocks
+        inner = math.prod(pshape[1:])
+        if int(plane.stride(0)) < inner or (
+            inner > 1 and not plane[0].is_contiguous()
+        ):
+            raise ValueError(
+                f"KV cache tensor of shape {shape} with strides {tuple(t.stride())}: "
+                "a block's bytes are not contiguous (ask for an NHD/HND layout with "
+                "contiguous blocks)"
+            )
+        stride = int(plane.stride(0)) * size
+        if ratio > 1 and stride != inner * size:
+            raise ValueError(
+                f"KV cache tensor of shape {shape}: kernel blocks of a block are not "
+                "adjacent"
+            )
+        out.append(handoff.KvRange(int(plane.data_ptr()), stride * ratio, inner * size * ratio))
+    return out

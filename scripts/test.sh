@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Sets up what the tests need and runs every test: the Rust workspace, the Python package
+# (python/run-tests.sh: a cached venv, `pip install ./python`, ruff, pytest) and real vLLM
+# prefill/decode through the connector (scripts/vllm-e2e.sh: a cached venv outside the repo).
+# Idempotent; fast on a warm machine. .ci/run calls it.
+#
+#   scripts/test.sh
+#
+# HANDOFF_SKIP=vllm (comma-separated) leaves out the vLLM end-to-end run, which needs ~5 GB
+# and a few minutes the first time; what was left out is said at the end, never silently.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+skip=",${HANDOFF_SKIP:-},"
+skipped=()
+
+if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && ! ldconfig -p | grep -q libucp.so; then
+  # UCX for the data-plane tests.
+  apt-get update -qq && apt-get install -y -qq libucx0 ucx-utils >/dev/null \
+    || echo "test: could not install libucx0; UCX tests will say they skip"
+fi
+# libzmq through pyzmq, for the ZeroMQ interop test.
+python3 -c "import zmq" 2>/dev/null || python3 -m pip install -q pyzmq >/dev/null 2>&1 \
+  || echo "test: could not install pyzmq; the libzmq interop test will say it skips"
+
+echo "== cargo test --workspace"
+cargo test --workspace
+
+echo "== python/run-tests.sh"
+python/run-tests.sh
+
+if [[ $skip == *,vllm,* ]]; then
+  skipped+=("vllm (HANDOFF_SKIP=vllm): real vLLM through the connector")
+else
+  echo "== scripts/vllm-e2e.sh"
+  scripts/vllm-e2e.sh
+fi
+
+if [ ${#skipped[@]} -gt 0 ]; then
+  echo "test: passed; skipped on request: ${skipped[*]}"
+else
+  echo "test: every suite passed"
+fi

@@ -1,0 +1,495 @@
+"""Real vLLM P/D through handoff's connector, then through NixlConnector, side by side.
+
+Run by scripts/vllm-e2e.sh inside its venv (it needs only the standard library here; the
+vLLM servers are separate processes). Prints one line per check (`PASS`/`FAIL`), then a
+table of timings for both connectors, and exits 0 only when every check passed.
+
+A tiny Llama (4 layers, hidden 256, 2 KV heads, vocab 1024) with dummy weights gives every
+instance the same seeded weights, so decode's greedy tokens after a transfer must equal the
+tokens prefill computes alone for the same prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 4,
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
+}
+SIZES = (64, 512, 2048)
+DECODE_TOKENS = 8
+#: Seconds a vLLM instance may take to come up on a 2-core machine.
+STARTUP_S_MAX = 420
+#: Seconds within which decode must answer a request whose prefill died.
+PREFILL_LOSS_ANSWER_S_MAX = 10.0
+#: Seconds within which prefill must free a request's blocks after decode died.
+DECODE_LOSS_FREE_S_MAX = 10.0
+#: The TTL prefill runs with in these checks: freeing must come well before it.
+TTL_S = 120
+
+results: list[tuple[str, bool, str]] = []
+
+
+def check(name: str, ok: bool, detail: str = "") -> bool:
+    results.append((name, ok, detail))
+    print(f"{'PASS' if ok else 'FAIL'}  {name}{': ' + detail if detail else ''}", flush=True)
+    return ok
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prompt(size: int, salt: int) -> list[int]:
+    return [(i * 7 + 3 + 131 * salt) % 1000 + 10 for i in range(size)]
+
+
+class Server:
+    """One vLLM OpenAI server process."""
+
+    def __init__(self, args, name: str, port: int, cpu: int, kv: dict, env: dict):
+        self.name, self.port = name, port
+        self.log_path = Path(args.dir) / f"{name}.log"
+        full_env = dict(os.environ)
+        full_env.update(
+            VLLM_CPU_KVCACHE_SPACE="1",
+            VLLM_CPU_OMP_THREADS_BIND=str(cpu),
+            PYTHONUNBUFFERED="1",
+            VLLM_LOGGING_LEVEL="INFO",
+        )
+        full_env.update(env)
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(Path(args.dir) / "tiny"), "--load-format", "dummy",
+            "--skip-tokenizer-init", "--max-model-len", "4096", "--dtype", "bfloat16",
+            "--host", "127.0.0.1", "--port", str(port),
+            "--kv-transfer-config", json.dumps(kv),
+        ]  # fmt: skip
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=full_env,
+            start_new_session=True,
+        )  # fmt: skip
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+
+    def tail(self, n: int = 25) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def wait_log(self, pattern: str, since: int, timeout_s: float) -> tuple[str, int] | None:
+        """The first line matching `pattern` past byte `since` within the deadline."""
+        deadline = time.monotonic() + timeout_s
+        rx = re.compile(pattern)
+        while time.monotonic() < deadline:
+            text = self.log_path.read_text(errors="replace")[since:]
+            for line in text.splitlines():
+                if rx.search(line):
+                    return line, since + len(text)
+            time.sleep(0.05)
+        return None
+
+    def log_size(self) -> int:
+        return self.log_path.stat().st_size
+
+
+def wait_up(servers: list[Server]) -> None:
+    deadline = time.monotonic() + STARTUP_S_MAX
+    pending = list(servers)
+    while pending and time.monotonic() < deadline:
+        for s in list(pending):
+            if not s.alive():
+                raise RuntimeError(f"{s.name} died while starting:\n{s.tail()}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{s.port}/health", timeout=2)
+                pending.remove(s)
+            except (urllib.error.URLError, OSError):
+                pass
+        time.sleep(1)
+    if pending:
+        raise RuntimeError(f"{[s.name for s in pending]} not up in {STARTUP_S_MAX} s")
+
+
+def post(port: int, body: dict, timeout: float = 300) -> tuple[float, dict | None, str]:
+    """POST /v1/completions: (seconds, json or None, error text)."""
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    t = time.perf_counter()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return time.perf_counter() - t, json.load(r), ""
+    except urllib.error.HTTPError as e:
+        return time.perf_counter() - t, None, f"HTTP {e.code}: {e.read()[:200]!r}"
+    except (urllib.error.URLError, OSError) as e:
+        return time.perf_counter() - t, None, str(e)
+
+
+def stream(port: int, body: dict, timeout: float = 300):
+    """Streamed completion: (seconds to the first token, total seconds, token ids, error)."""
+    body = dict(body, stream=True)
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    t = time.perf_counter()
+    first = None
+    tokens: list[int] = []
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                for choice in chunk.get("choices", []):
+                    ids = choice.get("token_ids") or []
+                    if ids and first is None:
+                        first = time.perf_counter() - t
+                    tokens.extend(ids)
+    except urllib.error.HTTPError as e:
+        return None, time.perf_counter() - t, tokens, f"HTTP {e.code}: {e.read()[:200]!r}"
+    except (urllib.error.URLError, OSError) as e:
+        return None, time.perf_counter() - t, tokens, str(e)
+    return first, time.perf_counter() - t, tokens, ""
+
+
+def metrics(port: int) -> dict[str, float]:
+    """Prometheus samples summed over labels: name -> value."""
+    out: dict[str, float] = {}
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except (urllib.error.URLError, OSError):
+        return out
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)", line)
+        if m:
+            try:
+                out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+            except ValueError:
+                pass
+    return out
+
+
+def model(args) -> str:
+    return str(Path(args.dir) / "tiny")
+
+
+def prefill_request(args, p: list[int]) -> tuple[float, dict | None, str]:
+    return post(args.prefill_port, {
+        "model": model(args), "prompt": p, "max_tokens": 1, "temperature": 0,
+        "return_token_ids": True,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+    })  # fmt: skip
+
+
+def reference(args, p: list[int]) -> list[int] | None:
+    """What the prefill instance computes alone (a salted prefix cache: recomputed)."""
+    _, r, err = post(args.prefill_port, {
+        "model": model(args), "prompt": p, "max_tokens": DECODE_TOKENS, "temperature": 0,
+        "return_token_ids": True, "cache_salt": "reference",
+    })  # fmt: skip
+    return None if r is None else r["choices"][0]["token_ids"]
+
+
+def handoff_kv(args, role: str, extra: dict | None = None) -> dict:
+    return {
+        "kv_connector": "HandoffConnector",
+        "kv_connector_module_path": "handoff.vllm",
+        "kv_role": role,
+        "engine_id": f"vllm-{role}",
+        "kv_connector_extra_config": {
+            "bootstrap": args.bootstrap, "transport": args.transport, "ttl_s": TTL_S,
+            **(extra or {}),
+        },
+    }  # fmt: skip
+
+
+def nixl_kv(role: str) -> dict:
+    return {"kv_connector": "NixlConnector", "kv_role": role}
+
+
+def start_pair(args, kv_p: dict, kv_d: dict, env_p=None, env_d=None):
+    p = Server(args, f"{args.label}-prefill", args.prefill_port, 0, kv_p, env_p or {})
+    d = Server(args, f"{args.label}-decode", args.decode_port, 1, kv_d, env_d or {})
+    wait_up([p, d])
+    return p, d
+
+
+def pd_round(args, size: int, salt: int) -> dict:
+    """One request through prefill then decode; returns its measurements."""
+    p = prompt(size, salt)
+    before = metrics(args.decode_port)
+    dp, rp, err = prefill_request(args, p)
+    if rp is None:
+        return {"error": f"prefill: {err}"}
+    params = rp.get("kv_transfer_params")
+    ttft, total, tokens, err = stream(args.decode_port, {
+        "model": model(args), "prompt": p, "max_tokens": DECODE_TOKENS, "temperature": 0,
+        "return_token_ids": True, "kv_transfer_params": params,
+    })  # fmt: skip
+    after = metrics(args.decode_port)
+    hits = after.get("vllm:external_prefix_cache_hits_total", 0) - before.get(
+        "vllm:external_prefix_cache_hits_total", 0
+    )
+    xfer_n = after.get("vllm:nixl_xfer_time_seconds_count", 0) - before.get(
+        "vllm:nixl_xfer_time_seconds_count", 0
+    )
+    xfer_s = after.get("vllm:nixl_xfer_time_seconds_sum", 0) - before.get(
+        "vllm:nixl_xfer_time_seconds_sum", 0
+    )
+    return {
+        "prompt": p, "prefill_s": dp, "ttft_s": ttft, "decode_s": total, "tokens": tokens,
+        "error": err, "hits": hits, "params": params,
+        "nixl_xfer_s": xfer_s / xfer_n if xfer_n else None,
+    }  # fmt: skip
+
+
+def handoff_times(d: Server, since: int) -> list[float]:
+    """Decode-side handoff times our connector logged (receiver opened -> blocks in)."""
+    text = d.log_path.read_text(errors="replace")[since:]
+    return [float(m) for m in re.findall(r"handoff decode request \S+: \d+ blocks in ([\d.]+) ms", text)]
+
+
+def prefill_loss(args, p_srv: Server, d_srv: Server, label: str) -> None:
+    """Prefill killed after its prefill: decode answers within seconds, keeps serving."""
+    pr = prompt(300, 4242)
+    _, rp, err = prefill_request(args, pr)
+    if rp is None:
+        check(f"{label}: prefill killed after prefill", False, f"prefill failed: {err}")
+        return
+    p_srv.kill()
+    dt, rd, err = post(args.decode_port, {
+        "model": model(args), "prompt": pr, "max_tokens": 4, "temperature": 0,
+        "return_token_ids": True, "kv_transfer_params": rp.get("kv_transfer_params"),
+    }, timeout=120)  # fmt: skip
+    outcome = "tokens" if rd is not None else err
+    check(
+        f"{label}: prefill killed after prefill -> decode answers that request in seconds",
+        dt < PREFILL_LOSS_ANSWER_S_MAX, f"{dt:.2f} s ({outcome})",
+    )  # fmt: skip
+    dt2, rd2, err2 = post(args.decode_port, {
+        "model": model(args), "prompt": prompt(100, 4343), "max_tokens": 4, "temperature": 0,
+        "return_token_ids": True,
+    })  # fmt: skip
+    check(f"{label}: decode keeps serving after its prefill died", rd2 is not None, err2)
+
+
+def decode_loss(args, p_srv: Server, d_srv: Server) -> None:
+    """Decode killed mid-handoff: prefill frees the request's blocks by peer loss."""
+    pr = prompt(700, 5151)
+    mark = p_srv.log_size()
+    _, rp, err = prefill_request(args, pr)
+    if rp is None:
+        check("handoff: decode killed mid-handoff", False, f"prefill failed: {err}")
+        return
+    usage_held = metrics(args.prefill_port).get("vllm:kv_cache_usage_perc", 0)
+    worker = threading.Thread(
+        target=post,
+        args=(args.decode_port, {
+            "model": model(args), "prompt": pr, "max_tokens": 4, "temperature": 0,
+            "kv_transfer_params": rp.get("kv_transfer_params"),
+        }, 60),
+        daemon=True,
+    )  # fmt: skip
+    worker.start()
+    seen = p_srv.wait_log(r"handoff prefill request \S+: decode is ready", mark, 60)
+    if seen is None:
+        check("handoff: decode killed mid-handoff", False, "decode never reached prefill")
+        return
+    d_srv.kill()
+    t = time.monotonic()
+    freed = p_srv.wait_log(r"handoff prefill request \S+ released \d+ blocks \(failed", seen[1], TTL_S)
+    dt = time.monotonic() - t
+    check(
+        "handoff: decode killed mid-handoff -> prefill frees the blocks by peer loss",
+        freed is not None and dt < DECODE_LOSS_FREE_S_MAX,
+        f"{dt:.2f} s after the kill (TTL {TTL_S} s): {freed[0].strip()[-160:] if freed else 'never'}",
+    )  # fmt: skip
+    deadline = time.monotonic() + 10
+    usage = metrics(args.prefill_port).get("vllm:kv_cache_usage_perc", 0)
+    while usage > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        usage = metrics(args.prefill_port).get("vllm:kv_cache_usage_perc", 0)
+    check(
+        "handoff: prefill's KV cache usage back to zero after decode died",
+        usage == 0, f"{usage_held:.4f} held -> {usage:.4f}",
+    )  # fmt: skip
+
+
+def summarize(rows: dict[str, dict[int, list[dict]]], handoff_ms: dict[int, list[float]]):
+    def med(xs):
+        xs = [x for x in xs if x is not None]
+        if not xs:
+            return "n/a"
+        return f"{statistics.median(xs) * 1000:.1f} ({min(xs) * 1000:.1f}-{max(xs) * 1000:.1f})"
+
+    print("\nTimings, ms: median (min-max) over the timed requests of each size")
+    print("| prompt | metric | HandoffConnector | NixlConnector | ratio (nixl/handoff) |")
+    print("|---|---|---|---|---|")
+    for size in SIZES:
+        h, n = rows.get("handoff", {}).get(size, []), rows.get("nixl", {}).get(size, [])
+        for key, name in (("ttft_s", "decode TTFT"), ("prefill_s", "prefill request")):
+            hv, nv = [r[key] for r in h], [r[key] for r in n]
+            ratio = "n/a"
+            if hv and nv and all(x is not None for x in hv + nv):
+                ratio = f"{statistics.median(nv) / statistics.median(hv):.2f}"
+            print(f"| {size} | {name} | {med(hv)} | {med(nv)} | {ratio} |")
+        hx = [x / 1000 for x in handoff_ms.get(size, [])]
+        nx = [r["nixl_xfer_s"] for r in n]
+        ratio = "n/a"
+        if hx and [x for x in nx if x]:
+            ratio = f"{statistics.median([x for x in nx if x]) / statistics.median(hx):.2f}"
+        print(f"| {size} | handoff (transfer) | {med(hx)} | {med(nx)} | {ratio} |")
+    print(
+        "\nTTFT: first streamed token of the decode request (the transfer, one forward pass"
+        " and scheduling). Transfer: HandoffConnector = decode's receiver opened to blocks"
+        " in (control round trip included); NixlConnector = vllm:nixl_xfer_time_seconds"
+        " (its read, from post to completion)."
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--dir", required=True, help="the venv's folder (logs go there)")
+    ap.add_argument("--handoff", required=True, help="the handoff binary")
+    ap.add_argument("--transport", default="auto", help="auto | ucx | tcp")
+    ap.add_argument("--reps", type=int, default=3, help="timed requests per prompt size")
+    ap.add_argument("--skip-nixl", action="store_true", help="only HandoffConnector")
+    args = ap.parse_args()
+    (Path(args.dir) / "tiny").mkdir(parents=True, exist_ok=True)
+    (Path(args.dir) / "tiny" / "config.json").write_text(json.dumps(TINY_CONFIG, indent=1))
+    args.prefill_port, args.decode_port = free_port(), free_port()
+    bport = free_port()
+    args.bootstrap = f"tcp://127.0.0.1:{bport}"
+    boot_log = open(Path(args.dir) / "bootstrap.log", "w")
+    boot = subprocess.Popen(
+        [args.handoff, "bootstrap", "--listen", args.bootstrap],
+        stdout=boot_log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    servers: list[Server] = []
+    rows: dict[str, dict[int, list[dict]]] = {}
+    handoff_ms: dict[int, list[float]] = {}
+    try:
+        # 1. HandoffConnector: correctness and timings.
+        args.label = "handoff"
+        p, d = start_pair(args, handoff_kv(args, "kv_producer"), handoff_kv(args, "kv_consumer"))
+        servers += [p, d]
+        for size in SIZES:
+            handoff_ms[size] = []
+        rows["handoff"] = {}
+        for si, size in enumerate(SIZES):
+            mark = d.log_size()
+            part = run_connector_size(args, "handoff", size, si)
+            rows["handoff"][size] = part
+            handoff_ms[size] = handoff_times(d, mark)[1:]  # the warm-up's is dropped
+        # 2. Prefill killed after its prefill.
+        prefill_loss(args, p, d, "handoff")
+        # 3. Decode killed mid-handoff (prefill hands its blocks over late, as a slow
+        #    engine would, so that decode dies while prefill still holds them).
+        args.label = "handoff-slow"
+        p2 = Server(args, "handoff-slow-prefill", args.prefill_port, 0,
+                    handoff_kv(args, "kv_producer", {"send_delay_ms": 5000}), {})  # fmt: skip
+        servers.append(p2)
+        wait_up([p2])
+        decode_loss(args, p2, d)
+        for s in servers:
+            s.stop()
+        # 4. NixlConnector on the same prompts.
+        if not args.skip_nixl:
+            args.label = "nixl"
+            env_p = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+            env_d = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+            p, d = start_pair(args, nixl_kv("kv_producer"), nixl_kv("kv_consumer"), env_p, env_d)
+            servers += [p, d]
+            rows["nixl"] = {}
+            for si, size in enumerate(SIZES):
+                rows["nixl"][size] = run_connector_size(args, "nixl", size, si)
+    except Exception as e:  # noqa: BLE001 - any setup failure is a failed run, said once
+        check("the run itself", False, f"{type(e).__name__}: {e}")
+    finally:
+        for s in servers:
+            s.stop()
+        boot.terminate()
+        boot.wait(timeout=10)
+    summarize(rows, handoff_ms)
+    failed = [name for name, ok, _ in results if not ok]
+    print(f"\n{len(results) - len(failed)} of {len(results)} checks passed")
+    return 1 if failed else 0
+
+
+def run_connector_size(args, label: str, size: int, si: int) -> list[dict]:
+    out = []
+    for rep in range(args.reps + 1):  # the first round is checked, not timed
+        r = pd_round(args, size, salt=1000 * si + rep)
+        if r.get("error"):
+            check(f"{label}: {size}-token prompt round {rep}", False, r["error"])
+            continue
+        if rep == 0:
+            ref = reference(args, r["prompt"])
+            check(
+                f"{label}: {size}-token prompt, decode's greedy tokens equal prefill alone",
+                ref is not None and r["tokens"] == ref,
+                f"decode {r['tokens']} reference {ref}",
+            )  # fmt: skip
+            check(
+                f"{label}: {size}-token prompt counted as an external prefix-cache hit",
+                r["hits"] >= size - 1, f"{r['hits']:.0f} tokens",
+            )  # fmt: skip
+            continue
+        out.append(r)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

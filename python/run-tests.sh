@@ -37,4 +37,4 @@ echo "run-tests: ruff"
 
 echo "run-tests: pytest"
 cd "$here"
-exec "$venv/bin/python" -m pytest "$@"
+exec "$venv/bin/pytest" "$@"

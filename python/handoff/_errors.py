@@ -178,5 +178,7 @@ def _from_native(reason: str, detail: str) -> HandoffError:
     return error_class(reason)(detail, reason)
 
 
-__all__ = [name for name, v in globals().items() if isinstance(v, type) and issubclass(v, HandoffError)]
+__all__ = [
+    name for name, v in globals().items() if isinstance(v, type) and issubclass(v, HandoffError)
+]
 __all__ += ["error_class"]

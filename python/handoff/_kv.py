@@ -94,7 +94,9 @@ def _describe(obj: Any) -> _Described:
             itemsize = int(typestr[2:])
             strides = iface.get("strides")
         except Exception as e:
-            raise InvalidInput(f"cannot read the array interface of {type(obj).__name__}: {e}") from e
+            raise InvalidInput(
+                f"cannot read the array interface of {type(obj).__name__}: {e}"
+            ) from e
         if strides is None:  # C-contiguous
             strides, step = [], itemsize
             for d in reversed(shape):
@@ -153,7 +155,7 @@ def _block_ranges(
 def _indices(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     out: list[tuple[int, ...]] = [()]
     for n in shape:
-        out = [i + (k,) for i in out for k in range(n)]
+        out = [(*i, k) for i in out for k in range(n)]
     return out
 
 
@@ -224,7 +226,9 @@ def sglang_kv_caches(k_buffers: Any, v_buffers: Any, page_size: int = 1) -> KvSp
     page_size = _int("page_size", page_size, 1)
     ks, vs = _layers(k_buffers), _layers(v_buffers)
     if len(ks) != len(vs) or not ks:
-        raise InvalidInput(f"{len(ks)} K buffers and {len(vs)} V buffers: need one of each per layer")
+        raise InvalidInput(
+            f"{len(ks)} K buffers and {len(vs)} V buffers: need one of each per layer"
+        )
     ranges: list[KvRange] = []
     seen: list[tuple[int, str]] = []
     itemsize = 0

@@ -16,7 +16,12 @@ ReceiverHandle = _native.ReceiverHandle
 Handle = Union[_native.SenderHandle, _native.ReceiverHandle]
 
 #: Lifecycle deadlines, seconds, as `handoff worker` and the Rust runtime default them.
-TIMEOUTS_DEFAULT = {"bootstrap_s": 300.0, "waiting_s": 300.0, "transfer_s": 60.0, "pull_ttl_s": 480.0}
+TIMEOUTS_DEFAULT = {
+    "bootstrap_s": 300.0,
+    "waiting_s": 300.0,
+    "transfer_s": 60.0,
+    "pull_ttl_s": 480.0,
+}
 
 
 class Event(NamedTuple):
@@ -119,13 +124,19 @@ class Runtime:
             spec.num_blocks,
             device=spec.device,
             layers=layers,
-            block_tokens=spec.block_tokens if block_tokens is None else _int("block_tokens", block_tokens),
-            dtype_bytes=spec.dtype_bytes if dtype_bytes is None else _int("dtype_bytes", dtype_bytes),
+            block_tokens=spec.block_tokens
+            if block_tokens is None
+            else _int("block_tokens", block_tokens),
+            dtype_bytes=spec.dtype_bytes
+            if dtype_bytes is None
+            else _int("dtype_bytes", dtype_bytes),
             transport=_str("transport", transport),
             mode=_str("mode", mode),
             control_listen=_str("control_listen", control_listen),
             data_listen=_str("data_listen", data_listen),
-            advertise_host=None if advertise_host is None else _str("advertise_host", advertise_host),
+            advertise_host=None
+            if advertise_host is None
+            else _str("advertise_host", advertise_host),
             bootstrap_s=t["bootstrap_s"],
             waiting_s=t["waiting_s"],
             transfer_s=t["transfer_s"],
@@ -231,7 +242,9 @@ class BootstrapServer:
         self._native = _native.BootstrapServer(
             _str("listen", listen),
             secret_file=None if secret_file is None else os.fspath(secret_file),
-            expire_after_s=None if expire_after_s is None else _seconds("expire_after_s", expire_after_s),
+            expire_after_s=None
+            if expire_after_s is None
+            else _seconds("expire_after_s", expire_after_s),
         )
 
     @property

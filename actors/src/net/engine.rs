@@ -186,7 +186,14 @@ pub async fn start_engine_runtime(
         key: opts.key.clone(),
         ..NetConfig::default()
     };
-    let net = NetTransport::bind(cfg, opts.rank.clone(), opts.role, directory, data).await?;
+    let net = NetTransport::bind(cfg, opts.rank.clone(), opts.role, directory, data)
+        .await
+        .map_err(|e| match e {
+            NetError::Register(why) => {
+                NetError::Register(format!("at bootstrap server {}: {why}", opts.bootstrap))
+            }
+            other => other,
+        })?;
     let (control_address, incarnation) = (net.control_address().to_string(), net.incarnation());
     let runtime = Runtime::builder(opts.role, opts.rank.clone())
         .timeouts(opts.timeouts)

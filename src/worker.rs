@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::ValueEnum;
-use handoff_actors::net::{start_engine_runtime, DataTransport, EngineOptions, KvMemory};
+use handoff_actors::net::{start_engine_runtime, DataTransport, EngineOptions, WorkerMemory};
 use handoff_actors::{
     BlockId, EngineId, Event, RankInfo, ReceiverSpec, RequestId, Role, Runtime, State, Timeouts,
     TransferMode,
@@ -321,9 +321,9 @@ async fn run_inner(a: WorkerArgs) -> Result<ExitCode, String> {
 }
 
 /// The KV pool `--memory` asks for.
-fn memory(a: &WorkerArgs) -> Result<KvMemory, String> {
+fn memory(a: &WorkerArgs) -> Result<WorkerMemory, String> {
     match a.memory {
-        MemoryArg::Host => Ok(KvMemory::Pool {
+        MemoryArg::Host => Ok(WorkerMemory::Pool {
             blocks: a.pool_blocks,
             block_bytes: a.block_bytes,
         }),
@@ -339,7 +339,7 @@ fn memory(a: &WorkerArgs) -> Result<KvMemory, String> {
             let buffer = DeviceBuffer::alloc_zeroed(device, len).map_err(|e| {
                 format!("--memory cuda: KV pool of {len} bytes on device {device}: {e}")
             })?;
-            Ok(KvMemory::DevicePool {
+            Ok(WorkerMemory::DevicePool {
                 buffer: Arc::new(buffer),
                 blocks: a.pool_blocks,
                 block_bytes: a.block_bytes,

@@ -507,7 +507,6 @@ impl Runtime {
             layers,
             block_tokens,
             dtype_bytes,
-            pp: (pp_rank, pp_size),
         };
         let region = memory::region(spec, keep).map_err(err)?;
         let (num_blocks, block_bytes) = (region.blocks(), region.block_bytes());
@@ -519,7 +518,7 @@ impl Runtime {
             start_timeout,
             start_engine_runtime(
                 opts,
-                handoff_actors::net::KvMemory::Engine(Arc::new(region)),
+                handoff_actors::net::WorkerMemory::Engine(Arc::new(region)),
             ),
         );
         let engine = match started {

@@ -41,7 +41,7 @@ pub enum DataTransport {
 }
 
 /// The KV memory a worker registers.
-pub enum KvMemory {
+pub enum WorkerMemory {
     /// `blocks × block_bytes` bytes of zeroed host memory the data plane allocates: mapped by
     /// UCX (so same-host peers reach it through shared memory), heap memory under TCP.
     Pool {
@@ -64,14 +64,14 @@ pub enum KvMemory {
     Engine(Arc<Region>),
 }
 
-impl std::fmt::Debug for KvMemory {
+impl std::fmt::Debug for WorkerMemory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            KvMemory::Pool {
+            WorkerMemory::Pool {
                 blocks,
                 block_bytes,
             } => write!(f, "Pool({blocks} × {block_bytes} B)"),
-            KvMemory::DevicePool {
+            WorkerMemory::DevicePool {
                 buffer,
                 blocks,
                 block_bytes,
@@ -80,7 +80,7 @@ impl std::fmt::Debug for KvMemory {
                 "DevicePool(cuda:{}, {blocks} × {block_bytes} B)",
                 buffer.ordinal()
             ),
-            KvMemory::Engine(region) => write!(f, "Engine({region:?})"),
+            WorkerMemory::Engine(region) => write!(f, "Engine({region:?})"),
         }
     }
 }
@@ -168,7 +168,7 @@ pub struct EngineRuntime {
 /// [`NetError::Bind`], [`NetError::Register`], [`NetError::Runtime`]; each names what failed.
 pub async fn start_engine_runtime(
     opts: EngineOptions,
-    memory: KvMemory,
+    memory: WorkerMemory,
 ) -> Result<EngineRuntime, NetError> {
     let (region, data, transport) = data_plane(&opts, memory).await?;
     let data_address = data.address();
@@ -220,10 +220,10 @@ fn plane_error(what: &str, e: impl std::fmt::Display) -> NetError {
 /// The data plane `opts.transport` asks for, with the region it moves blocks of.
 async fn data_plane(
     opts: &EngineOptions,
-    memory: KvMemory,
+    memory: WorkerMemory,
 ) -> Result<(Arc<Region>, Arc<dyn DataPlane>, &'static str), NetError> {
     let region = match memory {
-        KvMemory::DevicePool {
+        WorkerMemory::DevicePool {
             buffer,
             blocks,
             block_bytes,
@@ -243,7 +243,7 @@ async fn data_plane(
             );
             return Ok((plane.region(), Arc::new(plane), "ucx"));
         }
-        KvMemory::Pool {
+        WorkerMemory::Pool {
             blocks,
             block_bytes,
         } => {
@@ -261,7 +261,7 @@ async fn data_plane(
             }
             Arc::new(Region::new(blocks, block_bytes).map_err(|e| plane_error("KV pool", e))?)
         }
-        KvMemory::Engine(region) => {
+        WorkerMemory::Engine(region) => {
             // The UCX plane maps its own memory; registering an engine's memory with it
             // comes with per-range registration. Until then engine memory moves over TCP.
             match opts.transport {
@@ -278,7 +278,7 @@ async fn data_plane(
             region
         }
     };
-    if let Err(e) = region.host_ptr() {
+    if let Err(e) = region.check_host("the TCP data plane") {
         return Err(plane_error(
             "the TCP data plane moves host memory only (device memory needs UCX)",
             e,

@@ -47,7 +47,7 @@ use tokio::sync::mpsc;
 
 pub use data::{Access, DataPlane, GrantTable, PlaneTransfer};
 pub use directory::{Directory, StaticDirectory};
-pub use engine::{start_engine_runtime, DataTransport, EngineOptions, EngineRuntime, KvMemory};
+pub use engine::{start_engine_runtime, DataTransport, EngineOptions, EngineRuntime, WorkerMemory};
 
 use crate::link::{Attach, Inbox, Link, LinkError, ResolveError, ResolveFuture, TransferFuture};
 use crate::machine::{Outbound, Peer};

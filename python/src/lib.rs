@@ -142,17 +142,37 @@ fn state_name(state: &State) -> &'static str {
     }
 }
 
-/// Blocks (without the GIL) until `fut` resolves or `timeout` passes.
+/// How often a blocking call comes back for the GIL to let Python handle signals
+/// (Ctrl-C), so no wait is uninterruptible for longer than this.
+const SIGNAL_CHECK_INTERVAL: Duration = Duration::from_millis(100);
+
+/// Blocks (without the GIL) until `fut` resolves (`Some`) or `timeout` passes (`None`);
+/// a pending signal's exception (e.g. `KeyboardInterrupt`) ends the wait and drops `fut`.
 fn block_on<F: std::future::Future + Send>(
     py: Python<'_>,
     tokio: &tokio::runtime::Runtime,
     timeout: Duration,
     fut: F,
-) -> Option<F::Output>
+) -> PyResult<Option<F::Output>>
 where
     F::Output: Send,
 {
-    py.allow_threads(|| tokio.block_on(async { tokio::time::timeout(timeout, fut).await.ok() }))
+    let deadline = std::time::Instant::now() + timeout;
+    let mut fut = Box::pin(fut);
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let slice = left.min(SIGNAL_CHECK_INTERVAL);
+        let got = py.allow_threads(|| {
+            tokio.block_on(async { tokio::time::timeout(slice, &mut fut).await.ok() })
+        });
+        if got.is_some() {
+            return Ok(got);
+        }
+        if left <= slice {
+            return Ok(None);
+        }
+        py.check_signals()?;
+    }
 }
 
 /// What both handles share.
@@ -218,7 +238,7 @@ macro_rules! handle_methods {
             fn wait(&self, py: Python<'_>, timeout_s: f64) -> PyResult<&'static str> {
                 let timeout = seconds("timeout_s", timeout_s).map_err(|f| f.into_py(py))?;
                 let fut = self.inner.completion();
-                match block_on(py, &self.core.tokio, timeout, fut) {
+                match block_on(py, &self.core.tokio, timeout, fut)? {
                     Some(state) => finished(&state).map_err(|f| f.into_py(py)),
                     None => Err(Failure::new(
                         "wait_timeout",
@@ -520,7 +540,7 @@ impl Runtime {
                 opts,
                 handoff_actors::net::WorkerMemory::Engine(Arc::new(region)),
             ),
-        );
+        )?;
         let engine = match started {
             Some(Ok(engine)) => engine,
             Some(Err(e)) => return Err(err(Failure::from_net(&e))),
@@ -737,7 +757,7 @@ impl Runtime {
                     .push((id.as_str().to_string(), state_name(&state)));
             }
         };
-        let ended = block_on(py, &self.tokio, timeout, all).is_some();
+        let ended = block_on(py, &self.tokio, timeout, all)?.is_some();
         let results = std::mem::take(&mut *results.lock().unwrap_or_else(|e| e.into_inner()));
         if !ended {
             let live: Vec<&str> = ids
@@ -766,7 +786,7 @@ impl Runtime {
             .unwrap_or_else(|e| e.into_inner())
             .take();
         let Some(rt) = rt else { return Ok(true) };
-        let stopped = block_on(py, &self.tokio, timeout, async move { rt.shutdown().await });
+        let stopped = block_on(py, &self.tokio, timeout, async move { rt.shutdown().await })?;
         Ok(stopped.is_some())
     }
 
@@ -843,7 +863,7 @@ impl BootstrapServer {
         };
         let cfg = make().map_err(|f| f.into_py(py))?;
         let tokio = tokio_runtime().map_err(|f| f.into_py(py))?;
-        let started = block_on(py, &tokio, Duration::from_secs(30), bootstrap::serve(cfg));
+        let started = block_on(py, &tokio, Duration::from_secs(30), bootstrap::serve(cfg))?;
         let server = match started {
             Some(Ok(server)) => server,
             Some(Err(e)) => {
@@ -872,11 +892,12 @@ impl BootstrapServer {
     }
 
     /// Stops the server (releasing the GIL). Idempotent.
-    fn stop(&self, py: Python<'_>) {
+    fn stop(&self, py: Python<'_>) -> PyResult<()> {
         let server = self.server.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(server) = server {
-            block_on(py, &self.tokio, Duration::from_secs(10), server.stop());
+            block_on(py, &self.tokio, Duration::from_secs(10), server.stop())?;
         }
+        Ok(())
     }
 
     fn __repr__(&self) -> String {

@@ -19,14 +19,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::ValueEnum;
-use handoff_actors::bootstrap::{BootstrapClient, ClientConfig};
-use handoff_actors::net::tcp::TcpDataPlane;
-use handoff_actors::net::ucx::UcxPlane;
-use handoff_actors::net::DataPlane;
-use handoff_actors::net::{NetConfig, NetTransport};
+use handoff_actors::net::{start_engine_runtime, DataTransport, EngineOptions, WorkerMemory};
 use handoff_actors::{
-    BlockId, EngineId, Event, RankInfo, ReceiverSpec, Region, RequestId, Role, Runtime, State,
-    Timeouts, TransferMode, TransportChoice,
+    BlockId, EngineId, Event, RankInfo, ReceiverSpec, RequestId, Role, Runtime, State, Timeouts,
+    TransferMode,
 };
 use handoff_gpu::checksum::{checksum64, fill_pattern};
 use handoff_gpu::DeviceBuffer;
@@ -260,44 +256,43 @@ async fn run_inner(a: WorkerArgs) -> Result<ExitCode, String> {
             a.requests, a.blocks_per_request, a.pool_blocks
         ));
     }
-    let (region, data, transport) = data_plane(&a, &rank, key.clone()).await?;
-    let data_address = data.address();
-    let directory = Arc::new(BootstrapClient::new(
-        &a.bootstrap,
-        key.clone(),
-        ClientConfig::default(),
-    ));
-    let cfg = NetConfig {
-        control_listen: a.control_listen.clone(),
-        advertise_host: a.advertise_host.clone(),
-        heartbeat_interval: Duration::from_millis(a.heartbeat_ms.max(10)),
-        heartbeats_missed_max: a.heartbeats_missed.max(1),
-        key,
-        ..NetConfig::default()
-    };
-    let net = NetTransport::bind(cfg, rank.clone(), role, directory, data)
-        .await
-        .map_err(|e| e.to_string())?;
-    let (control, incarnation) = (net.control_address().to_string(), net.incarnation());
     let timeouts = Timeouts {
         bootstrap: secs(a.bootstrap_timeout_s),
         waiting: secs(a.waiting_timeout_s),
         transfer: secs(a.transfer_timeout_s),
         pull_ttl: secs(a.pull_ttl_s),
     };
-    let mode = match a.mode {
-        ModeArg::Push => TransferMode::Push,
-        ModeArg::Pull => TransferMode::Pull,
+    let opts = EngineOptions {
+        control_listen: a.control_listen.clone(),
+        data_listen: a.data_listen.clone(),
+        advertise_host: a.advertise_host.clone(),
+        transport: match a.transport {
+            TransportArg::Auto => DataTransport::Auto,
+            TransportArg::Ucx => DataTransport::Ucx,
+            TransportArg::Tcp => DataTransport::Tcp,
+        },
+        cuda_device: a.cuda_device,
+        heartbeat_interval: Duration::from_millis(a.heartbeat_ms),
+        heartbeats_missed_max: a.heartbeats_missed,
+        timeouts,
+        mode: match a.mode {
+            ModeArg::Push => TransferMode::Push,
+            ModeArg::Pull => TransferMode::Pull,
+        },
+        admission: a.admission,
+        key,
+        ..EngineOptions::new(role, rank.clone(), a.bootstrap.clone())
     };
-    let rt = Runtime::builder(role, rank.clone())
-        .timeouts(timeouts)
-        .mode(mode)
-        .admission(a.admission)
-        .transport(TransportChoice::Custom(Arc::new(net)))
-        .region(region)
-        .start()
+    let engine = start_engine_runtime(opts, memory(&a)?)
         .await
         .map_err(|e| e.to_string())?;
+    let rt = engine.runtime;
+    let (control, data_address, transport, incarnation) = (
+        engine.control_address,
+        engine.data_address,
+        engine.transport,
+        engine.incarnation,
+    );
     emit(
         json!({"event": "ready", "role": role.to_string(), "rank": rank.to_string(), "control": control, "data": data_address, "transport": transport, "incarnation": incarnation}),
     );
@@ -325,55 +320,32 @@ async fn run_inner(a: WorkerArgs) -> Result<ExitCode, String> {
     Ok(code)
 }
 
-/// The data plane `--transport` asks for, with the region it moves blocks of.
-async fn data_plane(
-    a: &WorkerArgs,
-    rank: &RankInfo,
-    key: Option<handoff_actors::bootstrap::Key>,
-) -> Result<(Arc<Region>, Arc<dyn DataPlane>, &'static str), String> {
-    if a.memory == MemoryArg::Cuda {
-        if a.transport == TransportArg::Tcp {
-            return Err(
-                "--memory cuda needs --transport ucx or auto: TCP copies through the CPU".into(),
-            );
-        }
-        let device = a.cuda_device.unwrap_or(0);
-        let len = a.pool_blocks as usize * a.block_bytes;
-        let buffer = DeviceBuffer::alloc_zeroed(device, len).map_err(|e| {
-            format!("--memory cuda: KV pool of {len} bytes on device {device}: {e}")
-        })?;
-        let plane = UcxPlane::start_on_device(Arc::new(buffer), a.pool_blocks, a.block_bytes, rank)
-            .map_err(|e| format!("UCX data plane on device memory: {e}"))?;
-        tracing::info!(
-            version = plane.version(),
-            device,
-            "data plane: UCX, KV pool in device memory"
-        );
-        return Ok((plane.region(), Arc::new(plane), "ucx"));
-    }
-    if a.transport != TransportArg::Tcp {
-        match UcxPlane::start_with(a.pool_blocks, a.block_bytes, rank, a.cuda_device) {
-            Ok(plane) => {
-                tracing::info!(version = plane.version(), "data plane: UCX");
-                return Ok((plane.region(), Arc::new(plane), "ucx"));
+/// The KV pool `--memory` asks for.
+fn memory(a: &WorkerArgs) -> Result<WorkerMemory, String> {
+    match a.memory {
+        MemoryArg::Host => Ok(WorkerMemory::Pool {
+            blocks: a.pool_blocks,
+            block_bytes: a.block_bytes,
+        }),
+        MemoryArg::Cuda => {
+            if a.transport == TransportArg::Tcp {
+                return Err(
+                    "--memory cuda needs --transport ucx or auto: TCP copies through the CPU"
+                        .into(),
+                );
             }
-            Err(e) if a.transport == TransportArg::Auto && e.is_ucx_unavailable() => {
-                tracing::warn!(error = %e, "UCX unavailable; using the TCP data plane");
-            }
-            Err(e) => return Err(format!("UCX data plane: {e}")),
+            let device = a.cuda_device.unwrap_or(0);
+            let len = a.pool_blocks as usize * a.block_bytes;
+            let buffer = DeviceBuffer::alloc_zeroed(device, len).map_err(|e| {
+                format!("--memory cuda: KV pool of {len} bytes on device {device}: {e}")
+            })?;
+            Ok(WorkerMemory::DevicePool {
+                buffer: Arc::new(buffer),
+                blocks: a.pool_blocks,
+                block_bytes: a.block_bytes,
+            })
         }
     }
-    let region = Arc::new(Region::new(a.pool_blocks, a.block_bytes).map_err(|e| e.to_string())?);
-    let data = TcpDataPlane::bind(
-        &a.data_listen,
-        a.advertise_host.as_deref(),
-        region.clone(),
-        rank.clone(),
-        key,
-    )
-    .await
-    .map_err(|e| format!("TCP data plane: {e}"))?;
-    Ok((region, Arc::new(data), "tcp"))
 }
 
 /// Opens the requests, then drains events until every one has ended (or, with `--serve`,

@@ -25,10 +25,13 @@
 //! - [`data`]: the [`DataPlane`] trait, [`GrantTable`].
 //! - [`tcp`]: [`tcp::TcpDataPlane`], the data plane over TCP.
 //! - [`ucx`]: [`ucx::UcxPlane`], the data plane over UCX (one-sided, fenced).
+//! - [`engine`]: [`engine::start_engine_runtime`], a whole networked runtime assembled
+//!   (data plane, bootstrap client, control port, runtime): what embedders call.
 
 mod control;
 pub mod data;
 pub mod directory;
+pub mod engine;
 pub mod tcp;
 pub mod ucx;
 
@@ -44,6 +47,7 @@ use tokio::sync::mpsc;
 
 pub use data::{Access, DataPlane, GrantTable, PlaneTransfer};
 pub use directory::{Directory, StaticDirectory};
+pub use engine::{start_engine_runtime, DataTransport, EngineOptions, EngineRuntime, WorkerMemory};
 
 use crate::link::{Attach, Inbox, Link, LinkError, ResolveError, ResolveFuture, TransferFuture};
 use crate::machine::{Outbound, Peer};
@@ -116,6 +120,12 @@ pub enum NetError {
     /// The worker could not be registered before the deadline.
     #[error("registration failed: {0}")]
     Register(String),
+    /// No data plane could serve the worker's memory, or the chosen one failed to start.
+    #[error("data plane: {0}")]
+    DataPlane(String),
+    /// The runtime on top of the transport could not start.
+    #[error(transparent)]
+    Runtime(crate::Error),
 }
 
 /// Peers' region descriptors, by request and peer: where a write or read for that request
@@ -313,7 +323,16 @@ fn pipeline_slice(
     } else {
         (peer, theirs, me, mine)
     };
-    BlockSlice::for_ranks(src, src_bytes, dst, dst_bytes)
+    let side = |rank, block_bytes| {
+        handoff_transport::PairSide::of(
+            handoff_transport::LayerSpan::WHOLE,
+            block_bytes,
+            0,
+            0,
+            rank,
+        )
+    };
+    BlockSlice::between(side(src, src_bytes), side(dst, dst_bytes))
         .map_err(|e| format!("blocks between {src} and {dst}: {e}"))
 }
 

@@ -1,0 +1,127 @@
+"""Shared fixtures: a bootstrap server per test, and peers in other processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import handoff
+
+#: Every wait in these tests has this deadline at most.
+DEADLINE_S = 30.0
+PEER = Path(__file__).with_name("peer.py")
+
+
+@pytest.fixture
+def bootstrap():
+    with handoff.bootstrap_server() as server:
+        yield server
+
+
+class Peer:
+    """A worker process (peer.py): JSON commands in, JSON lines out, every read bounded."""
+
+    def __init__(self, **cfg: Any) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER), json.dumps(cfg)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "RUST_LOG": "warn"},
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.stderr: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+        threading.Thread(target=self._pump_err, daemon=True).start()
+        self.ready = self.expect("ready")
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def _pump_err(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+
+    def send(self, **cmd: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def expect(self, event: str, timeout_s: float = DEADLINE_S) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                line = self.lines.get(timeout=max(left, 0.001))
+            except queue.Empty:
+                line = None
+            if line is None:
+                raise AssertionError(
+                    f"peer: no {event!r} line (exit {self.proc.poll()}); stderr:\n"
+                    + "".join(self.stderr[-40:])
+                )
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            if msg.get("event") == event:
+                return msg
+            if msg.get("event") == "error":
+                raise AssertionError(f"peer error: {msg}")
+
+    def call(self, event: str = "ok", **cmd: Any) -> dict[str, Any]:
+        self.send(**cmd)
+        return self.expect(event)
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=DEADLINE_S)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send(op="exit")
+                self.proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(timeout=DEADLINE_S)
+
+
+@pytest.fixture
+def peers():
+    made: list[Peer] = []
+
+    def spawn(**cfg: Any) -> Peer:
+        p = Peer(**cfg)
+        made.append(p)
+        return p
+
+    yield spawn
+    for p in made:
+        p.close()
+
+
+def until(pred, what: str, timeout_s: float = DEADLINE_S, every_s: float = 0.01):
+    """Polls ``pred`` until it returns something truthy, or fails naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(every_s)
+    raise AssertionError(f"not within {timeout_s} s: {what}")

@@ -1,0 +1,120 @@
+"""Prefill and decode runtimes in this process, numpy arrays as their KV caches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import until
+
+import handoff
+
+BLOCKS, BLOCK_BYTES = 32, 4096
+
+
+def runtime(role: str, engine: str, bootstrap, kv: np.ndarray, **kw) -> handoff.Runtime:
+    kw.setdefault("transport", "tcp")
+    return handoff.Runtime(role, engine, bootstrap.address, [kv], heartbeat_ms=200, **kw)
+
+
+@pytest.fixture
+def pair(bootstrap, request):
+    mode = getattr(request, "param", "push")
+    kv_p = np.zeros((BLOCKS, BLOCK_BYTES), np.uint8)
+    kv_d = np.zeros((BLOCKS, BLOCK_BYTES), np.uint8)
+    with (
+        runtime("prefill", "P", bootstrap, kv_p) as p,
+        runtime("decode", "D", bootstrap, kv_d, mode=mode) as d,
+    ):
+        yield p, d, kv_p, kv_d
+
+
+def released(rt: handoff.Runtime, events: list[handoff.Event]) -> list[int]:
+    events += rt.drain_events()
+    return sorted(b for e in events if e.kind == "released" for b in e.blocks)
+
+
+@pytest.mark.parametrize("pair", ["push", "pull"], indirect=True)
+def test_numpy_arrays_hand_over_byte_for_byte(pair):
+    p, d, kv_p, kv_d = pair
+    rng = np.random.default_rng(7)
+    jobs = []
+    for n in range(4):
+        src = [4 * n + k for k in range(4)]
+        dst = [31 - (4 * n + k) for k in range(4)]
+        kv_p[src] = rng.integers(0, 256, (4, BLOCK_BYTES), dtype=np.uint8)
+        r = d.receiver(f"req-{n}", "P", blocks=dst)
+        s = p.sender(f"req-{n}")
+        s.send(src)
+        jobs.append((s, r, src, dst))
+    states = d.wait([r for _, r, _, _ in jobs], timeout_s=30)
+    assert states == {f"req-{n}": "Done" for n in range(4)}
+    for s, r, src, dst in jobs:
+        assert s.wait(30) == "Done" and r.poll() == "Done" and r.reason is None
+        assert np.array_equal(kv_d[dst], kv_p[src]), f"{r.id}: bytes differ"
+    # Every block handed over comes back in exactly one `released` event, on both sides.
+    ev_p: list[handoff.Event] = []
+    ev_d: list[handoff.Event] = []
+    until(lambda: released(p, ev_p) == list(range(16)), "prefill releases its 16 blocks")
+    until(lambda: released(d, ev_d) == list(range(16, 32)), "decode releases its 16 blocks")
+    finals = [e for e in ev_d if e.kind == "state" and e.state == "Done"]
+    assert len(finals) == 4
+
+
+def test_abort_frees_blocks_and_tells_the_peer(pair):
+    p, d, _, _ = pair
+    r = d.receiver("gone", "P", blocks=[5, 6, 7])
+    s = p.sender("gone")
+    until(lambda: s.poll() == "WaitingForInput", "prefill hears from decode")
+    r.abort()
+    with pytest.raises(handoff.Aborted) as e:
+        r.wait(5)
+    assert e.value.reason == "aborted_by_engine" and r.reason == "aborted_by_engine"
+    ev: list[handoff.Event] = []
+    until(lambda: released(d, ev) == [5, 6, 7], "decode's aborted blocks released")
+    failed = [x for x in ev if x.kind == "state" and x.state == "Failed"]
+    assert failed and failed[0].reason == "aborted_by_engine" and failed[0].detail
+    # The peer fails by name, fast, and blocks it gets afterwards stay the engine's.
+    with pytest.raises(handoff.AbortedByPeer):
+        s.wait(5)
+    with pytest.raises(handoff.RequestEnded):
+        s.send([1, 2])
+    ev_p: list[handoff.Event] = []
+    assert released(p, ev_p) == []
+
+
+def test_prefill_abort_after_send_releases_its_blocks(pair):
+    p, _, _, _ = pair
+    s = p.sender("never-read")
+    s.send([9, 10])
+    s.abort()
+    with pytest.raises(handoff.Aborted):
+        s.wait(5)
+    ev: list[handoff.Event] = []
+    until(lambda: released(p, ev) == [9, 10], "prefill's blocks released")
+
+
+def test_wait_times_out_by_name_and_the_request_goes_on(pair):
+    p, _, _, _ = pair
+    s = p.sender("slow")
+    with pytest.raises(handoff.WaitTimeout) as e:
+        s.wait(0.2)
+    assert isinstance(e.value, TimeoutError) and "slow" in e.value.detail
+    assert s.poll() == "Bootstrapping"
+    with pytest.raises(handoff.WaitTimeout):
+        p.wait(["slow"], timeout_s=0.1)
+
+
+def test_shutdown_fails_live_requests_and_releases_their_blocks(bootstrap):
+    kv = np.zeros((8, 256), np.uint8)
+    p = runtime("prefill", "P1", bootstrap, kv)
+    s = p.sender("live")
+    s.send([1, 2, 3])
+    assert p.shutdown(10) is True
+    assert p.shutdown() is True  # idempotent
+    with pytest.raises(handoff.InternalError):
+        s.wait(5)
+    ev: list[handoff.Event] = []
+    assert released(p, ev) == [1, 2, 3]
+    with pytest.raises(handoff.RuntimeStopped):
+        p.sender("after")
+    assert not p.running

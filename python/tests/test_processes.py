@@ -1,0 +1,111 @@
+"""Two processes: a peer (peer.py) and this one, through an in-process bootstrap server."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from conftest import until
+from peer import pattern
+
+import handoff
+
+BLOCKS, BLOCK_BYTES = 64, 4096
+#: A killed peer resets its sockets, so its loss is noticed at once; the heartbeats
+#: (200 ms, 3 missed) bound it otherwise. "Fast" is well under any lifecycle deadline (300 s).
+PEER_LOST_WITHIN_S = 5.0
+
+
+def local(role: str, engine: str, bootstrap, transport: str = "tcp", **kw):
+    kv = np.zeros((BLOCKS, BLOCK_BYTES), np.uint8)
+    rt = handoff.Runtime(
+        role,
+        engine,
+        bootstrap.address,
+        [kv],
+        transport=transport,
+        heartbeat_ms=200,
+        heartbeats_missed=3,
+        **kw,
+    )
+    return rt, kv
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_blocks_hand_over_between_processes_over_tcp(bootstrap, peers, mode):
+    prefill = peers(role="prefill", engine="P", bootstrap=bootstrap.address, transport="tcp")
+    assert prefill.ready["transport"] == "tcp"
+    rt, kv = local("decode", "D", bootstrap, mode=mode)
+    with rt:
+        for n in range(3):
+            src = [10 * n + k for k in range(5)]
+            dst = [63 - (10 * n + k) for k in range(5)]
+            r = rt.receiver(f"req-{n}", "P", blocks=dst)
+            prefill.call(op="send", id=f"req-{n}", blocks=src, seed=100 + n)
+            assert r.wait(30) == "Done"
+            for k, b in enumerate(dst):
+                assert np.array_equal(kv[b], pattern(100 + n, k, BLOCK_BYTES)), f"block {b}"
+            end = prefill.call("end", op="wait", id=f"req-{n}", timeout_s=30)
+            assert end["state"] == "Done", end
+
+
+def test_blocks_hand_over_between_processes_over_ucx(bootstrap, peers):
+    try:
+        rt, kv = local("decode", "D", bootstrap, transport="ucx")
+    except handoff.DataPlaneError as e:
+        pytest.skip(f"UCX transport skipped: {e}")
+    with rt:
+        prefill = peers(role="prefill", engine="P", bootstrap=bootstrap.address, transport="ucx")
+        r = rt.receiver("u", "P", blocks=[1, 2])
+        prefill.call(op="send", id="u", blocks=[5, 6], seed=9)
+        assert r.wait(30) == "Done"
+        assert all(np.array_equal(kv[b], pattern(9, k, BLOCK_BYTES)) for k, b in enumerate([1, 2]))
+
+
+def test_a_killed_prefill_fails_decode_fast_with_peer_lost(bootstrap, peers):
+    prefill = peers(role="prefill", engine="P", bootstrap=bootstrap.address)
+    rt, _ = local("decode", "D", bootstrap)
+    with rt:
+        r = rt.receiver("doomed", "P", blocks=[1, 2, 3])
+        prefill.call(op="open", id="doomed")
+        until(
+            lambda: prefill.call("state", op="poll", id="doomed")["state"] == "WaitingForInput",
+            "prefill has decode's transfer info",
+            every_s=0.05,
+        )
+        assert r.poll() == "WaitingForInput"
+        prefill.kill()
+        killed = time.monotonic()
+        with pytest.raises(handoff.PeerLost) as e:
+            r.wait(PEER_LOST_WITHIN_S * 4)
+        took = time.monotonic() - killed
+        assert took < PEER_LOST_WITHIN_S, f"PeerLost after {took:.1f} s"
+        assert e.value.reason == "peer_lost" and "P/" in e.value.detail
+        ev = rt.drain_events()
+        assert sorted(b for x in ev if x.kind == "released" for b in x.blocks) == [1, 2, 3]
+        print(f"decode failed PeerLost {took * 1e3:.0f} ms after prefill was killed")
+
+
+def test_a_killed_decode_fails_prefill_fast_with_peer_lost(bootstrap, peers):
+    decode = peers(role="decode", engine="D", bootstrap=bootstrap.address)
+    rt, _ = local("prefill", "P", bootstrap)
+    with rt:
+        s = rt.sender("doomed")
+        decode.call(op="recv", id="doomed", prefill="P", blocks=[4, 5])
+        until(lambda: s.poll() == "WaitingForInput", "prefill has decode's transfer info")
+        s.send([7, 8])
+        decode.kill()
+        killed = time.monotonic()
+        with pytest.raises(handoff.PeerLost):
+            s.wait(PEER_LOST_WITHIN_S * 4)
+        took = time.monotonic() - killed
+        assert took < PEER_LOST_WITHIN_S, f"PeerLost after {took:.1f} s"
+        ev: list[handoff.Event] = []
+        until(
+            lambda: (
+                ev.extend(rt.drain_events())
+                or sorted(b for x in ev if x.kind == "released" for b in x.blocks) == [7, 8]
+            ),
+            "prefill's blocks released",
+        )

@@ -786,10 +786,10 @@ fn parse_ucx_ready(ready: &str, block: usize) -> Result<UcxPeer, String> {
         return Err(format!("peer said {ready:?}"));
     };
     let bad = |what: &str| format!("peer sent a bad {what}");
-    Ok(UcxPeer {
-        name: "bench-peer".into(),
-        worker_address: unhex(address).ok_or_else(|| bad("worker address"))?,
-        region: RegionDescriptor {
+    Ok(UcxPeer::one_range(
+        "bench-peer".into(),
+        unhex(address).ok_or_else(|| bad("worker address"))?,
+        RegionDescriptor {
             transport: TransportKind::Ucx,
             address: "bench-peer".into(),
             remote_key: unhex(rkey).ok_or_else(|| bad("rkey"))?,
@@ -797,7 +797,7 @@ fn parse_ucx_ready(ready: &str, block: usize) -> Result<UcxPeer, String> {
             len: len.parse().map_err(|_| bad("length"))?,
             block_bytes: block as u64,
         },
-    })
+    ))
 }
 
 /// One throughput point's setting: which blocks go where, how many passes.

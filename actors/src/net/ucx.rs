@@ -90,11 +90,7 @@ impl UcxPlane {
     }
 
     fn transfer(&self, t: PlaneTransfer<'_>, write: bool) -> TransferFuture {
-        let peer = UcxPeer {
-            name: t.peer.to_string(),
-            worker_address: t.peer_data.to_vec(),
-            region: t.region.clone(),
-        };
+        let peer = UcxPeer::one_range(t.peer.to_string(), t.peer_data.to_vec(), t.region.clone());
         let (src, dst, slice, id) = (t.src, t.dst, t.slice, t.id);
         let (plane, id) = (self.plane.clone(), id.clone());
         Box::pin(async move {

@@ -146,6 +146,186 @@ pub fn sliced_pieces(local: &[BlockId], remote: &[BlockId], at: &Sliced) -> Vec<
     out
 }
 
+/// One range of a KV layout as a data plane addresses it: block `b` is `bytes` bytes at
+/// `addr + b × stride` (an absolute address in the owner's address space).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RangeGeom {
+    /// Address of block 0.
+    pub addr: u64,
+    /// Bytes from one block to the next.
+    pub stride: u64,
+    /// Bytes of each block in this range, not zero.
+    pub bytes: u64,
+}
+
+/// A layout's ranges, checked, with where each starts in the logical block (the
+/// concatenation, in range order, of the block's bytes in every range).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    blocks: u32,
+    ranges: Vec<RangeGeom>,
+    /// `starts[i]`: logical offset of range `i` in a block; `starts[len]` = block bytes.
+    starts: Vec<u64>,
+}
+
+/// One piece of a block in one range: `len` bytes at `offset` from the range's `addr`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RangePiece {
+    /// Index of the range.
+    pub range: u32,
+    /// Offset from the range's first byte (block 0's address).
+    pub offset: u64,
+    /// Length in bytes, not zero.
+    pub len: u64,
+}
+
+/// One piece of a transfer: the same `len` bytes in a local range and a remote range.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PairedPiece {
+    /// The local side.
+    pub local: RangePiece,
+    /// The peer's side.
+    pub remote: RangePiece,
+}
+
+impl Geometry {
+    /// Checks a layout's shape: `1..=ranges_max` ranges, every range's blocks inside the
+    /// address space (`addr + (blocks - 1) × stride + bytes` does not overflow), no empty
+    /// range, a logical block that fits a `u64`. `what` names the side in errors.
+    pub fn new(
+        blocks: u32,
+        ranges: Vec<RangeGeom>,
+        ranges_max: usize,
+        what: &str,
+    ) -> Result<Geometry, String> {
+        if blocks == 0 {
+            return Err(format!("{what}: layout of zero blocks"));
+        }
+        if ranges.is_empty() || ranges.len() > ranges_max {
+            return Err(format!(
+                "{what}: {} ranges (expected 1..={ranges_max})",
+                ranges.len()
+            ));
+        }
+        let mut starts = Vec::with_capacity(ranges.len() + 1);
+        let mut at = 0u64;
+        for (i, r) in ranges.iter().enumerate() {
+            if r.bytes == 0 {
+                return Err(format!("{what}: range {i} has empty blocks"));
+            }
+            let end = u64::from(blocks - 1)
+                .checked_mul(r.stride)
+                .and_then(|o| o.checked_add(r.bytes))
+                .and_then(|o| o.checked_add(r.addr));
+            if end.is_none() {
+                return Err(format!(
+                    "{what}: range {i} ({blocks} blocks of {} bytes every {} from {:#x}) overflows",
+                    r.bytes, r.stride, r.addr
+                ));
+            }
+            starts.push(at);
+            at = at
+                .checked_add(r.bytes)
+                .ok_or_else(|| format!("{what}: logical block size overflows"))?;
+        }
+        starts.push(at);
+        Ok(Geometry {
+            blocks,
+            ranges,
+            starts,
+        })
+    }
+
+    /// Blocks in every range.
+    pub fn blocks(&self) -> u32 {
+        self.blocks
+    }
+
+    /// Bytes of one logical block.
+    pub fn block_bytes(&self) -> u64 {
+        self.starts.last().copied().unwrap_or(0)
+    }
+
+    /// The ranges.
+    pub fn ranges(&self) -> &[RangeGeom] {
+        &self.ranges
+    }
+
+    /// Bytes a range spans from its first block's start to its last block's end.
+    pub fn range_span(&self, range: usize) -> u64 {
+        self.ranges.get(range).map_or(0, |r| {
+            // Checked in `new`.
+            u64::from(self.blocks - 1) * r.stride + r.bytes
+        })
+    }
+
+    /// Calls `f` with every piece of `len` logical bytes at `offset` of `block`, in order.
+    /// The caller has checked `block < blocks` and `offset + len <= block_bytes`.
+    pub fn pieces(&self, block: u32, offset: u64, len: u64, mut f: impl FnMut(RangePiece)) {
+        let end = offset.saturating_add(len).min(self.block_bytes());
+        // The range holding `offset`: the last start at or before it.
+        let mut i = self
+            .starts
+            .partition_point(|&s| s <= offset)
+            .saturating_sub(1);
+        let mut at = offset;
+        while at < end && i < self.ranges.len() {
+            let r = &self.ranges[i];
+            let (start, stop) = (self.starts[i], self.starts[i + 1]);
+            let take = stop.min(end) - at;
+            if take > 0 {
+                f(RangePiece {
+                    range: i as u32,
+                    offset: u64::from(block) * r.stride + (at - start),
+                    len: take,
+                });
+            }
+            at += take;
+            i += 1;
+        }
+    }
+
+    /// Pairs the pieces of `local` block `l` and `remote` block `r` for the slice `at`
+    /// (the same logical bytes on both sides, cut wherever either side's ranges end).
+    /// The caller has checked both blocks and the slice.
+    pub fn pair(
+        local: &Geometry,
+        l: BlockId,
+        remote: &Geometry,
+        r: BlockId,
+        at: &Sliced,
+        mut f: impl FnMut(PairedPiece),
+    ) {
+        let len = at.len as u64;
+        let mut theirs = Vec::new();
+        remote.pieces(r.0, at.remote_offset, len, |p| theirs.push(p));
+        let mut theirs = theirs.into_iter();
+        let mut current: Option<RangePiece> = theirs.next();
+        local.pieces(l.0, at.local_offset as u64, len, |mut mine| {
+            while mine.len > 0 {
+                let Some(other) = current.as_mut() else {
+                    return;
+                };
+                let take = mine.len.min(other.len);
+                f(PairedPiece {
+                    local: RangePiece { len: take, ..mine },
+                    remote: RangePiece {
+                        len: take,
+                        ..*other
+                    },
+                });
+                mine.offset += take;
+                mine.len -= take;
+                other.offset += take;
+                other.len -= take;
+                if other.len == 0 {
+                    current = theirs.next();
+                }
+            }
+        });
+    }
+}
+
 /// Cuts `pieces` into operations of at most `op_bytes_max` bytes and `pieces_per_op_max`
 /// pieces, splitting a piece where an operation fills up.
 pub fn split(pieces: &[Piece], op_bytes_max: usize, pieces_per_op_max: usize) -> Plan {
@@ -271,6 +451,106 @@ mod tests {
         assert_eq!(out, ids(&[1, 2, 3]));
         touched_blocks(35, 1, 10, &mut out);
         assert_eq!(out, ids(&[1, 2, 3]), "block 3 again is not repeated");
+    }
+
+    fn geom(blocks: u32, ranges: &[(u64, u64, u64)]) -> Geometry {
+        let ranges = ranges
+            .iter()
+            .map(|&(addr, stride, bytes)| RangeGeom {
+                addr,
+                stride,
+                bytes,
+            })
+            .collect();
+        Geometry::new(blocks, ranges, 64, "test").unwrap()
+    }
+
+    #[test]
+    fn a_block_maps_to_one_piece_per_range_and_slices_cut_them() {
+        // Two layers, K and V each (vLLM `[2, blocks, ...]` per layer): 4 ranges of 8 bytes.
+        let g = geom(4, &[(1000, 8, 8), (1032, 8, 8), (2000, 8, 8), (2032, 8, 8)]);
+        assert_eq!(g.block_bytes(), 32);
+        let mut out = Vec::new();
+        g.pieces(2, 0, 32, |p| out.push(p));
+        assert_eq!(out.len(), 4);
+        assert_eq!(
+            out[1],
+            RangePiece {
+                range: 1,
+                offset: 16,
+                len: 8
+            }
+        );
+        out.clear();
+        g.pieces(1, 12, 10, |p| out.push(p));
+        assert_eq!(
+            out,
+            vec![
+                RangePiece {
+                    range: 1,
+                    offset: 12,
+                    len: 4
+                },
+                RangePiece {
+                    range: 2,
+                    offset: 8,
+                    len: 6
+                }
+            ]
+        );
+    }
+
+    #[test]
+    fn pairing_cuts_where_either_side_changes_range() {
+        // One range of 32-byte blocks against 4 ranges of 8 bytes.
+        let one = geom(4, &[(0, 32, 32)]);
+        let four = geom(4, &[(1000, 8, 8), (1032, 8, 8), (2000, 8, 8), (2032, 8, 8)]);
+        let at = Sliced {
+            local_block_bytes: 32,
+            remote_block_bytes: 32,
+            local_offset: 4,
+            remote_offset: 0,
+            len: 20,
+        };
+        let mut out = Vec::new();
+        Geometry::pair(&four, BlockId(3), &one, BlockId(1), &at, |p| out.push(p));
+        let lens: Vec<u64> = out.iter().map(|p| p.local.len).collect();
+        assert_eq!(lens, vec![4, 8, 8]);
+        assert_eq!(out.iter().map(|p| p.remote.len).sum::<u64>(), 20);
+        assert_eq!(out[0].remote.offset, 32);
+        assert_eq!(out[2].remote.offset, 32 + 12);
+        assert_eq!(out[2].local.range, 2);
+    }
+
+    #[test]
+    fn geometries_that_overflow_or_are_empty_are_refused() {
+        let bad = |blocks, ranges: Vec<RangeGeom>| Geometry::new(blocks, ranges, 4, "peer");
+        let r = RangeGeom {
+            addr: 0,
+            stride: 8,
+            bytes: 8,
+        };
+        assert!(bad(0, vec![r]).is_err());
+        assert!(bad(1, vec![]).is_err());
+        assert!(bad(1, vec![r; 5]).is_err());
+        assert!(bad(1, vec![RangeGeom { bytes: 0, ..r }]).is_err());
+        assert!(bad(
+            u32::MAX,
+            vec![RangeGeom {
+                stride: u64::MAX / 2,
+                ..r
+            }]
+        )
+        .is_err());
+        assert!(bad(
+            2,
+            vec![RangeGeom {
+                addr: u64::MAX - 8,
+                ..r
+            }]
+        )
+        .is_err());
+        assert!(bad(2, vec![r; 4]).is_ok());
     }
 
     #[test]

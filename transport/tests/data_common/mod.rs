@@ -283,10 +283,10 @@ pub fn parse_ready(ready: &str, name: &str, block_bytes: usize) -> UcxPeer {
     let ["ready", address, rkey, base, len] = words.as_slice() else {
         panic!("child said {ready:?}");
     };
-    UcxPeer {
-        name: name.into(),
-        worker_address: unhex(address).unwrap(),
-        region: RegionDescriptor {
+    UcxPeer::one_range(
+        name.into(),
+        unhex(address).unwrap(),
+        RegionDescriptor {
             transport: TransportKind::Ucx,
             address: name.into(),
             remote_key: unhex(rkey).unwrap(),
@@ -294,5 +294,5 @@ pub fn parse_ready(ready: &str, name: &str, block_bytes: usize) -> UcxPeer {
             len: len.parse().unwrap(),
             block_bytes: block_bytes as u64,
         },
-    }
+    )
 }

@@ -78,6 +78,26 @@ impl UcxPlane {
         })
     }
 
+    /// Starts the UCX thread over an engine's KV memory as it is: every range of
+    /// `region`'s layout (host or CUDA) registered by address, one remote key per range;
+    /// nothing allocated or copied. `cuda_device` binds the UCX thread to a device for a
+    /// host region that exchanges with peers' device memory.
+    pub fn start_on_region(
+        region: Arc<Region>,
+        me: &RankInfo,
+        cuda_device: Option<u32>,
+    ) -> Result<UcxPlane, DataError> {
+        let options = UcxPlaneOptions {
+            cuda_device,
+            ..UcxPlaneOptions::default()
+        };
+        let plane = UcxDataPlane::start_on_region(region, me, options)?;
+        Ok(UcxPlane {
+            plane: Arc::new(plane),
+            grants: Arc::default(),
+        })
+    }
+
     /// The region (UCX-allocated host memory, or the registered device buffer): give it
     /// to the runtime and the engine.
     pub fn region(&self) -> Arc<Region> {

@@ -151,7 +151,7 @@ fn copy_granted(
     (from_rank, from, from_blocks): (&RankInfo, &Region, &[BlockId]),
     (to_rank, to, to_blocks): (&RankInfo, &Region, &[BlockId]),
 ) -> Result<(), String> {
-    let slice = BlockSlice::for_ranks(from_rank, from.block_bytes(), to_rank, to.block_bytes())
+    let slice = BlockSlice::for_ranks(from_rank, from.layout(), to_rank, to.layout())
         .map_err(|e| format!("pipeline slice between {from_rank} and {to_rank}: {e}"))?;
     let Some(slice) = slice else {
         return Ok(()); // no layer in common: nothing to move

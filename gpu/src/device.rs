@@ -128,17 +128,9 @@ impl DeviceBuffer {
     /// [`GpuError::OutOfBounds`] (nothing copied), [`GpuError::Driver`].
     pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<(), GpuError> {
         let range = checked_range(offset, dst.len() as u64, self.len())?;
-        if range.is_empty() {
-            return Ok(());
-        }
-        self.bind()?;
         // SAFETY: `range` lies inside our allocation (checked), which lives as long as
-        // `self`; `dst` is a host slice of exactly that length that stays borrowed until
-        // the synchronize below has waited for the copy.
-        guarded("cuMemcpyDtoHAsync", || unsafe {
-            cu::memcpy_dtoh_async(dst, self.addr + range.start as u64, self.stream.cu_stream())
-        })?;
-        self.synchronize()
+        // `self`.
+        unsafe { read_device(&self.stream, self.addr + range.start as u64, dst) }
     }
 
     /// Copies `src` to the device at `offset`, and waits for it.
@@ -147,16 +139,8 @@ impl DeviceBuffer {
     /// [`GpuError::OutOfBounds`] (nothing copied), [`GpuError::Driver`].
     pub fn write_at(&self, offset: u64, src: &[u8]) -> Result<(), GpuError> {
         let range = checked_range(offset, src.len() as u64, self.len())?;
-        if range.is_empty() {
-            return Ok(());
-        }
-        self.bind()?;
-        // SAFETY: as in `read_at`, in the other direction; `src` stays borrowed until the
-        // copy is done.
-        guarded("cuMemcpyHtoDAsync", || unsafe {
-            cu::memcpy_htod_async(self.addr + range.start as u64, src, self.stream.cu_stream())
-        })?;
-        self.synchronize()
+        // SAFETY: as in `read_at`.
+        unsafe { write_device(&self.stream, self.addr + range.start as u64, src) }
     }
 
     /// Copies `len` bytes from each `(src offset, dst offset)` pair of `pairs` into `dst`
@@ -203,15 +187,116 @@ impl DeviceBuffer {
 
     /// Makes this buffer's context current on the calling thread (raw driver calls need it).
     fn bind(&self) -> Result<(), GpuError> {
-        guarded("cuCtxSetCurrent", || self.stream.context().bind_to_thread())
+        bind_stream(&self.stream)
     }
 
-    /// Waits for the stream, then reports any error cudarc recorded on the way (its
-    /// destructors and event bookkeeping record errors instead of returning them).
+    /// Waits for the stream, then reports any error cudarc recorded on the way.
     fn synchronize(&self) -> Result<(), GpuError> {
-        guarded("cuStreamSynchronize", || self.stream.synchronize())?;
-        guarded("deferred CUDA error", || self.stream.context().check_err())
+        synchronize_stream(&self.stream)
     }
+}
+
+/// Copies between host memory and device memory named by address, for memory the engine
+/// allocated (its KV cache tensors), which no [`DeviceBuffer`] owns.
+///
+/// Made once per registered device region ([`DeviceCopier::new`]); every copy goes through
+/// the device's primary context (the one PyTorch uses) on one stream of its own and is
+/// waited for before the call returns, like [`DeviceBuffer::read_at`]. Setup, staging and
+/// verification use it; one-sided transports move device bytes without it.
+#[derive(Debug)]
+pub struct DeviceCopier {
+    stream: Arc<CudaStream>,
+    ordinal: u32,
+}
+
+impl DeviceCopier {
+    /// A copier for device `ordinal`, retaining its primary context.
+    ///
+    /// # Errors
+    /// The probe errors ([`GpuError::NoDriver`], [`GpuError::NoDevice`]),
+    /// [`GpuError::NoSuchDevice`], [`GpuError::Driver`].
+    pub fn new(ordinal: u32) -> Result<Self, GpuError> {
+        let context = primary_context(ordinal)?;
+        guarded("cuCtxSetCurrent", || context.bind_to_thread())?;
+        Ok(Self {
+            stream: context.default_stream(),
+            ordinal,
+        })
+    }
+
+    /// The device this copier copies on.
+    pub fn ordinal(&self) -> u32 {
+        self.ordinal
+    }
+
+    /// Copies `dst.len()` bytes at device address `addr` to the host, and waits for them.
+    ///
+    /// # Safety
+    /// `addr..addr + dst.len()` must be device memory of this copier's device that stays
+    /// allocated for the call.
+    ///
+    /// # Errors
+    /// [`GpuError::Driver`].
+    pub unsafe fn read(&self, addr: u64, dst: &mut [u8]) -> Result<(), GpuError> {
+        // SAFETY: the caller's contract.
+        unsafe { read_device(&self.stream, addr, dst) }
+    }
+
+    /// Copies `src` to device address `addr`, and waits for it.
+    ///
+    /// # Safety
+    /// As [`DeviceCopier::read`]; nothing else may write those bytes meanwhile.
+    ///
+    /// # Errors
+    /// [`GpuError::Driver`].
+    pub unsafe fn write(&self, addr: u64, src: &[u8]) -> Result<(), GpuError> {
+        // SAFETY: the caller's contract.
+        unsafe { write_device(&self.stream, addr, src) }
+    }
+}
+
+fn bind_stream(stream: &CudaStream) -> Result<(), GpuError> {
+    guarded("cuCtxSetCurrent", || stream.context().bind_to_thread())
+}
+
+/// Waits for the stream, then reports any error cudarc recorded on the way (its
+/// destructors and event bookkeeping record errors instead of returning them).
+fn synchronize_stream(stream: &CudaStream) -> Result<(), GpuError> {
+    guarded("cuStreamSynchronize", || stream.synchronize())?;
+    guarded("deferred CUDA error", || stream.context().check_err())
+}
+
+/// Device-to-host copy of `dst.len()` bytes at `addr` on `stream`, waited for.
+///
+/// # Safety
+/// `addr..addr + dst.len()` is allocated device memory of the stream's context for the call.
+unsafe fn read_device(stream: &CudaStream, addr: u64, dst: &mut [u8]) -> Result<(), GpuError> {
+    if dst.is_empty() {
+        return Ok(());
+    }
+    bind_stream(stream)?;
+    // SAFETY: the caller's contract for the device side; `dst` is a host slice of exactly
+    // that length that stays borrowed until the synchronize below has waited for the copy.
+    guarded("cuMemcpyDtoHAsync", || unsafe {
+        cu::memcpy_dtoh_async(dst, addr, stream.cu_stream())
+    })?;
+    synchronize_stream(stream)
+}
+
+/// Host-to-device copy of `src` to `addr` on `stream`, waited for.
+///
+/// # Safety
+/// As [`read_device`].
+unsafe fn write_device(stream: &CudaStream, addr: u64, src: &[u8]) -> Result<(), GpuError> {
+    if src.is_empty() {
+        return Ok(());
+    }
+    bind_stream(stream)?;
+    // SAFETY: as in `read_device`, in the other direction.
+    guarded("cuMemcpyHtoDAsync", || unsafe {
+        cu::memcpy_htod_async(addr, src, stream.cu_stream())
+    })?;
+    synchronize_stream(stream)
 }
 
 impl Drop for DeviceBuffer {

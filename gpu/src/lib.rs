@@ -52,7 +52,9 @@ pub use buffer::{
     checksum_segments, copy_transfers, HostBuffer, KvBuffer, HOST_ALIGN_BYTES, STAGING_BYTES_MAX,
 };
 pub use checksum::{checksum64, Checksum64};
-pub use device::{bind_device_to_thread, DeviceBuffer, DeviceContext, COPIES_PER_CALL_MAX};
+pub use device::{
+    bind_device_to_thread, DeviceBuffer, DeviceContext, DeviceCopier, COPIES_PER_CALL_MAX,
+};
 pub use error::GpuError;
 pub use layout::{
     coalesce, transfer_plan, KvLayout, KvShape, LayoutKind, Segment, Transfer,

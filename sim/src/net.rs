@@ -636,9 +636,9 @@ impl NetState {
         // Between pipeline ranks only the layers both hold move.
         let slice = BlockSlice::for_ranks(
             &self.ranks[src.0],
-            sr.block_bytes(),
+            sr.layout(),
             &self.ranks[dst.0],
-            dr.block_bytes(),
+            dr.layout(),
         );
         let copied = match slice {
             Ok(Some(slice)) => Region::copy_block_slices(&sr, src_blocks, &dr, dst_blocks, slice),

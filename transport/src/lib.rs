@@ -8,7 +8,9 @@
 //!
 //! # Layout
 //! - [`types`]: identities, ranks, blocks, [`types::FailureReason`].
-//! - [`region`]: block-addressed host memory ([`region::Region`]), bounds-checked copies.
+//! - [`layout`]: KV memory as engines hold it: ranges, layers, block → segments.
+//! - [`region`]: block-addressed memory over a layout ([`region::Region`]), host or CUDA,
+//!   bounds-checked copies between layouts, layer pairing ([`region::BlockSlice`]).
 //! - [`wire`]: frames, control messages, limits and wire errors.
 //! - [`codec`]: the one place that touches bincode (payload bytes to messages and back).
 //! - [`auth`]: optional HMAC-SHA256 frame authentication with a shared key.
@@ -21,6 +23,7 @@
 pub mod auth;
 pub mod codec;
 pub mod data;
+pub mod layout;
 pub mod region;
 pub mod tcp;
 pub mod types;
@@ -28,7 +31,11 @@ pub mod ucx;
 pub mod wire;
 pub mod zmtp;
 
-pub use region::{BlockSlice, PipelinePart, Region, RegionError};
+pub use layout::{
+    pair_segments, KvLayout, KvMemory, KvRange, LayerSpan, LayoutError, PairSide, Segment,
+    LAYERS_MAX, LAYOUT_BYTES_MAX, RANGES_MAX,
+};
+pub use region::{BlockSlice, PairingError, Region, RegionError};
 pub use types::{BlockId, EngineId, FailureReason, Rank, RankInfo, RequestId, Role, TransferMode};
 
 /// The version of the wire protocol this build speaks. A peer on another version is

@@ -1,5 +1,13 @@
-//! Memory regions cut into equal blocks: a worker's KV pool as the runtime and its
-//! transports see it, in host memory or in CUDA device memory.
+//! Memory regions cut into blocks: a worker's KV memory as the runtime and its transports
+//! see it, in host memory or in CUDA device memory, as one range or as many.
+//!
+//! A region is a [`KvLayout`]: ranges registered by address, each holding every block's
+//! bytes of one tensor (or half of one), and logical blocks that concatenate them
+//! ([`crate::layout`]). [`Region::new`], [`Region::from_external`] and
+//! [`Region::on_device`] make one-range layouts (one contiguous pool of equal blocks);
+//! [`Region::from_layout`] takes an engine's tensors as they are; [`Region::alloc`]
+//! allocates host memory for a layout (tests, the simulator, the worker's `--layers`).
+//! Block reads, writes and copies speak logical bytes and move physical segments.
 //!
 //! A region is shared between the engine (which fills and reads blocks) and the runtime
 //! (which copies blocks on the engine's behalf), so it hands out copies and takes writes
@@ -7,19 +15,18 @@
 //! already keeps: a block belongs to at most one live request at a time, so two writers
 //! never touch the same block at once.
 //!
-//! A device region ([`Region::on_device`]) is never dereferenced by the CPU: its block
-//! reads and writes are explicit copies through the driver ([`DeviceBuffer::read_at`],
-//! [`DeviceBuffer::write_at`]), and [`Region::host_ptr`], which the TCP transport moves
-//! bytes through, is an error ([`RegionError::NotHostMemory`]) for it. One-sided
-//! transports (UCX) register it by address and move its bytes on the device side.
+//! A device region is never dereferenced by the CPU: its block reads and writes are
+//! explicit copies through the driver ([`DeviceCopier`]), and [`Region::host_ptr`] is an
+//! error ([`RegionError::NotHostMemory`]) for it. One-sided transports (UCX) register its
+//! ranges by address and move its bytes on the device side.
 
 use std::cell::UnsafeCell;
-use std::ops::Range;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use handoff_gpu::{DeviceBuffer, GpuError, KvBuffer, MemoryKind};
+use handoff_gpu::{DeviceBuffer, DeviceCopier, GpuError, MemoryKind};
 
+use crate::layout::{pair_segments, KvLayout, KvMemory, LayerSpan, LayoutError, PairSide, Segment};
 use crate::types::{BlockId, RankInfo};
 
 /// Largest region this type allocates: 64 GiB, more than one GPU's KV cache, so that a
@@ -60,6 +67,12 @@ pub enum RegionError {
         /// What differed.
         detail: String,
     },
+    /// Two sides whose layouts cannot be paired (different models, or a malformed side).
+    #[error("layouts do not pair: {0}")]
+    Pairing(#[from] PairingError),
+    /// A layout that breaks a bound, or a slice outside a block.
+    #[error("bad layout: {0}")]
+    Layout(#[from] LayoutError),
     /// A CPU access (`op`) to a region in device memory, which only copies through the
     /// driver and one-sided transports can reach.
     #[error("{op} needs host memory, but this region is CUDA memory on device {device}")]
@@ -68,6 +81,14 @@ pub enum RegionError {
         op: &'static str,
         /// The device the region is on.
         device: u32,
+    },
+    /// A single pointer asked of a region whose blocks are not one contiguous range.
+    #[error("{op} needs one contiguous range, but this region has {ranges} ranges")]
+    NotContiguous {
+        /// What was asked for.
+        op: &'static str,
+        /// Ranges in the region.
+        ranges: usize,
     },
     /// A device region larger than the buffer it was made over.
     #[error(
@@ -86,52 +107,55 @@ pub enum RegionError {
     Device(#[from] GpuError),
 }
 
-/// The part of a pipeline-parallel KV block that one rank holds.
-///
-/// With pipeline parallelism each rank holds its own layers of every block. Blocks are
-/// layer-major (`[layers, 2, tokens, heads, head_dim]`, as
-/// `handoff_gpu::LayoutKind::BlockContiguous`), so a rank's layers are one contiguous
-/// byte range of the whole block: rank `pp_rank` of `pp_size` holds `block_bytes` bytes at
-/// offset `pp_rank × block_bytes` of a whole block of `pp_size × block_bytes` bytes. Layers
-/// split evenly across ranks; an uneven split is refused by name.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct PipelinePart {
-    /// This rank's pipeline stage.
-    pub pp_rank: u32,
-    /// Pipeline stages.
-    pub pp_size: u32,
-    /// Bytes of each block this rank holds (its region's block size).
-    pub block_bytes: usize,
+/// Why two sides' layouts cannot be paired: found before a byte moves, and reported to the
+/// request as a protocol error naming the peer.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum PairingError {
+    /// One side's layers or block bytes are malformed.
+    #[error("{side} side: {error}")]
+    BadSide {
+        /// `"source"` or `"destination"`.
+        side: &'static str,
+        /// What is wrong with it.
+        error: LayoutError,
+    },
+    /// The whole-model logical block differs: different models, or layer counts.
+    #[error("whole-model blocks differ: source {src} bytes, destination {dst} bytes")]
+    WholeBlockBytes {
+        /// Source's whole-model block bytes.
+        src: u64,
+        /// Destination's.
+        dst: u64,
+    },
+    /// The bytes of one layer of one block differ.
+    #[error("bytes per layer differ: source {src}, destination {dst}")]
+    LayerBytes {
+        /// Source's per-layer bytes.
+        src: usize,
+        /// Destination's.
+        dst: usize,
+    },
+    /// Tokens per block differ.
+    #[error("tokens per block differ: source {src}, destination {dst}")]
+    BlockTokens {
+        /// Source's.
+        src: u32,
+        /// Destination's.
+        dst: u32,
+    },
+    /// Bytes per element differ.
+    #[error("bytes per element differ: source {src}, destination {dst}")]
+    DtypeBytes {
+        /// Source's.
+        src: u32,
+        /// Destination's.
+        dst: u32,
+    },
 }
 
-impl PipelinePart {
-    /// The byte range of a whole block this part holds.
-    fn range(&self) -> Result<Range<usize>, RegionError> {
-        let bad = || RegionError::Mismatch {
-            detail: format!(
-                "pipeline rank {} of {} with {}-byte blocks",
-                self.pp_rank, self.pp_size, self.block_bytes
-            ),
-        };
-        if self.pp_size == 0 || self.pp_rank >= self.pp_size || self.block_bytes == 0 {
-            return Err(bad());
-        }
-        let start = (self.pp_rank as usize)
-            .checked_mul(self.block_bytes)
-            .ok_or_else(bad)?;
-        let end = start.checked_add(self.block_bytes).ok_or_else(bad)?;
-        Ok(start..end)
-    }
-
-    /// Bytes in a whole block (every stage's part together).
-    fn whole_bytes(&self) -> Option<usize> {
-        (self.pp_size as usize).checked_mul(self.block_bytes)
-    }
-}
-
-/// Which bytes of each block a transfer moves: `len` bytes from `src_offset` of every
-/// source block to `dst_offset` of its destination block. Whole blocks
-/// ([`BlockSlice::whole`]) unless the two sides hold different pipeline parts of a block
+/// Which bytes of each logical block a transfer moves: `len` bytes from `src_offset` of
+/// every source block to `dst_offset` of its destination block. Whole blocks
+/// ([`BlockSlice::whole`]) unless the two sides hold different layers of a block
 /// ([`BlockSlice::between`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BlockSlice {
@@ -153,48 +177,80 @@ impl BlockSlice {
         }
     }
 
-    /// The bytes of each block that a source holding `src` and a destination holding
-    /// `dst` have in common; `None` when they share no layer (nothing to move).
+    /// The bytes of each logical block that a source holding `src` and a destination
+    /// holding `dst` have in common: the layers both hold, at `(layer - first) × per-layer
+    /// bytes` of each side's block. `None` when they share no layer (nothing to move).
     ///
     /// # Errors
-    /// [`RegionError::Mismatch`] when the two sides disagree on the whole block's size
-    /// (different models, or layers not split evenly), or a part is malformed.
-    pub fn between(src: PipelinePart, dst: PipelinePart) -> Result<Option<Self>, RegionError> {
-        let (a, b) = (src.range()?, dst.range()?);
-        if src.whole_bytes() != dst.whole_bytes() {
-            return Err(RegionError::Mismatch {
-                detail: format!(
-                    "whole blocks differ: source holds {} bytes as pipeline rank {} of {}, destination {} bytes as rank {} of {} (layers must split evenly across pipeline ranks)",
-                    src.block_bytes, src.pp_rank, src.pp_size, dst.block_bytes, dst.pp_rank, dst.pp_size
-                ),
-            });
+    /// [`RegionError::Pairing`]: a malformed side; whole-model blocks of different sizes;
+    /// different bytes per layer (when both sides name real layers); different tokens
+    /// per block or bytes per element (when both sides know them).
+    pub fn between(src: PairSide, dst: PairSide) -> Result<Option<Self>, RegionError> {
+        let (src_layer, src_whole) = side_bytes(&src, "source")?;
+        let (dst_layer, dst_whole) = side_bytes(&dst, "destination")?;
+        if src_whole != dst_whole {
+            return Err(PairingError::WholeBlockBytes {
+                src: src_whole,
+                dst: dst_whole,
+            }
+            .into());
         }
-        let (start, end) = (a.start.max(b.start), a.end.min(b.end));
-        Ok((start < end).then(|| Self {
-            src_offset: start - a.start,
-            dst_offset: start - b.start,
-            len: end - start,
+        if src.layers_known && dst.layers_known && src_layer != dst_layer {
+            return Err(PairingError::LayerBytes {
+                src: src_layer,
+                dst: dst_layer,
+            }
+            .into());
+        }
+        let known = |a: u32, b: u32| a != 0 && b != 0 && a != b;
+        if known(src.block_tokens, dst.block_tokens) {
+            return Err(PairingError::BlockTokens {
+                src: src.block_tokens,
+                dst: dst.block_tokens,
+            }
+            .into());
+        }
+        if known(src.dtype_bytes, dst.dtype_bytes) {
+            return Err(PairingError::DtypeBytes {
+                src: src.dtype_bytes,
+                dst: dst.dtype_bytes,
+            }
+            .into());
+        }
+        // Byte ranges of the whole-model block; they fit (each ≤ the whole, a u64 checked
+        // to fit a usize-sized block times LAYERS_MAX).
+        let span = |s: &PairSide, layer: usize| {
+            let start = s.layers.first as u64 * layer as u64;
+            (start, start + s.layers.count as u64 * layer as u64)
+        };
+        let (a, b) = (span(&src, src_layer), span(&dst, dst_layer));
+        let (start, end) = (a.0.max(b.0), a.1.min(b.1));
+        if start >= end {
+            return Ok(None);
+        }
+        // Each offset and length is inside one side's block, which is a usize.
+        Ok(Some(Self {
+            src_offset: (start - a.0) as usize,
+            dst_offset: (start - b.0) as usize,
+            len: (end - start) as usize,
         }))
     }
 
-    /// [`BlockSlice::between`] two ranks, each with its region's block size: `Ok(None)`
-    /// when they share no layer, `Ok(Some(whole))` between ranks without pipeline
-    /// parallelism.
+    /// [`BlockSlice::between`] two ranks with their layouts: `Ok(None)` when they share no
+    /// layer, `Ok(Some(whole))` between ranks holding the same layers.
     ///
     /// # Errors
     /// Those of [`BlockSlice::between`].
     pub fn for_ranks(
         src: &RankInfo,
-        src_block_bytes: usize,
+        src_layout: &KvLayout,
         dst: &RankInfo,
-        dst_block_bytes: usize,
+        dst_layout: &KvLayout,
     ) -> Result<Option<Self>, RegionError> {
-        let part = |rank: &RankInfo, block_bytes| PipelinePart {
-            pp_rank: rank.pp_rank,
-            pp_size: rank.pp_size,
-            block_bytes,
-        };
-        Self::between(part(src, src_block_bytes), part(dst, dst_block_bytes))
+        Self::between(
+            PairSide::of_layout(src_layout, src),
+            PairSide::of_layout(dst_layout, dst),
+        )
     }
 
     /// Checks that the slice lies inside blocks of `src_block_bytes` and `dst_block_bytes`.
@@ -220,73 +276,180 @@ impl BlockSlice {
     }
 }
 
+/// One side's bytes per layer and whole-model block bytes, checked.
+fn side_bytes(side: &PairSide, name: &'static str) -> Result<(usize, u64), PairingError> {
+    let bad = |error| PairingError::BadSide { side: name, error };
+    side.layers.validate().map_err(bad)?;
+    let count = side.layers.count as usize;
+    if side.block_bytes == 0 || side.block_bytes % count != 0 {
+        return Err(bad(LayoutError::UnevenLayers {
+            block_bytes: side.block_bytes,
+            count: side.layers.count,
+        }));
+    }
+    let layer = side.block_bytes / count;
+    // total ≤ LAYERS_MAX (validated) and layer ≤ usize::MAX: the product fits a u64 only
+    // if checked on 64-bit targets, so check.
+    let whole = (layer as u64)
+        .checked_mul(u64::from(side.layers.total))
+        .ok_or(bad(LayoutError::TooLarge {
+            max: crate::layout::LAYOUT_BYTES_MAX,
+        }))?;
+    Ok((layer, whole))
+}
+
 /// Where a region's bytes live.
 enum Storage {
-    /// Heap memory the region allocated and owns.
+    /// Heap memory the region allocated and owns; the layout's ranges point into it.
     Owned(Box<[UnsafeCell<u8>]>),
-    /// Memory someone else allocated (e.g. UCX, so that peers can map it), kept alive by
-    /// `_keeper` for as long as the region lives.
-    External {
-        ptr: NonNull<u8>,
-        _keeper: Box<dyn Send + Sync>,
-    },
+    /// Host memory someone else allocated (an engine's tensors, a UCX allocation), kept
+    /// alive by `_keeper` for as long as the region lives.
+    External { _keeper: Box<dyn Send + Sync> },
     /// CUDA device memory: reached only through the driver's copies, never dereferenced.
-    /// `_keeper` keeps whatever else the region depends on (a transport's registration).
+    /// `buffer` is the allocation when the region was made over one; `_keeper` keeps
+    /// whatever else the region depends on (an engine's tensors, a transport's
+    /// registration).
     Device {
-        buffer: Arc<DeviceBuffer>,
+        copier: DeviceCopier,
+        buffer: Option<Arc<DeviceBuffer>>,
         _keeper: Option<Box<dyn Send + Sync>>,
     },
 }
 
-/// A block-addressed memory region, in host or device memory.
+/// A block-addressed memory region over a [`KvLayout`], in host or device memory.
 ///
-/// Made by [`Region::new`] (zeroed heap memory), [`Region::from_external`] (host memory
-/// owned by something else, e.g. a UCX allocation that peers can write directly) or
-/// [`Region::on_device`] (a CUDA allocation, e.g. an engine's KV cache).
+/// Made by [`Region::new`] (zeroed heap memory, one range), [`Region::alloc`] (zeroed heap
+/// memory for a layout), [`Region::from_external`] (host memory owned by something else,
+/// one range), [`Region::from_layout`] (an engine's tensors as they are, host or device) or
+/// [`Region::on_device`] (a CUDA allocation, one range).
 pub struct Region {
     storage: Storage,
+    layout: KvLayout,
     block_bytes: usize,
-    blocks: u32,
 }
 
-// SAFETY: all access goes through raw byte copies of whole blocks; the module contract
-// (a block belongs to one live request at a time) keeps writers of one block exclusive.
+// SAFETY: all access goes through raw byte copies of blocks; the module contract (a block
+// belongs to one live request at a time) keeps writers of one block exclusive.
 unsafe impl Sync for Region {}
-// SAFETY: the region owns its bytes (or, for external memory, a `Send` keeper that keeps
-// them alive); moving it between threads moves that ownership.
+// SAFETY: the region owns its bytes (or a `Send` keeper that keeps them alive); moving it
+// between threads moves that ownership.
 unsafe impl Send for Region {}
 
 impl std::fmt::Debug for Region {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Region")
-            .field("memory", &self.memory_kind())
-            .field("blocks", &self.blocks)
+            .field("memory", &self.layout.memory)
+            .field("blocks", &self.layout.blocks)
             .field("block_bytes", &self.block_bytes)
+            .field("ranges", &self.layout.ranges.len())
+            .field("layers", &self.layout.layers)
             .finish()
     }
 }
 
 impl Region {
-    /// Allocates `blocks` zeroed blocks of `block_bytes` each.
+    /// Allocates `blocks` zeroed blocks of `block_bytes` each, as one contiguous range.
+    ///
+    /// # Errors
+    /// [`RegionError::BadSize`].
     pub fn new(blocks: u32, block_bytes: usize) -> Result<Self, RegionError> {
-        let total = Self::total_bytes(blocks, block_bytes)?;
+        Self::total_bytes(blocks, block_bytes)?;
+        Self::alloc(KvLayout::contiguous(0, blocks, block_bytes, KvMemory::Host))
+    }
+
+    /// Allocates zeroed host memory for `layout`, whose range addresses are read as
+    /// offsets into the new allocation (which is as long as the furthest range's end), and
+    /// rebases them onto it. For tests, the simulator and workers that lay out memory of
+    /// their own the way an engine would.
+    ///
+    /// # Errors
+    /// [`RegionError::Layout`] for a layout that breaks a bound; [`RegionError::BadSize`]
+    /// past [`REGION_BYTES_MAX`]; [`RegionError::NotHostMemory`] for a device layout.
+    pub fn alloc(mut layout: KvLayout) -> Result<Self, RegionError> {
+        if let KvMemory::Cuda { device } = layout.memory {
+            return Err(RegionError::NotHostMemory {
+                op: "allocating a region",
+                device,
+            });
+        }
+        let block_bytes = layout.validate()?;
+        let bad_size = RegionError::BadSize {
+            blocks: layout.blocks,
+            block_bytes,
+        };
+        let mut total = 0u64;
+        for range in &layout.ranges {
+            let end = range
+                .extent(layout.blocks)
+                .and_then(|e| e.checked_add(range.addr))
+                .ok_or(bad_size.clone())?;
+            total = total.max(end);
+        }
+        let total = usize::try_from(total)
+            .ok()
+            .filter(|&t| t <= REGION_BYTES_MAX)
+            .ok_or(bad_size)?;
         // `vec![0; n]` asks the allocator for zeroed pages (no per-byte loop, pages
         // faulted in on first touch), then the slice is re-typed as cells.
         let bytes: Box<[u8]> = vec![0u8; total].into_boxed_slice();
         // SAFETY: `UnsafeCell<u8>` is `repr(transparent)` over `u8`, so the two slice types
         // have the same layout; the box's ownership moves unchanged.
         let bytes = unsafe { Box::from_raw(Box::into_raw(bytes) as *mut [UnsafeCell<u8>]) };
+        let base = UnsafeCell::raw_get(bytes.as_ptr()) as u64;
+        for range in &mut layout.ranges {
+            // Every range ends inside `total` (above), so base + addr stays inside the box.
+            range.addr += base;
+        }
         Ok(Self {
             storage: Storage::Owned(bytes),
+            layout,
             block_bytes,
-            blocks,
+        })
+    }
+
+    /// A region over an engine's KV memory as it is: `layout`'s ranges, by address, without
+    /// copying. Device layouts get a driver copier for their device (block reads and
+    /// writes); `keeper` is dropped when the region is.
+    ///
+    /// # Safety
+    /// Every range's blocks (`addr + b × stride .. + bytes` for every block `b`) must be
+    /// valid, writable memory of `layout.memory` that stays allocated until `keeper` is
+    /// dropped, that nothing accesses through Rust references, and whose writers (the
+    /// engine, RDMA peers) follow the block-ownership contract of this module. Ranges must
+    /// not overlap one another.
+    ///
+    /// # Errors
+    /// [`RegionError::Layout`] for a layout that breaks a bound (or a null host range);
+    /// [`RegionError::Device`] when a device layout's copier cannot be made.
+    pub unsafe fn from_layout(
+        layout: KvLayout,
+        keeper: Box<dyn Send + Sync>,
+    ) -> Result<Self, RegionError> {
+        let block_bytes = layout.validate()?;
+        let storage = match layout.memory {
+            KvMemory::Host => {
+                if let Some(range) = layout.ranges.iter().position(|r| r.addr == 0) {
+                    return Err(LayoutError::NullAddress { range }.into());
+                }
+                Storage::External { _keeper: keeper }
+            }
+            KvMemory::Cuda { device } => Storage::Device {
+                copier: DeviceCopier::new(device)?,
+                buffer: None,
+                _keeper: Some(keeper),
+            },
+        };
+        Ok(Self {
+            storage,
+            layout,
+            block_bytes,
         })
     }
 
     /// A region over `blocks × block_bytes` bytes of memory at `ptr` that something else
     /// allocated (the UCX data plane uses it so that the engine's blocks are the very memory
-    /// peers write into). `keeper` is dropped when the region is, and must keep the memory
-    /// mapped until then.
+    /// peers write into): one contiguous range. `keeper` is dropped when the region is, and
+    /// must keep the memory mapped until then.
     ///
     /// # Safety
     /// `ptr..ptr + blocks × block_bytes` must be valid, writable host memory that stays
@@ -299,21 +462,22 @@ impl Region {
         keeper: Box<dyn Send + Sync>,
     ) -> Result<Self, RegionError> {
         Self::total_bytes(blocks, block_bytes)?;
-        Ok(Self {
-            storage: Storage::External {
-                ptr,
-                _keeper: keeper,
-            },
-            block_bytes,
+        let layout = KvLayout::contiguous(
+            ptr.as_ptr().expose_provenance() as u64,
             blocks,
-        })
+            block_bytes,
+            KvMemory::Host,
+        );
+        // SAFETY: the caller's contract is this one's, for one range.
+        unsafe { Self::from_layout(layout, keeper) }
     }
 
-    /// A region over the first `blocks × block_bytes` bytes of a CUDA allocation. The
-    /// region holds the buffer, so the memory lives at least as long as the region.
+    /// A region over the first `blocks × block_bytes` bytes of a CUDA allocation, as one
+    /// contiguous range. The region holds the buffer, so the memory lives at least as long
+    /// as the region.
     ///
     /// # Errors
-    /// [`RegionError::BadSize`], [`RegionError::DeviceTooSmall`].
+    /// [`RegionError::BadSize`], [`RegionError::DeviceTooSmall`], [`RegionError::Device`].
     pub fn on_device(
         buffer: Arc<DeviceBuffer>,
         blocks: u32,
@@ -330,6 +494,7 @@ impl Region {
         block_bytes: usize,
         keeper: Option<Box<dyn Send + Sync>>,
     ) -> Result<Self, RegionError> {
+        use handoff_gpu::KvBuffer as _;
         let total = Self::total_bytes(blocks, block_bytes)?;
         if total > buffer.len() {
             return Err(RegionError::DeviceTooSmall {
@@ -338,13 +503,22 @@ impl Region {
                 buffer_len: buffer.len(),
             });
         }
+        let device = buffer.ordinal();
+        let layout = KvLayout::contiguous(
+            buffer.addr(),
+            blocks,
+            block_bytes,
+            KvMemory::Cuda { device },
+        );
+        let block_bytes = layout.validate()?;
         Ok(Self {
             storage: Storage::Device {
-                buffer,
+                copier: DeviceCopier::new(device)?,
+                buffer: Some(buffer),
                 _keeper: keeper,
             },
+            layout,
             block_bytes,
-            blocks,
         })
     }
 
@@ -358,150 +532,249 @@ impl Region {
             })
     }
 
-    /// The region's length in bytes (`blocks × block_bytes`).
+    /// The same region, saying which layers it holds and the per-token facts peers compare
+    /// (for regions made without them, e.g. by [`Region::new`]).
+    ///
+    /// # Errors
+    /// [`RegionError::Layout`] when the span is malformed or the block does not divide
+    /// into its layers.
+    pub fn with_layers(
+        mut self,
+        layers: LayerSpan,
+        block_tokens: u32,
+        dtype_bytes: u32,
+    ) -> Result<Self, RegionError> {
+        self.layout.layers = layers;
+        self.layout.block_tokens = block_tokens;
+        self.layout.dtype_bytes = dtype_bytes;
+        self.layout.validate()?;
+        Ok(self)
+    }
+
+    /// The layout: what a data plane registers and a peer is told.
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    /// The logical length of the region in bytes (`blocks × block_bytes`).
     pub fn len_bytes(&self) -> usize {
-        self.blocks as usize * self.block_bytes
+        self.layout.blocks as usize * self.block_bytes
     }
 
     /// Where the bytes live.
     pub fn memory_kind(&self) -> MemoryKind {
-        match &self.storage {
-            Storage::Owned(_) | Storage::External { .. } => MemoryKind::Host,
-            Storage::Device { .. } => MemoryKind::Cuda,
-        }
+        self.layout.memory.kind()
     }
 
-    /// The device buffer under a device region (`None` for host memory).
+    /// The device buffer under a region made by [`Region::on_device`] (`None` otherwise).
     pub fn device_buffer(&self) -> Option<&Arc<DeviceBuffer>> {
         match &self.storage {
-            Storage::Device { buffer, .. } => Some(buffer),
+            Storage::Device { buffer, .. } => buffer.as_ref(),
             Storage::Owned(_) | Storage::External { .. } => None,
         }
     }
 
-    /// The address of the first byte: a host pointer, or a `CUdeviceptr`. For
-    /// registration with a transport and for logs; never dereference it.
+    /// The address of the first range's first byte: a host pointer, or a `CUdeviceptr`.
+    /// For registration with a transport and for logs; never dereference it.
     pub fn base_addr(&self) -> u64 {
-        match &self.storage {
-            Storage::Device { buffer, .. } => buffer.addr(),
-            Storage::Owned(_) | Storage::External { .. } => self.raw_host_ptr() as u64,
-        }
+        self.layout.ranges.first().map_or(0, |r| r.addr)
     }
 
-    /// The first byte of a host region, for transports that move bytes without a copy
-    /// through a `Vec` (socket reads and writes). Every access through it must stay
-    /// inside [`Region::len_bytes`] and follow the module's block-ownership contract.
+    /// The first byte of a one-range, contiguous host region, for transports that move
+    /// whole runs of blocks through one pointer. Every access through it must stay inside
+    /// [`Region::len_bytes`] and follow the module's block-ownership contract.
     ///
     /// # Errors
-    /// [`RegionError::NotHostMemory`] for a device region, which the CPU must not touch.
+    /// [`RegionError::NotHostMemory`] for a device region, which the CPU must not touch;
+    /// [`RegionError::NotContiguous`] for a region of several (or strided) ranges.
     pub fn host_ptr(&self) -> Result<*mut u8, RegionError> {
-        match &self.storage {
-            Storage::Device { buffer, .. } => Err(RegionError::NotHostMemory {
-                op: "direct CPU access",
-                device: buffer.ordinal(),
+        self.check_host("direct CPU access")?;
+        match self.layout.ranges.as_slice() {
+            [range] if range.stride == range.bytes => Ok(self.host_at(range.addr)),
+            ranges => Err(RegionError::NotContiguous {
+                op: "a single pointer",
+                ranges: ranges.len(),
             }),
-            Storage::Owned(_) | Storage::External { .. } => Ok(self.raw_host_ptr()),
         }
     }
 
-    /// The host pointer of a host region; null for a device region (never dereferenced:
-    /// every caller matches on the storage first).
-    fn raw_host_ptr(&self) -> *mut u8 {
+    /// Checks that the region is host memory, for CPU access named `op`.
+    ///
+    /// # Errors
+    /// [`RegionError::NotHostMemory`].
+    pub fn check_host(&self, op: &'static str) -> Result<(), RegionError> {
+        match self.layout.memory {
+            KvMemory::Host => Ok(()),
+            KvMemory::Cuda { device } => Err(RegionError::NotHostMemory { op, device }),
+        }
+    }
+
+    /// The host pointer for address `addr` of a host region. Owned memory keeps the
+    /// allocation's provenance; external memory's addresses were exposed by its owner.
+    fn host_at(&self, addr: u64) -> *mut u8 {
         match &self.storage {
-            Storage::Owned(bytes) => UnsafeCell::raw_get(bytes.as_ptr()),
-            Storage::External { ptr, .. } => ptr.as_ptr(),
-            Storage::Device { .. } => std::ptr::null_mut(),
+            Storage::Owned(bytes) => {
+                let base = UnsafeCell::raw_get(bytes.as_ptr());
+                base.wrapping_add((addr as usize).wrapping_sub(base as usize))
+            }
+            Storage::External { .. } | Storage::Device { .. } => {
+                std::ptr::with_exposed_provenance_mut(addr as usize)
+            }
         }
     }
 
     /// Number of blocks.
     pub fn blocks(&self) -> u32 {
-        self.blocks
+        self.layout.blocks
     }
 
-    /// Bytes per block.
+    /// Bytes per logical block (every range's bytes of the block).
     pub fn block_bytes(&self) -> usize {
         self.block_bytes
     }
 
-    /// The byte range of one block, checked.
-    pub fn block_range(&self, block: BlockId) -> Result<Range<usize>, RegionError> {
-        if block.0 >= self.blocks {
+    /// Checks one block id.
+    ///
+    /// # Errors
+    /// [`RegionError::OutOfRange`].
+    pub fn check_block(&self, block: BlockId) -> Result<(), RegionError> {
+        if block.0 >= self.layout.blocks {
             return Err(RegionError::OutOfRange {
                 block,
-                blocks: self.blocks,
+                blocks: self.layout.blocks,
             });
         }
-        let start = block.0 as usize * self.block_bytes;
-        Ok(start..start + self.block_bytes)
+        Ok(())
     }
 
     /// Checks every block of a list before anything is touched.
+    ///
+    /// # Errors
+    /// [`RegionError::OutOfRange`].
     pub fn check_blocks(&self, blocks: &[BlockId]) -> Result<(), RegionError> {
-        blocks
-            .iter()
-            .try_for_each(|b| self.block_range(*b).map(|_| ()))
+        blocks.iter().try_for_each(|b| self.check_block(*b))
     }
 
-    /// The host address of byte `offset`. Callers pass offsets of checked block ranges of
-    /// host regions.
-    fn ptr(&self, offset: usize) -> *mut u8 {
-        debug_assert!(offset <= self.len_bytes());
-        debug_assert!(self.device_buffer().is_none());
-        // SAFETY: callers pass offsets inside the region (from `block_range`), so the result
-        // stays inside the allocation.
-        unsafe { self.raw_host_ptr().add(offset) }
+    /// The physical segments of `len` logical bytes at `offset` of `block`, in logical
+    /// order, appended to `out`.
+    ///
+    /// # Errors
+    /// [`RegionError::OutOfRange`], [`RegionError::Layout`] for a slice outside the block.
+    pub fn segments_into(
+        &self,
+        block: BlockId,
+        offset: usize,
+        len: usize,
+        out: &mut Vec<Segment>,
+    ) -> Result<(), RegionError> {
+        self.check_block(block)?;
+        Ok(self.layout.segments_into(block.0, offset, len, out)?)
+    }
+
+    /// Copies the bytes of `segments` (this region's, from [`Region::segments_into`]) into
+    /// `out`, in order; `out` is as long as the segments together.
+    fn read_segments(&self, segments: &[Segment], out: &mut [u8]) -> Result<(), RegionError> {
+        let mut at = 0;
+        for seg in segments {
+            let dst = &mut out[at..at + seg.len];
+            match &self.storage {
+                // SAFETY: the segment lies inside a range of this region (layout arithmetic
+                // on a validated layout), which lives as long as `self`.
+                Storage::Device { copier, .. } => unsafe { copier.read(seg.addr, dst)? },
+                // SAFETY: as above, in host memory; `dst` is a separate buffer.
+                Storage::Owned(_) | Storage::External { .. } => unsafe {
+                    std::ptr::copy_nonoverlapping(self.host_at(seg.addr), dst.as_mut_ptr(), seg.len)
+                },
+            }
+            at += seg.len;
+        }
+        Ok(())
+    }
+
+    /// Copies `data` into `segments` of this region, in order. Callers pass segments of
+    /// blocks their request owns.
+    fn write_segments(&self, segments: &[Segment], data: &[u8]) -> Result<(), RegionError> {
+        let mut at = 0;
+        for seg in segments {
+            let src = &data[at..at + seg.len];
+            match &self.storage {
+                // SAFETY: as in `read_segments`; the block is owned by the caller's request
+                // (module contract).
+                Storage::Device { copier, .. } => unsafe { copier.write(seg.addr, src)? },
+                // SAFETY: as above, in host memory.
+                Storage::Owned(_) | Storage::External { .. } => unsafe {
+                    std::ptr::copy_nonoverlapping(src.as_ptr(), self.host_at(seg.addr), seg.len)
+                },
+            }
+            at += seg.len;
+        }
+        Ok(())
+    }
+
+    /// Copies `out.len()` logical bytes at `offset` of `block` into `out`.
+    ///
+    /// # Errors
+    /// [`RegionError::OutOfRange`], [`RegionError::Layout`], [`RegionError::Device`].
+    pub fn read_slice(
+        &self,
+        block: BlockId,
+        offset: usize,
+        out: &mut [u8],
+    ) -> Result<(), RegionError> {
+        let mut segments = Vec::new();
+        self.segments_into(block, offset, out.len(), &mut segments)?;
+        self.read_segments(&segments, out)
+    }
+
+    /// Copies `data` to logical byte `offset` of `block`. The block must be owned by the
+    /// caller's request.
+    ///
+    /// # Errors
+    /// [`RegionError::OutOfRange`], [`RegionError::Layout`], [`RegionError::Device`].
+    pub fn write_slice(
+        &self,
+        block: BlockId,
+        offset: usize,
+        data: &[u8],
+    ) -> Result<(), RegionError> {
+        let mut segments = Vec::new();
+        self.segments_into(block, offset, data.len(), &mut segments)?;
+        self.write_segments(&segments, data)
     }
 
     /// Overwrites one block with `data` (exactly one block long).
+    ///
+    /// # Errors
+    /// [`RegionError::OutOfRange`], [`RegionError::WrongLength`], [`RegionError::Device`].
     pub fn write_block(&self, block: BlockId, data: &[u8]) -> Result<(), RegionError> {
-        let range = self.block_range(block)?;
+        self.check_block(block)?;
         if data.len() != self.block_bytes {
             return Err(RegionError::WrongLength {
                 got: data.len(),
                 want: self.block_bytes,
             });
         }
-        self.write_at(range.start, data)
+        self.write_slice(block, 0, data)
     }
 
-    /// Copies `out.len()` bytes at byte `offset` of the region into `out`. Callers pass
-    /// ranges inside checked blocks.
-    fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<(), RegionError> {
-        debug_assert!(offset + out.len() <= self.len_bytes());
-        if let Some(buffer) = self.device_buffer() {
-            return Ok(buffer.read_at(offset as u64, out)?);
-        }
-        // SAFETY: the range is inside the host region (the callers' checks); `out` is a
-        // separate buffer of that length.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr(offset), out.as_mut_ptr(), out.len()) };
-        Ok(())
-    }
-
-    /// Copies `data` to byte `offset` of the region. Callers pass ranges inside checked
-    /// blocks that their request owns.
-    fn write_at(&self, offset: usize, data: &[u8]) -> Result<(), RegionError> {
-        debug_assert!(offset + data.len() <= self.len_bytes());
-        if let Some(buffer) = self.device_buffer() {
-            return Ok(buffer.write_at(offset as u64, data)?);
-        }
-        // SAFETY: as in `read_at`, in the other direction; the block is owned by the
-        // caller's request (module contract).
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr(offset), data.len()) };
-        Ok(())
-    }
-
-    /// A copy of one block's bytes.
+    /// A copy of one block's logical bytes.
+    ///
+    /// # Errors
+    /// [`RegionError::OutOfRange`], [`RegionError::Device`].
     pub fn read_block(&self, block: BlockId) -> Result<Vec<u8>, RegionError> {
-        let range = self.block_range(block)?;
+        self.check_block(block)?;
         let mut out = vec![0u8; self.block_bytes];
-        self.read_at(range.start, &mut out)?;
+        self.read_slice(block, 0, &mut out)?;
         Ok(out)
     }
 
     /// Copies `src_blocks` of `src` into `dst_blocks` of `dst`, pairwise. Every block of both
-    /// lists is checked before the first byte moves, so a bad list copies nothing. Blocks
-    /// of a device region go through host memory, one block at a time.
+    /// lists is checked before the first byte moves, so a bad list copies nothing. The two
+    /// regions may have different layouts of the same logical block.
+    ///
+    /// # Errors
+    /// [`RegionError::Mismatch`] for different block sizes or list lengths,
+    /// [`RegionError::OutOfRange`], [`RegionError::Device`].
     pub fn copy_blocks(
         src: &Region,
         src_blocks: &[BlockId],
@@ -525,8 +798,14 @@ impl Region {
         )
     }
 
-    /// [`Region::copy_blocks`] of one slice of every block (pipeline parallelism: each
-    /// rank holds a slice of every block; see [`BlockSlice::between`]).
+    /// [`Region::copy_blocks`] of one logical slice of every block (pipeline parallelism:
+    /// each rank holds some layers of every block; see [`BlockSlice::between`]). Moves the
+    /// physical segments of both layouts, paired; blocks of a device region go through
+    /// host memory, one block at a time.
+    ///
+    /// # Errors
+    /// Those of [`Region::copy_blocks`]; [`RegionError::Mismatch`] for a slice outside
+    /// either side's blocks.
     pub fn copy_block_slices(
         src: &Region,
         src_blocks: &[BlockId],
@@ -548,33 +827,40 @@ impl Region {
         }
         src.check_blocks(src_blocks)?;
         dst.check_blocks(dst_blocks)?;
-        if src.device_buffer().is_some() || dst.device_buffer().is_some() {
-            // Through host memory, and only the slice's bytes: another pipeline rank may be
-            // filling the rest of the same destination block at the same time.
-            let mut staged = vec![0u8; slice.len];
-            for (s, d) in src_blocks.iter().zip(dst_blocks) {
-                src.read_at(src.block_range(*s)?.start + slice.src_offset, &mut staged)?;
-                dst.write_at(dst.block_range(*d)?.start + slice.dst_offset, &staged)?;
-            }
-            return Ok(());
-        }
+        let on_host = src.check_host("").is_ok() && dst.check_host("").is_ok();
+        // Device blocks go through host memory, and only the slice's bytes: another
+        // pipeline rank may be filling the rest of the same destination block at once.
+        let mut staged = if on_host {
+            Vec::new()
+        } else {
+            vec![0u8; slice.len]
+        };
+        let (mut from, mut to) = (Vec::new(), Vec::new());
         for (s, d) in src_blocks.iter().zip(dst_blocks) {
-            let (s, d) = (src.block_range(*s)?, dst.block_range(*d)?);
-            // SAFETY: both blocks are inside their regions (checked) and the slice inside
-            // both blocks (`slice.check`); the ranges cannot overlap unless src and dst are
-            // the same region and block, which copy (not copy_nonoverlapping) tolerates.
-            unsafe {
-                std::ptr::copy(
-                    src.ptr(s.start + slice.src_offset),
-                    dst.ptr(d.start + slice.dst_offset),
-                    slice.len,
-                )
-            };
+            from.clear();
+            to.clear();
+            src.segments_into(*s, slice.src_offset, slice.len, &mut from)?;
+            dst.segments_into(*d, slice.dst_offset, slice.len, &mut to)?;
+            if on_host {
+                pair_segments(&from, &to, |a, b| {
+                    // SAFETY: both segments lie inside their regions' ranges (layout
+                    // arithmetic on validated layouts); they cannot overlap unless src and
+                    // dst are the same memory and block, which copy (not
+                    // copy_nonoverlapping) tolerates.
+                    unsafe { std::ptr::copy(src.host_at(a.addr), dst.host_at(b.addr), a.len) }
+                })?;
+            } else {
+                src.read_segments(&from, &mut staged)?;
+                dst.write_segments(&to, &staged)?;
+            }
         }
         Ok(())
     }
 
-    /// A 64-bit FNV-1a checksum of the listed blocks, in order.
+    /// A 64-bit FNV-1a checksum of the listed blocks' logical bytes, in order.
+    ///
+    /// # Errors
+    /// [`RegionError::OutOfRange`], [`RegionError::Device`].
     pub fn checksum(&self, blocks: &[BlockId]) -> Result<u64, RegionError> {
         let mut hash = 0xcbf2_9ce4_8422_2325u64;
         for b in blocks {
@@ -608,16 +894,36 @@ mod tests {
         assert!(Region::new(u32::MAX, usize::MAX).is_err());
     }
 
-    #[test]
-    fn pipeline_parts_meet_where_their_layers_overlap() {
-        let part = |pp_rank, pp_size, block_bytes| PipelinePart {
+    /// A pipeline stage of a region without layer information: stage `pp_rank` of
+    /// `pp_size` with `block_bytes` per block.
+    fn stage(pp_rank: u32, pp_size: u32, block_bytes: usize) -> PairSide {
+        let rank = RankInfo {
             pp_rank,
             pp_size,
-            block_bytes,
+            ..RankInfo::single("e")
         };
+        PairSide::of(LayerSpan::WHOLE, block_bytes, 0, 0, &rank)
+    }
+
+    fn layers(first: u32, count: u32, total: u32, block_bytes: usize) -> PairSide {
+        PairSide::of(
+            LayerSpan {
+                first,
+                count,
+                total,
+            },
+            block_bytes,
+            16,
+            2,
+            &RankInfo::single("e"),
+        )
+    }
+
+    #[test]
+    fn pipeline_stages_meet_where_their_layers_overlap() {
         // Two prefill stages of 32 bytes each into a 64-byte decode block.
         assert_eq!(
-            BlockSlice::between(part(1, 2, 32), part(0, 1, 64)),
+            BlockSlice::between(stage(1, 2, 32), stage(0, 1, 64)),
             Ok(Some(BlockSlice {
                 src_offset: 0,
                 dst_offset: 32,
@@ -626,7 +932,7 @@ mod tests {
         );
         // Decode stage 0 reads its half from a whole prefill block.
         assert_eq!(
-            BlockSlice::between(part(0, 1, 64), part(0, 2, 32)),
+            BlockSlice::between(stage(0, 1, 64), stage(0, 2, 32)),
             Ok(Some(BlockSlice {
                 src_offset: 0,
                 dst_offset: 0,
@@ -635,7 +941,7 @@ mod tests {
         );
         // 3 stages against 2: stage 1 of 3 (bytes 20..40 of 60) meets stage 0 of 2 (0..30).
         assert_eq!(
-            BlockSlice::between(part(1, 3, 20), part(0, 2, 30)),
+            BlockSlice::between(stage(1, 3, 20), stage(0, 2, 30)),
             Ok(Some(BlockSlice {
                 src_offset: 0,
                 dst_offset: 20,
@@ -643,25 +949,196 @@ mod tests {
             }))
         );
         assert_eq!(
-            BlockSlice::between(part(0, 2, 32), part(1, 2, 32)),
+            BlockSlice::between(stage(0, 2, 32), stage(1, 2, 32)),
             Ok(None)
         );
         assert_eq!(
-            BlockSlice::between(part(0, 1, 8), part(0, 1, 8)),
+            BlockSlice::between(stage(0, 1, 8), stage(0, 1, 8)),
             Ok(Some(BlockSlice::whole(8)))
         );
         // Whole blocks of different sizes, and malformed parts, are named errors.
         for (a, b) in [
-            (part(0, 2, 32), part(0, 1, 48)),
-            (part(2, 2, 32), part(0, 1, 64)),
-            (part(0, 0, 32), part(0, 1, 64)),
-            (part(u32::MAX - 1, u32::MAX, usize::MAX / 2), part(0, 1, 64)),
+            (stage(0, 2, 32), stage(0, 1, 48)),
+            (stage(2, 2, 32), stage(0, 1, 64)),
+            (stage(0, 0, 32), stage(0, 1, 64)),
+            (
+                stage(u32::MAX - 1, u32::MAX, usize::MAX / 2),
+                stage(0, 1, 64),
+            ),
         ] {
             assert!(
-                matches!(BlockSlice::between(a, b), Err(RegionError::Mismatch { .. })),
+                matches!(BlockSlice::between(a, b), Err(RegionError::Pairing(_))),
                 "{a:?} {b:?}"
             );
         }
+    }
+
+    #[test]
+    fn an_uneven_pipeline_split_pairs_by_layer() {
+        // 61 layers of 8 bytes: prefill stages hold 31 and 30, decode holds all 61.
+        let (first, second, whole) = (
+            layers(0, 31, 61, 248),
+            layers(31, 30, 61, 240),
+            layers(0, 61, 61, 488),
+        );
+        assert_eq!(
+            BlockSlice::between(first, whole),
+            Ok(Some(BlockSlice {
+                src_offset: 0,
+                dst_offset: 0,
+                len: 248
+            }))
+        );
+        assert_eq!(
+            BlockSlice::between(second, whole),
+            Ok(Some(BlockSlice {
+                src_offset: 0,
+                dst_offset: 248,
+                len: 240
+            }))
+        );
+        // Decode split 20 + 41 meets prefill's 31 + 30 where they overlap.
+        assert_eq!(
+            BlockSlice::between(second, layers(20, 41, 61, 328)),
+            Ok(Some(BlockSlice {
+                src_offset: 0,
+                dst_offset: 88,
+                len: 240
+            }))
+        );
+        assert_eq!(
+            BlockSlice::between(first, layers(31, 30, 61, 240)),
+            Ok(None)
+        );
+    }
+
+    #[test]
+    fn sides_that_cannot_pair_are_named_before_anything_moves() {
+        let whole = layers(0, 4, 4, 64);
+        assert_eq!(
+            BlockSlice::between(whole, layers(0, 8, 8, 64)),
+            Err(PairingError::LayerBytes { src: 16, dst: 8 }.into())
+        );
+        assert_eq!(
+            BlockSlice::between(whole, layers(0, 4, 4, 128)),
+            Err(PairingError::WholeBlockBytes { src: 64, dst: 128 }.into())
+        );
+        let tokens = PairSide {
+            block_tokens: 32,
+            ..whole
+        };
+        assert_eq!(
+            BlockSlice::between(whole, tokens),
+            Err(PairingError::BlockTokens { src: 16, dst: 32 }.into())
+        );
+        let dtype = PairSide {
+            dtype_bytes: 1,
+            ..whole
+        };
+        assert_eq!(
+            BlockSlice::between(dtype, whole),
+            Err(PairingError::DtypeBytes { src: 1, dst: 2 }.into())
+        );
+        let unknown = PairSide {
+            dtype_bytes: 0,
+            block_tokens: 0,
+            ..whole
+        };
+        assert_eq!(
+            BlockSlice::between(unknown, whole),
+            Ok(Some(BlockSlice::whole(64)))
+        );
+        assert!(matches!(
+            BlockSlice::between(layers(0, 3, 4, 64), whole),
+            Err(RegionError::Pairing(PairingError::BadSide {
+                side: "source",
+                ..
+            }))
+        ));
+    }
+
+    /// A vLLM-style per-layer host layout of `layers` layers, K and V halves of `half`
+    /// bytes, as offsets for [`Region::alloc`].
+    fn per_layer(blocks: u32, layers: u32, half: usize) -> KvLayout {
+        let tensor = 2 * blocks as u64 * half as u64;
+        let ranges = (0..layers as u64)
+            .flat_map(|l| {
+                let base = l * (tensor + 64);
+                [
+                    crate::KvRange::contiguous(base, half),
+                    crate::KvRange::contiguous(base + blocks as u64 * half as u64, half),
+                ]
+            })
+            .collect();
+        KvLayout {
+            blocks,
+            ranges,
+            memory: KvMemory::Host,
+            layers: LayerSpan {
+                first: 0,
+                count: layers,
+                total: layers,
+            },
+            block_tokens: 16,
+            dtype_bytes: 2,
+        }
+    }
+
+    /// The same bytes with K and V interleaved per block, one range per layer.
+    fn interleaved(blocks: u32, layers: u32, half: usize) -> KvLayout {
+        let ranges = (0..layers as u64)
+            .map(|l| crate::KvRange {
+                addr: l * (2 * blocks as u64 * half as u64 + 128),
+                stride: 2 * half,
+                bytes: 2 * half,
+            })
+            .collect();
+        KvLayout {
+            ranges,
+            ..per_layer(blocks, layers, half)
+        }
+    }
+
+    #[test]
+    fn blocks_copy_between_different_layouts_of_the_same_logical_block() {
+        let a = Region::alloc(per_layer(4, 4, 6)).unwrap();
+        let b = Region::alloc(interleaved(4, 4, 6)).unwrap();
+        let c = Region::new(4, 48).unwrap();
+        assert_eq!((a.block_bytes(), b.block_bytes()), (48, 48));
+        let data: Vec<u8> = (0..48).collect();
+        a.write_block(BlockId(1), &data).unwrap();
+        Region::copy_blocks(&a, &[BlockId(1)], &b, &[BlockId(3)]).unwrap();
+        Region::copy_blocks(&b, &[BlockId(3)], &c, &[BlockId(0)]).unwrap();
+        assert_eq!(b.read_block(BlockId(3)).unwrap(), data);
+        assert_eq!(c.read_block(BlockId(0)).unwrap(), data);
+        assert_eq!(
+            a.checksum(&[BlockId(1)]).unwrap(),
+            c.checksum(&[BlockId(0)]).unwrap()
+        );
+        // Each block of each range holds its own bytes: block 1's layer-0 K half is
+        // bytes 0..6 of the logical block, at 6 bytes past range 0's start.
+        let k0 = a.layout().ranges[0].addr;
+        // SAFETY: reading 6 bytes of the region's own allocation, which `a` keeps alive.
+        let raw = unsafe { std::slice::from_raw_parts(a.host_at(k0 + 6), 6) };
+        assert_eq!(raw, &data[..6]);
+        assert!(matches!(
+            a.host_ptr(),
+            Err(RegionError::NotContiguous { .. })
+        ));
+        assert!(c.host_ptr().is_ok());
+        // A slice past a block is refused before anything moves.
+        assert!(Region::copy_block_slices(
+            &a,
+            &[BlockId(0)],
+            &b,
+            &[BlockId(0)],
+            BlockSlice {
+                src_offset: 40,
+                dst_offset: 0,
+                len: 9
+            }
+        )
+        .is_err());
     }
 
     #[test]

@@ -305,11 +305,18 @@ impl Control {
     ) -> Result<(), String> {
         region.check_blocks(blocks).map_err(|e| e.to_string())?;
         let bytes = |b: u64| usize::try_from(b).unwrap_or(usize::MAX);
-        handoff_transport::BlockSlice::for_ranks(
-            &self.me,
-            bytes(self.data.descriptor().block_bytes),
-            peer,
-            bytes(region.block_bytes),
+        let side = |rank, block_bytes| {
+            handoff_transport::PairSide::of(
+                handoff_transport::LayerSpan::WHOLE,
+                bytes(block_bytes),
+                0,
+                0,
+                rank,
+            )
+        };
+        handoff_transport::BlockSlice::between(
+            side(&self.me, self.data.descriptor().block_bytes),
+            side(peer, region.block_bytes),
         )
         .map(|_| ())
         .map_err(|e| e.to_string())

@@ -313,7 +313,16 @@ fn pipeline_slice(
     } else {
         (peer, theirs, me, mine)
     };
-    BlockSlice::for_ranks(src, src_bytes, dst, dst_bytes)
+    let side = |rank, block_bytes| {
+        handoff_transport::PairSide::of(
+            handoff_transport::LayerSpan::WHOLE,
+            block_bytes,
+            0,
+            0,
+            rank,
+        )
+    };
+    BlockSlice::between(side(src, src_bytes), side(dst, dst_bytes))
         .map_err(|e| format!("blocks between {src} and {dst}: {e}"))
 }
 

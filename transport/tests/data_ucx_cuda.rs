@@ -18,7 +18,7 @@ use data_common::{
     checksum, fill, format_ids, ids, layout_ready_line, parse_layout_ready, say, serve_commands,
     ChildPeer, Rng,
 };
-use handoff_gpu::{DeviceBuffer, GpuError, MemoryKind};
+use handoff_gpu::{DeviceBuffer, GpuError, KvBuffer, MemoryKind};
 use handoff_transport::data::{DataError, UcxDataPlane, UcxPeer, UcxPlaneOptions};
 use handoff_transport::region::RegionError;
 use handoff_transport::{

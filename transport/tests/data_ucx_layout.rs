@@ -181,7 +181,10 @@ async fn per_layer_ranges_move_into_differently_laid_out_peers_with_matching_che
         fill(local, 31 + i as u64);
         let src = ids(0..BLOCKS);
         let dst = Rng::new(7 + i as u64).permutation(BLOCKS);
-        plane.write(&r, &peer, &src, &dst, deadline()).await.unwrap();
+        plane
+            .write(&r, &peer, &src, &dst, deadline())
+            .await
+            .unwrap();
         let remote = child.ask(&format!("checksum {}", format_ids(&dst)), STEP);
         assert_eq!(
             remote,
@@ -191,7 +194,10 @@ async fn per_layer_ranges_move_into_differently_laid_out_peers_with_matching_che
         // Pull: the child's permuted blocks into ours.
         assert_eq!(child.ask("fill 9", STEP), "filled");
         let from = Rng::new(70 + i as u64).permutation(BLOCKS);
-        plane.read(&r, &peer, &from, &src, deadline()).await.unwrap();
+        plane
+            .read(&r, &peer, &from, &src, deadline())
+            .await
+            .unwrap();
         let remote = child.ask(&format!("checksum {}", format_ids(&from)), STEP);
         assert_eq!(
             remote,
@@ -274,11 +280,14 @@ async fn a_peer_lying_about_its_layout_is_refused_by_name_with_nothing_posted() 
                 r.pop();
             }),
         ),
-        ("an empty remote key", with_ranges(&|r| r[0].remote_key.clear())),
+        (
+            "an empty remote key",
+            with_ranges(&|r| r[0].remote_key.clear()),
+        ),
         ("more ranges than allowed", {
             with_ranges(&|r| {
                 let one = r[0].clone();
-                r.resize(handoff_transport::data::ucx::UCX_RANGES_MAX + 1, one);
+                r.resize(handoff_transport::RANGES_MAX + 1, one);
             })
         }),
         ("more blocks than its ranges hold", {

@@ -20,7 +20,7 @@
 //! engine gave is held by the thread until after its registration is gone.
 //!
 //! A transfer maps each (block, logical offset, length) of both sides to (range, address,
-//! length) pieces ([`plan::Geometry`]), pairs them, merges pieces adjacent on both sides in
+//! length) segments ([`KvLayout::segments_into`]), pairs them ([`pair_segments`]), merges pieces adjacent on both sides in
 //! the same two ranges, and posts them with the range's registration and the peer range's
 //! key. A peer's keys are unpacked once per endpoint and range, and dropped with the
 //! endpoint.
@@ -45,7 +45,6 @@
 
 use std::collections::HashMap;
 use std::mem::ManuallyDrop;
-use std::ptr::NonNull;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -53,8 +52,9 @@ use std::time::{Duration, Instant};
 use handoff_gpu::{bind_device_to_thread, DeviceBuffer, DeviceContext, KvBuffer};
 use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 
-use super::plan::{self, Geometry, RangeGeom};
+use super::plan;
 use super::DataError;
+use crate::layout::{pair_segments, KvLayout, KvMemory, KvRange, LayerSpan, Segment, RANGES_MAX};
 use crate::region::{BlockSlice, Region};
 use crate::types::{BlockId, RankInfo, RequestId};
 use crate::ucx::{
@@ -77,11 +77,6 @@ pub const UCX_ENDPOINTS_MAX: usize = 1024;
 /// beyond it evicts other peers' keys (they are unpacked again when next used). 64 Ki
 /// covers 1024 peers of 64 ranges (32 layers × K and V) while bounding UCX's key memory.
 pub const UCX_RKEYS_MAX: usize = 64 * 1024;
-
-/// Most ranges of one layout, ours or a peer's: the deepest models have ~130 layers, so
-/// a K and a V range per layer fits many times over, and a peer's descriptor cannot make
-/// us unpack more keys than this.
-pub const UCX_RANGES_MAX: usize = 4096;
 
 /// Segments one posting round holds (a transfer of more is posted in rounds of whole
 /// blocks): bounds the plan buffer (32 bytes a segment, 2 MiB) however many blocks and
@@ -333,11 +328,11 @@ impl UcxDataPlane {
         me: &RankInfo,
         options: UcxPlaneOptions,
     ) -> Result<UcxDataPlane, DataError> {
-        if range_bytes.is_empty() || range_bytes.len() > UCX_RANGES_MAX {
+        if range_bytes.is_empty() || range_bytes.len() > RANGES_MAX {
             return Err(DataError::TooLarge {
                 what: "ranges in one layout",
                 count: range_bytes.len(),
-                max: UCX_RANGES_MAX,
+                max: RANGES_MAX,
             });
         }
         let mut total = 0usize;
@@ -662,25 +657,30 @@ fn checked_len(blocks: u32, block_bytes: usize) -> Result<usize, crate::region::
         })
 }
 
-/// The ranges of an engine's region to register, their memory type, and the device to
-/// bind for CUDA memory.
+/// The ranges of an engine's region to register (each from its first block's start to
+/// its last block's end), their memory type, and the device to bind for CUDA memory.
 fn region_ranges(region: &Region) -> Result<(Vec<RangeSpec>, MemoryType, Option<u32>), DataError> {
-    let block_bytes = region.block_bytes();
-    let len = checked_len(region.blocks(), block_bytes)?;
-    let (mem_type, device) = match region.device_buffer() {
-        Some(buffer) => (MemoryType::Cuda, Some(buffer.ordinal())),
-        None => (MemoryType::Host, None),
-    };
-    Ok((
-        vec![RangeSpec {
-            addr: region.base_addr(),
+    let layout = region.layout();
+    let mut specs = Vec::with_capacity(layout.ranges.len());
+    for (i, r) in layout.ranges.iter().enumerate() {
+        let len = r
+            .extent(layout.blocks)
+            .and_then(|e| usize::try_from(e).ok())
+            .ok_or_else(|| DataError::Unsupported {
+                what: format!("range {i} of the region does not fit this address space"),
+            })?;
+        specs.push(RangeSpec {
+            addr: r.addr,
             len,
-            stride: block_bytes as u64,
-            bytes: block_bytes as u64,
-        }],
-        mem_type,
-        device,
-    ))
+            stride: r.stride as u64,
+            bytes: r.bytes as u64,
+        });
+    }
+    let (mem_type, device) = match layout.memory {
+        KvMemory::Host => (MemoryType::Host, None),
+        KvMemory::Cuda { device } => (MemoryType::Cuda, Some(device)),
+    };
+    Ok((specs, mem_type, device))
 }
 
 /// The host region over the ranges UCX allocated for us; `keeper` keeps them mapped.
@@ -689,21 +689,27 @@ fn host_region(
     ranges: &[UcxRange],
     keeper: Box<dyn Send + Sync>,
 ) -> Result<Region, DataError> {
-    match ranges {
-        [one] => {
-            let ptr = NonNull::new(one.addr as *mut u8).ok_or_else(|| DataError::PlaneStopped {
-                detail: "UCX returned a null region".into(),
-            })?;
-            // SAFETY: the thread mapped `blocks × bytes` bytes of host memory at `ptr` and
-            // unmaps them only after `Stop`, which is sent when the last `PlaneThread`
-            // handle drops, and `keeper` is one; nothing else holds Rust references to
-            // them.
-            Ok(unsafe { Region::from_external(ptr, blocks, one.bytes as usize, keeper) }?)
-        }
-        _ => Err(DataError::Unsupported {
-            what: "regions of several ranges need the KV layout (branch `layout`)".into(),
-        }),
-    }
+    let layout = KvLayout {
+        blocks,
+        ranges: ranges
+            .iter()
+            .map(|r| KvRange {
+                addr: r.addr,
+                // Allocated here from `usize` lengths: they fit.
+                stride: r.stride as usize,
+                bytes: r.bytes as usize,
+            })
+            .collect(),
+        memory: KvMemory::Host,
+        layers: LayerSpan::WHOLE,
+        block_tokens: 0,
+        dtype_bytes: 0,
+    };
+    // SAFETY: the thread mapped every range's `blocks × bytes` bytes of host memory (one
+    // UCX allocation each, so no two overlap) and unmaps them only after `Stop`, which is
+    // sent when the last `PlaneThread` handle drops, and `keeper` is one; nothing else
+    // holds Rust references to them.
+    Ok(unsafe { Region::from_layout(layout, keeper) }?)
 }
 
 /// The cheap checks of a call before it is queued: the peer's descriptor is UCX, its
@@ -733,9 +739,9 @@ fn check_peer(
             peer.worker_address.len()
         )));
     }
-    if peer.ranges.len() > UCX_RANGES_MAX {
+    if peer.ranges.len() > RANGES_MAX {
         return Err(protocol(format!(
-            "layout of {} ranges (at most {UCX_RANGES_MAX})",
+            "layout of {} ranges (at most {RANGES_MAX})",
             peer.ranges.len()
         )));
     }
@@ -799,7 +805,8 @@ struct PeerKeys {
     /// What the keys were unpacked from (a peer whose layout changes gets new keys).
     region: RegionDescriptor,
     ranges: Arc<[UcxRange]>,
-    geometry: Geometry,
+    /// The peer's layout, checked ([`peer_layout`]).
+    layout: KvLayout,
     /// One per range, in order. Dropped before the endpoint (field order in `PeerConn`).
     rkeys: Vec<RemoteKey>,
 }
@@ -821,8 +828,8 @@ struct State {
     keep: ManuallyDrop<Option<Box<dyn Send>>>,
     /// The bound CUDA context, retained while the thread runs.
     _cuda: Option<DeviceContext>,
-    /// Our layout.
-    geometry: Geometry,
+    /// Our ranges as registered (range `i` is `memory[i]`), checked.
+    layout: KvLayout,
     peers: HashMap<Vec<u8>, PeerConn>,
     /// Keys unpacked over all peers, at most [`UCX_RKEYS_MAX`].
     rkeys: usize,
@@ -957,20 +964,25 @@ fn start_ucx(setup: Setup) -> Result<(State, Ready), DataError> {
             bytes: spec.bytes,
         });
     }
-    let geometry = Geometry::new(
+    let layout = KvLayout {
         blocks,
-        ranges
+        ranges: specs
             .iter()
-            .map(|r| RangeGeom {
+            .zip(&ranges)
+            .map(|(spec, r)| KvRange {
                 addr: r.addr,
-                stride: r.stride,
-                bytes: r.bytes,
+                stride: spec.stride as usize,
+                bytes: spec.bytes as usize,
             })
             .collect(),
-        UCX_RANGES_MAX,
-        "local layout",
-    )
-    .map_err(|what| DataError::Unsupported { what })?;
+        memory: KvMemory::Host,
+        layers: LayerSpan::WHOLE,
+        block_tokens: 0,
+        dtype_bytes: 0,
+    };
+    layout.validate().map_err(|e| DataError::Unsupported {
+        what: format!("local layout: {e}"),
+    })?;
     let up = Ready {
         ranges,
         worker_address,
@@ -981,7 +993,7 @@ fn start_ucx(setup: Setup) -> Result<(State, Ready), DataError> {
         memory: ManuallyDrop::new(regions),
         keep: ManuallyDrop::new(keep),
         _cuda: cuda,
-        geometry,
+        layout,
         peers: HashMap::new(),
         rkeys: 0,
     };
@@ -1010,9 +1022,9 @@ impl State {
             });
         }
         // Checked again on this side of the queue: nothing unchecked is ever posted.
-        let block_bytes = usize::try_from(self.geometry.block_bytes()).unwrap_or(usize::MAX);
+        let block_bytes = self.layout.block_bytes();
         let at = check_peer(peer, &job.remote, block_bytes, job.slice, job.direction)?;
-        let blocks = self.geometry.blocks();
+        let blocks = self.layout.blocks;
         if let Some(b) = job.local.iter().find(|b| b.0 >= blocks) {
             return Err(DataError::Region(crate::region::RegionError::OutOfRange {
                 block: *b,
@@ -1027,7 +1039,7 @@ impl State {
                 keys: Some(keys),
             }) => {
                 let locals: Vec<&MemoryRegion> = self.memory.iter().collect();
-                post_rounds(ep, &locals, &self.geometry, keys, job, &at)
+                post_rounds(ep, &locals, &self.layout, keys, job, &at)
             }
             _ => Err(UcxError::InvalidArgument {
                 what: "endpoint or keys missing after connect".into(),
@@ -1087,7 +1099,7 @@ impl State {
             .map_or(0, |k| k.rkeys.len());
         self.rkeys = self.rkeys.saturating_sub(old);
         let ranges = peer.range_list();
-        let geometry = peer_geometry(peer, &ranges)?;
+        let layout = peer_layout(peer, &ranges)?;
         if self.rkeys + ranges.len() > UCX_RKEYS_MAX {
             // Evict other peers' keys (unpacked again when next used).
             for conn in self.peers.values_mut() {
@@ -1113,7 +1125,7 @@ impl State {
         conn.keys = Some(PeerKeys {
             region: peer.region.clone(),
             ranges: Arc::clone(&peer.ranges),
-            geometry,
+            layout,
             rkeys,
         });
         Ok(())
@@ -1127,11 +1139,11 @@ impl State {
     }
 }
 
-/// Checks a peer's ranges: a well-formed layout ([`Geometry::new`]) whose blocks lie inside
-/// the length each range advertises (what its key opens), whose logical block is the size
-/// and whose block count is the one the peer's region states. A protocol error names the
-/// peer and the range.
-fn peer_geometry(peer: &UcxPeer, ranges: &[UcxRange]) -> Result<Geometry, DataError> {
+/// Checks a peer's ranges: a well-formed layout ([`KvLayout::validate`]: bounded counts,
+/// no overflow) whose blocks lie inside the length each range advertises (what its key
+/// opens), whose logical block is the size, and whose block count the one, the peer's
+/// region states. A protocol error names the peer and the range.
+fn peer_layout(peer: &UcxPeer, ranges: &[UcxRange]) -> Result<KvLayout, DataError> {
     let protocol = |detail: String| DataError::Protocol {
         peer: peer.name.clone(),
         detail,
@@ -1139,85 +1151,106 @@ fn peer_geometry(peer: &UcxPeer, ranges: &[UcxRange]) -> Result<Geometry, DataEr
     let blocks = peer
         .blocks()
         .map_err(|e| protocol(format!("region: {e}")))?;
-    let geometry = Geometry::new(
-        blocks,
-        ranges
-            .iter()
-            .map(|r| RangeGeom {
-                addr: r.addr,
-                stride: r.stride,
-                bytes: r.bytes,
-            })
-            .collect(),
-        UCX_RANGES_MAX,
-        "layout",
-    )
-    .map_err(protocol)?;
+    let mut list = Vec::with_capacity(ranges.len());
     for (i, r) in ranges.iter().enumerate() {
-        let span = geometry.range_span(i);
-        if span > r.len || r.addr.checked_add(r.len).is_none() {
+        let (Ok(stride), Ok(bytes)) = (usize::try_from(r.stride), usize::try_from(r.bytes)) else {
             return Err(protocol(format!(
-                "range {i}: {blocks} blocks of {} bytes every {} need {span} bytes, the range advertises {} at {:#x}",
+                "range {i}: stride or block size past this address space"
+            )));
+        };
+        list.push(KvRange {
+            addr: r.addr,
+            stride,
+            bytes,
+        });
+    }
+    let layout = KvLayout {
+        blocks,
+        ranges: list,
+        memory: KvMemory::Host,
+        layers: LayerSpan::WHOLE,
+        block_tokens: 0,
+        dtype_bytes: 0,
+    };
+    let block_bytes = layout
+        .validate()
+        .map_err(|e| protocol(format!("layout: {e}")))?;
+    for (i, (r, k)) in ranges.iter().zip(&layout.ranges).enumerate() {
+        let extent = k.extent(blocks).unwrap_or(u64::MAX);
+        if extent > r.len || r.addr.checked_add(r.len).is_none() {
+            return Err(protocol(format!(
+                "range {i}: {blocks} blocks of {} bytes every {} need {extent} bytes, the range advertises {} at {:#x}",
                 r.bytes, r.stride, r.len, r.addr
             )));
         }
     }
-    if geometry.block_bytes() != peer.region.block_bytes {
+    if block_bytes as u64 != peer.region.block_bytes {
         return Err(protocol(format!(
-            "ranges add up to {}-byte blocks, the region says {}",
-            geometry.block_bytes(),
+            "ranges add up to {block_bytes}-byte blocks, the region says {}",
             peer.region.block_bytes
         )));
     }
-    Ok(geometry)
+    Ok(layout)
 }
 
-/// Pairs every block's pieces on both sides into segments (merged where adjacent on both
-/// sides in the same two ranges) and posts them in rounds of at most
-/// [`UCX_SEGMENTS_PER_ROUND`] segments. Everything was checked before the first round:
-/// both block lists against both layouts, the slice against both logical block sizes,
-/// and every peer range's blocks against the length it advertises, so every segment lies
-/// inside its registration and its key's range (which the batch checks again per round).
+/// Maps every block pair to both sides' segments ([`KvLayout::segments_into`]), pairs them
+/// ([`pair_segments`]), merges pieces adjacent on both sides in the same two ranges, and
+/// posts them in rounds of at most [`UCX_SEGMENTS_PER_ROUND`] segments. Everything was
+/// checked before the first round: both block lists against both layouts, the slice
+/// against both logical block sizes, and every peer range's blocks against the length it
+/// advertises, so every segment lies inside its registration and its key's range (which
+/// the batch checks again per round).
 fn post_rounds(
     ep: &Endpoint,
     locals: &[&MemoryRegion],
-    geometry: &Geometry,
+    ours: &KvLayout,
     keys: &PeerKeys,
     job: &Job,
     at: &plan::Sliced,
 ) -> Result<(), UcxError> {
     let remotes: Vec<&RemoteKey> = keys.rkeys.iter().collect();
-    let theirs = keys.geometry.ranges();
-    let most = geometry.ranges().len() + theirs.len();
+    let theirs = &keys.layout;
+    let most = ours.ranges.len() + theirs.ranges.len();
     let mut segments: Vec<RangeSegment> =
         Vec::with_capacity(UCX_SEGMENTS_PER_ROUND.min(job.local.len().saturating_mul(most)));
-    let mut overflow = None;
+    let (mut mine, mut other) = (Vec::new(), Vec::new());
+    let layout_error = |e: crate::layout::LayoutError| UcxError::InvalidArgument {
+        what: e.to_string(),
+    };
     for (l, r) in job.local.iter().zip(&job.remote) {
-        Geometry::pair(geometry, *l, &keys.geometry, *r, at, |p| {
-            let Some(other) = theirs.get(p.remote.range as usize) else {
-                return;
-            };
-            let (Ok(local_offset), Ok(len)) = (
-                usize::try_from(p.local.offset),
-                usize::try_from(p.local.len),
-            ) else {
-                overflow = Some(p);
+        mine.clear();
+        other.clear();
+        ours.segments_into(l.0, at.local_offset, at.len, &mut mine)
+            .map_err(layout_error)?;
+        let remote_offset = usize::try_from(at.remote_offset).unwrap_or(usize::MAX);
+        theirs
+            .segments_into(r.0, remote_offset, at.len, &mut other)
+            .map_err(layout_error)?;
+        let mut outside = None;
+        pair_segments(&mine, &other, |m: Segment, o: Segment| {
+            let start = ours.ranges.get(m.range as usize).map(|k| k.addr);
+            let Some(local_offset) = start
+                .and_then(|a| m.addr.checked_sub(a))
+                .and_then(|o| usize::try_from(o).ok())
+            else {
+                outside = Some(m);
                 return;
             };
             RangeSegment::push_coalesced(
                 &mut segments,
                 RangeSegment {
-                    local: p.local.range,
+                    local: m.range,
                     local_offset,
-                    remote: p.remote.range,
-                    remote_addr: other.addr.saturating_add(p.remote.offset),
-                    len,
+                    remote: o.range,
+                    remote_addr: o.addr,
+                    len: m.len,
                 },
             );
-        });
-        if let Some(p) = overflow {
+        })
+        .map_err(layout_error)?;
+        if let Some(m) = outside {
             return Err(UcxError::InvalidArgument {
-                what: format!("piece {p:?} does not fit this address space"),
+                what: format!("segment {m:?} is outside our range"),
             });
         }
         if segments.len() >= UCX_SEGMENTS_PER_ROUND {

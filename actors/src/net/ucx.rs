@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use handoff_gpu::DeviceBuffer;
 use handoff_transport::data::{DataError, UcxDataPlane, UcxPeer, UcxPlaneOptions};
-use handoff_transport::wire::messages::RegionDescriptor;
+use handoff_transport::wire::messages::LayoutDescriptor;
 use handoff_transport::{RankInfo, Region};
 
 use super::data::{DataPlane, GrantTable, PlaneTransfer};
@@ -110,7 +110,9 @@ impl UcxPlane {
     }
 
     fn transfer(&self, t: PlaneTransfer<'_>, write: bool) -> TransferFuture {
-        let peer = UcxPeer::one_range(t.peer.to_string(), t.peer_data.to_vec(), t.region.clone());
+        // The peer's layout from its hello: one remote key per range, checked by the
+        // plane (once per peer layout) before anything is posted.
+        let peer = UcxPeer::from_layout(t.peer.to_string(), t.peer_data.to_vec(), t.peer_layout);
         let (src, dst, slice, id) = (t.src, t.dst, t.slice, t.id);
         let (plane, id) = (self.plane.clone(), id.clone());
         Box::pin(async move {
@@ -130,8 +132,8 @@ impl UcxPlane {
 }
 
 impl DataPlane for UcxPlane {
-    fn descriptor(&self) -> RegionDescriptor {
-        self.plane.descriptor().region.clone()
+    fn descriptor(&self) -> LayoutDescriptor {
+        self.plane.layout_descriptor()
     }
 
     fn address(&self) -> String {

@@ -62,6 +62,7 @@ use crate::ucx::{
     RemoteKey, UcxError, Worker,
 };
 use crate::wire::limits::{DATA_DESCRIPTOR_BYTES_MAX, REMOTE_KEY_BYTES_MAX};
+use crate::wire::messages::LayoutDescriptor;
 use crate::wire::{RegionDescriptor, TransportKind};
 
 /// Jobs waiting for or running on the UCX thread at most; a call beyond waits (within its
@@ -170,6 +171,40 @@ impl UcxPeer {
             worker_address,
             region,
             ranges: Arc::from(Vec::new()),
+        }
+    }
+
+    /// The peer a layout descriptor describes (from its `Hello`/`HelloAck`), reached at
+    /// `worker_address`: one range per descriptor range, each with its remote key. Nothing
+    /// is trusted here; the plane checks the ranges before it uses them.
+    pub fn from_layout(name: String, worker_address: Vec<u8>, layout: &LayoutDescriptor) -> Self {
+        let block_bytes = layout
+            .ranges
+            .iter()
+            .fold(0u64, |sum, r| sum.saturating_add(r.bytes));
+        let ranges: Vec<UcxRange> = layout
+            .ranges
+            .iter()
+            .map(|r| UcxRange {
+                remote_key: r.remote_key.clone(),
+                addr: r.addr,
+                len: r.len,
+                stride: r.stride,
+                bytes: r.bytes,
+            })
+            .collect();
+        Self {
+            name,
+            worker_address,
+            region: RegionDescriptor {
+                transport: layout.transport,
+                address: layout.address.clone(),
+                remote_key: Vec::new(),
+                base: 0,
+                len: u64::from(layout.blocks).saturating_mul(block_bytes),
+                block_bytes,
+            },
+            ranges: ranges.into(),
         }
     }
 
@@ -514,6 +549,22 @@ impl UcxDataPlane {
     /// What peers need to reach this plane's memory.
     pub fn descriptor(&self) -> &UcxPeer {
         &self.me
+    }
+
+    /// This plane's memory as peers are told it ([`LayoutDescriptor`], in `Hello` and
+    /// `HelloAck`): the region's layout (ranges, layers, per-token facts) with each range's
+    /// remote key and registered length.
+    pub fn layout_descriptor(&self) -> LayoutDescriptor {
+        let mut layout = LayoutDescriptor::of(
+            TransportKind::Ucx,
+            self.me.name.clone(),
+            self.region.layout(),
+        );
+        for (range, ours) in layout.ranges.iter_mut().zip(self.me.range_list()) {
+            range.remote_key = ours.remote_key;
+            range.len = ours.len;
+        }
+        layout
     }
 
     /// The loaded UCX version and library path.

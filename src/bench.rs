@@ -32,7 +32,9 @@ use std::time::{Duration, Instant};
 
 use handoff_gpu::checksum::fill_pattern;
 use handoff_gpu::{Checksum64, DeviceBuffer, GpuError};
-use handoff_transport::data::{AllowAll, DataError, UcxDataPlane, UcxPeer, UcxPlaneOptions};
+use handoff_transport::data::{
+    AllowAll, DataError, UcxDataPlane, UcxPeer, UcxPlaneOptions, UcxRange,
+};
 use handoff_transport::tcp::{DataClient, DataServer};
 use handoff_transport::wire::{RegionDescriptor, TransportKind};
 use handoff_transport::{BlockId, RankInfo, Region, RequestId};
@@ -41,6 +43,13 @@ use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 
 /// Block sizes measured, in bytes.
 pub const BLOCK_SIZES: [usize; 4] = [16 << 10, 128 << 10, 1 << 20, 4 << 20];
+
+/// With `--layers`, the added block sizes must leave at least this many blocks in the
+/// region (so the permutation still scatters them).
+const LAYERED_BLOCKS_MIN: usize = 4;
+
+/// Most layers `--layers` accepts (the layout's own bound).
+const LAYERS_MAX: u32 = 1024;
 
 /// Block size of the latency measurement.
 pub const LATENCY_BLOCK_BYTES: usize = 16 << 10;
@@ -137,6 +146,17 @@ pub struct BenchArgs {
     /// The CUDA device both processes use for `cuda` memory.
     #[arg(long, default_value_t = 0)]
     pub cuda_device: u32,
+    /// Also lay each side's region out as this many layers × K and V (2 × N ranges, one
+    /// per vLLM-style `[2, num_blocks, ...]` half, so a block is 2 × N segments of
+    /// block / 2N bytes) and measure the same points (same bytes per block, same
+    /// permutation, same checksums) next to the one-range ones, with their ratio. Adds the
+    /// block sizes whose segments are 128 KiB and 512 KiB. UCX only.
+    #[arg(long)]
+    pub layers: Option<u32>,
+    /// Block sizes to measure, KiB, comma-separated (default 16, 128, 1024, 4096, plus
+    /// the `--layers` sizes).
+    #[arg(long, value_delimiter = ',')]
+    pub block_kib: Vec<usize>,
     /// Internal: run as the peer process (`tcp:<blocks>:<block bytes>` or `ucx:...`).
     #[arg(long, hide = true)]
     pub peer: Option<String>,
@@ -157,6 +177,12 @@ pub struct Point {
     pub secs: f64,
     /// Whether the destination's checksum matched (`None`: not checkable, e.g. perftest).
     pub verified: Option<bool>,
+    /// Ranges each side's region is laid out in (1: one contiguous range; `--layers N`:
+    /// 2N), so segments per block.
+    pub ranges: usize,
+    /// This point's throughput over the one-range point of the same transport, operation
+    /// and block size in the same run (layered points only).
+    pub vs_one_range: Option<f64>,
     /// A remark printed with the row.
     pub note: String,
 }
@@ -256,6 +282,10 @@ struct Plan {
     /// Where the peer's regions live.
     peer_memory: BenchMemory,
     cuda_device: u32,
+    /// Block sizes measured.
+    block_sizes: Vec<usize>,
+    /// `--layers`: ranges of the layered regions (2 × layers), when asked for.
+    layered_ranges: Option<usize>,
 }
 
 impl Plan {
@@ -283,7 +313,41 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
         memory: args.memory,
         peer_memory: args.peer_memory.unwrap_or(args.memory),
         cuda_device: args.cuda_device,
+        block_sizes: Vec::new(),
+        layered_ranges: None,
     };
+    let mut plan = plan;
+    if let Some(layers) = args.layers {
+        if layers == 0 || layers > LAYERS_MAX {
+            return Err(format!("--layers must be 1..={LAYERS_MAX}"));
+        }
+        if plan.uses_cuda() {
+            return Err("--layers runs with host memory only (run without --memory cuda)".into());
+        }
+        plan.layered_ranges = Some(2 * layers as usize);
+    }
+    plan.block_sizes = if args.block_kib.is_empty() {
+        let mut sizes = BLOCK_SIZES.to_vec();
+        if let Some(ranges) = plan.layered_ranges {
+            // Segments of 128 KiB and 512 KiB, where the region holds a few such blocks.
+            for segment in [128 << 10, 512 << 10] {
+                let block = ranges * segment;
+                if block * LAYERED_BLOCKS_MIN <= plan.region_bytes && !sizes.contains(&block) {
+                    sizes.push(block);
+                }
+            }
+        }
+        sizes
+    } else {
+        args.block_kib.iter().map(|k| k << 10).collect()
+    };
+    if let Some(&bad) = plan.block_sizes.iter().find(|&&b| {
+        b == 0 || b > plan.region_bytes || plan.layered_ranges.is_some_and(|r| b % r != 0)
+    }) {
+        return Err(format!(
+            "block size {bad} bytes: must be positive, at most the region, and divisible into the layered ranges"
+        ));
+    }
     if plan.region_bytes < BLOCK_SIZES[3] || plan.total_bytes == 0 || plan.latency_iters == 0 {
         return Err(format!(
             "--region-mib must be at least {} and the counts positive",
@@ -310,15 +374,42 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
     } else {
         resolve_transports(&args.transport, &mut report)?
     };
-    for &block in &BLOCK_SIZES {
+    for &block in &plan.block_sizes {
         report.points.push(if plan.uses_cuda() {
             cuda_memcpy_point(&plan, block)?
         } else {
             memcpy_point(&plan, block)?
         });
         for &t in &transports {
-            let mut points = transport_points(t, &plan, block).await?;
-            report.points.append(&mut points);
+            let one = transport_points(t, &plan, block, 1).await?;
+            let layered = match plan.layered_ranges {
+                Some(ranges) if t == BenchTransport::Ucx => {
+                    let mut points = transport_points(t, &plan, block, ranges).await?;
+                    for p in &mut points {
+                        p.vs_one_range = one
+                            .iter()
+                            .find(|o| o.op == p.op)
+                            .map(Point::gbps)
+                            .filter(|&g| g > 0.0)
+                            .map(|g| p.gbps() / g);
+                    }
+                    points
+                }
+                _ => Vec::new(),
+            };
+            report.points.extend(one);
+            report.points.extend(layered);
+        }
+    }
+    if let Some(ranges) = plan.layered_ranges {
+        report.notes.push(format!(
+            "layered rows: each side's region is {} layers x K and V = {ranges} ranges, UCX-allocated and registered one by one, so a block is {ranges} segments; 'vs 1-range' is the ratio to the one-range row above it (same run, same bytes and permutation)",
+            ranges / 2
+        ));
+        if transports.iter().any(|&t| t != BenchTransport::Ucx) {
+            report
+                .notes
+                .push("layered rows are measured for UCX only".into());
         }
     }
     for &t in &transports {
@@ -406,7 +497,7 @@ fn cuda_transports(
     ));
     // A one-block plane on the device: fails here, with UCX's reason, where the loaded
     // UCX has no CUDA support.
-    let probe_plane = bench_plane(plan.memory, plan.peer_memory, plan.cuda_device, 1, 4096)
+    let probe_plane = bench_plane(plan.memory, plan.peer_memory, plan.cuda_device, 1, 4096, 1)
         .map_err(|e| format!("--memory cuda: UCX cannot use device memory here: {e}"))?;
     report.notes.push(probe_plane.version().to_string());
     Ok(vec![BenchTransport::Ucx])
@@ -420,6 +511,7 @@ fn bench_plane(
     device: u32,
     blocks: u32,
     block: usize,
+    ranges: usize,
 ) -> Result<UcxDataPlane, String> {
     let me = RankInfo::single("bench");
     let mut options = UcxPlaneOptions::default();
@@ -427,6 +519,9 @@ fn bench_plane(
         options.cuda_device = Some(device);
     }
     match memory {
+        BenchMemory::Host if ranges > 1 => {
+            UcxDataPlane::start_allocated(blocks, &vec![block / ranges; ranges], &me, options)
+        }
         BenchMemory::Host => UcxDataPlane::start(blocks, block, &me, options),
         BenchMemory::Cuda => {
             let buffer = DeviceBuffer::alloc_zeroed(device, blocks as usize * block)
@@ -568,6 +663,8 @@ fn memcpy_point(plan: &Plan, block: usize) -> Result<Point, String> {
         bytes: (passes(plan) * n as usize * block) as u64,
         secs,
         verified: Some(verified),
+        ranges: 1,
+        vs_one_range: None,
         note: "single thread, same permutation".into(),
     })
 }
@@ -613,6 +710,8 @@ fn cuda_memcpy_point(plan: &Plan, block: usize) -> Result<Point, String> {
         bytes: (passes(plan) * n as usize * block) as u64,
         secs,
         verified: Some(verified),
+        ranges: 1,
+        vs_one_range: None,
         note: "cuMemcpyDtoDAsync per block, one stream, same permutation".into(),
     })
 }
@@ -645,6 +744,7 @@ impl Link {
         plan: &Plan,
         blocks: u32,
         block: usize,
+        ranges: usize,
     ) -> Result<Link, String> {
         let me = RankInfo::single("bench");
         match t {
@@ -670,20 +770,21 @@ impl Link {
             }
             BenchTransport::Ucx | BenchTransport::Auto => {
                 let spec = format!(
-                    "ucx:{blocks}:{block}:{}:{}:{}",
+                    "ucx:{blocks}:{block}:{}:{}:{}:{ranges}",
                     plan.peer_memory.name(),
                     plan.memory.name(),
                     plan.cuda_device
                 );
                 let mut peer = PeerProcess::spawn(&spec).await?;
                 let ready = peer.expect().await?;
-                let remote = parse_ucx_ready(&ready, block)?;
+                let remote = parse_ucx_ready(&ready)?;
                 let plane = bench_plane(
                     plan.memory,
                     plan.peer_memory,
                     plan.cuda_device,
                     blocks,
                     block,
+                    ranges,
                 )?;
                 Ok(Link::Ucx {
                     plane,
@@ -780,24 +881,67 @@ impl Link {
     }
 }
 
-fn parse_ucx_ready(ready: &str, block: usize) -> Result<UcxPeer, String> {
+/// The peer's `ready ucx <worker address> <blocks> <block bytes> <range>...` line, each
+/// range `<rkey>:<addr>:<len>:<stride>:<bytes>` (see [`ucx_ready_line`]).
+fn parse_ucx_ready(ready: &str) -> Result<UcxPeer, String> {
     let words: Vec<&str> = ready.split_whitespace().collect();
-    let ["ready", "ucx", address, rkey, base, len] = words.as_slice() else {
+    let ["ready", "ucx", address, blocks, block, ranges @ ..] = words.as_slice() else {
         return Err(format!("peer said {ready:?}"));
     };
     let bad = |what: &str| format!("peer sent a bad {what}");
+    let blocks: u64 = blocks.parse().map_err(|_| bad("block count"))?;
+    let block: u64 = block.parse().map_err(|_| bad("block size"))?;
+    let mut list = Vec::with_capacity(ranges.len());
+    for range in ranges {
+        let fields: Vec<&str> = range.split(':').collect();
+        let [rkey, addr, len, stride, bytes] = fields.as_slice() else {
+            return Err(bad("range"));
+        };
+        let num = |v: &str| v.parse::<u64>().map_err(|_| bad("range"));
+        list.push(UcxRange {
+            remote_key: unhex(rkey).ok_or_else(|| bad("rkey"))?,
+            addr: num(addr)?,
+            len: num(len)?,
+            stride: num(stride)?,
+            bytes: num(bytes)?,
+        });
+    }
     Ok(UcxPeer {
         name: "bench-peer".into(),
         worker_address: unhex(address).ok_or_else(|| bad("worker address"))?,
         region: RegionDescriptor {
             transport: TransportKind::Ucx,
             address: "bench-peer".into(),
-            remote_key: unhex(rkey).ok_or_else(|| bad("rkey"))?,
-            base: base.parse().map_err(|_| bad("base"))?,
-            len: len.parse().map_err(|_| bad("length"))?,
-            block_bytes: block as u64,
+            remote_key: Vec::new(),
+            base: 0,
+            len: blocks.saturating_mul(block),
+            block_bytes: block,
         },
+        ranges: list.into(),
     })
+}
+
+/// The line a bench peer prints for its plane: everything [`parse_ucx_ready`] needs.
+fn ucx_ready_line(plane: &UcxDataPlane) -> String {
+    let d = plane.descriptor();
+    let region = plane.region();
+    let mut line = format!(
+        "ready ucx {} {} {}",
+        hex(&d.worker_address),
+        region.blocks(),
+        region.block_bytes()
+    );
+    for r in d.range_list() {
+        line += &format!(
+            " {}:{}:{}:{}:{}",
+            hex(&r.remote_key),
+            r.addr,
+            r.len,
+            r.stride,
+            r.bytes
+        );
+    }
+    line
 }
 
 /// One throughput point's setting: which blocks go where, how many passes.
@@ -808,6 +952,7 @@ struct Timed<'a> {
     perm: &'a [BlockId],
     perm_seed: u64,
     plan: &'a Plan,
+    ranges: usize,
 }
 
 impl Timed<'_> {
@@ -841,19 +986,23 @@ impl Timed<'_> {
             bytes: (passes * n as usize * self.block) as u64,
             secs,
             verified: Some(verified),
+            ranges: self.ranges,
+            vs_one_range: None,
             note: String::new(),
         })
     }
 }
 
-/// Write and read points for one transport at one block size.
+/// Write and read points for one transport at one block size, each side's region in
+/// `ranges` ranges (1: one contiguous range).
 async fn transport_points(
     t: BenchTransport,
     plan: &Plan,
     block: usize,
+    ranges: usize,
 ) -> Result<Vec<Point>, String> {
     let n = blocks_of(plan, block)?;
-    let mut link = Link::open(t, plan, n, block).await?;
+    let mut link = Link::open(t, plan, n, block, ranges).await?;
     let src = all(n);
     let perm_seed = plan.seed ^ (block as u64).rotate_left(17);
     let perm = permutation(perm_seed, n);
@@ -864,6 +1013,7 @@ async fn transport_points(
         perm: &perm,
         perm_seed,
         plan,
+        ranges,
     };
     // Push: our blocks 0..n into the peer's permuted positions.
     fill(link.local(), plan.seed)?;
@@ -879,7 +1029,7 @@ async fn transport_points(
 async fn latency(t: BenchTransport, plan: &Plan) -> Result<Latency, String> {
     let block = LATENCY_BLOCK_BYTES;
     let n = blocks_of(plan, block)?;
-    let mut link = Link::open(t, plan, n, block).await?;
+    let mut link = Link::open(t, plan, n, block, 1).await?;
     // Touch every page on both sides first: a first touch costs a page fault, not a transfer.
     fill(link.local(), plan.seed)?;
     link.remote_fill(plan.seed).await?;
@@ -1006,10 +1156,11 @@ impl PeerProcess {
 /// The peer side: serve a region over `tcp` or `ucx` and answer commands on stdin.
 async fn peer_main(spec: &str) -> Result<(), String> {
     let parts: Vec<&str> = spec.split(':').collect();
-    // `tcp:<blocks>:<block>` or `ucx:<blocks>:<block>:<memory>:<peer's memory>:<device>`.
-    let (kind, blocks, block, memory) = match parts.as_slice() {
-        [kind, blocks, block] => (*kind, *blocks, *block, None),
-        [kind, blocks, block, memory, other, device] => {
+    // `tcp:<blocks>:<block>` or
+    // `ucx:<blocks>:<block>:<memory>:<peer's memory>:<device>:<ranges>`.
+    let (kind, blocks, block, memory, ranges) = match parts.as_slice() {
+        [kind, blocks, block] => (*kind, *blocks, *block, None, "1"),
+        [kind, blocks, block, memory, other, device, ranges] => {
             let parse = |name: &str| match name {
                 "host" => Ok(BenchMemory::Host),
                 "cuda" => Ok(BenchMemory::Cuda),
@@ -1021,12 +1172,14 @@ async fn peer_main(spec: &str) -> Result<(), String> {
                 *blocks,
                 *block,
                 Some((parse(memory)?, parse(other)?, device)),
+                *ranges,
             )
         }
         _ => return Err(format!("bad peer spec {spec:?}")),
     };
     let blocks: u32 = blocks.parse().map_err(|_| "bad block count")?;
     let block: usize = block.parse().map_err(|_| "bad block size")?;
+    let ranges: usize = ranges.parse().map_err(|_| "bad range count")?;
     let me = RankInfo::single("bench-peer");
     let (_keep, region): (Box<dyn std::any::Any>, Arc<Region>) = match kind {
         "tcp" => {
@@ -1046,15 +1199,8 @@ async fn peer_main(spec: &str) -> Result<(), String> {
         "ucx" => {
             let (memory, other, device) =
                 memory.unwrap_or((BenchMemory::Host, BenchMemory::Host, 0));
-            let plane = bench_plane(memory, other, device, blocks, block)?;
-            let d = plane.descriptor();
-            say(&format!(
-                "ready ucx {} {} {} {}",
-                hex(&d.worker_address),
-                hex(&d.region.remote_key),
-                d.region.base,
-                d.region.len
-            ));
+            let plane = bench_plane(memory, other, device, blocks, block, ranges)?;
+            say(&ucx_ready_line(&plane));
             let region = Arc::clone(plane.region());
             (Box::new(plane), region)
         }
@@ -1134,7 +1280,7 @@ async fn perftest_points(plan: &Plan, report: &mut Report) {
          without peer-failure handling: an upper bound, not the same work"
             .into(),
     );
-    for &block in &BLOCK_SIZES {
+    for &block in &plan.block_sizes {
         let iters = (plan.total_bytes / block).max(16);
         match perftest(&exe, "ucp_put_bw", block, iters).await {
             Ok(final_line) => report.points.push(Point {
@@ -1144,6 +1290,8 @@ async fn perftest_points(plan: &Plan, report: &mut Report) {
                 bytes: (iters * block) as u64,
                 secs: (iters * block) as f64 / (final_line.bandwidth_mib_s * 1_048_576.0),
                 verified: None,
+                ranges: 1,
+                vs_one_range: None,
                 note: String::new(),
             }),
             Err(e) => report
@@ -1266,23 +1414,29 @@ impl Report {
             self.total_bytes >> 20
         );
         out += &format!(
-            "{:<13} {:<7} {:>8} {:>9} {:>14}  {}\n",
+            "{:<13} {:<7} {:>8} {:>6} {:>9} {:>9} {:>14} {:>10}  {}\n",
             "transport",
             "op",
             "block",
+            "ranges",
+            "segment",
             "GB/s",
             format!("vs {}", self.reference),
+            "vs 1-range",
             "checksum"
         );
         for p in &self.points {
             let ratio = self.reference_gbps(p.block_bytes).map(|m| p.gbps() / m);
             out += &format!(
-                "{:<13} {:<7} {:>8} {:>9.2} {:>14}  {}{}\n",
+                "{:<13} {:<7} {:>8} {:>6} {:>9} {:>9.2} {:>14} {:>10}  {}{}\n",
                 p.transport,
                 p.op,
                 size_label(p.block_bytes),
+                p.ranges,
+                size_label(p.block_bytes / p.ranges.max(1)),
                 p.gbps(),
                 ratio.map_or("-".into(), |r| format!("{r:.2}")),
+                p.vs_one_range.map_or("-".into(), |r| format!("{r:.2}")),
                 match p.verified {
                     Some(true) => "ok",
                     Some(false) => "MISMATCH",
@@ -1337,14 +1491,17 @@ impl Report {
             .iter()
             .map(|p| {
                 format!(
-                    "{{\"transport\":{},\"op\":{},\"block_bytes\":{},\"bytes\":{},\"secs\":{},\"gbps\":{},\"vs_reference\":{},\"verified\":{},\"note\":{}}}",
+                    "{{\"transport\":{},\"op\":{},\"block_bytes\":{},\"ranges\":{},\"segment_bytes\":{},\"bytes\":{},\"secs\":{},\"gbps\":{},\"vs_reference\":{},\"vs_one_range\":{},\"verified\":{},\"note\":{}}}",
                     json_str(&p.transport),
                     json_str(&p.op),
                     p.block_bytes,
+                    p.ranges,
+                    p.block_bytes / p.ranges.max(1),
                     p.bytes,
                     num(p.secs),
                     num(p.gbps()),
                     self.reference_gbps(p.block_bytes).map_or("null".into(), |m| num(p.gbps() / m)),
+                    p.vs_one_range.map_or("null".into(), num),
                     p.verified.map_or("null".into(), |v| v.to_string()),
                     json_str(&p.note)
                 )
@@ -1377,10 +1534,12 @@ impl Report {
 }
 
 fn size_label(bytes: usize) -> String {
-    if bytes >= 1 << 20 {
+    if bytes >= 1 << 20 && bytes % (1 << 20) == 0 {
         format!("{} MiB", bytes >> 20)
-    } else {
+    } else if bytes >= 1 << 10 && bytes % (1 << 10) == 0 {
         format!("{} KiB", bytes >> 10)
+    } else {
+        format!("{bytes} B")
     }
 }
 

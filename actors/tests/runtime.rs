@@ -296,7 +296,7 @@ async fn pipeline_ranks_with_blocks_that_do_not_add_up_fail_by_name() {
     let on_decode = r.completion().await;
     assert!(on_decode.failure().is_some(), "{on_decode}");
     assert!(
-        format!("{on_decode}").contains("whole blocks differ"),
+        format!("{on_decode}").contains("whole-model blocks differ"),
         "{on_decode}"
     );
     for s in [s0, s1] {

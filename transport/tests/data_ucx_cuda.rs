@@ -15,12 +15,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use data_common::{
-    checksum, fill, format_ids, hex, ids, parse_ready, say, serve_commands, ChildPeer, Rng,
+    checksum, fill, format_ids, ids, layout_ready_line, parse_layout_ready, say, serve_commands,
+    ChildPeer, Rng,
 };
-use handoff_gpu::{DeviceBuffer, GpuError, MemoryKind};
+use handoff_gpu::{DeviceBuffer, GpuError, KvBuffer, MemoryKind};
 use handoff_transport::data::{DataError, UcxDataPlane, UcxPeer, UcxPlaneOptions};
 use handoff_transport::region::RegionError;
-use handoff_transport::{BlockId, RankInfo, Region, RequestId};
+use handoff_transport::{
+    BlockId, KvLayout, KvMemory, KvRange, LayerSpan, RankInfo, Region, RequestId,
+};
 
 const BLOCKS: u32 = 64;
 const BLOCK_BYTES: usize = 256 * 1024;
@@ -70,6 +73,54 @@ fn device_plane(name: &str, device: u32) -> UcxDataPlane {
     .unwrap_or_else(|e| panic!("UCX plane on device memory: {e}"))
 }
 
+/// Layers of the per-layer device layout: a K and a V range per layer.
+const LAYERS: usize = 4;
+
+/// A plane over an engine-style device layout: one device allocation per layer shaped
+/// `[2, blocks, ...]` (vLLM), so 2 × [`LAYERS`] ranges, registered by address.
+fn layered_device_plane(name: &str, device: u32) -> UcxDataPlane {
+    let half = BLOCK_BYTES / (2 * LAYERS);
+    let mut ranges = Vec::new();
+    let mut buffers = Vec::new();
+    for _ in 0..LAYERS {
+        let buffer = DeviceBuffer::alloc_zeroed(device, 2 * BLOCKS as usize * half)
+            .unwrap_or_else(|e| panic!("device allocation: {e}"));
+        ranges.push(KvRange {
+            addr: buffer.addr(),
+            stride: half,
+            bytes: half,
+        });
+        ranges.push(KvRange {
+            addr: buffer.addr() + (BLOCKS as usize * half) as u64,
+            stride: half,
+            bytes: half,
+        });
+        buffers.push(buffer);
+    }
+    let layout = KvLayout {
+        blocks: BLOCKS,
+        ranges,
+        memory: KvMemory::Cuda { device },
+        layers: LayerSpan {
+            first: 0,
+            count: LAYERS as u32,
+            total: LAYERS as u32,
+        },
+        block_tokens: 16,
+        dtype_bytes: 2,
+    };
+    // SAFETY: every range lies inside one of `buffers`, which the region keeps until it
+    // drops; nothing references device memory from Rust.
+    let region = unsafe { Region::from_layout(layout, Box::new(buffers)) }
+        .unwrap_or_else(|e| panic!("device layout: {e}"));
+    UcxDataPlane::start_on_region(
+        Arc::new(region),
+        &RankInfo::single(name),
+        UcxPlaneOptions::default(),
+    )
+    .unwrap_or_else(|e| panic!("UCX plane on a device layout: {e}"))
+}
+
 fn host_plane(name: &str, device: u32) -> UcxDataPlane {
     let options = UcxPlaneOptions {
         cuda_device: Some(device),
@@ -89,20 +140,12 @@ fn cuda_plane_child_process_entry() {
     };
     let plane = if memory == "cuda" {
         device_plane("decode-child", 0)
+    } else if memory == "cuda-layers" {
+        layered_device_plane("decode-child", 0)
     } else {
         host_plane("decode-child", 0)
     };
-    let d = plane.descriptor();
-    say(
-        PREFIX,
-        &format!(
-            "ready {} {} {} {}",
-            hex(&d.worker_address),
-            hex(&d.region.remote_key),
-            d.region.base,
-            d.region.len
-        ),
-    );
+    say(PREFIX, &layout_ready_line(&plane));
     serve_commands(PREFIX, plane.region(), CHILD_LIFETIME);
 }
 
@@ -113,7 +156,7 @@ fn spawn_child(memory: &str) -> (ChildPeer, UcxPeer) {
         &[(CHILD_ENV, memory.into())],
         PREFIX,
     );
-    let peer = parse_ready(&child.expect(STEP), "decode-child", BLOCK_BYTES);
+    let peer = parse_layout_ready(&child.expect(STEP), "decode-child");
     (child, peer)
 }
 
@@ -174,6 +217,24 @@ async fn device_to_host_and_host_to_device_between_two_processes() {
     assert_eq!(on_host.region().memory_kind(), MemoryKind::Host);
     let (mut gpu_child, gpu_peer) = spawn_child("cuda");
     round_trip(&on_host, &mut gpu_child, &gpu_peer, 13).await;
+}
+
+/// Per-layer device ranges (one registration and key each) into one-range device and host
+/// peers, and a one-range host plane into a per-layer device peer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_layer_device_ranges_between_two_processes() {
+    let Some(device) = gpu() else { return };
+    let layered = layered_device_plane("prefill-gpu-layers", device);
+    assert_eq!(layered.region().memory_kind(), MemoryKind::Cuda);
+    assert_eq!(layered.descriptor().range_list().len(), 2 * LAYERS);
+    let (mut gpu_child, gpu_peer) = spawn_child("cuda");
+    round_trip(&layered, &mut gpu_child, &gpu_peer, 14).await;
+    let (mut host_child, host_peer) = spawn_child("host");
+    round_trip(&layered, &mut host_child, &host_peer, 15).await;
+    let on_host = host_plane("prefill-host", device);
+    let (mut layered_child, layered_peer) = spawn_child("cuda-layers");
+    assert_eq!(layered_peer.range_list().len(), 2 * LAYERS);
+    round_trip(&on_host, &mut layered_child, &layered_peer, 16).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use handoff_gpu::DeviceBuffer;
 use handoff_transport::data::{DataError, UcxDataPlane, UcxPeer, UcxPlaneOptions};
-use handoff_transport::wire::messages::RegionDescriptor;
+use handoff_transport::wire::messages::LayoutDescriptor;
 use handoff_transport::{RankInfo, Region};
 
 use super::data::{DataPlane, GrantTable, PlaneTransfer};
@@ -78,6 +78,26 @@ impl UcxPlane {
         })
     }
 
+    /// Starts the UCX thread over an engine's KV memory as it is: every range of
+    /// `region`'s layout (host or CUDA) registered by address, one remote key per range;
+    /// nothing allocated or copied. `cuda_device` binds the UCX thread to a device for a
+    /// host region that exchanges with peers' device memory.
+    pub fn start_on_region(
+        region: Arc<Region>,
+        me: &RankInfo,
+        cuda_device: Option<u32>,
+    ) -> Result<UcxPlane, DataError> {
+        let options = UcxPlaneOptions {
+            cuda_device,
+            ..UcxPlaneOptions::default()
+        };
+        let plane = UcxDataPlane::start_on_region(region, me, options)?;
+        Ok(UcxPlane {
+            plane: Arc::new(plane),
+            grants: Arc::default(),
+        })
+    }
+
     /// The region (UCX-allocated host memory, or the registered device buffer): give it
     /// to the runtime and the engine.
     pub fn region(&self) -> Arc<Region> {
@@ -90,11 +110,9 @@ impl UcxPlane {
     }
 
     fn transfer(&self, t: PlaneTransfer<'_>, write: bool) -> TransferFuture {
-        let peer = UcxPeer {
-            name: t.peer.to_string(),
-            worker_address: t.peer_data.to_vec(),
-            region: t.region.clone(),
-        };
+        // The peer's layout from its hello: one remote key per range, checked by the
+        // plane (once per peer layout) before anything is posted.
+        let peer = UcxPeer::from_layout(t.peer.to_string(), t.peer_data.to_vec(), t.peer_layout);
         let (src, dst, slice, id) = (t.src, t.dst, t.slice, t.id);
         let (plane, id) = (self.plane.clone(), id.clone());
         Box::pin(async move {
@@ -114,8 +132,8 @@ impl UcxPlane {
 }
 
 impl DataPlane for UcxPlane {
-    fn descriptor(&self) -> RegionDescriptor {
-        self.plane.descriptor().region.clone()
+    fn descriptor(&self) -> LayoutDescriptor {
+        self.plane.layout_descriptor()
     }
 
     fn address(&self) -> String {

@@ -37,7 +37,7 @@ use crate::region::RegionError;
 use crate::types::{BlockId, RankInfo, RequestId};
 use crate::ucx::UcxError;
 
-pub use ucx::{UcxDataPlane, UcxPeer, UcxPlaneOptions};
+pub use ucx::{UcxDataPlane, UcxPeer, UcxPlaneOptions, UcxRange};
 
 /// Most blocks one transfer call may list: the wire protocol's bound on the blocks of one
 /// request ([`crate::wire::limits::BLOCKS_PER_MESSAGE_MAX`]), so that a call's plan (a few

@@ -5,16 +5,25 @@
 //! async [`UcxDataPlane::write`]/[`UcxDataPlane::read`] send it a job through a bounded
 //! queue ([`UCX_JOBS_QUEUED_MAX`]) and await its answer.
 //!
-//! Host memory is UCX's (`MemoryRegion::allocate`): on one host the shared-memory
-//! transports map it into peers directly, an order of magnitude faster than registered
-//! heap memory. Device memory is the engine's (a [`DeviceBuffer`], e.g. its KV cache),
-//! registered as `UCS_MEMORY_TYPE_CUDA` ([`UcxDataPlane::start_on_device`]): between
-//! processes on one GPU UCX moves it with `cuda_ipc`, and to or from host memory with
-//! `cuda_copy`. Either way the runtime sees an ordinary [`Region`]
-//! ([`UcxDataPlane::region`]) over the very same bytes, so blocks the engine fills are the
-//! blocks peers read, without a copy. The region keeps the thread (and so the
-//! registration) alive: the memory is unmapped only after the plane and every clone of
-//! the region are dropped, and a device buffer is released only after that.
+//! Memory is a set of *ranges* (a KV layout: vLLM's per-layer K and V tensors, SGLang's
+//! per-layer buffers, or one contiguous pool), each registered once (`ucp_mem_map`) with
+//! its own packed remote key. The engine's memory is registered as it is, by address
+//! ([`UcxDataPlane::start_on_region`]: host, or CUDA as `UCS_MEMORY_TYPE_CUDA`, which
+//! UCX moves with `cuda_ipc` between processes on one GPU and `cuda_copy` to or from host
+//! memory). Without engine memory (`handoff worker`, the bench) the plane asks UCX to
+//! allocate each range ([`UcxDataPlane::start`], [`UcxDataPlane::start_allocated`]): on one
+//! host the shared-memory transports map that into peers directly, an order of magnitude
+//! faster than registered heap memory (which UCX reaches with `cma`). Either way the
+//! runtime sees an ordinary [`Region`] ([`UcxDataPlane::region`]) over the very same bytes,
+//! so blocks the engine fills are the blocks peers read, without a copy. Memory the plane
+//! allocated lives as long as its region (the region keeps the thread alive); memory the
+//! engine gave is held by the thread until after its registration is gone.
+//!
+//! A transfer maps each (block, logical offset, length) of both sides to (range, address,
+//! length) segments ([`KvLayout::segments_into`]), pairs them ([`pair_segments`]), merges pieces adjacent on both sides in
+//! the same two ranges, and posts them with the range's registration and the peer range's
+//! key. A peer's keys are unpacked once per endpoint and range, and dropped with the
+//! endpoint.
 //!
 //! CUDA transports call the driver on the thread that drives UCX, so a plane whose memory
 //! is on a device binds that device's primary context to its thread first; a host plane
@@ -23,10 +32,11 @@
 //!
 //! Protection: a write is one-sided RDMA into the peer's memory, so no code of the peer
 //! runs per operation and no grant check can. What protects the peer is the remote key's
-//! scope (only the region it registered), our check of every block against the peer's
-//! [`RegionDescriptor`] before anything is posted (an out-of-range block is a protocol
-//! error naming the peer, and nothing is written), and the control plane's grant (the peer
-//! handed out these blocks for this request), as in NIXL and Mooncake Transfer Engine.
+//! scope (only the ranges it registered), our checks before anything is posted (the peer's
+//! layout is well formed, every range's blocks lie inside the length it advertised for
+//! that range, every block is inside the layout: a violation is a protocol error naming
+//! the peer, and nothing is written), and the control plane's grant (the peer handed out
+//! these blocks for this request), as in NIXL and Mooncake Transfer Engine.
 //!
 //! Cancellation: dropping a call's future does not stop a job the thread has started; the
 //! job ends by its deadline (the endpoint is force-closed then, cancelling what UCX had in
@@ -35,7 +45,6 @@
 
 use std::collections::HashMap;
 use std::mem::ManuallyDrop;
-use std::ptr::NonNull;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -45,13 +54,15 @@ use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 
 use super::plan;
 use super::DataError;
+use crate::layout::{pair_segments, KvLayout, KvMemory, KvRange, LayerSpan, Segment, RANGES_MAX};
 use crate::region::{BlockSlice, Region};
 use crate::types::{BlockId, RankInfo, RequestId};
 use crate::ucx::{
-    Context, ContextOptions, Direction, Endpoint, MemoryRegion, MemoryType, RemoteKey, Segment,
-    UcxError, Worker,
+    Context, ContextOptions, Direction, Endpoint, MemoryRegion, MemoryType, RangeSegment,
+    RemoteKey, UcxError, Worker,
 };
 use crate::wire::limits::{DATA_DESCRIPTOR_BYTES_MAX, REMOTE_KEY_BYTES_MAX};
+use crate::wire::messages::LayoutDescriptor;
 use crate::wire::{RegionDescriptor, TransportKind};
 
 /// Jobs waiting for or running on the UCX thread at most; a call beyond waits (within its
@@ -63,9 +74,15 @@ pub const UCX_JOBS_QUEUED_MAX: usize = 256;
 /// engines it pairs with: hundreds at most.
 pub const UCX_ENDPOINTS_MAX: usize = 1024;
 
-/// Remote keys the thread keeps unpacked (one per peer region, several per peer after
-/// re-registrations).
-pub const UCX_RKEYS_MAX: usize = 4096;
+/// Remote keys the thread keeps unpacked over all peers (one per peer range). A peer
+/// beyond it evicts other peers' keys (they are unpacked again when next used). 64 Ki
+/// covers 1024 peers of 64 ranges (32 layers × K and V) while bounding UCX's key memory.
+pub const UCX_RKEYS_MAX: usize = 64 * 1024;
+
+/// Segments one posting round holds (a transfer of more is posted in rounds of whole
+/// blocks): bounds the plan buffer (32 bytes a segment, 2 MiB) however many blocks and
+/// ranges a transfer has. Every round is checked before the first is posted.
+pub const UCX_SEGMENTS_PER_ROUND: usize = 64 * 1024;
 
 /// How long the thread blocks waiting for a job before it progresses the worker again:
 /// an idle target must still progress (wireup of new endpoints, keepalive, TCP lanes).
@@ -94,7 +111,7 @@ pub struct UcxPlaneOptions {
     pub context: ContextOptions,
     /// A CUDA device whose primary context the plane's thread makes current before it
     /// starts UCX: for a host plane that reads or writes peers' device memory. A plane on
-    /// device memory binds its buffer's device whatever this says. Default: none.
+    /// device memory binds its memory's device whatever this says. Default: none.
     pub cuda_device: Option<u32>,
     /// Time for the thread to start.
     pub start_timeout: Duration,
@@ -110,16 +127,110 @@ impl Default for UcxPlaneOptions {
     }
 }
 
-/// What a peer needs to reach a plane's region: carried by the control plane (the worker
-/// address in the bootstrap record's data descriptor, the region in `TransferInfo`).
+/// One range of a plane's memory as peers see it: its packed remote key and where its
+/// blocks are (block `b` is `bytes` bytes at `addr + b × stride`, inside
+/// `[addr, addr + len)`, which is what the key opens).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct UcxRange {
+    /// The packed rkey of this range's registration, at most [`REMOTE_KEY_BYTES_MAX`].
+    pub remote_key: Vec<u8>,
+    /// Address of block 0, in the owner's address space.
+    pub addr: u64,
+    /// Bytes registered from `addr`.
+    pub len: u64,
+    /// Bytes from one block to the next.
+    pub stride: u64,
+    /// Bytes of each block in this range.
+    pub bytes: u64,
+}
+
+/// What a peer needs to reach a plane's memory: carried by the control plane (the worker
+/// address in the bootstrap record's data descriptor and `Hello`, the ranges in the layout
+/// descriptor, the region in `TransferInfo`/`Ready`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct UcxPeer {
     /// The owner's name for errors and logs (`engine/rank`).
     pub name: String,
     /// The owner's UCX worker address, at most [`DATA_DESCRIPTOR_BYTES_MAX`] bytes.
     pub worker_address: Vec<u8>,
-    /// The region: packed rkey, base address, length, block size.
+    /// The logical region: its blocks (`len / block_bytes`) and logical block size, and,
+    /// when `ranges` is empty, its one range (packed rkey, base address, length; stride
+    /// and bytes per block both `block_bytes`).
     pub region: RegionDescriptor,
+    /// The ranges of a layout of several, in logical order (layer-major: layer 0 K,
+    /// layer 0 V, layer 1 K, ...), each with its own key; empty for one range, which
+    /// `region` then describes.
+    pub ranges: Arc<[UcxRange]>,
+}
+
+impl UcxPeer {
+    /// A peer of one range, described by `region` (today's single-region descriptor).
+    pub fn one_range(name: String, worker_address: Vec<u8>, region: RegionDescriptor) -> Self {
+        Self {
+            name,
+            worker_address,
+            region,
+            ranges: Arc::from(Vec::new()),
+        }
+    }
+
+    /// The peer a layout descriptor describes (from its `Hello`/`HelloAck`), reached at
+    /// `worker_address`: one range per descriptor range, each with its remote key. Nothing
+    /// is trusted here; the plane checks the ranges before it uses them.
+    pub fn from_layout(name: String, worker_address: Vec<u8>, layout: &LayoutDescriptor) -> Self {
+        let block_bytes = layout
+            .ranges
+            .iter()
+            .fold(0u64, |sum, r| sum.saturating_add(r.bytes));
+        let ranges: Vec<UcxRange> = layout
+            .ranges
+            .iter()
+            .map(|r| UcxRange {
+                remote_key: r.remote_key.clone(),
+                addr: r.addr,
+                len: r.len,
+                stride: r.stride,
+                bytes: r.bytes,
+            })
+            .collect();
+        Self {
+            name,
+            worker_address,
+            region: RegionDescriptor {
+                transport: layout.transport,
+                address: layout.address.clone(),
+                remote_key: Vec::new(),
+                base: 0,
+                len: u64::from(layout.blocks).saturating_mul(block_bytes),
+                block_bytes,
+            },
+            ranges: ranges.into(),
+        }
+    }
+
+    /// The peer's ranges (one, from `region`, when `ranges` is empty).
+    pub fn range_list(&self) -> Vec<UcxRange> {
+        if self.ranges.is_empty() {
+            vec![UcxRange {
+                remote_key: self.region.remote_key.clone(),
+                addr: self.region.base,
+                len: self.region.len,
+                stride: self.region.block_bytes,
+                bytes: self.region.block_bytes,
+            }]
+        } else {
+            self.ranges.to_vec()
+        }
+    }
+
+    /// Blocks in the peer's layout (`region.len / region.block_bytes`).
+    fn blocks(&self) -> Result<u32, String> {
+        if self.region.block_bytes == 0 {
+            return Err("zero block size".into());
+        }
+        u32::try_from(self.region.len / self.region.block_bytes)
+            .map_err(|_| format!("{} blocks", self.region.len / self.region.block_bytes))
+    }
 }
 
 /// One transfer for the thread.
@@ -154,29 +265,47 @@ impl Drop for PlaneThread {
     }
 }
 
+/// One range the thread registers.
+#[derive(Clone, Copy, Debug)]
+struct RangeSpec {
+    /// Where the engine's range is (ignored when allocating).
+    addr: u64,
+    /// Bytes to register (or allocate) from `addr`.
+    len: usize,
+    /// Bytes from one block to the next (allocations: `bytes`).
+    stride: u64,
+    /// Bytes per block.
+    bytes: u64,
+}
+
 /// The memory a plane's thread registers.
 enum Memory {
-    /// Host memory UCX allocates, of this many bytes.
-    Allocate(usize),
-    /// The first `usize` bytes of a device buffer.
-    Device(Arc<DeviceBuffer>, usize),
+    /// Host memory UCX allocates, one allocation per range (`addr` ignored).
+    Allocate(Vec<RangeSpec>),
+    /// Memory someone else owns (an engine's KV cache, a device buffer), registered by
+    /// address as `mem_type`; `keep` holds it and is dropped only after the registrations.
+    Register {
+        ranges: Vec<RangeSpec>,
+        mem_type: MemoryType,
+        keep: Box<dyn Send>,
+    },
 }
 
 /// What the thread reports once it is up.
 struct Ready {
-    ptr: usize,
-    base: u64,
+    /// The ranges as registered, with their keys.
+    ranges: Vec<UcxRange>,
     worker_address: Vec<u8>,
-    rkey: Vec<u8>,
     version: String,
 }
 
-/// The UCX data path of one worker: owns UCX-allocated memory (seen by the runtime as
-/// [`UcxDataPlane::region`]) and moves blocks between it and peers' planes.
+/// The UCX data path of one worker: its memory (UCX-allocated, or the engine's
+/// registered by address), seen by the runtime as [`UcxDataPlane::region`], and the
+/// transfers of blocks between it and peers' planes.
 ///
-/// Made once per worker by the runtime's network link with [`UcxDataPlane::start`]; its
-/// [`UcxDataPlane::descriptor`] goes to peers over the control plane; then
-/// [`UcxDataPlane::write`] (push) and [`UcxDataPlane::read`] (pull), from any task.
+/// Made once per worker by the runtime's network link; its [`UcxDataPlane::descriptor`]
+/// goes to peers over the control plane; then [`UcxDataPlane::write`] (push) and
+/// [`UcxDataPlane::read`] (pull), from any task.
 pub struct UcxDataPlane {
     thread: Arc<PlaneThread>,
     region: Arc<Region>,
@@ -189,6 +318,7 @@ impl std::fmt::Debug for UcxDataPlane {
         f.debug_struct("UcxDataPlane")
             .field("name", &self.me.name)
             .field("region", &self.region)
+            .field("ranges", &self.me.ranges.len().max(1))
             .field("version", &self.version)
             .finish_non_exhaustive()
     }
@@ -212,17 +342,58 @@ impl DataError {
 
 impl UcxDataPlane {
     /// Starts the UCX thread (loading libucp from `HANDOFF_UCX_LIB` or the system loader),
-    /// which allocates `blocks × block_bytes` bytes of zeroed memory. `me` names this
-    /// worker in its descriptor.
+    /// which allocates one range of `blocks × block_bytes` bytes of zeroed memory. `me`
+    /// names this worker in its descriptor.
     pub fn start(
         blocks: u32,
         block_bytes: usize,
         me: &RankInfo,
         options: UcxPlaneOptions,
     ) -> Result<UcxDataPlane, DataError> {
-        // Check the shape with the region's own rules before starting anything.
-        let len = checked_len(blocks, block_bytes)?;
-        Self::launch(Memory::Allocate(len), blocks, block_bytes, me, options)
+        Self::start_allocated(blocks, &[block_bytes], me, options)
+    }
+
+    /// Starts the UCX thread, which allocates one range per entry of `range_bytes`
+    /// (`blocks` blocks of that many bytes each, zeroed): a KV layout without an engine
+    /// (benchmarks, tests), e.g. 2 × layers ranges for vLLM's per-layer K and V tensors.
+    /// The logical block is the concatenation of a block's bytes in every range.
+    pub fn start_allocated(
+        blocks: u32,
+        range_bytes: &[usize],
+        me: &RankInfo,
+        options: UcxPlaneOptions,
+    ) -> Result<UcxDataPlane, DataError> {
+        if range_bytes.is_empty() || range_bytes.len() > RANGES_MAX {
+            return Err(DataError::TooLarge {
+                what: "ranges in one layout",
+                count: range_bytes.len(),
+                max: RANGES_MAX,
+            });
+        }
+        let mut total = 0usize;
+        let mut ranges = Vec::with_capacity(range_bytes.len());
+        for &bytes in range_bytes {
+            // Check the shape with the region's own rules before starting anything.
+            let len = checked_len(blocks, bytes)?;
+            total = total
+                .checked_add(len)
+                .filter(|&t| t <= crate::region::REGION_BYTES_MAX)
+                .ok_or(crate::region::RegionError::BadSize {
+                    blocks,
+                    block_bytes: bytes,
+                })?;
+            ranges.push(RangeSpec {
+                addr: 0,
+                len,
+                stride: bytes as u64,
+                bytes: bytes as u64,
+            });
+        }
+        let launched = Self::launch(Memory::Allocate(ranges), blocks, None, me, options)?;
+        let (thread, ready) = launched;
+        let keeper: Box<dyn Send + Sync> = Box::new(Arc::clone(&thread));
+        let region = host_region(blocks, &ready.ranges, keeper)?;
+        Ok(Self::assemble(thread, ready, Arc::new(region), me))
     }
 
     /// Starts the UCX thread over the first `blocks × block_bytes` bytes of a CUDA
@@ -249,30 +420,50 @@ impl UcxDataPlane {
                 },
             ));
         }
-        Self::launch(
-            Memory::Device(buffer, len),
-            blocks,
-            block_bytes,
-            me,
-            options,
-        )
+        let memory = Memory::Register {
+            ranges: vec![RangeSpec {
+                addr: buffer.addr(),
+                len,
+                stride: block_bytes as u64,
+                bytes: block_bytes as u64,
+            }],
+            mem_type: MemoryType::Cuda,
+            keep: Box::new(Arc::clone(&buffer)),
+        };
+        let device = Some(buffer.ordinal());
+        let (thread, ready) = Self::launch(memory, blocks, device, me, options)?;
+        let keeper: Box<dyn Send + Sync> = Box::new(Arc::clone(&thread));
+        let region = Region::on_device_kept(buffer, blocks, block_bytes, Some(keeper))?;
+        Ok(Self::assemble(thread, ready, Arc::new(region), me))
+    }
+
+    /// Starts the UCX thread over an engine's memory as it is: every range of `region`'s
+    /// layout (host, or CUDA on its device) is registered by address, once, with its own
+    /// remote key. Nothing is copied or allocated; the thread holds `region` until its
+    /// registrations are gone. [`UcxDataPlane::region`] is `region` itself.
+    pub fn start_on_region(
+        region: Arc<Region>,
+        me: &RankInfo,
+        options: UcxPlaneOptions,
+    ) -> Result<UcxDataPlane, DataError> {
+        let (ranges, mem_type, device) = region_ranges(&region)?;
+        let memory = Memory::Register {
+            ranges,
+            mem_type,
+            keep: Box::new(Arc::clone(&region)),
+        };
+        let (thread, ready) = Self::launch(memory, region.blocks(), device, me, options)?;
+        Ok(Self::assemble(thread, ready, region, me))
     }
 
     fn launch(
         memory: Memory,
         blocks: u32,
-        block_bytes: usize,
+        device: Option<u32>,
         me: &RankInfo,
         options: UcxPlaneOptions,
-    ) -> Result<UcxDataPlane, DataError> {
-        let device = match &memory {
-            Memory::Device(buffer, _) => Some(Arc::clone(buffer)),
-            Memory::Allocate(_) => None,
-        };
-        let len = match &memory {
-            Memory::Allocate(len) | Memory::Device(_, len) => *len,
-        };
-        let cuda_device = device.as_ref().map(|b| b.ordinal()).or(options.cuda_device);
+    ) -> Result<(Arc<PlaneThread>, Ready), DataError> {
+        let cuda_device = device.or(options.cuda_device);
         let (ready_tx, ready_rx) = mpsc::sync_channel(1);
         let (tx, rx) = mpsc::channel();
         let context = options.context.clone();
@@ -282,7 +473,7 @@ impl UcxDataPlane {
             .spawn(move || {
                 let setup = Setup {
                     memory,
-                    block_bytes,
+                    blocks,
                     cuda_device,
                     options: context,
                 };
@@ -305,39 +496,49 @@ impl UcxDataPlane {
                 })
             }
         };
-        let keeper: Box<dyn Send + Sync> = Box::new(Arc::clone(&thread));
-        let region = match device {
-            Some(buffer) => Region::on_device_kept(buffer, blocks, block_bytes, Some(keeper))?,
-            None => {
-                let ptr =
-                    NonNull::new(ready.ptr as *mut u8).ok_or_else(|| DataError::PlaneStopped {
-                        detail: "UCX returned a null region".into(),
-                    })?;
-                // SAFETY: the thread mapped `len` bytes of host memory at `ptr` and unmaps
-                // them only after `Stop`, which is sent when the last `PlaneThread` handle
-                // drops, and `keeper` is one; nothing else holds Rust references to them.
-                unsafe { Region::from_external(ptr, blocks, block_bytes, keeper) }?
-            }
+        Ok((thread, ready))
+    }
+
+    fn assemble(
+        thread: Arc<PlaneThread>,
+        ready: Ready,
+        region: Arc<Region>,
+        me: &RankInfo,
+    ) -> UcxDataPlane {
+        let name = me.to_string();
+        let blocks = u64::from(region.blocks());
+        let block_bytes = region.block_bytes() as u64;
+        let (remote_key, base, len, ranges) = match ready.ranges.as_slice() {
+            [one] if one.stride == one.bytes && one.bytes == block_bytes => (
+                one.remote_key.clone(),
+                one.addr,
+                blocks * block_bytes,
+                Arc::from(Vec::new()),
+            ),
+            // Several ranges: the region is logical (blocks × logical block bytes from 0);
+            // the keys and addresses are the ranges'.
+            _ => (Vec::new(), 0, blocks * block_bytes, Arc::from(ready.ranges)),
         };
         let me = UcxPeer {
-            name: me.to_string(),
+            name: name.clone(),
             worker_address: ready.worker_address,
             region: RegionDescriptor {
                 transport: TransportKind::Ucx,
-                address: me.to_string(),
-                remote_key: ready.rkey,
-                base: ready.base,
-                len: len as u64,
-                block_bytes: block_bytes as u64,
+                address: name,
+                remote_key,
+                base,
+                len,
+                block_bytes,
             },
+            ranges,
         };
-        tracing::debug!(name = %me.name, version = %ready.version, len, "UCX data plane started");
-        Ok(UcxDataPlane {
+        tracing::debug!(name = %me.name, version = %ready.version, ranges = me.ranges.len().max(1), "UCX data plane started");
+        UcxDataPlane {
             thread,
-            region: Arc::new(region),
+            region,
             me,
             version: ready.version,
-        })
+        }
     }
 
     /// The plane's memory as a block region: give it to the runtime as its KV pool.
@@ -345,9 +546,25 @@ impl UcxDataPlane {
         &self.region
     }
 
-    /// What peers need to reach this plane's region.
+    /// What peers need to reach this plane's memory.
     pub fn descriptor(&self) -> &UcxPeer {
         &self.me
+    }
+
+    /// This plane's memory as peers are told it ([`LayoutDescriptor`], in `Hello` and
+    /// `HelloAck`): the region's layout (ranges, layers, per-token facts) with each range's
+    /// remote key and registered length.
+    pub fn layout_descriptor(&self) -> LayoutDescriptor {
+        let mut layout = LayoutDescriptor::of(
+            TransportKind::Ucx,
+            self.me.name.clone(),
+            self.region.layout(),
+        );
+        for (range, ours) in layout.ranges.iter_mut().zip(self.me.range_list()) {
+            range.remote_key = ours.remote_key;
+            range.len = ours.len;
+        }
+        layout
     }
 
     /// The loaded UCX version and library path.
@@ -368,7 +585,6 @@ impl UcxDataPlane {
         self.submit(Direction::Put, request, peer, src, dst, None, deadline)
             .await
     }
-
     /// [`UcxDataPlane::write`] of one slice of every block (`None`: whole blocks of equal
     /// size on both sides), for pipeline ranks that hold different parts of a block.
     pub async fn write_slice(
@@ -492,8 +708,65 @@ fn checked_len(blocks: u32, block_bytes: usize) -> Result<usize, crate::region::
         })
 }
 
-/// Checks a peer's descriptor, our blocks in it and the slice before anything is posted;
-/// returns where in each block the transfer reads and writes.
+/// The ranges of an engine's region to register (each from its first block's start to
+/// its last block's end), their memory type, and the device to bind for CUDA memory.
+fn region_ranges(region: &Region) -> Result<(Vec<RangeSpec>, MemoryType, Option<u32>), DataError> {
+    let layout = region.layout();
+    let mut specs = Vec::with_capacity(layout.ranges.len());
+    for (i, r) in layout.ranges.iter().enumerate() {
+        let len = r
+            .extent(layout.blocks)
+            .and_then(|e| usize::try_from(e).ok())
+            .ok_or_else(|| DataError::Unsupported {
+                what: format!("range {i} of the region does not fit this address space"),
+            })?;
+        specs.push(RangeSpec {
+            addr: r.addr,
+            len,
+            stride: r.stride as u64,
+            bytes: r.bytes as u64,
+        });
+    }
+    let (mem_type, device) = match layout.memory {
+        KvMemory::Host => (MemoryType::Host, None),
+        KvMemory::Cuda { device } => (MemoryType::Cuda, Some(device)),
+    };
+    Ok((specs, mem_type, device))
+}
+
+/// The host region over the ranges UCX allocated for us; `keeper` keeps them mapped.
+fn host_region(
+    blocks: u32,
+    ranges: &[UcxRange],
+    keeper: Box<dyn Send + Sync>,
+) -> Result<Region, DataError> {
+    let layout = KvLayout {
+        blocks,
+        ranges: ranges
+            .iter()
+            .map(|r| KvRange {
+                addr: r.addr,
+                // Allocated here from `usize` lengths: they fit.
+                stride: r.stride as usize,
+                bytes: r.bytes as usize,
+            })
+            .collect(),
+        memory: KvMemory::Host,
+        layers: LayerSpan::WHOLE,
+        block_tokens: 0,
+        dtype_bytes: 0,
+    };
+    // SAFETY: the thread mapped every range's `blocks × bytes` bytes of host memory (one
+    // UCX allocation each, so no two overlap) and unmaps them only after `Stop`, which is
+    // sent when the last `PlaneThread` handle drops, and `keeper` is one; nothing else
+    // holds Rust references to them.
+    Ok(unsafe { Region::from_layout(layout, keeper) }?)
+}
+
+/// The cheap checks of a call before it is queued: the peer's descriptor is UCX, its
+/// worker address and range count are bounded, the blocks lie in its layout, and the slice
+/// fits both sides' logical blocks. The thread checks the ranges themselves (once per peer
+/// layout, when it unpacks their keys) and every segment again before posting.
 fn check_peer(
     peer: &UcxPeer,
     remote: &[BlockId],
@@ -517,10 +790,28 @@ fn check_peer(
             peer.worker_address.len()
         )));
     }
-    if peer.region.remote_key.is_empty() || peer.region.remote_key.len() > REMOTE_KEY_BYTES_MAX {
+    if peer.ranges.len() > RANGES_MAX {
+        return Err(protocol(format!(
+            "layout of {} ranges (at most {RANGES_MAX})",
+            peer.ranges.len()
+        )));
+    }
+    let bad_key = |len: usize| len == 0 || len > REMOTE_KEY_BYTES_MAX;
+    if peer.ranges.is_empty() && bad_key(peer.region.remote_key.len()) {
         return Err(protocol(format!(
             "remote key of {} bytes",
             peer.region.remote_key.len()
+        )));
+    }
+    if let Some((i, r)) = peer
+        .ranges
+        .iter()
+        .enumerate()
+        .find(|(_, r)| bad_key(r.remote_key.len()))
+    {
+        return Err(protocol(format!(
+            "range {i}: remote key of {} bytes",
+            r.remote_key.len()
         )));
     }
     let at = match slice {
@@ -552,26 +843,47 @@ fn check_peer(
 /// What the thread is started with.
 struct Setup {
     memory: Memory,
-    block_bytes: usize,
+    /// Blocks in every range.
+    blocks: u32,
     /// The device whose context the thread binds before starting UCX.
     cuda_device: Option<u32>,
     options: ContextOptions,
 }
 
-/// Everything the thread owns. The memory is `ManuallyDrop`: it is unmapped only on an
-/// orderly stop, never by an unwinding panic while a `Region` may still point at it
-/// (its `Rc` on the context then also keeps the context alive). A device buffer is
-/// `ManuallyDrop` for the same reason: it is released only after its registration.
+/// A peer's ranges as the thread uses them: the layout checked, and one key per range,
+/// unpacked on the peer's endpoint.
+struct PeerKeys {
+    /// What the keys were unpacked from (a peer whose layout changes gets new keys).
+    region: RegionDescriptor,
+    ranges: Arc<[UcxRange]>,
+    /// The peer's layout, checked ([`peer_layout`]).
+    layout: KvLayout,
+    /// One per range, in order. Dropped before the endpoint (field order in `PeerConn`).
+    rkeys: Vec<RemoteKey>,
+}
+
+/// One connected peer: its endpoint and its keys, dropped together.
+struct PeerConn {
+    keys: Option<PeerKeys>,
+    ep: Endpoint,
+}
+
+/// Everything the thread owns. The registrations are `ManuallyDrop`: they are unmapped
+/// only on an orderly stop, never by an unwinding panic while a `Region` may still point
+/// at them (their `Rc` on the context then also keeps the context alive). What keeps the
+/// engine's memory (`keep`) is `ManuallyDrop` for the same reason: it is released only
+/// after its registrations.
 struct State {
     worker: Worker,
-    memory: ManuallyDrop<MemoryRegion>,
-    device: ManuallyDrop<Option<Arc<DeviceBuffer>>>,
+    memory: ManuallyDrop<Vec<MemoryRegion>>,
+    keep: ManuallyDrop<Option<Box<dyn Send>>>,
     /// The bound CUDA context, retained while the thread runs.
     _cuda: Option<DeviceContext>,
-    block_bytes: usize,
-    endpoints: HashMap<Vec<u8>, Endpoint>,
-    /// Keyed by (worker address, packed key, base, len).
-    rkeys: HashMap<(Vec<u8>, Vec<u8>, u64, u64), RemoteKey>,
+    /// Our ranges as registered (range `i` is `memory[i]`), checked.
+    layout: KvLayout,
+    peers: HashMap<Vec<u8>, PeerConn>,
+    /// Keys unpacked over all peers, at most [`UCX_RKEYS_MAX`].
+    rkeys: usize,
 }
 
 fn thread_main(
@@ -627,7 +939,7 @@ fn thread_main(
 fn start_ucx(setup: Setup) -> Result<(State, Ready), DataError> {
     let Setup {
         memory,
-        block_bytes,
+        blocks,
         cuda_device,
         options,
     } = setup;
@@ -635,66 +947,118 @@ fn start_ucx(setup: Setup) -> Result<(State, Ready), DataError> {
     let cuda = cuda_device.map(bind_device_to_thread).transpose()?;
     let ctx = Context::with_options(&options)?;
     let worker = Worker::new(&ctx)?;
-    let (memory, device) = match memory {
-        Memory::Allocate(len) => {
-            let memory = MemoryRegion::allocate(&ctx, len, MemoryType::Host)?;
-            // Zero it (UCX leaves it unspecified) and fault the pages in now, not in the
-            // first transfer.
-            // SAFETY: `len` bytes of host memory were just mapped at `as_ptr`; no one else
-            // has them yet.
-            unsafe { std::ptr::write_bytes(memory.as_ptr(), 0, len) };
-            (memory, None)
+    let mut regions = Vec::new();
+    let (specs, keep) = match memory {
+        Memory::Allocate(specs) => {
+            for spec in &specs {
+                let memory = MemoryRegion::allocate(&ctx, spec.len, MemoryType::Host)?;
+                // Zero it (UCX leaves it unspecified) and fault the pages in now, not in
+                // the first transfer.
+                // SAFETY: `len` bytes of host memory were just mapped at `as_ptr`; no one
+                // else has them yet.
+                unsafe { std::ptr::write_bytes(memory.as_ptr(), 0, spec.len) };
+                regions.push(memory);
+            }
+            (specs, None)
         }
-        Memory::Device(buffer, len) => {
-            // SAFETY: `len` bytes of device memory (checked against the buffer's length)
-            // at the buffer's address stay allocated while `State::device` holds the
-            // buffer, which `teardown` releases only after unmapping; no Rust reference
-            // can point into device memory.
-            let memory = unsafe {
-                MemoryRegion::register(&ctx, buffer.addr() as *mut u8, len, MemoryType::Cuda)
-            }?;
-            (memory, Some(buffer))
+        Memory::Register {
+            ranges,
+            mem_type,
+            keep,
+        } => {
+            for spec in &ranges {
+                // SAFETY: `keep` holds the memory (an engine's region, a device buffer),
+                // whose owner promised `len` bytes at `addr` of `mem_type` stay valid
+                // while it lives; `State::keep` releases it only after unmapping. No Rust
+                // reference points into it (device memory, or the region contract).
+                let memory = unsafe {
+                    MemoryRegion::register(&ctx, spec.addr as *mut u8, spec.len, mem_type)
+                };
+                match memory {
+                    Ok(memory) => regions.push(memory),
+                    Err(e) => {
+                        // Unmap what was mapped before releasing the memory it maps.
+                        drop(regions);
+                        drop(keep);
+                        return Err(e.into());
+                    }
+                }
+            }
+            (ranges, Some(keep))
         }
     };
     let worker_address = worker.address()?;
-    let rkey = memory.pack_rkey()?;
-    if worker_address.len() > DATA_DESCRIPTOR_BYTES_MAX || rkey.len() > REMOTE_KEY_BYTES_MAX {
+    if worker_address.len() > DATA_DESCRIPTOR_BYTES_MAX {
         return Err(DataError::Unsupported {
             what: format!(
-                "UCX worker address of {} bytes (max {DATA_DESCRIPTOR_BYTES_MAX}) or rkey of {} bytes (max {REMOTE_KEY_BYTES_MAX})",
-                worker_address.len(),
-                rkey.len()
+                "UCX worker address of {} bytes (max {DATA_DESCRIPTOR_BYTES_MAX})",
+                worker_address.len()
             ),
         });
     }
+    let mut ranges = Vec::with_capacity(regions.len());
+    for (spec, memory) in specs.iter().zip(&regions) {
+        let rkey = memory.pack_rkey()?;
+        if rkey.len() > REMOTE_KEY_BYTES_MAX {
+            return Err(DataError::Unsupported {
+                what: format!(
+                    "UCX rkey of {} bytes (max {REMOTE_KEY_BYTES_MAX})",
+                    rkey.len()
+                ),
+            });
+        }
+        ranges.push(UcxRange {
+            remote_key: rkey,
+            addr: memory.address(),
+            len: memory.len() as u64,
+            stride: spec.stride,
+            bytes: spec.bytes,
+        });
+    }
+    let layout = KvLayout {
+        blocks,
+        ranges: specs
+            .iter()
+            .zip(&ranges)
+            .map(|(spec, r)| KvRange {
+                addr: r.addr,
+                stride: spec.stride as usize,
+                bytes: spec.bytes as usize,
+            })
+            .collect(),
+        memory: KvMemory::Host,
+        layers: LayerSpan::WHOLE,
+        block_tokens: 0,
+        dtype_bytes: 0,
+    };
+    layout.validate().map_err(|e| DataError::Unsupported {
+        what: format!("local layout: {e}"),
+    })?;
     let up = Ready {
-        ptr: memory.as_ptr() as usize,
-        base: memory.address(),
+        ranges,
         worker_address,
-        rkey,
         version: format!("UCX {} ({})", ctx.version(), ctx.library()),
     };
     let state = State {
         worker,
-        memory: ManuallyDrop::new(memory),
-        device: ManuallyDrop::new(device),
+        memory: ManuallyDrop::new(regions),
+        keep: ManuallyDrop::new(keep),
         _cuda: cuda,
-        block_bytes,
-        endpoints: HashMap::new(),
-        rkeys: HashMap::new(),
+        layout,
+        peers: HashMap::new(),
+        rkeys: 0,
     };
     Ok((state, up))
 }
 
 fn teardown(mut state: State) {
     // Keys before endpoints before memory before worker, as UCX wants.
-    state.rkeys.clear();
-    state.endpoints.clear();
-    // SAFETY: every `Region` over this memory is gone (we got `Stop` or were never
+    state.peers.clear();
+    // SAFETY: every `Region` over memory we allocated is gone (we got `Stop` or were never
     // handed out), and no operation is in flight (each job waits for its own).
     unsafe { ManuallyDrop::drop(&mut state.memory) };
-    // SAFETY: dropped once, after the registration above is gone.
-    unsafe { ManuallyDrop::drop(&mut state.device) };
+    // SAFETY: dropped once, after the registrations above are gone.
+    unsafe { ManuallyDrop::drop(&mut state.keep) };
 }
 
 impl State {
@@ -709,46 +1073,31 @@ impl State {
             });
         }
         // Checked again on this side of the queue: nothing unchecked is ever posted.
-        let at = check_peer(
-            peer,
-            &job.remote,
-            self.block_bytes,
-            job.slice,
-            job.direction,
-        )?;
-        let blocks = (self.memory.len() / self.block_bytes) as u64;
-        if let Some(b) = job.local.iter().find(|b| u64::from(b.0) >= blocks) {
+        let block_bytes = self.layout.block_bytes();
+        let at = check_peer(peer, &job.remote, block_bytes, job.slice, job.direction)?;
+        let blocks = self.layout.blocks;
+        if let Some(b) = job.local.iter().find(|b| b.0 >= blocks) {
             return Err(DataError::Region(crate::region::RegionError::OutOfRange {
                 block: *b,
-                blocks: blocks as u32,
+                blocks,
             }));
         }
-        let segments: Vec<Segment> = plan::sliced_pieces(&job.local, &job.remote, &at)
-            .into_iter()
-            .map(|p| Segment {
-                local_offset: p.local,
-                remote_addr: peer.region.base + p.remote,
-                len: p.len,
-            })
-            .collect();
-        self.connect(peer)?;
         let address = &peer.worker_address;
-        let key = (
-            address.clone(),
-            peer.region.remote_key.clone(),
-            peer.region.base,
-            peer.region.len,
-        );
-        let result = match (self.endpoints.get(address), self.rkeys.get(&key)) {
-            (Some(ep), Some(rkey)) => {
-                ep.transfer(job.direction, &self.memory, rkey, &segments, job.deadline)
+        self.connect(peer)?;
+        let result = match self.peers.get(address) {
+            Some(PeerConn {
+                ep,
+                keys: Some(keys),
+            }) => {
+                let locals: Vec<&MemoryRegion> = self.memory.iter().collect();
+                post_rounds(ep, &locals, &self.layout, keys, job, &at)
             }
             _ => Err(UcxError::InvalidArgument {
-                what: "endpoint or key missing after connect".into(),
+                what: "endpoint or keys missing after connect".into(),
             }),
         };
         match result {
-            Ok(_) => Ok(()),
+            Ok(()) => Ok(()),
             Err(error) => {
                 // A failed or timed-out endpoint is force-closed: forget it (and its keys)
                 // so a restarted peer gets a fresh one.
@@ -758,19 +1107,21 @@ impl State {
         }
     }
 
-    /// Makes sure an endpoint to the peer and its region's key exist (and are live).
+    /// Makes sure an endpoint to the peer exists (and is live) and holds keys for the
+    /// peer's current layout, checked: every range well formed and inside the length it
+    /// advertised, the logical block the size the peer's region says.
     fn connect(&mut self, peer: &UcxPeer) -> Result<(), DataError> {
         let address = &peer.worker_address;
         if self
-            .endpoints
+            .peers
             .get(address)
-            .is_some_and(|ep| ep.error().is_some())
+            .is_some_and(|conn| conn.ep.error().is_some())
         {
             self.forget(address);
         }
-        if !self.endpoints.contains_key(address) {
-            if self.endpoints.len() >= UCX_ENDPOINTS_MAX {
-                let victim = self.endpoints.keys().next().cloned();
+        if !self.peers.contains_key(address) {
+            if self.peers.len() >= UCX_ENDPOINTS_MAX {
+                let victim = self.peers.keys().next().cloned();
                 if let Some(victim) = victim {
                     self.forget(&victim);
                 }
@@ -779,36 +1130,189 @@ impl State {
                 .worker
                 .connect(address)
                 .map_err(|e| ucx_error(peer, e, Instant::now()))?;
-            self.endpoints.insert(address.clone(), ep);
+            self.peers
+                .insert(address.clone(), PeerConn { keys: None, ep });
         }
-        let key = (
-            address.clone(),
-            peer.region.remote_key.clone(),
-            peer.region.base,
-            peer.region.len,
-        );
-        if !self.rkeys.contains_key(&key) {
-            if self.rkeys.len() >= UCX_RKEYS_MAX {
-                self.rkeys.clear();
+        let current = self.peers.get(address).is_some_and(|conn| {
+            conn.keys.as_ref().is_some_and(|k| {
+                (Arc::ptr_eq(&k.ranges, &peer.ranges) || k.ranges == peer.ranges)
+                    && k.region == peer.region
+            })
+        });
+        if current {
+            return Ok(());
+        }
+        // New or changed layout: drop the old keys, check the new one, unpack its keys.
+        let old = self
+            .peers
+            .get_mut(address)
+            .and_then(|conn| conn.keys.take())
+            .map_or(0, |k| k.rkeys.len());
+        self.rkeys = self.rkeys.saturating_sub(old);
+        let ranges = peer.range_list();
+        let layout = peer_layout(peer, &ranges)?;
+        if self.rkeys + ranges.len() > UCX_RKEYS_MAX {
+            // Evict other peers' keys (unpacked again when next used).
+            for conn in self.peers.values_mut() {
+                conn.keys = None;
             }
-            let ep = self
-                .endpoints
-                .get(address)
-                .ok_or_else(|| DataError::PlaneStopped {
-                    detail: "endpoint vanished".into(),
-                })?;
-            let rkey = ep
-                .unpack_rkey(&peer.region.remote_key, peer.region.base, peer.region.len)
-                .map_err(|e| ucx_error(peer, e, Instant::now()))?;
-            self.rkeys.insert(key, rkey);
+            self.rkeys = 0;
         }
+        let conn = self
+            .peers
+            .get_mut(address)
+            .ok_or_else(|| DataError::PlaneStopped {
+                detail: "endpoint vanished".into(),
+            })?;
+        let mut rkeys = Vec::with_capacity(ranges.len());
+        for r in &ranges {
+            let rkey = conn
+                .ep
+                .unpack_rkey(&r.remote_key, r.addr, r.len)
+                .map_err(|e| ucx_error(peer, e, Instant::now()))?;
+            rkeys.push(rkey);
+        }
+        self.rkeys += rkeys.len();
+        conn.keys = Some(PeerKeys {
+            region: peer.region.clone(),
+            ranges: Arc::clone(&peer.ranges),
+            layout,
+            rkeys,
+        });
         Ok(())
     }
 
     fn forget(&mut self, address: &[u8]) {
-        self.rkeys.retain(|(a, ..), _| a.as_slice() != address);
-        self.endpoints.remove(address);
+        if let Some(conn) = self.peers.remove(address) {
+            let keys = conn.keys.as_ref().map_or(0, |k| k.rkeys.len());
+            self.rkeys = self.rkeys.saturating_sub(keys);
+        }
     }
+}
+
+/// Checks a peer's ranges: a well-formed layout ([`KvLayout::validate`]: bounded counts,
+/// no overflow) whose blocks lie inside the length each range advertises (what its key
+/// opens), whose logical block is the size, and whose block count the one, the peer's
+/// region states. A protocol error names the peer and the range.
+fn peer_layout(peer: &UcxPeer, ranges: &[UcxRange]) -> Result<KvLayout, DataError> {
+    let protocol = |detail: String| DataError::Protocol {
+        peer: peer.name.clone(),
+        detail,
+    };
+    let blocks = peer
+        .blocks()
+        .map_err(|e| protocol(format!("region: {e}")))?;
+    let mut list = Vec::with_capacity(ranges.len());
+    for (i, r) in ranges.iter().enumerate() {
+        let (Ok(stride), Ok(bytes)) = (usize::try_from(r.stride), usize::try_from(r.bytes)) else {
+            return Err(protocol(format!(
+                "range {i}: stride or block size past this address space"
+            )));
+        };
+        list.push(KvRange {
+            addr: r.addr,
+            stride,
+            bytes,
+        });
+    }
+    let layout = KvLayout {
+        blocks,
+        ranges: list,
+        memory: KvMemory::Host,
+        layers: LayerSpan::WHOLE,
+        block_tokens: 0,
+        dtype_bytes: 0,
+    };
+    let block_bytes = layout
+        .validate()
+        .map_err(|e| protocol(format!("layout: {e}")))?;
+    for (i, (r, k)) in ranges.iter().zip(&layout.ranges).enumerate() {
+        let extent = k.extent(blocks).unwrap_or(u64::MAX);
+        if extent > r.len || r.addr.checked_add(r.len).is_none() {
+            return Err(protocol(format!(
+                "range {i}: {blocks} blocks of {} bytes every {} need {extent} bytes, the range advertises {} at {:#x}",
+                r.bytes, r.stride, r.len, r.addr
+            )));
+        }
+    }
+    if block_bytes as u64 != peer.region.block_bytes {
+        return Err(protocol(format!(
+            "ranges add up to {block_bytes}-byte blocks, the region says {}",
+            peer.region.block_bytes
+        )));
+    }
+    Ok(layout)
+}
+
+/// Maps every block pair to both sides' segments ([`KvLayout::segments_into`]), pairs them
+/// ([`pair_segments`]), merges pieces adjacent on both sides in the same two ranges, and
+/// posts them in rounds of at most [`UCX_SEGMENTS_PER_ROUND`] segments. Everything was
+/// checked before the first round: both block lists against both layouts, the slice
+/// against both logical block sizes, and every peer range's blocks against the length it
+/// advertises, so every segment lies inside its registration and its key's range (which
+/// the batch checks again per round).
+fn post_rounds(
+    ep: &Endpoint,
+    locals: &[&MemoryRegion],
+    ours: &KvLayout,
+    keys: &PeerKeys,
+    job: &Job,
+    at: &plan::Sliced,
+) -> Result<(), UcxError> {
+    let remotes: Vec<&RemoteKey> = keys.rkeys.iter().collect();
+    let theirs = &keys.layout;
+    let most = ours.ranges.len() + theirs.ranges.len();
+    let mut segments: Vec<RangeSegment> =
+        Vec::with_capacity(UCX_SEGMENTS_PER_ROUND.min(job.local.len().saturating_mul(most)));
+    let (mut mine, mut other) = (Vec::new(), Vec::new());
+    let layout_error = |e: crate::layout::LayoutError| UcxError::InvalidArgument {
+        what: e.to_string(),
+    };
+    for (l, r) in job.local.iter().zip(&job.remote) {
+        mine.clear();
+        other.clear();
+        ours.segments_into(l.0, at.local_offset, at.len, &mut mine)
+            .map_err(layout_error)?;
+        let remote_offset = usize::try_from(at.remote_offset).unwrap_or(usize::MAX);
+        theirs
+            .segments_into(r.0, remote_offset, at.len, &mut other)
+            .map_err(layout_error)?;
+        let mut outside = None;
+        pair_segments(&mine, &other, |m: Segment, o: Segment| {
+            let start = ours.ranges.get(m.range as usize).map(|k| k.addr);
+            let Some(local_offset) = start
+                .and_then(|a| m.addr.checked_sub(a))
+                .and_then(|o| usize::try_from(o).ok())
+            else {
+                outside = Some(m);
+                return;
+            };
+            RangeSegment::push_coalesced(
+                &mut segments,
+                RangeSegment {
+                    local: m.range,
+                    local_offset,
+                    remote: o.range,
+                    remote_addr: o.addr,
+                    len: m.len,
+                },
+            );
+        })
+        .map_err(layout_error)?;
+        if let Some(m) = outside {
+            return Err(UcxError::InvalidArgument {
+                what: format!("segment {m:?} is outside our range"),
+            });
+        }
+        if segments.len() >= UCX_SEGMENTS_PER_ROUND {
+            ep.transfer_ranges(job.direction, locals, &remotes, &segments, job.deadline)?;
+            segments.clear();
+        }
+    }
+    if !segments.is_empty() {
+        ep.transfer_ranges(job.direction, locals, &remotes, &segments, job.deadline)?;
+    }
+    Ok(())
 }
 
 /// Names the peer in a UCX failure.

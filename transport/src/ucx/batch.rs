@@ -1,6 +1,7 @@
 //! The batched transfer the runtime uses: many (local offset, remote address, length)
-//! segments between one local region and one remote region, coalesced, posted with a
-//! bound on operations in flight, flushed, all within one deadline.
+//! segments between local regions and remote regions (one registration and one remote key
+//! per range of a KV layout), coalesced, posted with a bound on operations in flight,
+//! flushed, all within one deadline.
 
 use std::ffi::c_void;
 use std::time::Instant;
@@ -19,6 +20,50 @@ pub struct Segment {
     pub remote_addr: u64,
     /// Length in bytes (non-zero).
     pub len: usize,
+}
+
+/// One contiguous piece of a transfer between one of several local regions and one of
+/// several remote keys ([`Endpoint::transfer_ranges`]): a KV layout registers each of its
+/// ranges on its own, so a block's segments name the range on each side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RangeSegment {
+    /// Index of the local [`MemoryRegion`] in the call's `locals`.
+    pub local: u32,
+    /// Offset into that local region.
+    pub local_offset: usize,
+    /// Index of the [`RemoteKey`] in the call's `remotes`.
+    pub remote: u32,
+    /// Absolute address in that remote region.
+    pub remote_addr: u64,
+    /// Length in bytes (non-zero).
+    pub len: usize,
+}
+
+impl RangeSegment {
+    /// Whether `next` continues this segment on both sides, in the same two regions.
+    fn is_followed_by(&self, next: &RangeSegment) -> bool {
+        self.local == next.local
+            && self.remote == next.remote
+            && self.local_offset.checked_add(self.len) == Some(next.local_offset)
+            && u64::try_from(self.len)
+                .ok()
+                .and_then(|l| self.remote_addr.checked_add(l))
+                == Some(next.remote_addr)
+    }
+
+    /// Appends `seg` to `out`, merged into the last segment when it continues it on both
+    /// sides (a run that would overflow `usize` starts a new segment).
+    pub fn push_coalesced(out: &mut Vec<RangeSegment>, seg: RangeSegment) {
+        if let Some(last) = out.last_mut() {
+            if last.is_followed_by(&seg) {
+                if let Some(len) = last.len.checked_add(seg.len) {
+                    last.len = len;
+                    return;
+                }
+            }
+        }
+        out.push(seg);
+    }
 }
 
 /// Which way the bytes go.
@@ -65,11 +110,12 @@ pub fn coalesce(segments: &[Segment]) -> Vec<Segment> {
     out
 }
 
-/// Checks every segment against both regions before anything is posted.
+/// Checks every segment against its two regions before anything is posted; returns the
+/// bytes the segments move.
 fn validate(
-    local: &MemoryRegion,
-    remote: &RemoteKey,
-    segments: &[Segment],
+    locals: &[&MemoryRegion],
+    remotes: &[&RemoteKey],
+    segments: &[RangeSegment],
 ) -> Result<u64, UcxError> {
     if segments.len() > SEGMENTS_PER_BATCH_MAX {
         return Err(UcxError::TooManySegments {
@@ -84,6 +130,24 @@ fn validate(
                 what: format!("zero-length segment {seg:?}"),
             });
         }
+        let local = locals
+            .get(seg.local as usize)
+            .ok_or_else(|| UcxError::InvalidArgument {
+                what: format!(
+                    "segment names local region {} of {}",
+                    seg.local,
+                    locals.len()
+                ),
+            })?;
+        let remote = remotes
+            .get(seg.remote as usize)
+            .ok_or_else(|| UcxError::InvalidArgument {
+                what: format!(
+                    "segment names remote key {} of {}",
+                    seg.remote,
+                    remotes.len()
+                ),
+            })?;
         local.range_ptr(seg.local_offset, seg.len)?;
         let len = seg.len as u64;
         let offset = seg.remote_addr.wrapping_sub(remote.base());
@@ -219,26 +283,69 @@ impl Endpoint {
         segments: &[Segment],
         deadline: Instant,
     ) -> Result<TransferStats, UcxError> {
-        if !std::rc::Rc::ptr_eq(local.context(), &self.inner.worker.ctx) {
+        if segments.len() > SEGMENTS_PER_BATCH_MAX {
+            return Err(UcxError::TooManySegments {
+                count: segments.len(),
+                max: SEGMENTS_PER_BATCH_MAX,
+            });
+        }
+        let ranged: Vec<RangeSegment> = segments
+            .iter()
+            .map(|s| RangeSegment {
+                local: 0,
+                local_offset: s.local_offset,
+                remote: 0,
+                remote_addr: s.remote_addr,
+                len: s.len,
+            })
+            .collect();
+        self.transfer_ranges(direction, &[local], &[remote], &ranged, deadline)
+    }
+
+    /// [`Endpoint::transfer`] between several local regions and several remote keys (one
+    /// per range of a KV layout): each segment names its two regions. Every segment is
+    /// checked against both before anything is posted; segments that continue each other
+    /// in the same two regions are merged; each operation is posted with its local
+    /// region's registration.
+    pub fn transfer_ranges(
+        &self,
+        direction: Direction,
+        locals: &[&MemoryRegion],
+        remotes: &[&RemoteKey],
+        segments: &[RangeSegment],
+        deadline: Instant,
+    ) -> Result<TransferStats, UcxError> {
+        if locals
+            .iter()
+            .any(|l| !std::rc::Rc::ptr_eq(l.context(), &self.inner.worker.ctx))
+        {
             return Err(UcxError::ContextMismatch);
         }
-        if !remote.belongs_to(self) {
+        if remotes.iter().any(|r| !r.belongs_to(self)) {
             return Err(UcxError::InvalidArgument {
                 what: "remote key was unpacked on another endpoint".into(),
             });
         }
-        let bytes = validate(local, remote, segments)?;
-        let ops = coalesce(segments);
+        let bytes = validate(locals, remotes, segments)?;
+        let mut ops = Vec::with_capacity(segments.len());
+        for seg in segments {
+            RangeSegment::push_coalesced(&mut ops, *seg);
+        }
         let ep = self.inner.live()?;
-        let rkey = remote
-            .inner
-            .handle()
-            .ok_or_else(|| UcxError::EndpointClosed {
-                reason: Box::new(UcxError::InvalidArgument {
-                    what: "remote key destroyed with its endpoint".into(),
-                }),
-            })?;
-        let result = self.post_all(direction, local, ep, rkey, &ops, deadline);
+        let mut rkeys = Vec::with_capacity(remotes.len());
+        for remote in remotes {
+            rkeys.push(
+                remote
+                    .inner
+                    .handle()
+                    .ok_or_else(|| UcxError::EndpointClosed {
+                        reason: Box::new(UcxError::InvalidArgument {
+                            what: "remote key destroyed with its endpoint".into(),
+                        }),
+                    })?,
+            );
+        }
+        let result = self.post_all(direction, locals, ep, &rkeys, &ops, deadline);
         if let Err(error) = &result {
             self.inner.fail(error.clone());
         }
@@ -258,10 +365,10 @@ impl Endpoint {
     fn post_all(
         &self,
         direction: Direction,
-        local: &MemoryRegion,
+        locals: &[&MemoryRegion],
         ep: sys::ucp_ep_h,
-        rkey: sys::ucp_rkey_h,
-        ops: &[Segment],
+        rkeys: &[sys::ucp_rkey_h],
+        ops: &[RangeSegment],
         deadline: Instant,
     ) -> Result<(), UcxError> {
         let worker = &self.inner.worker;
@@ -270,16 +377,23 @@ impl Endpoint {
             Direction::Put => "ucp_put_nbx",
             Direction::Get => "ucp_get_nbx",
         };
-        let mut param = sys::ucp_request_param_t::empty();
-        param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE;
-        param.memory_type = match local.memory_type() {
-            super::MemoryType::Host => sys::UCS_MEMORY_TYPE_HOST,
-            super::MemoryType::Cuda => sys::UCS_MEMORY_TYPE_CUDA,
-        };
-        if worker.ctx.memh_param {
-            param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_MEMH;
-            param.memh = local.memh();
-        }
+        // One parameter block per local region: its memory type and registration.
+        let params: Vec<sys::ucp_request_param_t> = locals
+            .iter()
+            .map(|local| {
+                let mut param = sys::ucp_request_param_t::empty();
+                param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+                param.memory_type = match local.memory_type() {
+                    super::MemoryType::Host => sys::UCS_MEMORY_TYPE_HOST,
+                    super::MemoryType::Cuda => sys::UCS_MEMORY_TYPE_CUDA,
+                };
+                if worker.ctx.memh_param {
+                    param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_MEMH;
+                    param.memh = local.memh();
+                }
+                param
+            })
+            .collect();
         let started = Instant::now();
         let mut in_flight = InFlight {
             ep: &self.inner,
@@ -290,6 +404,15 @@ impl Endpoint {
             if in_flight.requests.len() >= OPS_INFLIGHT_MAX {
                 in_flight.drain_to(OPS_INFLIGHT_MAX - 1, started, deadline)?;
             }
+            let (Some(local), Some(param), Some(&rkey)) = (
+                locals.get(seg.local as usize),
+                params.get(seg.local as usize),
+                rkeys.get(seg.remote as usize),
+            ) else {
+                return Err(UcxError::InvalidArgument {
+                    what: format!("segment {seg:?} names a region the call does not have"),
+                });
+            };
             let buffer = local.range_ptr(seg.local_offset, seg.len)?;
             // SAFETY: live endpoint and rkey of this endpoint; `buffer..+len` lies in the
             // registered local region (validated), which outlives the operation: we wait
@@ -302,10 +425,10 @@ impl Endpoint {
                         seg.len,
                         seg.remote_addr,
                         rkey,
-                        &param,
+                        param,
                     ),
                     Direction::Get => {
-                        (api.ucp_get_nbx)(ep, buffer.cast(), seg.len, seg.remote_addr, rkey, &param)
+                        (api.ucp_get_nbx)(ep, buffer.cast(), seg.len, seg.remote_addr, rkey, param)
                     }
                 }
             };

@@ -146,20 +146,35 @@ impl MemoryRegion {
         };
         // SAFETY: `memh` was just mapped; `attr` is a valid out-parameter.
         let status = unsafe { (api.ucp_mem_query)(memh, &mut attr) };
+        // A registration is addressed where the caller's memory is (UCX may report a
+        // larger, aligned registration around it); an allocation where UCX put it.
+        let registered = params.flags & sys::UCP_MEM_MAP_ALLOCATE == 0;
         let region = Self {
             ctx: Rc::clone(inner),
             memh,
-            ptr: attr.address.cast(),
+            ptr: if registered {
+                params.address.cast()
+            } else {
+                attr.address.cast()
+            },
             len: params.length,
             mem_type,
             _owned: owned,
         };
         api.check("ucp_mem_query", status)?;
-        if region.ptr.is_null() || attr.length < params.length {
+        let (start, end) = (
+            attr.address as u64,
+            (attr.address as u64).saturating_add(attr.length as u64),
+        );
+        let wanted = region.ptr as u64;
+        if region.ptr.is_null()
+            || wanted < start
+            || wanted.saturating_add(params.length as u64) > end
+        {
             return Err(UcxError::InvalidArgument {
                 what: format!(
-                    "ucp_mem_query returned {} bytes at {:p}, asked for {}",
-                    attr.length, region.ptr, params.length
+                    "ucp_mem_query returned {} bytes at {:p}, which do not cover {} bytes at {:p}",
+                    attr.length, attr.address, params.length, region.ptr
                 ),
             });
         }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use handoff_gpu::checksum::fill_pattern;
 use handoff_gpu::Checksum64;
-use handoff_transport::data::{Access, Grants, UcxPeer};
+use handoff_transport::data::{Access, Grants, UcxDataPlane, UcxPeer, UcxRange};
 use handoff_transport::wire::{RegionDescriptor, TransportKind};
 use handoff_transport::{BlockId, RankInfo, Region, RequestId};
 
@@ -283,10 +283,10 @@ pub fn parse_ready(ready: &str, name: &str, block_bytes: usize) -> UcxPeer {
     let ["ready", address, rkey, base, len] = words.as_slice() else {
         panic!("child said {ready:?}");
     };
-    UcxPeer {
-        name: name.into(),
-        worker_address: unhex(address).unwrap(),
-        region: RegionDescriptor {
+    UcxPeer::one_range(
+        name.into(),
+        unhex(address).unwrap(),
+        RegionDescriptor {
             transport: TransportKind::Ucx,
             address: name.into(),
             remote_key: unhex(rkey).unwrap(),
@@ -294,5 +294,65 @@ pub fn parse_ready(ready: &str, name: &str, block_bytes: usize) -> UcxPeer {
             len: len.parse().unwrap(),
             block_bytes: block_bytes as u64,
         },
+    )
+}
+
+/// The `ready <worker address> <blocks> <block bytes> <range>...` line a UCX child prints
+/// for a plane of any layout, each range `<rkey>:<addr>:<len>:<stride>:<bytes>`.
+pub fn layout_ready_line(plane: &UcxDataPlane) -> String {
+    let d = plane.descriptor();
+    let region = plane.region();
+    let mut line = format!(
+        "ready {} {} {}",
+        hex(&d.worker_address),
+        region.blocks(),
+        region.block_bytes()
+    );
+    for r in d.range_list() {
+        line += &format!(
+            " {}:{}:{}:{}:{}",
+            hex(&r.remote_key),
+            r.addr,
+            r.len,
+            r.stride,
+            r.bytes
+        );
+    }
+    line
+}
+
+/// The peer a [`layout_ready_line`] describes, named `name`.
+pub fn parse_layout_ready(ready: &str, name: &str) -> UcxPeer {
+    let words: Vec<&str> = ready.split_whitespace().collect();
+    let ["ready", address, blocks, block_bytes, ranges @ ..] = words.as_slice() else {
+        panic!("child said {ready:?}");
+    };
+    let blocks: u64 = blocks.parse().unwrap();
+    let block_bytes: u64 = block_bytes.parse().unwrap();
+    let ranges: Vec<UcxRange> = ranges
+        .iter()
+        .map(|r| {
+            let f: Vec<&str> = r.split(':').collect();
+            UcxRange {
+                remote_key: unhex(f[0]).unwrap(),
+                addr: f[1].parse().unwrap(),
+                len: f[2].parse().unwrap(),
+                stride: f[3].parse().unwrap(),
+                bytes: f[4].parse().unwrap(),
+            }
+        })
+        .collect();
+    UcxPeer {
+        name: name.into(),
+        worker_address: unhex(address).unwrap(),
+        region: RegionDescriptor {
+            transport: TransportKind::Ucx,
+            address: name.into(),
+            remote_key: Vec::new(),
+            base: 0,
+            len: blocks * block_bytes,
+            block_bytes,
+        },
+        ranges: ranges.into(),
     }
 }

@@ -262,18 +262,22 @@ async fn data_plane(
             Arc::new(Region::new(blocks, block_bytes).map_err(|e| plane_error("KV pool", e))?)
         }
         WorkerMemory::Engine(region) => {
-            // The UCX plane maps its own memory; registering an engine's memory with it
-            // comes with per-range registration. Until then engine memory moves over TCP.
-            match opts.transport {
-                DataTransport::Ucx => {
-                    return Err(NetError::DataPlane(
-                        "the UCX data plane cannot register engine-owned memory yet; use transport tcp or auto".into(),
-                    ))
+            // The engine's memory as it is: UCX registers every range by address.
+            if opts.transport != DataTransport::Tcp {
+                match UcxPlane::start_on_region(region.clone(), &opts.rank, opts.cuda_device) {
+                    Ok(plane) => {
+                        tracing::info!(
+                            version = plane.version(),
+                            ranges = region.layout().ranges.len(),
+                            "data plane: UCX over the engine's KV memory"
+                        );
+                        return Ok((plane.region(), Arc::new(plane), "ucx"));
+                    }
+                    Err(e) if opts.transport == DataTransport::Auto && e.is_ucx_unavailable() => {
+                        tracing::warn!(error = %e, "UCX unavailable; using the TCP data plane");
+                    }
+                    Err(e) => return Err(plane_error("UCX data plane", e)),
                 }
-                DataTransport::Auto => {
-                    tracing::info!("engine-owned memory: using the TCP data plane")
-                }
-                DataTransport::Tcp => {}
             }
             region
         }

@@ -234,8 +234,7 @@ async fn a_peer_on_another_protocol_version_is_refused_by_name() {
     };
     assert!(
         e.detail.contains("99")
-            && e
-                .detail
+            && e.detail
                 .contains(&handoff_transport::PROTOCOL_VERSION.to_string()),
         "{}",
         e.detail

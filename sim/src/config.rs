@@ -36,6 +36,20 @@ impl LayoutChoice {
     }
 }
 
+impl FromStr for LayoutChoice {
+    type Err = SimError;
+    fn from_str(s: &str) -> Result<Self, SimError> {
+        match s {
+            "per-layer" => Ok(Self::PerLayer),
+            "interleaved" => Ok(Self::Interleaved),
+            "contiguous" => Ok(Self::Contiguous),
+            other => Err(SimError::Config(format!(
+                "layout {other:?}: expected per-layer, interleaved or contiguous"
+            ))),
+        }
+    }
+}
+
 /// Which transfer mode decode engines use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub enum ModeChoice {

@@ -100,12 +100,6 @@ impl LayerSpan {
         }
         Ok(())
     }
-
-    /// One past the last layer held (`first + count`, saturating: validated spans never
-    /// saturate).
-    pub fn end(&self) -> u32 {
-        self.first.saturating_add(self.count)
-    }
 }
 
 /// Where a layout's memory lives.

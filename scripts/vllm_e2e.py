@@ -12,6 +12,7 @@ tokens prefill computes alone for the same prompt.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -60,7 +61,10 @@ results: list[tuple[str, bool, str]] = []
 
 def check(name: str, ok: bool, detail: str = "") -> bool:
     results.append((name, ok, detail))
-    print(f"{'PASS' if ok else 'FAIL'}  {name}{': ' + detail if detail else ''}", flush=True)
+    print(
+        f"{'PASS' if ok else 'FAIL'}  {name}{': ' + detail if detail else ''}",
+        flush=True,
+    )
     return ok
 
 
@@ -71,7 +75,13 @@ def free_port() -> int:
 
 
 def prompt(size: int, salt: int) -> list[int]:
-    return [(i * 7 + 3 + 131 * salt) % 1000 + 10 for i in range(size)]
+    """A prompt no other (size, salt) shares a prefix with: a seeded LCG over the vocab."""
+    x = (size * 1_000_003 + salt * 7919 + 12345) & 0xFFFFFFFF
+    out = []
+    for _ in range(size):
+        x = (x * 1_664_525 + 1_013_904_223) & 0xFFFFFFFF
+        out.append(10 + (x >> 8) % 1000)
+    return out
 
 
 class Server:
@@ -95,7 +105,7 @@ class Server:
             "--host", "127.0.0.1", "--port", str(port),
             "--kv-transfer-config", json.dumps(kv),
         ]  # fmt: skip
-        self.log = open(self.log_path, "w")
+        self.log = open(self.log_path, "w")  # noqa: SIM115 - lives as long as the server
         self.proc = subprocess.Popen(
             cmd, stdout=self.log, stderr=subprocess.STDOUT, env=full_env,
             start_new_session=True,
@@ -121,7 +131,9 @@ class Server:
     def tail(self, n: int = 25) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
-    def wait_log(self, pattern: str, since: int, timeout_s: float) -> tuple[str, int] | None:
+    def wait_log(
+        self, pattern: str, since: int, timeout_s: float
+    ) -> tuple[str, int] | None:
         """The first line matching `pattern` past byte `since` within the deadline."""
         deadline = time.monotonic() + timeout_s
         rx = re.compile(pattern)
@@ -195,7 +207,12 @@ def stream(port: int, body: dict, timeout: float = 300):
                         first = time.perf_counter() - t
                     tokens.extend(ids)
     except urllib.error.HTTPError as e:
-        return None, time.perf_counter() - t, tokens, f"HTTP {e.code}: {e.read()[:200]!r}"
+        return (
+            None,
+            time.perf_counter() - t,
+            tokens,
+            f"HTTP {e.code}: {e.read()[:200]!r}",
+        )
     except (urllib.error.URLError, OSError) as e:
         return None, time.perf_counter() - t, tokens, str(e)
     return first, time.perf_counter() - t, tokens, ""
@@ -205,7 +222,9 @@ def metrics(port: int) -> dict[str, float]:
     """Prometheus samples summed over labels: name -> value."""
     out: dict[str, float] = {}
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{port}/metrics", timeout=10
+        ) as r:
             text = r.read().decode()
     except (urllib.error.URLError, OSError):
         return out
@@ -214,10 +233,8 @@ def metrics(port: int) -> dict[str, float]:
             continue
         m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)", line)
         if m:
-            try:
+            with contextlib.suppress(ValueError):
                 out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
-            except ValueError:
-                pass
     return out
 
 
@@ -235,7 +252,7 @@ def prefill_request(args, p: list[int]) -> tuple[float, dict | None, str]:
 
 def reference(args, p: list[int]) -> list[int] | None:
     """What the prefill instance computes alone (a salted prefix cache: recomputed)."""
-    _, r, err = post(args.prefill_port, {
+    _, r, _ = post(args.prefill_port, {
         "model": model(args), "prompt": p, "max_tokens": DECODE_TOKENS, "temperature": 0,
         "return_token_ids": True, "cache_salt": "reference",
     })  # fmt: skip
@@ -298,7 +315,12 @@ def pd_round(args, size: int, salt: int) -> dict:
 def handoff_times(d: Server, since: int) -> list[float]:
     """Decode-side handoff times our connector logged (receiver opened -> blocks in)."""
     text = d.log_path.read_text(errors="replace")[since:]
-    return [float(m) for m in re.findall(r"handoff decode request \S+: \d+ blocks in ([\d.]+) ms", text)]
+    return [
+        float(m)
+        for m in re.findall(
+            r"handoff decode request \S+: \d+ blocks in ([\d.]+) ms", text
+        )
+    ]
 
 
 def prefill_loss(args, p_srv: Server, d_srv: Server, label: str) -> None:
@@ -318,11 +340,13 @@ def prefill_loss(args, p_srv: Server, d_srv: Server, label: str) -> None:
         f"{label}: prefill killed after prefill -> decode answers that request in seconds",
         dt < PREFILL_LOSS_ANSWER_S_MAX, f"{dt:.2f} s ({outcome})",
     )  # fmt: skip
-    dt2, rd2, err2 = post(args.decode_port, {
+    _, rd2, err2 = post(args.decode_port, {
         "model": model(args), "prompt": prompt(100, 4343), "max_tokens": 4, "temperature": 0,
         "return_token_ids": True,
     })  # fmt: skip
-    check(f"{label}: decode keeps serving after its prefill died", rd2 is not None, err2)
+    check(
+        f"{label}: decode keeps serving after its prefill died", rd2 is not None, err2
+    )
 
 
 def decode_loss(args, p_srv: Server, d_srv: Server) -> None:
@@ -345,16 +369,21 @@ def decode_loss(args, p_srv: Server, d_srv: Server) -> None:
     worker.start()
     seen = p_srv.wait_log(r"handoff prefill request \S+: decode is ready", mark, 60)
     if seen is None:
-        check("handoff: decode killed mid-handoff", False, "decode never reached prefill")
+        check(
+            "handoff: decode killed mid-handoff", False, "decode never reached prefill"
+        )
         return
     d_srv.kill()
     t = time.monotonic()
-    freed = p_srv.wait_log(r"handoff prefill request \S+ released \d+ blocks \(failed", seen[1], TTL_S)
+    freed = p_srv.wait_log(
+        r"handoff prefill request \S+ released \d+ blocks \(failed", seen[1], TTL_S
+    )
     dt = time.monotonic() - t
     check(
         "handoff: decode killed mid-handoff -> prefill frees the blocks by peer loss",
         freed is not None and dt < DECODE_LOSS_FREE_S_MAX,
-        f"{dt:.2f} s after the kill (TTL {TTL_S} s): {freed[0].strip()[-160:] if freed else 'never'}",
+        f"{dt:.2f} s after the kill (TTL {TTL_S} s): "
+        + (freed[0].strip()[-160:] if freed else "never"),
     )  # fmt: skip
     deadline = time.monotonic() + 10
     usage = metrics(args.prefill_port).get("vllm:kv_cache_usage_perc", 0)
@@ -367,7 +396,9 @@ def decode_loss(args, p_srv: Server, d_srv: Server) -> None:
     )  # fmt: skip
 
 
-def summarize(rows: dict[str, dict[int, list[dict]]], handoff_ms: dict[int, list[float]]):
+def summarize(
+    rows: dict[str, dict[int, list[dict]]], handoff_ms: dict[int, list[float]]
+):
     def med(xs):
         xs = [x for x in xs if x is not None]
         if not xs:
@@ -375,7 +406,9 @@ def summarize(rows: dict[str, dict[int, list[dict]]], handoff_ms: dict[int, list
         return f"{statistics.median(xs) * 1000:.1f} ({min(xs) * 1000:.1f}-{max(xs) * 1000:.1f})"
 
     print("\nTimings, ms: median (min-max) over the timed requests of each size")
-    print("| prompt | metric | HandoffConnector | NixlConnector | ratio (nixl/handoff) |")
+    print(
+        "| prompt | metric | HandoffConnector | NixlConnector | ratio (nixl/handoff) |"
+    )
     print("|---|---|---|---|---|")
     for size in SIZES:
         h, n = rows.get("handoff", {}).get(size, []), rows.get("nixl", {}).get(size, [])
@@ -389,7 +422,9 @@ def summarize(rows: dict[str, dict[int, list[dict]]], handoff_ms: dict[int, list
         nx = [r["nixl_xfer_s"] for r in n]
         ratio = "n/a"
         if hx and [x for x in nx if x]:
-            ratio = f"{statistics.median([x for x in nx if x]) / statistics.median(hx):.2f}"
+            ratio = (
+                f"{statistics.median([x for x in nx if x]) / statistics.median(hx):.2f}"
+            )
         print(f"| {size} | handoff (transfer) | {med(hx)} | {med(nx)} | {ratio} |")
     print(
         "\nTTFT: first streamed token of the decode request (the transfer, one forward pass"
@@ -404,15 +439,19 @@ def main() -> int:
     ap.add_argument("--dir", required=True, help="the venv's folder (logs go there)")
     ap.add_argument("--handoff", required=True, help="the handoff binary")
     ap.add_argument("--transport", default="auto", help="auto | ucx | tcp")
-    ap.add_argument("--reps", type=int, default=3, help="timed requests per prompt size")
+    ap.add_argument(
+        "--reps", type=int, default=3, help="timed requests per prompt size"
+    )
     ap.add_argument("--skip-nixl", action="store_true", help="only HandoffConnector")
     args = ap.parse_args()
     (Path(args.dir) / "tiny").mkdir(parents=True, exist_ok=True)
-    (Path(args.dir) / "tiny" / "config.json").write_text(json.dumps(TINY_CONFIG, indent=1))
+    (Path(args.dir) / "tiny" / "config.json").write_text(
+        json.dumps(TINY_CONFIG, indent=1)
+    )
     args.prefill_port, args.decode_port = free_port(), free_port()
     bport = free_port()
     args.bootstrap = f"tcp://127.0.0.1:{bport}"
-    boot_log = open(Path(args.dir) / "bootstrap.log", "w")
+    boot_log = open(Path(args.dir) / "bootstrap.log", "w")  # noqa: SIM115 - the run's length
     boot = subprocess.Popen(
         [args.handoff, "bootstrap", "--listen", args.bootstrap],
         stdout=boot_log, stderr=subprocess.STDOUT,
@@ -423,7 +462,9 @@ def main() -> int:
     try:
         # 1. HandoffConnector: correctness and timings.
         args.label = "handoff"
-        p, d = start_pair(args, handoff_kv(args, "kv_producer"), handoff_kv(args, "kv_consumer"))
+        p, d = start_pair(
+            args, handoff_kv(args, "kv_producer"), handoff_kv(args, "kv_consumer")
+        )
         servers += [p, d]
         for size in SIZES:
             handoff_ms[size] = []
@@ -448,14 +489,22 @@ def main() -> int:
         # 4. NixlConnector on the same prompts.
         if not args.skip_nixl:
             args.label = "nixl"
-            env_p = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
-            env_d = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
-            p, d = start_pair(args, nixl_kv("kv_producer"), nixl_kv("kv_consumer"), env_p, env_d)
+            env_p = {
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            }
+            env_d = {
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            }
+            p, d = start_pair(
+                args, nixl_kv("kv_producer"), nixl_kv("kv_consumer"), env_p, env_d
+            )
             servers += [p, d]
             rows["nixl"] = {}
             for si, size in enumerate(SIZES):
                 rows["nixl"][size] = run_connector_size(args, "nixl", size, si)
-    except Exception as e:  # noqa: BLE001 - any setup failure is a failed run, said once
+    except Exception as e:  # any failure of the run itself is one failed check
         check("the run itself", False, f"{type(e).__name__}: {e}")
     finally:
         for s in servers:

@@ -44,7 +44,7 @@ def make_handler(prefill: Upstreams, decode: Upstreams):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
-        def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+        def do_POST(self) -> None:
             if self.path not in ("/v1/completions", "/v1/chat/completions"):
                 self.send_error(404, "only /v1/completions and /v1/chat/completions")
                 return
@@ -90,9 +90,7 @@ def make_handler(prefill: Upstreams, decode: Upstreams):
             )
 
         def _call(self, base: str, body: dict) -> bytes:
-            with urllib.request.urlopen(
-                self._request(base, body), timeout=UPSTREAM_TIMEOUT_S
-            ) as r:
+            with urllib.request.urlopen(self._request(base, body), timeout=UPSTREAM_TIMEOUT_S) as r:
                 return r.read()
 
         def _relay(self, status: int, data: bytes, ctype: str | None) -> None:

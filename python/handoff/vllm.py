@@ -68,13 +68,14 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import handoff
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
 )
+
+import handoff
 
 if TYPE_CHECKING:
     import torch
@@ -86,7 +87,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-log = logging.getLogger("handoff.vllm")
+#: Under vLLM's own logger, so that its handlers and level apply.
+log = logging.getLogger("vllm.handoff")
 
 __all__ = ["HandoffConnector", "HandoffConnectorMetadata"]
 
@@ -157,9 +159,7 @@ class HandoffConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = None
         else:
             self._scheduler = None
-            self._worker = _WorkerSide(
-                vllm_config, kv_cache_config, self._engine_id, extra
-            )
+            self._worker = _WorkerSide(vllm_config, kv_cache_config, self._engine_id, extra)
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -175,11 +175,13 @@ class HandoffConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         self._scheduler.after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(
-        self, scheduler_output: SchedulerOutput
-    ) -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         return self._scheduler.build_meta()
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.on_output(connector_output)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -193,9 +195,7 @@ class HandoffConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         if len(block_ids) > 1:
             raise ValueError("HandoffConnector moves one KV cache group")
-        return self._scheduler.finished(
-            request, list(block_ids[0]) if block_ids else []
-        )
+        return self._scheduler.finished(request, list(block_ids[0]) if block_ids else [])
 
     # --------------------------------------------------------------------- worker side
 
@@ -226,11 +226,9 @@ class HandoffConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         return
 
-    def get_finished(
-        self, finished_req_ids: set[str]
-    ) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
-        return self._worker.finished()
+        return self._worker.finished(set(finished_req_ids or ()))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
@@ -249,6 +247,11 @@ class _SchedulerSide:
         self.block_size = block_size
         self.sends: dict[str, list[int]] = {}
         self.recvs: dict[str, _Recv] = {}
+        #: Decode: local request id -> blocks it loads into, until its load is settled.
+        self.loading: dict[str, set[int]] = {}
+        #: Decode: requests whose load failed while handoff may still hold their blocks
+        #: (a one-sided write fence): vLLM must not reuse them until the worker says so.
+        self.failed_loads: set[str] = set()
 
     def num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -257,8 +260,8 @@ class _SchedulerSide:
         if not params or not params.get("do_remote_prefill"):
             return 0, False
         if num_computed_tokens > 0:
-            # A local prefix hit: the transfer protocol moves a request's blocks from the
-            # first, so compute the rest here and let prefill free its copy.
+            # A local prefix hit: transfers move a request's blocks from its first, so
+            # compute the rest here and let prefill free its copy (after_alloc).
             return 0, False
         remote_tokens = int(params.get("remote_num_tokens") or 0)
         count = min(remote_tokens, len(request.prompt_token_ids or ()))
@@ -275,7 +278,8 @@ class _SchedulerSide:
         prefill = params.get("remote_engine_id")
         if not transfer_id or not prefill:
             log.warning(
-                "request %s: kv_transfer_params without remote_request_id/remote_engine_id: %s",
+                "request %s: kv_transfer_params without remote_request_id or "
+                "remote_engine_id, nothing to load: %s",
                 request.request_id,
                 params,
             )
@@ -286,20 +290,33 @@ class _SchedulerSide:
         groups = blocks.get_block_ids()
         wanted = math.ceil(num_external_tokens / self.block_size)
         local = list(groups[0][:wanted]) if groups else []
-        if len(local) != wanted or len(params.get("remote_block_ids") or ()) != wanted:
-            log.warning(
-                "request %s: %d blocks allocated, %d remote, %d wanted: loading nothing",
+        remote = params.get("remote_block_ids") or []
+        if remote and isinstance(remote[0], list):
+            remote = remote[0]
+        if len(local) != wanted or len(remote) != wanted:
+            # Should not happen: vLLM allocates for the tokens we asked to load.
+            log.error(
+                "request %s: %d blocks allocated and %d remote for %d wanted",
                 request.request_id,
                 len(local),
-                len(params.get("remote_block_ids") or ()),
+                len(remote),
                 wanted,
             )
+        self.loading[request.request_id] = set(local)
         self.recvs[request.request_id] = _Recv(transfer_id, prefill, local)
 
     def build_meta(self) -> HandoffConnectorMetadata:
         meta = HandoffConnectorMetadata(sends=self.sends, recvs=self.recvs)
         self.sends, self.recvs = {}, {}
         return meta
+
+    def on_output(self, output: Any) -> None:
+        """Decode: learns which loads failed (their blocks were reported invalid)."""
+        invalid = set(getattr(output, "invalid_block_ids", None) or ())
+        for req_id in getattr(output, "finished_recving", None) or ():
+            blocks = self.loading.pop(req_id, set())
+            if blocks & invalid:
+                self.failed_loads.add(req_id)
 
     def finished(
         self, request: Request, block_ids: list[int]
@@ -309,6 +326,12 @@ class _SchedulerSide:
         params = request.kv_transfer_params
         if not params:
             return False, None
+        self.loading.pop(request.request_id, None)
+        if request.request_id in self.failed_loads:
+            # Decode: its load failed; handoff may hold the blocks until no late write
+            # can land (the worker reports the request "sent" when they are free).
+            self.failed_loads.discard(request.request_id)
+            return True, None
         if params.get("do_remote_prefill"):
             # Decode: finished before its blocks were allocated (aborted while waiting):
             # tell prefill so it frees the request's blocks now, not at its TTL.
@@ -326,8 +349,7 @@ class _SchedulerSide:
         ):
             return False, None
         computed = int(request.num_computed_tokens)
-        count = math.ceil(computed / self.block_size)
-        blocks = block_ids[:count]
+        blocks = block_ids[: math.ceil(computed / self.block_size)]
         if not blocks:
             return False, None
         self.sends[request.request_id] = blocks
@@ -341,6 +363,26 @@ class _SchedulerSide:
             "remote_host": None,
             "remote_port": None,
         }
+
+
+@dataclass
+class _Transfer:
+    """One request's handoff in the worker."""
+
+    #: vLLM's id for the request on this instance.
+    local_id: str
+    handle: Any
+    blocks: list[int]
+    opened: float
+    #: Prefill: the blocks were handed to handoff (which then owes a Released event).
+    handed: bool = False
+    #: The request ended in handoff (Done or Failed).
+    ended: bool = False
+    reason: str | None = None
+    #: Handoff released the blocks.
+    released: bool = False
+    #: Decode: the failure was reported to vLLM, which keeps the blocks until told.
+    reported: bool = False
 
 
 class _WorkerSide:
@@ -359,17 +401,22 @@ class _WorkerSide:
         self.extra = extra
         transfer = vllm_config.kv_transfer_config
         self.role = "prefill" if transfer.is_kv_producer else "decode"
+        policy = getattr(transfer, "kv_load_failure_policy", "fail")
+        #: With "fail", a failed load is reported at once and vLLM keeps the blocks (delay
+        #: free) until handoff releases them; with "recompute" vLLM would reuse them at
+        #: once, so the failure waits for handoff to release them.
+        self.report_failures_early = policy == "fail"
         self.runtime: handoff.Runtime | None = None
-        self.senders: dict[str, Any] = {}
-        #: transfer id -> (local request id, receiver, blocks, when opened)
-        self.receivers: dict[str, tuple[str, Any, list[int], float]] = {}
-        #: Prefill, with ``send_delay_ms``: request id -> (due time, blocks).
-        self.delayed: dict[str, tuple[float, list[int]]] = {}
+        #: transfer id (the prefill request id) -> its transfer.
+        self.transfers: dict[str, _Transfer] = {}
+        #: Prefill, with ``send_delay_ms``: transfer id -> when to hand the blocks over.
+        self.delayed: dict[str, float] = {}
+        #: Decode: local ids whose failure was reported, waiting for vLLM to finish them.
+        self.awaiting_finish: dict[str, str] = {}
+        self.vllm_finished: set[str] = set()
         self.finished_sending: set[str] = set()
         self.finished_recving: set[str] = set()
         self.load_errors: set[int] = set()
-        #: transfer id -> failure reason, until its blocks are released.
-        self.failed: dict[str, str] = {}
         self.send_delay_s = float(extra.get("send_delay_ms", 0)) / 1000.0
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -398,6 +445,7 @@ class _WorkerSide:
         parallel = self.vllm_config.parallel_config
         x = self.extra
         device = "cpu" if first.device.type == "cpu" else f"cuda:{first.device.index or 0}"
+        decode = self.role == "decode"
         self.runtime = handoff.Runtime(
             role=self.role,
             engine=self.engine_id,
@@ -420,7 +468,11 @@ class _WorkerSide:
             data_listen=str(x.get("data_listen", "127.0.0.1:0")),
             advertise_host=x.get("advertise_host"),
             timeouts={
-                "bootstrap_s": float(x.get("bootstrap_timeout_s", 120.0)),
+                # Decode asks for a request prefill already finished: the bootstrap
+                # lookup and dial are all its Bootstrapping covers.
+                "bootstrap_s": float(
+                    x.get("bootstrap_timeout_s", 10.0 if decode else float(x.get("ttl_s", 120.0)))
+                ),
                 "waiting_s": float(x.get("waiting_timeout_s", 120.0)),
                 "transfer_s": float(x.get("transfer_timeout_s", 30.0)),
                 "pull_ttl_s": float(x.get("ttl_s", 120.0)),
@@ -442,140 +494,181 @@ class _WorkerSide:
             block_size,
         )
 
+    # Called once per step, before the forward pass.
     def start(self, meta: HandoffConnectorMetadata) -> None:
-        rt = self.runtime
-        if rt is None:
+        if self.runtime is None:
             return
         now = time.monotonic()
         for req_id, blocks in meta.sends.items():
             self._open_sender(req_id, blocks, now)
         for local_id, recv in meta.recvs.items():
-            self._open_receiver(local_id, recv)
+            self._open_receiver(local_id, recv, now)
         self._send_due(now)
 
     def _open_sender(self, req_id: str, blocks: list[int], now: float) -> None:
         assert self.runtime is not None
+        if req_id in self.transfers:
+            log.error("request %s: already being sent; ignoring a second send", req_id)
+            return
         try:
             sender = self.runtime.sender(req_id)
         except handoff.HandoffError as e:
             log.error("request %s: cannot open a handoff sender: %s", req_id, e)
             self.finished_sending.add(req_id)
             return
-        self.senders[req_id] = sender
+        t = _Transfer(req_id, sender, blocks, now)
+        self.transfers[req_id] = t
         if self.send_delay_s > 0:
-            self.delayed[req_id] = (now + self.send_delay_s, blocks)
-            return
-        self._send(req_id, sender, blocks)
+            self.delayed[req_id] = now + self.send_delay_s
+        else:
+            self._send(t)
 
-    def _send(self, req_id: str, sender: Any, blocks: list[int]) -> None:
+    def _send(self, t: _Transfer) -> None:
         try:
-            sender.send(blocks)
+            t.handle.send(t.blocks)
+            t.handed = True
         except handoff.HandoffError as e:
-            # The request already ended (e.g. decode gave up): its Released event, or
-            # none if the runtime never held the blocks, settles it.
-            log.warning("request %s: send refused: %s", req_id, e)
-            if sender.poll() in ("Done", "Failed"):
-                self.senders.pop(req_id, None)
-                self.finished_sending.add(req_id)
+            # The request already ended here (decode gave up, or was lost): the blocks
+            # stay vLLM's, freed when the end is seen.
+            log.warning("request %s: blocks not handed over: %s", t.local_id, e)
+            self._settle_prefill(t)
 
     def _send_due(self, now: float) -> None:
-        for req_id, (due, blocks) in list(self.delayed.items()):
+        for req_id, due in list(self.delayed.items()):
             if due <= now:
                 del self.delayed[req_id]
-                sender = self.senders.get(req_id)
-                if sender is not None:
-                    self._send(req_id, sender, blocks)
+                t = self.transfers.get(req_id)
+                if t is not None and not t.ended:
+                    self._send(t)
 
-    def _open_receiver(self, local_id: str, recv: _Recv) -> None:
+    def _open_receiver(self, local_id: str, recv: _Recv, now: float) -> None:
         assert self.runtime is not None
-        try:
-            receiver = self.runtime.receiver(
-                recv.transfer_id, prefill_engine=recv.prefill_engine
+        if recv.transfer_id in self.transfers:
+            log.error(
+                "request %s: transfer %s is already open here; not loading it twice",
+                local_id,
+                recv.transfer_id,
             )
+            if not recv.abort:
+                self._fail_now(local_id, recv.blocks)
+            return
+        try:
+            receiver = self.runtime.receiver(recv.transfer_id, prefill_engine=recv.prefill_engine)
         except handoff.HandoffError as e:
             log.error("request %s: cannot open a handoff receiver: %s", local_id, e)
             if not recv.abort:
-                self.load_errors.update(recv.blocks)
-                self.finished_recving.add(local_id)
+                self._fail_now(local_id, recv.blocks)
             return
         if recv.abort:
+            # Nothing to load: the receiver only tells prefill to free its copy.
             receiver.abort()
+            self.transfers[recv.transfer_id] = _Transfer(local_id, receiver, [], now)
             return
-        self.receivers[recv.transfer_id] = (
-            local_id,
-            receiver,
-            recv.blocks,
-            time.monotonic(),
-        )
+        t = _Transfer(local_id, receiver, recv.blocks, now)
+        self.transfers[recv.transfer_id] = t
         try:
             receiver.allocate(recv.blocks)
+            t.handed = True
         except handoff.HandoffError as e:
-            log.error("request %s: allocation refused: %s", local_id, e)
+            log.error("request %s: blocks refused: %s", local_id, e)
             receiver.abort()
 
-    def finished(self) -> tuple[set[str] | None, set[str] | None]:
-        rt = self.runtime
-        if rt is None:
+    def _fail_now(self, local_id: str, blocks: list[int]) -> None:
+        """A load that never reached handoff: its blocks are vLLM's, failed at once."""
+        self.load_errors.update(blocks)
+        self.finished_recving.add(local_id)
+
+    # Called once per step, after the forward pass.
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.runtime is None:
             return None, None
+        self.vllm_finished |= finished_req_ids
         self._send_due(time.monotonic())
-        for event in rt.drain_events():
+        for event in self.runtime.drain_events():
             self._on_event(event)
+        for local_id, transfer_id in list(self.awaiting_finish.items()):
+            t = self.transfers.get(transfer_id)
+            if t is not None and t.released and local_id in self.vllm_finished:
+                del self.awaiting_finish[local_id]
+                del self.transfers[transfer_id]
+                self.vllm_finished.discard(local_id)
+                self.finished_sending.add(local_id)
         sending, recving = self.finished_sending, self.finished_recving
         self.finished_sending, self.finished_recving = set(), set()
         return (sending or None), (recving or None)
 
     def _on_event(self, event: Any) -> None:
-        transfer_id = event.request_id
+        t = self.transfers.get(event.request_id)
+        if t is None:
+            return
         if event.kind == "state":
             if event.state == "Failed":
-                self.failed[transfer_id] = str(event.reason)
+                t.ended, t.reason = True, str(event.reason)
                 log.warning(
-                    "handoff %s request %s failed: %s", self.role, transfer_id, event.reason
+                    "handoff %s request %s failed: %s", self.role, event.request_id, t.reason
                 )
-            elif self.role == "prefill" and event.state in (
-                "WaitingForInput",
-                "Transferring",
-            ):
-                log.info("handoff prefill request %s: decode is ready", transfer_id)
-            return
-        if event.kind != "released":
-            return
-        reason = self.failed.pop(transfer_id, None)
-        outcome = "sent" if reason is None else f"failed: {reason}"
+            elif event.state == "Done":
+                t.ended = True
+            elif self.role == "prefill" and event.state in ("WaitingForInput", "Transferring"):
+                log.info("handoff prefill request %s: decode is ready", event.request_id)
+        elif event.kind == "released":
+            t.released = True
         if self.role == "prefill":
-            self.senders.pop(transfer_id, None)
-            self.delayed.pop(transfer_id, None)
-            self.finished_sending.add(transfer_id)
-            log.info(
-                "handoff prefill request %s released %d blocks (%s)",
-                transfer_id,
-                len(event.blocks),
-                outcome,
-            )
-            return
-        entry = self.receivers.pop(transfer_id, None)
-        if entry is None:
-            return
-        local_id, _, blocks, opened = entry
-        elapsed_ms = (time.monotonic() - opened) * 1000.0
-        if reason is None:
-            log.info(
-                "handoff decode request %s: %d blocks in %.3f ms",
-                transfer_id,
-                len(blocks),
-                elapsed_ms,
-            )
+            self._settle_prefill(t)
         else:
-            self.load_errors.update(blocks)
+            self._settle_decode(event.request_id, t)
+
+    def _settle_prefill(self, t: _Transfer) -> None:
+        """vLLM frees a sent request's blocks once handoff no longer holds them."""
+        if not (t.released or (t.ended and not t.handed)):
+            return
+        self.transfers.pop(t.local_id, None)
+        self.delayed.pop(t.local_id, None)
+        self.finished_sending.add(t.local_id)
+        outcome = "sent" if t.reason is None else f"failed: {t.reason}"
+        log.info(
+            "handoff prefill request %s released %d blocks (%s)",
+            t.local_id,
+            len(t.blocks),
+            outcome,
+        )
+
+    def _settle_decode(self, transfer_id: str, t: _Transfer) -> None:
+        if not t.blocks:  # an abort-only receiver
+            if t.ended:
+                self.transfers.pop(transfer_id, None)
+            return
+        elapsed_ms = (time.monotonic() - t.opened) * 1000.0
+        if t.reason is None:
+            if t.released:
+                self.transfers.pop(transfer_id, None)
+                self.finished_recving.add(t.local_id)
+                log.info(
+                    "handoff decode request %s: %d blocks in %.3f ms",
+                    transfer_id,
+                    len(t.blocks),
+                    elapsed_ms,
+                )
+            return
+        if t.reported:
+            return
+        if self.report_failures_early or t.released or not t.handed:
+            t.reported = True
+            self.load_errors.update(t.blocks)
+            self.finished_recving.add(t.local_id)
             log.warning(
                 "handoff decode request %s: load failed after %.1f ms (%s); %d blocks "
-                "reported to vLLM",
+                "reported to vLLM%s",
                 transfer_id,
                 elapsed_ms,
-                reason,
-                len(blocks),
+                t.reason,
+                len(t.blocks),
+                "" if t.released else ", kept out of its pool until handoff frees them",
             )
-        self.finished_recving.add(local_id)
+            if t.handed:
+                self.awaiting_finish[t.local_id] = transfer_id
+            else:
+                self.transfers.pop(transfer_id, None)
 
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()
@@ -587,9 +680,7 @@ class _WorkerSide:
             self.runtime = None
 
 
-def vllm_block_ranges(
-    tensors: list[torch.Tensor], num_blocks: int
-) -> list[handoff.KvRange]:
+def vllm_block_ranges(tensors: list[torch.Tensor], num_blocks: int) -> list[handoff.KvRange]:
     """The KV ranges of vLLM's per-layer KV cache tensors, in layer order.
 
     vLLM allocates one tensor per layer. Its first dimension is either the block (the CPU
@@ -597,8 +688,8 @@ def vllm_block_ranges(
     ``[num_blocks, 2, ...]``: a block's K and V together, one range per layer) or K/V
     (FlashAttention-style ``[2, num_blocks, ...]``: two ranges per layer, K then V). A
     backend whose kernel blocks are smaller than the scheduler's keeps one scheduler block
-    as ``ratio`` consecutive kernel blocks, which stay one range entry of ``ratio`` × the
-    bytes. A block's bytes must be contiguous within its range; any other layout is
+    as ``ratio`` consecutive kernel blocks, which stay one range entry of ``ratio`` times
+    the bytes. A block's bytes must be contiguous within its range; any other layout is
     refused by name.
     """
     ranges: list[handoff.KvRange] = []
@@ -621,9 +712,7 @@ def _tensor_ranges(t: torch.Tensor, num_blocks: int) -> list[handoff.KvRange]:
             )
         ratio = pshape[0] // num_blocks
         inner = math.prod(pshape[1:])
-        if int(plane.stride(0)) < inner or (
-            inner > 1 and not plane[0].is_contiguous()
-        ):
+        if int(plane.stride(0)) < inner or (inner > 1 and not plane[0].is_contiguous()):
             raise ValueError(
                 f"KV cache tensor of shape {shape} with strides {tuple(t.stride())}: "
                 "a block's bytes are not contiguous (ask for an NHD/HND layout with "
@@ -632,8 +721,7 @@ def _tensor_ranges(t: torch.Tensor, num_blocks: int) -> list[handoff.KvRange]:
         stride = int(plane.stride(0)) * size
         if ratio > 1 and stride != inner * size:
             raise ValueError(
-                f"KV cache tensor of shape {shape}: kernel blocks of a block are not "
-                "adjacent"
+                f"KV cache tensor of shape {shape}: kernel blocks of a block are not adjacent"
             )
         out.append(handoff.KvRange(int(plane.data_ptr()), stride * ratio, inner * size * ratio))
     return out

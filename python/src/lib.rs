@@ -22,14 +22,18 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use handoff_actors::bootstrap::{self, ServerConfig};
+use handoff_actors::net::engine::{
+    HEARTBEATS_MISSED_MAX, HEARTBEAT_INTERVAL_MAX, HEARTBEAT_INTERVAL_MIN,
+};
 use handoff_actors::net::{start_engine_runtime, DataTransport, EngineOptions};
 use handoff_actors::{
     BlockId, EngineId, Event, RankInfo, ReceiverSpec, RequestId, Role, State, Timeouts,
     TransferMode,
 };
 use handoff_transport::wire::limits::{ENGINE_ID_BYTES_MAX, REQUEST_ID_BYTES_MAX};
+use pyo3::exceptions::PyOverflowError;
 use pyo3::prelude::*;
-use pyo3::types::PyList;
+use pyo3::types::{PyBool, PyList};
 
 use errors::{Failure, NativeResult};
 
@@ -106,13 +110,22 @@ fn blocks_from(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
     let mut blocks = Vec::new();
     for item in iter {
         let item = item?;
-        let b: i128 = item.extract().map_err(|_| {
-            Failure::invalid(format!(
-                "a block id must be an int, not {}",
-                type_name(&item)
-            ))
-            .into_py(py)
-        })?;
+        if item.is_instance_of::<PyBool>() {
+            return Err(Failure::invalid("a block id must be an int, not bool").into_py(py));
+        }
+        // Anything with `__index__` (Python and numpy ints); an int too large even for
+        // i128 is out of range like any other.
+        let b: i128 = match item.extract() {
+            Ok(b) => b,
+            Err(e) if e.is_instance_of::<PyOverflowError>(py) => i128::MAX,
+            Err(_) => {
+                return Err(Failure::invalid(format!(
+                    "a block id must be an int, not {}",
+                    type_name(&item)
+                ))
+                .into_py(py))
+            }
+        };
         let b = u32::try_from(b).map_err(|_| {
             Failure::new(
                 "block_out_of_range",
@@ -405,10 +418,23 @@ fn settings(
     if admission == Some(0) {
         return Err(Failure::invalid("admission must be at least 1 (or None)"));
     }
+    let heartbeat = Duration::from_millis(heartbeat_ms);
+    if !(HEARTBEAT_INTERVAL_MIN..=HEARTBEAT_INTERVAL_MAX).contains(&heartbeat) {
+        return Err(Failure::invalid(format!(
+            "heartbeat_ms must be in {}..={}, not {heartbeat_ms}",
+            HEARTBEAT_INTERVAL_MIN.as_millis(),
+            HEARTBEAT_INTERVAL_MAX.as_millis()
+        )));
+    }
+    if !(1..=HEARTBEATS_MISSED_MAX).contains(&heartbeats_missed) {
+        return Err(Failure::invalid(format!(
+            "heartbeats_missed must be in 1..={HEARTBEATS_MISSED_MAX}, not {heartbeats_missed}"
+        )));
+    }
     let register_timeout = deadline("register_timeout_s", register_s)?;
     let opts = EngineOptions {
         transport,
-        heartbeat_interval: Duration::from_millis(heartbeat_ms),
+        heartbeat_interval: heartbeat,
         heartbeats_missed_max: heartbeats_missed,
         register_timeout,
         timeouts: Timeouts {

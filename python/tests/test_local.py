@@ -118,3 +118,30 @@ def test_shutdown_fails_live_requests_and_releases_their_blocks(bootstrap):
     with pytest.raises(handoff.RuntimeStopped):
         p.sender("after")
     assert not p.running
+
+
+def test_blocking_calls_release_the_gil(pair):
+    import threading
+
+    p, _, _, _ = pair
+    s = p.sender("parked")
+    ticks = 0
+    stop = threading.Event()
+
+    def spin() -> None:
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        before = ticks
+        with pytest.raises(handoff.WaitTimeout):
+            s.wait(0.5)
+        during = ticks - before
+    finally:
+        stop.set()
+        t.join(5)
+    # Python code ran in another thread all the while the wait blocked.
+    assert during > 1000, during

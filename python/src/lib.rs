@@ -48,13 +48,54 @@ const WAIT_SECONDS_MAX: f64 = 86_400.0;
 /// Longest `shutdown` waits for the runtime to stop by default.
 const SHUTDOWN_TIMEOUT_DEFAULT_S: f64 = 10.0;
 
-fn tokio_runtime() -> NativeResult<Arc<tokio::runtime::Runtime>> {
+/// A tokio runtime that knows the process that made it. Its worker threads do not survive
+/// a `fork`: a child that inherited it (Python's `multiprocessing` forks by default) must
+/// neither use it nor drop it (dropping waits for threads that are not there), so in any
+/// other process it is refused ([`Tokio::here`]) and leaked.
+struct Tokio {
+    rt: std::mem::ManuallyDrop<tokio::runtime::Runtime>,
+    pid: u32,
+}
+
+impl Tokio {
+    /// The runtime, in the process that made it.
+    fn here(&self) -> NativeResult<&tokio::runtime::Runtime> {
+        if std::process::id() == self.pid {
+            Ok(&self.rt)
+        } else {
+            Err(Failure::new(
+                "runtime_stopped",
+                format!(
+                    "this handoff object was made in process {} and cannot be used in a forked child ({}); make a new one there",
+                    self.pid,
+                    std::process::id()
+                ),
+            ))
+        }
+    }
+}
+
+impl Drop for Tokio {
+    fn drop(&mut self) {
+        if std::process::id() == self.pid {
+            // SAFETY: dropped once, here; `rt` is not used after.
+            unsafe { std::mem::ManuallyDrop::drop(&mut self.rt) };
+        }
+    }
+}
+
+fn tokio_runtime() -> NativeResult<Arc<Tokio>> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(TOKIO_WORKER_THREADS)
         .thread_name("handoff-rt")
         .enable_all()
         .build()
-        .map(Arc::new)
+        .map(|rt| {
+            Arc::new(Tokio {
+                rt: std::mem::ManuallyDrop::new(rt),
+                pid: std::process::id(),
+            })
+        })
         .map_err(|e| Failure::new("internal_error", format!("cannot start tokio: {e}")))
 }
 
@@ -163,13 +204,14 @@ const SIGNAL_CHECK_INTERVAL: Duration = Duration::from_millis(100);
 /// a pending signal's exception (e.g. `KeyboardInterrupt`) ends the wait and drops `fut`.
 fn block_on<F: std::future::Future + Send>(
     py: Python<'_>,
-    tokio: &tokio::runtime::Runtime,
+    tokio: &Tokio,
     timeout: Duration,
     fut: F,
 ) -> PyResult<Option<F::Output>>
 where
     F::Output: Send,
 {
+    let tokio = tokio.here().map_err(|f| f.into_py(py))?;
     let deadline = std::time::Instant::now() + timeout;
     let mut fut = Box::pin(fut);
     loop {
@@ -191,7 +233,7 @@ where
 /// What both handles share.
 struct HandleCore {
     id: RequestId,
-    tokio: Arc<tokio::runtime::Runtime>,
+    tokio: Arc<Tokio>,
 }
 
 /// A terminal state as what `wait` returns: `"Done"`, or the failure raised.
@@ -240,9 +282,10 @@ macro_rules! handle_methods {
 
             /// Aborts the request: it fails `aborted_by_engine`, the peer is told, its
             /// blocks are released. Never blocks.
-            fn abort(&self) {
-                let _guard = self.core.tokio.enter();
-                self.inner.abort()
+            fn abort(&self, py: Python<'_>) -> PyResult<()> {
+                let _guard = self.core.tokio.here().map_err(|f| f.into_py(py))?.enter();
+                self.inner.abort();
+                Ok(())
             }
 
             /// Blocks (releasing the GIL) until the request ends: returns `"Done"`, raises
@@ -289,7 +332,7 @@ handle_methods!(SenderHandle, {
     /// holds them until the request ends (a `released` event gives them back).
     fn send(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
         let blocks = blocks_from(blocks)?;
-        let _guard = self.core.tokio.enter();
+        let _guard = self.core.tokio.here().map_err(|f| f.into_py(py))?.enter();
         self.inner
             .send(blocks)
             .map_err(|e| Failure::from_error(&e).into_py(py))
@@ -308,16 +351,17 @@ handle_methods!(ReceiverHandle, {
     /// the request ends (`released` after `Done` means they hold the KV cache).
     fn allocate(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
         let blocks = blocks_from(blocks)?;
-        let _guard = self.core.tokio.enter();
+        let _guard = self.core.tokio.here().map_err(|f| f.into_py(py))?.enter();
         self.inner
             .allocate(blocks)
             .map_err(|e| Failure::from_error(&e).into_py(py))
     }
 
     /// Refuses the request because this decode is saturated: prefill is told at once.
-    fn reject_busy(&self) {
-        let _guard = self.core.tokio.enter();
-        self.inner.reject_busy()
+    fn reject_busy(&self, py: Python<'_>) -> PyResult<()> {
+        let _guard = self.core.tokio.here().map_err(|f| f.into_py(py))?.enter();
+        self.inner.reject_busy();
+        Ok(())
     }
 });
 
@@ -328,7 +372,7 @@ struct Runtime {
     runtime: Mutex<Option<Arc<handoff_actors::Runtime>>>,
     /// Kept after shutdown so events can still be drained.
     events: Arc<handoff_actors::Runtime>,
-    tokio: Arc<tokio::runtime::Runtime>,
+    tokio: Arc<Tokio>,
     role: Role,
     rank: RankInfo,
     control_address: String,
@@ -652,7 +696,7 @@ impl Runtime {
         let open = || -> NativeResult<SenderHandle> {
             let rt = self.live()?;
             let id = request_id(id)?;
-            let _guard = self.tokio.enter();
+            let _guard = self.tokio.here()?.enter();
             let inner = rt.sender(id.clone()).map_err(|e| Failure::from_error(&e))?;
             Ok(SenderHandle {
                 inner,
@@ -682,7 +726,7 @@ impl Runtime {
                 prefill_dp_rank: dp_rank,
                 blocks,
             };
-            let _guard = self.tokio.enter();
+            let _guard = self.tokio.here()?.enter();
             let inner = rt
                 .receiver(id.clone(), spec)
                 .map_err(|e| Failure::from_error(&e))?;
@@ -845,11 +889,12 @@ impl Drop for Runtime {
             .get_mut()
             .unwrap_or_else(|e| e.into_inner())
             .take();
-        if let Some(rt) = rt {
-            // Not shut down by the program: stop it so the engine's memory is no longer
-            // registered once the Python object is gone. The runtime never needs the GIL.
+        // Not shut down by the program: stop it so the engine's memory is no longer
+        // registered once the Python object is gone. The runtime never needs the GIL. (In a
+        // forked child there is nothing to stop: the threads stayed with the parent.)
+        if let (Some(rt), Ok(tokio)) = (rt, self.tokio.here()) {
             let stop = async move { rt.shutdown().await };
-            self.tokio.block_on(async {
+            tokio.block_on(async {
                 let _ = tokio::time::timeout(Duration::from_secs(5), stop).await;
             });
         }
@@ -861,7 +906,7 @@ impl Drop for Runtime {
 struct BootstrapServer {
     server: Mutex<Option<bootstrap::BootstrapServer>>,
     address: String,
-    tokio: Arc<tokio::runtime::Runtime>,
+    tokio: Arc<Tokio>,
 }
 
 #[pymethods]
@@ -938,8 +983,8 @@ impl Drop for BootstrapServer {
             .get_mut()
             .unwrap_or_else(|e| e.into_inner())
             .take();
-        if let Some(server) = server {
-            self.tokio.block_on(async {
+        if let (Some(server), Ok(tokio)) = (server, self.tokio.here()) {
+            tokio.block_on(async {
                 let _ = tokio::time::timeout(Duration::from_secs(5), server.stop()).await;
             });
         }

@@ -33,7 +33,7 @@ use handoff_actors::{
 use handoff_transport::wire::limits::{ENGINE_ID_BYTES_MAX, REQUEST_ID_BYTES_MAX};
 use pyo3::exceptions::PyOverflowError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyList};
+use pyo3::types::{PyBool, PyFloat, PyList};
 
 use errors::{Failure, NativeResult};
 
@@ -151,8 +151,12 @@ fn blocks_from(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
     let mut blocks = Vec::new();
     for item in iter {
         let item = item?;
-        if item.is_instance_of::<PyBool>() {
-            return Err(Failure::invalid("a block id must be an int, not bool").into_py(py));
+        if item.is_instance_of::<PyBool>() || item.is_instance_of::<PyFloat>() {
+            return Err(Failure::invalid(format!(
+                "a block id must be an int, not {}",
+                type_name(&item)
+            ))
+            .into_py(py));
         }
         // Anything with `__index__` (Python and numpy ints); an int too large even for
         // i128 is out of range like any other.

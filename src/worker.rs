@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 use clap::ValueEnum;
 use handoff_actors::net::{start_engine_runtime, DataTransport, EngineOptions, WorkerMemory};
 use handoff_actors::{
-    BlockId, EngineId, Event, RankInfo, ReceiverSpec, RequestId, Role, Runtime, State, Timeouts,
-    TransferMode,
+    BlockId, EngineId, Event, KvLayout, KvShape, LayerSpan, RankInfo, ReceiverSpec, Region,
+    RequestId, Role, Runtime, State, Timeouts, TransferMode,
 };
 use handoff_gpu::checksum::{checksum64, fill_pattern};
 use handoff_gpu::DeviceBuffer;
@@ -129,9 +129,21 @@ pub struct WorkerArgs {
     /// Blocks in this worker's KV pool.
     #[arg(long, default_value_t = 1024)]
     pub pool_blocks: u32,
-    /// Bytes per KV block.
+    /// Bytes per KV block (this worker's layers of it).
     #[arg(long, default_value_t = 64 * 1024)]
     pub block_bytes: usize,
+    /// Hold the KV pool as an engine holds `N` layers: this worker allocates its own
+    /// tensors, laid out as `--layout` says, and registers them by address (blocks of
+    /// `--block-bytes` become N layers of a K and a V half each). With `--pp-size`, rank
+    /// `r` holds layers `r × N .. (r + 1) × N` of `pp_size × N`. The TCP data plane moves
+    /// them (`auto` picks TCP); the UCX plane registers one range.
+    #[arg(long, value_name = "N")]
+    pub layers: Option<u32>,
+    /// How `--layers` are laid out: `per-layer` (one tensor per layer, K and V halves: two
+    /// ranges per layer, vLLM's), `interleaved` (K and V together per block: one range per
+    /// layer), `contiguous` (one allocation, every layer of a block together).
+    #[arg(long, default_value = "per-layer", value_parser = parse_layout)]
+    pub layout: KvShape,
     /// Requests to open.
     #[arg(long, default_value_t = 0)]
     pub requests: u32,
@@ -189,6 +201,31 @@ pub struct WorkerArgs {
     /// Stay up until SIGINT/SIGTERM instead of exiting when the requests end.
     #[arg(long)]
     pub serve: bool,
+}
+
+fn parse_layout(s: &str) -> Result<KvShape, String> {
+    s.parse()
+}
+
+/// This worker's KV pool as `--layers N --layout ...` describe it, in its own allocation.
+fn laid_out_region(a: &WorkerArgs, layers: u32) -> Result<Region, String> {
+    let per_layer = 2 * layers.max(1) as usize;
+    if layers == 0 || a.block_bytes % per_layer != 0 {
+        return Err(format!(
+            "--layers {layers}: --block-bytes {} does not split into a K and a V half of every layer",
+            a.block_bytes
+        ));
+    }
+    let mut layout = KvLayout::shaped(a.layout, layers, a.pool_blocks, a.block_bytes / per_layer);
+    let total = layers
+        .checked_mul(a.pp_size)
+        .ok_or("--layers × --pp-size overflows")?;
+    layout.layers = LayerSpan {
+        first: layers.saturating_mul(a.pp_rank),
+        count: layers,
+        total,
+    };
+    Region::alloc(layout).map_err(|e| format!("--layers {layers}: {e}"))
 }
 
 /// What every line of output is made from.
@@ -320,14 +357,23 @@ async fn run_inner(a: WorkerArgs) -> Result<ExitCode, String> {
     Ok(code)
 }
 
-/// The KV pool `--memory` asks for.
+/// The KV pool `--memory` (and `--layers`) ask for.
 fn memory(a: &WorkerArgs) -> Result<WorkerMemory, String> {
-    match a.memory {
-        MemoryArg::Host => Ok(WorkerMemory::Pool {
+    match (a.memory, a.layers) {
+        (MemoryArg::Cuda, Some(_)) => {
+            Err("--layers holds host memory: the device pool is one UCX range".into())
+        }
+        (MemoryArg::Host, Some(_)) if a.transport == TransportArg::Ucx => {
+            Err("--layers needs --transport tcp or auto: this UCX plane registers one range".into())
+        }
+        (MemoryArg::Host, Some(layers)) => {
+            Ok(WorkerMemory::Engine(Arc::new(laid_out_region(a, layers)?)))
+        }
+        (MemoryArg::Host, None) => Ok(WorkerMemory::Pool {
             blocks: a.pool_blocks,
             block_bytes: a.block_bytes,
         }),
-        MemoryArg::Cuda => {
+        (MemoryArg::Cuda, None) => {
             if a.transport == TransportArg::Tcp {
                 return Err(
                     "--memory cuda needs --transport ucx or auto: TCP copies through the CPU"

@@ -15,7 +15,7 @@ use handoff_actors::{
 };
 use handoff_transport::wire;
 use handoff_transport::wire::messages::{
-    Hello, HelloAck, Message, RegionDescriptor, TransportKind, WorkerRecord,
+    Hello, HelloAck, LayoutDescriptor, Message, TransportKind, WorkerRecord,
 };
 use handoff_transport::zmtp::{Dealer, Router, RouterEvent};
 
@@ -24,15 +24,14 @@ use handoff_transport::zmtp::{Dealer, Router, RouterEvent};
 struct NoData(Arc<GrantTable>);
 
 impl DataPlane for NoData {
-    fn descriptor(&self) -> RegionDescriptor {
-        RegionDescriptor {
-            transport: TransportKind::Tcp,
-            address: "none".into(),
-            remote_key: vec![],
-            base: 0,
-            len: 1 << 20,
-            block_bytes: 4096,
-        }
+    fn descriptor(&self) -> LayoutDescriptor {
+        let layout = handoff_transport::KvLayout::contiguous(
+            0x1000,
+            256,
+            4096,
+            handoff_transport::KvMemory::Host,
+        );
+        LayoutDescriptor::of(TransportKind::Tcp, "none".into(), &layout)
     }
     fn address(&self) -> String {
         "none".into()
@@ -234,7 +233,9 @@ async fn a_peer_on_another_protocol_version_is_refused_by_name() {
         panic!("expected ProtocolError")
     };
     assert!(
-        e.detail.contains("99") && e.detail.contains('1'),
+        e.detail.contains("99")
+            && e.detail
+                .contains(&handoff_transport::PROTOCOL_VERSION.to_string()),
         "{}",
         e.detail
     );

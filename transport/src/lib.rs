@@ -32,7 +32,7 @@ pub mod wire;
 pub mod zmtp;
 
 pub use layout::{
-    pair_segments, KvLayout, KvMemory, KvRange, LayerSpan, LayoutError, PairSide, Segment,
+    pair_segments, KvLayout, KvMemory, KvRange, KvShape, LayerSpan, LayoutError, PairSide, Segment,
     LAYERS_MAX, LAYOUT_BYTES_MAX, RANGES_MAX,
 };
 pub use region::{BlockSlice, PairingError, Region, RegionError};
@@ -40,4 +40,4 @@ pub use types::{BlockId, EngineId, FailureReason, Rank, RankInfo, RequestId, Rol
 
 /// The version of the wire protocol this build speaks. A peer on another version is
 /// refused at connect time with an error that names both versions.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;

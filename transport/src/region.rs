@@ -671,6 +671,114 @@ impl Region {
         Ok(self.layout.segments_into(block.0, offset, len, out)?)
     }
 
+    /// The physical segments of `len` bytes at byte `offset` of the region's logical
+    /// space (block `b`'s logical bytes at `b × block_bytes`, as a one-range region lays
+    /// them out), in order, appended to `out`; neighbours adjacent in memory are merged, so
+    /// a run of whole blocks of a contiguous region is one segment. For transports that
+    /// address a peer's region by logical offset (TCP).
+    ///
+    /// # Errors
+    /// [`RegionError::Layout`] when the range is empty or runs past the region's end.
+    pub fn logical_segments_into(
+        &self,
+        offset: u64,
+        len: usize,
+        out: &mut Vec<Segment>,
+    ) -> Result<(), RegionError> {
+        let outside = LayoutError::SliceOutOfBlock {
+            offset: usize::try_from(offset).unwrap_or(usize::MAX),
+            len,
+            block_bytes: self.len_bytes(),
+        };
+        let end = offset
+            .checked_add(len as u64)
+            .filter(|&end| len > 0 && end <= self.len_bytes() as u64)
+            .ok_or(outside)?;
+        let block_bytes = self.block_bytes as u64;
+        let mut at = offset;
+        while at < end {
+            // `at < len_bytes`, so the block fits a u32 and the offset a usize.
+            let (block, within) = ((at / block_bytes) as u32, (at % block_bytes) as usize);
+            let take = (end - at).min(block_bytes - within as u64) as usize;
+            let first = out.len();
+            self.layout.segments_into(block, within, take, out)?;
+            // Merge the new segments into the one before where they continue it.
+            let mut keep = first;
+            for i in first..out.len() {
+                let seg = out[i];
+                match keep.checked_sub(1).map(|k| &mut out[k]) {
+                    Some(last)
+                        if last.range == seg.range
+                            && last.addr.checked_add(last.len as u64) == Some(seg.addr) =>
+                    {
+                        last.len += seg.len;
+                    }
+                    _ => {
+                        out[keep] = seg;
+                        keep += 1;
+                    }
+                }
+            }
+            out.truncate(keep);
+            at += take as u64;
+        }
+        Ok(())
+    }
+
+    /// Copies `out.len()` bytes at logical byte `offset` of the region into `out` (see
+    /// [`Region::logical_segments_into`]).
+    ///
+    /// # Errors
+    /// [`RegionError::Layout`], [`RegionError::Device`].
+    pub fn read_logical(&self, offset: u64, out: &mut [u8]) -> Result<(), RegionError> {
+        let mut segments = Vec::new();
+        self.logical_segments_into(offset, out.len(), &mut segments)?;
+        self.read_segments(&segments, out)
+    }
+
+    /// Copies `data` to logical byte `offset` of the region. The blocks touched must be
+    /// owned by the caller's request.
+    ///
+    /// # Errors
+    /// [`RegionError::Layout`], [`RegionError::Device`].
+    pub fn write_logical(&self, offset: u64, data: &[u8]) -> Result<(), RegionError> {
+        let mut segments = Vec::new();
+        self.logical_segments_into(offset, data.len(), &mut segments)?;
+        self.write_segments(&segments, data)
+    }
+
+    /// The host bytes of one segment of this region, to read (e.g. straight into a
+    /// socket).
+    ///
+    /// # Safety
+    /// `seg` must come from this region's [`Region::segments_into`] or
+    /// [`Region::logical_segments_into`]; the caller's request must own its block, and no
+    /// mutable slice of those bytes may live meanwhile.
+    ///
+    /// # Errors
+    /// [`RegionError::NotHostMemory`].
+    pub unsafe fn host_bytes(&self, seg: &Segment) -> Result<&[u8], RegionError> {
+        self.check_host("direct CPU access")?;
+        // SAFETY: the caller's contract: the segment lies inside this region's memory,
+        // which lives as long as `self`.
+        Ok(unsafe { std::slice::from_raw_parts(self.host_at(seg.addr), seg.len) })
+    }
+
+    /// The host bytes of one segment of this region, to write (e.g. straight from a
+    /// socket).
+    ///
+    /// # Safety
+    /// As [`Region::host_bytes`], and no other slice of those bytes may live meanwhile.
+    ///
+    /// # Errors
+    /// [`RegionError::NotHostMemory`].
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn host_bytes_mut(&self, seg: &Segment) -> Result<&mut [u8], RegionError> {
+        self.check_host("direct CPU access")?;
+        // SAFETY: as in `host_bytes`; exclusivity is the caller's contract.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.host_at(seg.addr), seg.len) })
+    }
+
     /// Copies the bytes of `segments` (this region's, from [`Region::segments_into`]) into
     /// `out`, in order; `out` is as long as the segments together.
     fn read_segments(&self, segments: &[Segment], out: &mut [u8]) -> Result<(), RegionError> {
@@ -1057,46 +1165,12 @@ mod tests {
         ));
     }
 
-    /// A vLLM-style per-layer host layout of `layers` layers, K and V halves of `half`
-    /// bytes, as offsets for [`Region::alloc`].
     fn per_layer(blocks: u32, layers: u32, half: usize) -> KvLayout {
-        let tensor = 2 * blocks as u64 * half as u64;
-        let ranges = (0..layers as u64)
-            .flat_map(|l| {
-                let base = l * (tensor + 64);
-                [
-                    crate::KvRange::contiguous(base, half),
-                    crate::KvRange::contiguous(base + blocks as u64 * half as u64, half),
-                ]
-            })
-            .collect();
-        KvLayout {
-            blocks,
-            ranges,
-            memory: KvMemory::Host,
-            layers: LayerSpan {
-                first: 0,
-                count: layers,
-                total: layers,
-            },
-            block_tokens: 16,
-            dtype_bytes: 2,
-        }
+        KvLayout::shaped(crate::KvShape::KvHalves, layers, blocks, half)
     }
 
-    /// The same bytes with K and V interleaved per block, one range per layer.
     fn interleaved(blocks: u32, layers: u32, half: usize) -> KvLayout {
-        let ranges = (0..layers as u64)
-            .map(|l| crate::KvRange {
-                addr: l * (2 * blocks as u64 * half as u64 + 128),
-                stride: 2 * half,
-                bytes: 2 * half,
-            })
-            .collect();
-        KvLayout {
-            ranges,
-            ..per_layer(blocks, layers, half)
-        }
+        KvLayout::shaped(crate::KvShape::LayerBlocks, layers, blocks, half)
     }
 
     #[test]
@@ -1170,6 +1244,27 @@ mod tests {
             [0; 8],
             "nothing copied"
         );
+    }
+
+    #[test]
+    fn logical_offsets_span_blocks_and_merge_where_memory_continues() {
+        let one = Region::new(4, 8).unwrap();
+        let mut segs = Vec::new();
+        one.logical_segments_into(4, 20, &mut segs).unwrap();
+        assert_eq!(
+            segs.len(),
+            1,
+            "a contiguous region is one segment: {segs:?}"
+        );
+        let many = Region::alloc(per_layer(4, 2, 3)).unwrap();
+        let data: Vec<u8> = (100..124).collect();
+        many.write_logical(6, &data).unwrap();
+        let mut back = vec![0u8; 24];
+        many.read_logical(6, &mut back).unwrap();
+        assert_eq!(back, data);
+        assert_eq!(many.read_block(BlockId(1)).unwrap()[..6], data[6..12]);
+        assert!(many.read_logical(40, &mut [0u8; 9]).is_err());
+        assert!(many.read_logical(u64::MAX, &mut [0u8; 2]).is_err());
     }
 
     #[test]

@@ -9,10 +9,10 @@ use handoff_transport::wire::limits::{
 };
 use handoff_transport::wire::{
     self, check_hello, check_hello_ack, Abort, AbortAck, Done, EngineStatus, Heartbeat, Hello,
-    HelloAck, Message, MessageType, ProtocolError, Query, QueryAnswer, QueryReply, Queued,
-    ReadDone, Ready, RegionDescriptor, RegisterConflict, RegisterOk, Rejected, StatusReply,
-    StatusRequest, TransferInfo, TransportKind, Unregister, Unregistered, WireError, WithPeer,
-    WorkerRecord, WorkerSummary, HEADER_BYTES,
+    HelloAck, LayoutDescriptor, Message, MessageType, ProtocolError, Query, QueryAnswer,
+    QueryReply, Queued, RangeDescriptor, ReadDone, Ready, RegisterConflict, RegisterOk, Rejected,
+    StatusReply, StatusRequest, TransferInfo, TransportKind, Unregister, Unregistered, WireError,
+    WithPeer, WorkerRecord, WorkerSummary, HEADER_BYTES,
 };
 use handoff_transport::{
     BlockId, EngineId, FailureReason, Rank, RankInfo, RequestId, Role, TransferMode,
@@ -45,14 +45,35 @@ fn record(engine: &str, tp: u32) -> WorkerRecord {
     }
 }
 
-fn region() -> RegionDescriptor {
-    RegionDescriptor {
+/// Two layers of K and V halves (vLLM's per-layer tensors), 1024 blocks of 2 KiB halves.
+fn layout() -> LayoutDescriptor {
+    let ranges = (0..4u64)
+        .map(|i| RangeDescriptor {
+            addr: 0x7f00_0000_0000 + i * 1024 * 2048,
+            len: 1024 * 2048,
+            stride: 2048,
+            bytes: 2048,
+            remote_key: vec![1, 2, 3, i as u8],
+        })
+        .collect();
+    LayoutDescriptor {
         transport: TransportKind::Ucx,
         address: "10.0.0.2".into(),
-        remote_key: vec![1, 2, 3, 4],
-        base: 0x7f00_0000_0000,
-        len: 1024 * 4096,
-        block_bytes: 4096,
+        cuda_device: Some(0),
+        blocks: 1024,
+        ranges,
+        layers_first: 0,
+        layers_count: 2,
+        layers_total: 4,
+        block_tokens: 16,
+        dtype_bytes: 2,
+    }
+}
+
+fn hello_with_layout(layout: LayoutDescriptor) -> Hello {
+    Hello {
+        layout: Some(layout),
+        ..Hello::new(Role::Decode, rank("decode-0", 0), 7)
     }
 }
 
@@ -67,15 +88,17 @@ fn transfer_info(blocks: Vec<BlockId>) -> TransferInfo {
         incarnation: 9,
         mode: TransferMode::Push,
         blocks,
-        region: region(),
     }
 }
 
 /// One message of every type, in [`MessageType::ALL`] order.
 fn every_message() -> Vec<Message> {
     vec![
-        Message::Hello(Hello::new(Role::Decode, rank("decode-0", 0), 7)),
-        Message::HelloAck(HelloAck::new(8)),
+        Message::Hello(hello_with_layout(layout())),
+        Message::HelloAck(HelloAck {
+            layout: Some(layout()),
+            ..HelloAck::new(8)
+        }),
         Message::Heartbeat(Heartbeat {
             incarnation: 7,
             seq: 1_000_000,
@@ -134,7 +157,6 @@ fn every_message() -> Vec<Message> {
         Message::Ready(Ready {
             request_id: request(),
             blocks: vec![BlockId(0), BlockId(7)],
-            region: region(),
         }),
         Message::Done(Done {
             request_id: request(),
@@ -251,8 +273,7 @@ fn encode_into_leaves_the_buffer_as_it_was_on_error() {
 #[test]
 fn largest_block_list_fits_in_one_frame() {
     let blocks = (0..BLOCKS_PER_MESSAGE_MAX as u32).map(BlockId).collect();
-    let mut info = transfer_info(blocks);
-    info.region.len = BLOCKS_PER_MESSAGE_MAX as u64 * info.region.block_bytes;
+    let info = transfer_info(blocks);
     let msg = Message::TransferInfo(info);
     let bytes = encoded(&msg);
     assert!(bytes.len() <= HEADER_BYTES + FRAME_PAYLOAD_BYTES_MAX);
@@ -348,20 +369,21 @@ fn wrong_version_is_refused_naming_both() {
     );
     let err = wire::decode(&bytes, None).with_peer("10.0.0.9:7000");
     let text = err.map(|_| ()).unwrap_err_or_panic().to_string();
-    assert!(text.contains("10.0.0.9:7000") && text.contains('7') && text.contains('1'));
+    let ours = PROTOCOL_VERSION.to_string();
+    assert!(text.contains("10.0.0.9:7000") && text.contains('7') && text.contains(&ours));
 }
 
 #[test]
 fn hello_with_another_version_is_refused_naming_both() {
     let mut hello = Hello::new(Role::Prefill, RankInfo::single("p"), 1);
-    hello.protocol_version = 2;
+    hello.protocol_version = PROTOCOL_VERSION + 1;
     let msg = wire::decode(&encoded(&Message::Hello(hello)), None);
     let msg = msg.unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(
         check_hello(&msg),
         Err(WireError::UnsupportedVersion {
             ours: PROTOCOL_VERSION,
-            theirs: 2
+            theirs: PROTOCOL_VERSION + 1
         })
     );
     let first = Message::Heartbeat(Heartbeat {
@@ -531,8 +553,7 @@ fn heartbeat_message() -> Message {
 #[test]
 fn oversized_block_list_is_refused_on_encode_and_on_decode() {
     let count = BLOCKS_PER_MESSAGE_MAX + 1;
-    let mut info = transfer_info((0..count as u32).map(BlockId).collect());
-    info.region.len = count as u64 * info.region.block_bytes;
+    let info = transfer_info((0..count as u32).map(BlockId).collect());
     let too_many = WireError::TooMany {
         what: "TransferInfo.blocks",
         count,
@@ -545,37 +566,74 @@ fn oversized_block_list_is_refused_on_encode_and_on_decode() {
 }
 
 #[test]
-fn block_outside_the_region_is_refused_on_decode() {
-    let info = transfer_info(vec![BlockId(0), BlockId(1024)]);
-    let frame = raw_frame(MessageType::TransferInfo, &raw_payload(&info));
+fn a_layout_whose_blocks_leave_a_range_is_refused_on_decode() {
+    let refused = |layout: LayoutDescriptor| {
+        let frame = raw_frame(MessageType::Hello, &raw_payload(&hello_with_layout(layout)));
+        match wire::decode(&frame, None) {
+            Err(
+                WireError::Invalid { what, .. }
+                | WireError::TooMany { what, .. }
+                | WireError::TooLong { what, .. },
+            ) => what,
+            other => panic!("accepted: {other:?}"),
+        }
+    };
+    // The last block of range 1 ends one byte past its advertised length.
+    let mut short = layout();
+    short.ranges[1].len -= 1;
+    assert_eq!(refused(short), "LayoutDescriptor.ranges");
+    // A range near the top of the address space whose length wraps.
+    let mut wraps = layout();
+    wraps.ranges[0].addr = u64::MAX - 10;
+    refused(wraps);
+    // A stride shorter than the blocks, a stride that overflows, empty blocks.
+    for (stride, bytes) in [(1024, 2048), (u64::MAX, 2048), (2048, 0)] {
+        let mut bad = layout();
+        bad.ranges[2].stride = stride;
+        bad.ranges[2].bytes = bytes;
+        assert_eq!(refused(bad), "LayoutDescriptor");
+    }
+    // Layers past the model, and more ranges than allowed.
+    let mut layers = layout();
+    layers.layers_first = 3;
+    assert_eq!(refused(layers), "LayoutDescriptor");
+    let mut many = layout();
+    many.ranges = vec![many.ranges[0].clone(); handoff_transport::RANGES_MAX + 1];
+    assert_eq!(refused(many), "LayoutDescriptor.ranges");
+    let mut keys = layout();
+    keys.ranges[0].remote_key = vec![0; 4097];
+    assert_eq!(refused(keys), "RangeDescriptor.remote_key");
+    let mut none = layout();
+    none.ranges.clear();
+    assert_eq!(refused(none), "LayoutDescriptor");
+}
+
+#[test]
+fn a_checked_layout_descriptor_is_the_layout_it_describes() {
+    let layout = layout().to_layout().unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(layout.blocks, 1024);
+    assert_eq!(layout.block_bytes(), 4 * 2048);
     assert_eq!(
-        wire::decode(&frame, None),
-        Err(WireError::BlockOutsideRegion {
-            block: BlockId(1024),
-            block_bytes: 4096,
-            region_len: 1024 * 4096
-        })
+        layout.memory,
+        handoff_transport::KvMemory::Cuda { device: 0 }
+    );
+    let back = LayoutDescriptor::of(TransportKind::Ucx, "10.0.0.2".into(), &layout);
+    assert_eq!(back.ranges.len(), 4);
+    assert_eq!(back.ranges[3].len, 1024 * 2048);
+    assert!(
+        back.single_region().is_none(),
+        "four ranges are not one region"
     );
 }
 
 #[test]
-fn duplicate_blocks_and_malformed_regions_are_refused_on_decode() {
+fn duplicate_blocks_are_refused_on_decode() {
     let info = transfer_info(vec![BlockId(3), BlockId(3)]);
     let frame = raw_frame(MessageType::TransferInfo, &raw_payload(&info));
     assert!(matches!(
         wire::decode(&frame, None),
         Err(WireError::Invalid {
             what: "TransferInfo.blocks",
-            ..
-        })
-    ));
-    let mut info = transfer_info(vec![]);
-    info.region.block_bytes = 0;
-    let frame = raw_frame(MessageType::TransferInfo, &raw_payload(&info));
-    assert!(matches!(
-        wire::decode(&frame, None),
-        Err(WireError::Invalid {
-            what: "RegionDescriptor.block_bytes",
             ..
         })
     ));
@@ -755,37 +813,72 @@ fn any_worker_record() -> impl Strategy<Value = WorkerRecord> {
         )
 }
 
-/// A region and a list of distinct blocks inside it, in any order.
-fn any_region_and_blocks() -> impl Strategy<Value = (RegionDescriptor, Vec<BlockId>)> {
-    let shape = (
+/// A list of distinct blocks, in any order.
+fn any_blocks() -> impl Strategy<Value = Vec<BlockId>> {
+    proptest::collection::btree_set(0u32..5000, 0..64)
+        .prop_map(|set| set.into_iter().map(BlockId).collect::<Vec<_>>())
+        .prop_shuffle()
+}
+
+/// A valid layout descriptor: 1..8 ranges (contiguous, strided or K/V-interleaved), any
+/// transport, keys, layers and per-token facts.
+fn any_layout() -> impl Strategy<Value = LayoutDescriptor> {
+    let range = (
+        0u64..(1 << 40),
+        1u64..(1 << 16),
+        0u64..3,
+        proptest::collection::vec(any::<u8>(), 0..64),
+    );
+    (
         prop_oneof![
             Just(TransportKind::InProcess),
             Just(TransportKind::Tcp),
             Just(TransportKind::Ucx)
         ],
         text(40),
-        proptest::collection::vec(any::<u8>(), 0..128),
-        0u64..(1 << 48),
-        1u64..(1 << 22),
+        proptest::option::of(0u32..8),
         1u32..5000,
-        0u64..4096,
-    );
-    shape.prop_flat_map(
-        |(transport, address, remote_key, base, block_bytes, capacity, slack)| {
-            let region = RegionDescriptor {
+        proptest::collection::vec(range, 1..8),
+        (0u32..4, any::<u32>(), any::<u32>()),
+    )
+        .prop_map(
+            |(
                 transport,
                 address,
-                remote_key,
-                base,
-                len: u64::from(capacity) * block_bytes + slack.min(block_bytes - 1),
-                block_bytes,
-            };
-            let blocks = proptest::collection::btree_set(0..capacity, 0..64)
-                .prop_map(|set| set.into_iter().map(BlockId).collect::<Vec<_>>())
-                .prop_shuffle();
-            (Just(region), blocks)
-        },
-    )
+                cuda_device,
+                blocks,
+                ranges,
+                (first, block_tokens, dtype_bytes),
+            )| {
+                let ranges: Vec<RangeDescriptor> = ranges
+                    .into_iter()
+                    .map(|(addr, bytes, gap, remote_key)| {
+                        let stride = bytes * (1 + gap);
+                        RangeDescriptor {
+                            addr,
+                            len: u64::from(blocks - 1) * stride + bytes + gap,
+                            stride,
+                            bytes,
+                            remote_key,
+                        }
+                    })
+                    .collect();
+                // One layer held per range's worth: layers that divide the block.
+                let count = 1;
+                LayoutDescriptor {
+                    transport,
+                    address,
+                    cuda_device,
+                    blocks,
+                    ranges,
+                    layers_first: first,
+                    layers_count: count,
+                    layers_total: first + count + 1,
+                    block_tokens,
+                    dtype_bytes,
+                }
+            },
+        )
 }
 
 fn any_query_answer() -> impl Strategy<Value = QueryAnswer> {
@@ -828,15 +921,29 @@ fn any_status_reply() -> impl Strategy<Value = StatusReply> {
 
 fn any_connection_message() -> impl Strategy<Value = Message> {
     prop_oneof![
-        (any_role(), any_rank_info(), any::<u64>())
-            .prop_map(|(role, rank, inc)| Message::Hello(Hello::new(role, rank, inc))),
-        (any::<u16>(), any::<u64>()).prop_map(|(protocol_version, incarnation)| {
-            Message::HelloAck(HelloAck {
-                protocol_version,
-                incarnation,
-                data_descriptor: vec![7; (incarnation % 40) as usize],
-            })
-        }),
+        (
+            any_role(),
+            any_rank_info(),
+            any::<u64>(),
+            proptest::option::of(any_layout())
+        )
+            .prop_map(|(role, rank, inc, layout)| Message::Hello(Hello {
+                layout,
+                ..Hello::new(role, rank, inc)
+            })),
+        (
+            any::<u16>(),
+            any::<u64>(),
+            proptest::option::of(any_layout())
+        )
+            .prop_map(|(protocol_version, incarnation, layout)| {
+                Message::HelloAck(HelloAck {
+                    protocol_version,
+                    incarnation,
+                    data_descriptor: vec![7; (incarnation % 40) as usize],
+                    layout,
+                })
+            }),
         (any::<u64>(), any::<u64>())
             .prop_map(|(incarnation, seq)| Message::Heartbeat(Heartbeat { incarnation, seq })),
         text(100).prop_map(|detail| Message::ProtocolError(ProtocolError { detail })),
@@ -872,30 +979,22 @@ fn any_peer_message() -> impl Strategy<Value = Message> {
             any_rank_info(),
             any::<u64>(),
             mode,
-            any_region_and_blocks()
+            any_blocks()
         )
-            .prop_map(
-                |(request_id, decode, incarnation, mode, (region, blocks))| {
-                    Message::TransferInfo(TransferInfo {
-                        request_id,
-                        decode,
-                        incarnation,
-                        mode,
-                        blocks,
-                        region,
-                    })
-                }
-            ),
+            .prop_map(|(request_id, decode, incarnation, mode, blocks)| {
+                Message::TransferInfo(TransferInfo {
+                    request_id,
+                    decode,
+                    incarnation,
+                    mode,
+                    blocks,
+                })
+            }),
         any_request_id().prop_map(|request_id| Message::Queued(Queued { request_id })),
         (any_request_id(), any_failure_reason())
             .prop_map(|(request_id, reason)| Message::Rejected(Rejected { request_id, reason })),
-        (any_request_id(), any_region_and_blocks()).prop_map(|(request_id, (region, blocks))| {
-            Message::Ready(Ready {
-                request_id,
-                blocks,
-                region,
-            })
-        }),
+        (any_request_id(), any_blocks())
+            .prop_map(|(request_id, blocks)| Message::Ready(Ready { request_id, blocks })),
         any_request_id().prop_map(|request_id| Message::Done(Done { request_id })),
         any_request_id().prop_map(|request_id| Message::ReadDone(ReadDone { request_id })),
         any_request_id().prop_map(|request_id| Message::AbortAck(AbortAck { request_id })),

@@ -11,8 +11,8 @@ use handoff_transport::auth::Key;
 use handoff_transport::wire::frame::{Flags, Header};
 use handoff_transport::wire::fuzz::{frame_decode, FUZZ_KEY};
 use handoff_transport::wire::{
-    self, Done, Hello, Message, MessageType, RegionDescriptor, TransferInfo, TransportKind,
-    WireError,
+    self, Done, Hello, LayoutDescriptor, Message, MessageType, RangeDescriptor, TransferInfo,
+    TransportKind, WireError,
 };
 use handoff_transport::{BlockId, RankInfo, RequestId, Role, TransferMode, PROTOCOL_VERSION};
 use std::path::PathBuf;
@@ -29,6 +29,39 @@ fn hello() -> Message {
     Message::Hello(Hello::new(Role::Decode, RankInfo::single("decode-0"), 1))
 }
 
+/// A `Hello` with a two-range layout (K and V halves of one layer, 16 blocks of 128 bytes)
+/// whose second range advertises `v_len` bytes.
+fn hello_with_layout(v_len: u64) -> Hello {
+    let range = |addr, len| RangeDescriptor {
+        addr,
+        len,
+        stride: 128,
+        bytes: 128,
+        remote_key: vec![],
+    };
+    Hello {
+        layout: Some(LayoutDescriptor {
+            transport: TransportKind::Tcp,
+            address: "127.0.0.1:9000".into(),
+            cuda_device: None,
+            blocks: 16,
+            ranges: vec![range(0x1000, 16 * 128), range(0x1000 + 16 * 128, v_len)],
+            layers_first: 0,
+            layers_count: 1,
+            layers_total: 1,
+            block_tokens: 16,
+            dtype_bytes: 2,
+        }),
+        ..Hello::new(Role::Decode, RankInfo::single("decode-0"), 1)
+    }
+}
+
+fn raw_hello(hello: &Hello) -> Vec<u8> {
+    let payload = bincode::encode_to_vec(hello, bincode::config::standard())
+        .unwrap_or_else(|e| panic!("{e}"));
+    raw_frame(MessageType::Hello, &payload)
+}
+
 fn transfer_info(blocks: Vec<BlockId>) -> TransferInfo {
     TransferInfo {
         request_id: RequestId::new("req-1"),
@@ -36,14 +69,6 @@ fn transfer_info(blocks: Vec<BlockId>) -> TransferInfo {
         incarnation: 1,
         mode: TransferMode::Push,
         blocks,
-        region: RegionDescriptor {
-            transport: TransportKind::Tcp,
-            address: "127.0.0.1:9000".into(),
-            remote_key: vec![],
-            base: 0,
-            len: 16 * 256,
-            block_bytes: 256,
-        },
     }
 }
 
@@ -85,6 +110,19 @@ fn seeds() -> Vec<(&'static str, Vec<u8>, Expect)> {
         ("ok_hello", ok_hello.clone(), |r| {
             matches!(r, Ok(Message::Hello(_)))
         }),
+        (
+            "ok_hello_layout",
+            encoded(&Message::Hello(hello_with_layout(16 * 128)), None),
+            |r| {
+                matches!(
+                    r,
+                    Ok(Message::Hello(Hello {
+                        layout: Some(_),
+                        ..
+                    }))
+                )
+            },
+        ),
         ("ok_transfer_info", encoded(&transfer, None), |r| {
             matches!(r, Ok(Message::TransferInfo(_)))
         }),
@@ -146,9 +184,17 @@ fn seeds() -> Vec<(&'static str, Vec<u8>, Expect)> {
             |r| matches!(r, Err(WireError::Decode { .. })),
         ),
         (
-            "err_block_outside_region",
-            raw_transfer_info(vec![BlockId(1), BlockId(16)]),
-            |r| matches!(r, Err(WireError::BlockOutsideRegion { .. })),
+            "err_layout_range_outside_len",
+            raw_hello(&hello_with_layout(16 * 128 - 1)),
+            |r| {
+                matches!(
+                    r,
+                    Err(WireError::Invalid {
+                        what: "LayoutDescriptor.ranges",
+                        ..
+                    })
+                )
+            },
         ),
         (
             "err_duplicate_blocks",

@@ -11,16 +11,18 @@ use std::time::Duration;
 
 use handoff_transport::auth::Key;
 use handoff_transport::wire::messages::{
-    self, Heartbeat, Hello, HelloAck, Message, ProtocolError, RegionDescriptor,
+    self, Heartbeat, Hello, HelloAck, LayoutDescriptor, Message, ProtocolError,
 };
 use handoff_transport::wire::{self, WireError};
 use handoff_transport::zmtp::{ConnId, Dealer, DealerReceiver, DealerSender, Router, RouterEvent};
-use handoff_transport::{RankInfo, RequestId, Role};
+use handoff_transport::{BlockId, KvLayout, RankInfo, RequestId, Role};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use super::{Cmd, DataPlane, Directory, NetConfig, PeerData, Regions, DIAL_QUEUE_MESSAGES_MAX};
+use super::{
+    layer_slice, Cmd, DataPlane, Directory, NetConfig, PeerData, PeerInfo, DIAL_QUEUE_MESSAGES_MAX,
+};
 use crate::link::Inbox;
 use crate::machine::{Outbound, Peer};
 
@@ -33,7 +35,10 @@ pub(crate) struct Setup {
     pub(crate) router: Router,
     pub(crate) directory: Arc<dyn Directory>,
     pub(crate) data: Arc<dyn DataPlane>,
-    pub(crate) regions: Regions,
+    /// This worker's layout as peers see it, sent in every `Hello`/`HelloAck`.
+    pub(crate) descriptor: LayoutDescriptor,
+    /// The same, checked: what peers' requests are paired against.
+    pub(crate) layout: KvLayout,
     pub(crate) peer_data: PeerData,
     pub(crate) cmds: mpsc::Receiver<Cmd>,
 }
@@ -61,6 +66,7 @@ struct Dialed {
     rx: DealerReceiver,
     incarnation: u64,
     data_descriptor: Vec<u8>,
+    layout: Option<LayoutDescriptor>,
 }
 
 #[derive(Default)]
@@ -92,7 +98,8 @@ struct Control {
     router: Router,
     directory: Arc<dyn Directory>,
     data: Arc<dyn DataPlane>,
-    regions: Regions,
+    descriptor: LayoutDescriptor,
+    layout: KvLayout,
     peer_data: PeerData,
     peers: BTreeMap<Peer, PeerState>,
     conns: BTreeMap<ConnId, Peer>,
@@ -111,7 +118,8 @@ pub(crate) fn spawn(setup: Setup) -> tokio::task::JoinHandle<()> {
         router,
         directory,
         data,
-        regions,
+        descriptor,
+        layout,
         peer_data,
         cmds,
     } = setup;
@@ -124,7 +132,8 @@ pub(crate) fn spawn(setup: Setup) -> tokio::task::JoinHandle<()> {
         router,
         directory,
         data,
-        regions,
+        descriptor,
+        layout,
         peer_data,
         peers: BTreeMap::new(),
         conns: BTreeMap::new(),
@@ -202,8 +211,8 @@ impl Control {
 
     fn on_hello(&mut self, conn: ConnId, hello: Hello) -> Result<(), WireError> {
         let peer = hello.rank.clone();
-        self.remember_data(&peer, hello.data_descriptor);
         self.note_incarnation(&peer, hello.incarnation);
+        self.remember_data(&peer, hello.data_descriptor, hello.layout)?;
         self.conns.insert(conn, peer.clone());
         let state = self.peers.entry(peer.clone()).or_default();
         state.inbound = Some(conn);
@@ -211,6 +220,7 @@ impl Control {
         debug!(%peer, role = %hello.role, "peer connected");
         let mut ack = HelloAck::new(self.incarnation);
         ack.data_descriptor = self.data.data_descriptor();
+        ack.layout = Some(self.descriptor.clone());
         let ack = wire::encode(&Message::HelloAck(ack), self.key())?;
         let _ = self.router.send(conn, vec![ack]);
         self.flush(&peer);
@@ -247,11 +257,11 @@ impl Control {
                         detail: format!("{} on a connection from {peer}", t.decode),
                     });
                 }
-                if let Err(e) = self.check_region(peer, &t.region, &t.blocks) {
+                // We are the source, the decode rank the destination.
+                if let Err(e) = self.check_pairing(peer, &t.blocks, true) {
                     self.inbox.deliver_invalid(peer.clone(), t.request_id, e);
                     return Ok(());
                 }
-                self.remember_region(&t.request_id, peer, t.region);
                 (
                     t.request_id,
                     Outbound::TransferInfo {
@@ -261,11 +271,11 @@ impl Control {
                 )
             }
             Message::Ready(r) => {
-                if let Err(e) = self.check_region(peer, &r.region, &r.blocks) {
+                // The prefill rank is the source, we are the destination.
+                if let Err(e) = self.check_pairing(peer, &r.blocks, false) {
                     self.inbox.deliver_invalid(peer.clone(), r.request_id, e);
                     return Ok(());
                 }
-                self.remember_region(&r.request_id, peer, r.region);
                 (r.request_id, Outbound::Ready { blocks: r.blocks })
             }
             Message::Queued(q) => (q.request_id, Outbound::Queued),
@@ -295,43 +305,49 @@ impl Control {
         true
     }
 
-    /// The peer's region must hold the blocks it names, in blocks that are the same whole
-    /// block as ours (equal blocks, or, between pipeline ranks, each side's share of it).
-    fn check_region(
+    /// Before a byte of a request moves: the peer's layout (from its hello) must hold the
+    /// blocks it names, and pair with ours (same whole-model block, bytes per layer,
+    /// tokens per block and element size; [`layer_slice`]). `we_send`: we are the source.
+    /// The error fails that request with a protocol error naming the peer.
+    fn check_pairing(&self, peer: &Peer, blocks: &[BlockId], we_send: bool) -> Result<(), String> {
+        let map = self.peer_data.lock().unwrap_or_else(|e| e.into_inner());
+        let Some((_, theirs)) = map.get(peer).and_then(|p| p.layout.as_ref()) else {
+            return Err(format!("{peer} described no KV layout when it connected"));
+        };
+        if let Some(block) = blocks.iter().find(|b| b.0 >= theirs.blocks) {
+            return Err(format!(
+                "{peer} names block {block}, but its layout has {} blocks",
+                theirs.blocks
+            ));
+        }
+        layer_slice(&self.me, &self.layout, peer, theirs, we_send).map(|_| ())
+    }
+
+    /// What a peer said about its data plane at connect: transfers to it never need the
+    /// bootstrap server. A layout that does not describe memory (already refused by the
+    /// wire's validation, checked again here) costs the connection.
+    fn remember_data(
         &self,
         peer: &Peer,
-        region: &RegionDescriptor,
-        blocks: &[handoff_transport::BlockId],
-    ) -> Result<(), String> {
-        region.check_blocks(blocks).map_err(|e| e.to_string())?;
-        let bytes = |b: u64| usize::try_from(b).unwrap_or(usize::MAX);
-        let side = |rank, block_bytes| {
-            handoff_transport::PairSide::of(
-                handoff_transport::LayerSpan::WHOLE,
-                bytes(block_bytes),
-                0,
-                0,
-                rank,
-            )
+        data_descriptor: Vec<u8>,
+        layout: Option<LayoutDescriptor>,
+    ) -> Result<(), WireError> {
+        let layout = match layout {
+            Some(descriptor) => {
+                let checked = descriptor.to_layout()?;
+                Some((descriptor, checked))
+            }
+            None => None,
         };
-        handoff_transport::BlockSlice::between(
-            side(&self.me, self.data.descriptor().block_bytes),
-            side(peer, region.block_bytes),
-        )
-        .map(|_| ())
-        .map_err(|e| e.to_string())
-    }
-
-    /// A peer's data descriptor, learned at connect: transfers to it never need the
-    /// bootstrap server.
-    fn remember_data(&self, peer: &Peer, descriptor: Vec<u8>) {
         let mut map = self.peer_data.lock().unwrap_or_else(|e| e.into_inner());
-        map.insert(peer.clone(), descriptor);
-    }
-
-    fn remember_region(&self, id: &RequestId, peer: &Peer, region: RegionDescriptor) {
-        let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
-        regions.insert((id.clone(), peer.clone()), region);
+        map.insert(
+            peer.clone(),
+            PeerInfo {
+                data_descriptor,
+                layout,
+            },
+        );
+        Ok(())
     }
 
     fn on_report(&mut self, report: Report) {
@@ -393,7 +409,6 @@ impl Control {
                     incarnation: self.incarnation,
                     mode,
                     blocks,
-                    region: self.data.descriptor(),
                 })
             }
             Outbound::Queued => Message::Queued(messages::Queued { request_id: id }),
@@ -401,7 +416,6 @@ impl Control {
             Outbound::Ready { blocks } => Message::Ready(messages::Ready {
                 request_id: id,
                 blocks,
-                region: self.data.descriptor(),
             }),
             Outbound::Done => Message::Done(messages::Done { request_id: id }),
             Outbound::ReadDone => Message::ReadDone(messages::ReadDone { request_id: id }),
@@ -467,6 +481,7 @@ impl Control {
             directory: self.directory.clone(),
             hello: Hello {
                 data_descriptor: self.data.data_descriptor(),
+                layout: Some(self.descriptor.clone()),
                 ..Hello::new(self.role, self.me.clone(), self.incarnation)
             },
             key: self.cfg.key.clone(),
@@ -501,8 +516,12 @@ impl Control {
                 mut rx,
                 incarnation,
                 data_descriptor,
+                layout,
             }) => {
-                self.remember_data(&peer, data_descriptor);
+                if let Err(e) = self.remember_data(&peer, data_descriptor, layout) {
+                    warn!(%peer, error = %e, "peer's hello answer describes bad memory");
+                    return self.lose(&peer, &e.to_string());
+                }
                 let Some(state) = self.peers.get_mut(&peer) else {
                     return;
                 };
@@ -669,6 +688,7 @@ impl DialJob {
                 rx,
                 incarnation: ack.incarnation,
                 data_descriptor: ack.data_descriptor.clone(),
+                layout: ack.layout.clone(),
             })
         };
         match tokio::time::timeout(self.timeout, work).await {

@@ -10,7 +10,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
-use handoff_transport::wire::messages::RegionDescriptor;
+use handoff_transport::wire::messages::LayoutDescriptor;
 use handoff_transport::{BlockId, BlockSlice, RankInfo, RequestId};
 
 use crate::link::TransferFuture;
@@ -19,8 +19,10 @@ pub use handoff_transport::data::Access;
 
 /// Moves blocks between this worker and its peers.
 pub trait DataPlane: Send + Sync + 'static {
-    /// How peers reach this worker's region: carried in transfer info and `Ready`.
-    fn descriptor(&self) -> RegionDescriptor;
+    /// This worker's KV memory as peers see it, and how to reach it: its layout's ranges
+    /// (with a remote key per range on one-sided planes), layers and per-token facts.
+    /// Carried once per peer, in `Hello`/`HelloAck`; per-request messages name only blocks.
+    fn descriptor(&self) -> LayoutDescriptor;
 
     /// The address (or name) registered with the bootstrap server.
     fn address(&self) -> String;
@@ -31,7 +33,8 @@ pub trait DataPlane: Send + Sync + 'static {
     }
 
     /// Opaque details peers need to reach this plane (e.g. a UCX worker address), carried
-    /// in the bootstrap record; empty when the region descriptor is enough.
+    /// in the bootstrap record and in `Hello`/`HelloAck`; empty when the layout descriptor
+    /// is enough.
     fn data_descriptor(&self) -> Vec<u8> {
         Vec::new()
     }
@@ -53,17 +56,17 @@ pub struct PlaneTransfer<'a> {
     pub id: &'a RequestId,
     /// The peer.
     pub peer: &'a RankInfo,
-    /// The peer's [`DataPlane::data_descriptor`], from its hello or bootstrap record.
+    /// The peer's [`DataPlane::data_descriptor`], from its hello.
     pub peer_data: &'a [u8],
-    /// The peer's region, from its transfer info or `Ready`.
-    pub region: &'a RegionDescriptor,
+    /// The peer's layout, from its hello (checked on arrival, and paired with ours when
+    /// the request's transfer info or `Ready` arrived).
+    pub peer_layout: &'a LayoutDescriptor,
     /// Source blocks (`src[i]` → `dst[i]`).
     pub src: Vec<BlockId>,
     /// Destination blocks.
     pub dst: Vec<BlockId>,
-    /// The part of each block moved when the two sides are pipeline ranks holding
-    /// different layers ([`BlockSlice::for_ranks`]); `None` moves whole blocks of equal
-    /// size.
+    /// The logical bytes of each block moved when the two sides hold different layers
+    /// ([`BlockSlice::for_ranks`]); `None` moves whole blocks of equal size.
     pub slice: Option<BlockSlice>,
 }
 

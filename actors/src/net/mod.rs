@@ -40,9 +40,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use handoff_transport::auth::Key;
-use handoff_transport::wire::messages::{RegionDescriptor, WorkerRecord};
+use handoff_transport::wire::messages::{LayoutDescriptor, WorkerRecord};
 use handoff_transport::zmtp::{Router, ZmtpError};
-use handoff_transport::{BlockId, BlockSlice, EngineId, RankInfo, Region, RequestId, Role};
+use handoff_transport::{
+    BlockId, BlockSlice, EngineId, KvLayout, RankInfo, Region, RequestId, Role,
+};
 use tokio::sync::mpsc;
 
 pub use data::{Access, DataPlane, GrantTable, PlaneTransfer};
@@ -128,12 +130,19 @@ pub enum NetError {
     Runtime(crate::Error),
 }
 
-/// Peers' region descriptors, by request and peer: where a write or read for that request
-/// goes. Filled from transfer info and `Ready`; emptied when the request ends.
-pub(crate) type Regions = Arc<Mutex<BTreeMap<(RequestId, RankInfo), RegionDescriptor>>>;
+/// What a peer told us about its data plane in `Hello`/`HelloAck`: where its blocks are
+/// and how to reach them, so running transfers never wait on the bootstrap server.
+#[derive(Clone, Debug)]
+pub(crate) struct PeerInfo {
+    /// Its [`DataPlane::data_descriptor`] (e.g. a UCX worker address).
+    pub(crate) data_descriptor: Vec<u8>,
+    /// Its layout as it sent it, and as checked ([`LayoutDescriptor::to_layout`]); `None`
+    /// when it sent none (a request with it then fails by name before a byte moves).
+    pub(crate) layout: Option<(LayoutDescriptor, KvLayout)>,
+}
 
-/// Peers' data descriptors (e.g. UCX worker addresses), learned in `Hello`/`HelloAck`.
-pub(crate) type PeerData = Arc<Mutex<BTreeMap<RankInfo, Vec<u8>>>>;
+/// Peers' [`PeerInfo`], learned at connect; replaced when a peer reconnects.
+pub(crate) type PeerData = Arc<Mutex<BTreeMap<RankInfo, PeerInfo>>>;
 
 /// What the control loop is asked to do.
 pub(crate) enum Cmd {
@@ -255,8 +264,13 @@ impl Attach for NetTransport {
         let router = router.ok_or_else(|| {
             Error::Config("this transport is already attached to a runtime".into())
         })?;
+        let descriptor = self.data.descriptor();
+        let layout = descriptor.to_layout().map_err(|e| {
+            Error::Config(format!(
+                "this worker's data plane describes a bad layout: {e}"
+            ))
+        })?;
         let (cmds, cmd_rx) = mpsc::channel(CONTROL_QUEUE_MESSAGES_MAX);
-        let regions: Regions = Arc::default();
         let peer_data: PeerData = Arc::default();
         let task = control::spawn(control::Setup {
             cfg: self.cfg.clone(),
@@ -267,7 +281,8 @@ impl Attach for NetTransport {
             router,
             directory: self.directory.clone(),
             data: self.data.clone(),
-            regions: regions.clone(),
+            descriptor,
+            layout: layout.clone(),
             peer_data: peer_data.clone(),
             cmds: cmd_rx,
         });
@@ -283,9 +298,8 @@ impl Attach for NetTransport {
             me: rank,
             siblings,
             cmds,
-            regions,
             directory: self.directory.clone(),
-            block_bytes: usize::try_from(self.data.descriptor().block_bytes).unwrap_or(usize::MAX),
+            layout,
             data: self.data.clone(),
             task,
         }))
@@ -299,47 +313,34 @@ struct NetLink {
     /// The other ranks of this engine at this dp rank, filled by a lookup at attach.
     siblings: Arc<Mutex<Vec<Peer>>>,
     cmds: mpsc::Sender<Cmd>,
-    regions: Regions,
     directory: Arc<dyn Directory>,
-    /// Bytes per block of this worker's region (its data plane's descriptor).
-    block_bytes: usize,
+    /// This worker's layout (its data plane's descriptor).
+    layout: KvLayout,
     data: Arc<dyn DataPlane>,
     task: tokio::task::JoinHandle<()>,
 }
 
-/// The part of each block a transfer between this rank (blocks of `mine` bytes) and
-/// `peer` moves: whole blocks without pipeline parallelism, `Ok(None)` when the two hold no
-/// layer in common.
-fn pipeline_slice(
+/// The logical bytes of each block a transfer between this rank (holding `mine`) and
+/// `peer` (holding `theirs`) moves: whole blocks between ranks holding the same layers,
+/// `Ok(None)` when the two hold no layer in common.
+pub(crate) fn layer_slice(
     me: &RankInfo,
-    mine: usize,
+    mine: &KvLayout,
     peer: &RankInfo,
-    theirs: &RegionDescriptor,
+    theirs: &KvLayout,
     write: bool,
 ) -> Result<Option<BlockSlice>, String> {
-    let theirs = usize::try_from(theirs.block_bytes).unwrap_or(usize::MAX);
-    let (src, src_bytes, dst, dst_bytes) = if write {
+    let (src, src_layout, dst, dst_layout) = if write {
         (me, mine, peer, theirs)
     } else {
         (peer, theirs, me, mine)
     };
-    let side = |rank, block_bytes| {
-        handoff_transport::PairSide::of(
-            handoff_transport::LayerSpan::WHOLE,
-            block_bytes,
-            0,
-            0,
-            rank,
-        )
-    };
-    BlockSlice::between(side(src, src_bytes), side(dst, dst_bytes))
-        .map_err(|e| format!("blocks between {src} and {dst}: {e}"))
+    BlockSlice::for_ranks(src, src_layout, dst, dst_layout)
+        .map_err(|e| format!("blocks of {src} and {dst} do not pair: {e}"))
 }
 
 impl NetLink {
-    /// One transfer: the peer's region from its transfer info or `Ready`, and, for a
-    /// one-sided plane, its data descriptor (e.g. UCX worker address) from its bootstrap
-    /// record (cached by the directory).
+    /// One transfer, to or from the peer's memory as its hello described it.
     fn transfer(
         &self,
         id: &RequestId,
@@ -348,45 +349,33 @@ impl NetLink {
         dst: Vec<BlockId>,
         write: bool,
     ) -> TransferFuture {
-        let region = match self.region_of(id, peer) {
-            Ok(region) => region,
-            Err(e) => return Box::pin(async move { Err(e) }),
-        };
-        let slice = match pipeline_slice(&self.me, self.block_bytes, peer, &region, write) {
-            Ok(Some(slice)) => Some(slice),
-            // The two pipeline ranks hold no layer in common: nothing to move.
-            Ok(None) => return Box::pin(async { Ok(()) }),
-            Err(e) => return Box::pin(async move { Err(e) }),
-        };
-        let (data, id, peer) = (self.data.clone(), id.clone(), peer.clone());
-        // Learned at connect (Hello/HelloAck); the directory only as a fallback.
         let known = self
             .peer_data
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .get(&peer)
+            .get(peer)
             .cloned();
-        let lookup =
-            (data.one_sided() && known.is_none()).then(|| self.directory.lookup(&peer.engine_id));
+        let Some(PeerInfo {
+            data_descriptor,
+            layout: Some((descriptor, theirs)),
+        }) = known
+        else {
+            let detail = format!("{peer} described no KV layout when it connected");
+            return Box::pin(async move { Err(detail) });
+        };
+        let slice = match layer_slice(&self.me, &self.layout, peer, &theirs, write) {
+            Ok(Some(slice)) => Some(slice),
+            // The two ranks hold no layer in common: nothing to move.
+            Ok(None) => return Box::pin(async { Ok(()) }),
+            Err(e) => return Box::pin(async move { Err(e) }),
+        };
+        let (data, id, peer) = (self.data.clone(), id.clone(), peer.clone());
         Box::pin(async move {
-            let peer_data = match (known, lookup) {
-                (Some(known), _) => known,
-                (None, None) => Vec::new(),
-                (None, Some(lookup)) => {
-                    let records = lookup
-                        .await
-                        .map_err(|e| format!("looking up {peer}: {e:?}"))?;
-                    let record = records.into_iter().find(|r| r.rank == peer);
-                    record
-                        .ok_or_else(|| format!("{peer} is not registered"))?
-                        .data_descriptor
-                }
-            };
             let t = PlaneTransfer {
                 id: &id,
                 peer: &peer,
-                peer_data: &peer_data,
-                region: &region,
+                peer_data: &data_descriptor,
+                peer_layout: &descriptor,
                 src,
                 dst,
                 slice,
@@ -394,14 +383,6 @@ impl NetLink {
             let fut = if write { data.write(t) } else { data.read(t) };
             fut.await
         })
-    }
-
-    fn region_of(&self, id: &RequestId, peer: &Peer) -> Result<RegionDescriptor, String> {
-        let regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
-        regions
-            .get(&(id.clone(), peer.clone()))
-            .cloned()
-            .ok_or_else(|| format!("no region descriptor from {peer} for request {id}"))
     }
 }
 
@@ -472,8 +453,6 @@ impl Link for NetLink {
 
     fn request_ended(&self, id: &RequestId) {
         self.data.grants().revoke(id);
-        let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
-        regions.retain(|(r, _), _| r != id);
     }
 
     fn detach(&self) {

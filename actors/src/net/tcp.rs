@@ -8,7 +8,7 @@ use std::time::Duration;
 use handoff_transport::auth::Key;
 use handoff_transport::data::DataError;
 use handoff_transport::tcp::{DataClient, DataServer};
-use handoff_transport::wire::messages::{RegionDescriptor, TransportKind};
+use handoff_transport::wire::messages::{LayoutDescriptor, TransportKind};
 use handoff_transport::{RankInfo, Region};
 
 use super::data::{DataPlane, GrantTable, PlaneTransfer};
@@ -85,20 +85,20 @@ impl TcpDataPlane {
         let PlaneTransfer {
             id,
             peer,
-            region,
+            peer_layout,
             src,
             dst,
             slice,
             ..
         } = t;
-        if region.transport != TransportKind::Tcp {
+        if peer_layout.transport != TransportKind::Tcp {
             let detail = format!(
-                "{peer} offers a {:?} region; this worker moves data over TCP",
-                region.transport
+                "{peer} offers {:?} memory; this worker moves data over TCP",
+                peer_layout.transport
             );
             return Box::pin(async move { Err(detail) });
         }
-        let (id, addr, local) = (id.clone(), region.address.clone(), self.region.clone());
+        let (id, addr, local) = (id.clone(), peer_layout.address.clone(), self.region.clone());
         let (clients, me, key) = (self.clients.clone(), self.me.clone(), self.key.clone());
         Box::pin(async move {
             let client = client_for(&clients, &addr, me, key)
@@ -147,15 +147,14 @@ async fn client_for(
 }
 
 impl DataPlane for TcpDataPlane {
-    fn descriptor(&self) -> RegionDescriptor {
-        RegionDescriptor {
-            transport: TransportKind::Tcp,
-            address: self.address.clone(),
-            remote_key: Vec::new(),
-            base: 0,
-            len: u64::from(self.region.blocks()) * self.region.block_bytes() as u64,
-            block_bytes: self.region.block_bytes() as u64,
-        }
+    fn descriptor(&self) -> LayoutDescriptor {
+        // Two-sided: peers name logical blocks and our server maps them onto our ranges,
+        // so no remote keys; the ranges tell peers how our blocks are laid out.
+        LayoutDescriptor::of(
+            TransportKind::Tcp,
+            self.address.clone(),
+            self.region.layout(),
+        )
     }
 
     fn address(&self) -> String {

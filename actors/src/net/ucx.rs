@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use handoff_gpu::DeviceBuffer;
 use handoff_transport::data::{DataError, UcxDataPlane, UcxPeer, UcxPlaneOptions};
-use handoff_transport::wire::messages::RegionDescriptor;
+use handoff_transport::wire::messages::{LayoutDescriptor, RangeDescriptor};
 use handoff_transport::{RankInfo, Region};
 
 use super::data::{DataPlane, GrantTable, PlaneTransfer};
@@ -90,10 +90,20 @@ impl UcxPlane {
     }
 
     fn transfer(&self, t: PlaneTransfer<'_>, write: bool) -> TransferFuture {
+        // This plane addresses one registration per peer: a multi-range peer layout is
+        // refused by name, before anything is posted.
+        let Some(region) = t.peer_layout.single_region() else {
+            let detail = format!(
+                "{} holds its KV in {} ranges; this UCX plane moves one-range layouts only",
+                t.peer,
+                t.peer_layout.ranges.len()
+            );
+            return Box::pin(async move { Err(detail) });
+        };
         let peer = UcxPeer {
             name: t.peer.to_string(),
             worker_address: t.peer_data.to_vec(),
-            region: t.region.clone(),
+            region,
         };
         let (src, dst, slice, id) = (t.src, t.dst, t.slice, t.id);
         let (plane, id) = (self.plane.clone(), id.clone());
@@ -114,8 +124,22 @@ impl UcxPlane {
 }
 
 impl DataPlane for UcxPlane {
-    fn descriptor(&self) -> RegionDescriptor {
-        self.plane.descriptor().region.clone()
+    fn descriptor(&self) -> LayoutDescriptor {
+        // One range: the region UCX allocated (or registered), with its remote key.
+        let region = &self.plane.descriptor().region;
+        let mut layout = LayoutDescriptor::of(
+            region.transport,
+            region.address.clone(),
+            self.plane.region().layout(),
+        );
+        layout.ranges = vec![RangeDescriptor {
+            addr: region.base,
+            len: region.len,
+            stride: region.block_bytes,
+            bytes: region.block_bytes,
+            remote_key: region.remote_key.clone(),
+        }];
+        layout
     }
 
     fn address(&self) -> String {

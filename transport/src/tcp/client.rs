@@ -18,7 +18,7 @@ use super::{
     CLIENT_CONNECTIONS_MAX, OPS_INFLIGHT_MAX, OP_BYTES_MAX, POOL_IDLE_MAX, SEGMENTS_PER_OP_MAX,
 };
 use crate::auth::Key;
-use crate::data::plan::{self, Plan};
+use crate::data::plan::{self, Piece, Plan};
 use crate::data::{Access, DataError, RefusalCode};
 use crate::region::{BlockSlice, Region};
 use crate::types::{BlockId, RankInfo, RequestId};
@@ -193,7 +193,7 @@ impl DataClient {
         plan::check_lists(local, remote)?;
         local_region.check_blocks(local)?;
         // TCP moves bytes through the CPU: device memory goes over UCX.
-        local_region.host_ptr()?;
+        local_region.check_host("the TCP data client")?;
         let server = &self.inner.server;
         let (slice, write) = match direction {
             Direction::Write(slice) => (slice, true),
@@ -433,8 +433,7 @@ impl Conn {
         plan: &Plan,
         access: Access,
     ) -> Result<(), DataError> {
-        // Kept as an address, not a pointer, so the futures below stay `Send`.
-        let host = region.host_ptr()? as usize;
+        region.check_host("the TCP data client")?;
         let base = self.seq;
         self.seq = self.seq.wrapping_add(plan.ops.len() as u32);
         let window = Semaphore::new(OPS_INFLIGHT_MAX);
@@ -460,15 +459,7 @@ impl Conn {
                 });
                 frame::encode_op(request, segments, meta);
                 let (op, data) = match access {
-                    // SAFETY: every piece lies inside `region` (its blocks were checked by
-                    // `plan`); the caller's request owns these blocks for the call.
-                    Access::Write => (
-                        Op::Write,
-                        pieces
-                            .iter()
-                            .map(|p| IoSlice::new(unsafe { local(host, p.local, p.len) }))
-                            .collect(),
-                    ),
+                    Access::Write => (Op::Write, local_slices(region, pieces)?),
                     Access::Read => (Op::Read, Vec::new()),
                 };
                 let data_len = if access == Access::Write {
@@ -500,12 +491,7 @@ impl Conn {
                     (Op::Error, _) => return Err(refusal(peer, &answer)),
                     (Op::WriteOk, Access::Write) if head.seq == seq => {}
                     (Op::ReadData, Access::Read) if head.seq == seq && head.data_len as usize == bytes => {
-                        let mut bufs: Vec<IoSliceMut<'_>> = plan.pieces[range.clone()]
-                            .iter()
-                            // SAFETY: inside `region` (checked by `plan`), and no two pieces
-                            // overlap (`plan` refused a destination block listed twice).
-                            .map(|p| IoSliceMut::new(unsafe { local_mut(host, p.local, p.len) }))
-                            .collect();
+                        let mut bufs = local_slices_mut(region, &plan.pieces[range.clone()])?;
                         read_exact_vectored(r, &mut bufs).await.map_err(|e| io_error(peer, "receiving read data", e))?;
                     }
                     (op, _) => {
@@ -535,22 +521,35 @@ enum Direction {
     Read(Option<BlockSlice>),
 }
 
-/// `len` bytes at `offset` of the host region whose first byte is at address `host`
-/// ([`Region::host_ptr`]).
-///
-/// # Safety
-/// The range must lie inside that region, which must outlive the slice, and the caller's
-/// request must own its blocks.
-unsafe fn local<'a>(host: usize, offset: usize, len: usize) -> &'a [u8] {
-    // SAFETY: per the function's contract.
-    unsafe { std::slice::from_raw_parts((host as *const u8).add(offset), len) }
+/// The local bytes of `pieces` (logical offsets of `region`), as the physical segments of
+/// its ranges, in order: what one write operation sends.
+fn local_slices<'a>(region: &'a Region, pieces: &[Piece]) -> Result<Vec<IoSlice<'a>>, DataError> {
+    let mut segments = Vec::new();
+    for p in pieces {
+        region.logical_segments_into(p.local as u64, p.len, &mut segments)?;
+    }
+    segments
+        .iter()
+        // SAFETY: the segments are the region's own (from `logical_segments_into`), inside
+        // blocks that `plan` checked and the caller's request owns for the call; nothing
+        // writes them meanwhile.
+        .map(|seg| Ok(IoSlice::new(unsafe { region.host_bytes(seg) }?)))
+        .collect()
 }
 
-/// `len` bytes at `offset` of the host region at `host`, to write into.
-///
-/// # Safety
-/// As [`local`], and no other reference to the range may exist while this one lives.
-unsafe fn local_mut<'a>(host: usize, offset: usize, len: usize) -> &'a mut [u8] {
-    // SAFETY: per the function's contract.
-    unsafe { std::slice::from_raw_parts_mut((host as *mut u8).add(offset), len) }
+/// The local bytes of `pieces`, to receive into: as [`local_slices`], mutable.
+fn local_slices_mut<'a>(
+    region: &'a Region,
+    pieces: &[Piece],
+) -> Result<Vec<IoSliceMut<'a>>, DataError> {
+    let mut segments = Vec::new();
+    for p in pieces {
+        region.logical_segments_into(p.local as u64, p.len, &mut segments)?;
+    }
+    segments
+        .iter()
+        // SAFETY: as in `local_slices`; no two pieces overlap (`plan` refused a
+        // destination block listed twice), so neither do their segments.
+        .map(|seg| Ok(IoSliceMut::new(unsafe { region.host_bytes_mut(seg) }?)))
+        .collect()
 }

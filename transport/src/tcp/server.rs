@@ -141,7 +141,7 @@ impl DataServer {
             detail,
         };
         // The server copies through the CPU: device memory is served over UCX.
-        region.host_ptr()?;
+        region.check_host("the TCP data server")?;
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|e| bind_error(e.to_string()))?;
@@ -486,36 +486,30 @@ impl Conn<'_> {
     async fn write(&mut self, head: &Header, request: &RequestId) -> Result<(), End> {
         let rank = self.hello_rank()?;
         self.stage(head.data_len as usize).await?;
-        // An address, not a pointer, so this future stays `Send`.
-        let host = self.shared.region.host_ptr().map(|p| p as usize);
-        let (segments, staging) = (&self.segments, &self.staging);
-        let mut copied = false;
+        let (region, segments, staging) = (&self.shared.region, &self.segments, &self.staging);
+        let mut copied = Ok(false);
         let mut copy = || {
-            // `bind` refused a device region, so this is always a host pointer.
-            let Ok(host) = host else { return };
             let mut pos = 0usize;
             for seg in segments {
                 let len = seg.len as usize;
-                // SAFETY: the segment lies inside the region (check_op) and staging holds
-                // the segments' total (checked against the data length); the grant held
-                // around this call makes these blocks this peer's to write right now.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        staging[pos..pos + len].as_ptr(),
-                        (host as *mut u8).add(seg.offset as usize),
-                        len,
-                    )
-                };
+                // The segment lies inside the region's logical space (check_op) and staging
+                // holds the segments' total (checked against the data length); the grant
+                // held around this call makes these blocks this peer's to write right now.
+                // The region maps the logical bytes onto its ranges.
+                if let Err(e) = region.write_logical(seg.offset, &staging[pos..pos + len]) {
+                    copied = Err(e);
+                    return;
+                }
                 pos += len;
             }
-            copied = true;
+            copied = Ok(true);
         };
         let granted =
             self.shared
                 .grants
                 .with_grant(&rank, request, Access::Write, &self.blocks, &mut copy);
         match (granted, copied) {
-            (Ok(()), true) => {
+            (Ok(()), Ok(true)) => {
                 self.shared.counters.writes.fetch_add(1, Ordering::Relaxed);
                 let header = Header {
                     op: Op::WriteOk,
@@ -535,12 +529,21 @@ impl Conn<'_> {
                 .await
                 .map_err(|e| End::Error(io_error(&self.peer, "answering a write", e), None))
             }
-            (Ok(()), false) => {
+            (Ok(()), Ok(false)) => {
                 self.refuse(
                     head.seq,
                     RefusalCode::Internal,
                     Some(request),
                     "grant check ran no copy",
+                )
+                .await
+            }
+            (Ok(()), Err(e)) => {
+                self.refuse(
+                    head.seq,
+                    RefusalCode::Internal,
+                    Some(request),
+                    &format!("copy failed: {e}"),
                 )
                 .await
             }
@@ -555,35 +558,28 @@ impl Conn<'_> {
         let rank = self.hello_rank()?;
         let total: usize = self.segments.iter().map(|s| s.len as usize).sum();
         self.staging.resize(total, 0);
-        // An address, not a pointer, so this future stays `Send`.
-        let host = self.shared.region.host_ptr().map(|p| p as usize);
-        let (segments, staging) = (&self.segments, &mut self.staging);
-        let mut copied = false;
+        let (region, segments, staging) = (&self.shared.region, &self.segments, &mut self.staging);
+        let mut copied = Ok(false);
         let mut copy = || {
-            // `bind` refused a device region, so this is always a host pointer.
-            let Ok(host) = host else { return };
             let mut pos = 0usize;
             for seg in segments {
                 let len = seg.len as usize;
-                // SAFETY: the segment lies inside the region (check_op); staging is `total`
-                // long; the grant held around this call keeps the blocks readable.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        (host as *mut u8).add(seg.offset as usize),
-                        staging[pos..pos + len].as_mut_ptr(),
-                        len,
-                    )
-                };
+                // Inside the region's logical space (check_op); staging is `total` long;
+                // the grant held around this call keeps the blocks readable.
+                if let Err(e) = region.read_logical(seg.offset, &mut staging[pos..pos + len]) {
+                    copied = Err(e);
+                    return;
+                }
                 pos += len;
             }
-            copied = true;
+            copied = Ok(true);
         };
         let granted =
             self.shared
                 .grants
                 .with_grant(&rank, request, Access::Read, &self.blocks, &mut copy);
         match (granted, copied) {
-            (Ok(()), true) => {
+            (Ok(()), Ok(true)) => {
                 self.shared.counters.reads.fetch_add(1, Ordering::Relaxed);
                 let header = Header {
                     op: Op::ReadData,
@@ -604,12 +600,21 @@ impl Conn<'_> {
                 .await
                 .map_err(|e| End::Error(io_error(&self.peer, "sending read data", e), None))
             }
-            (Ok(()), false) => {
+            (Ok(()), Ok(false)) => {
                 self.refuse(
                     head.seq,
                     RefusalCode::Internal,
                     Some(request),
                     "grant check ran no copy",
+                )
+                .await
+            }
+            (Ok(()), Err(e)) => {
+                self.refuse(
+                    head.seq,
+                    RefusalCode::Internal,
+                    Some(request),
+                    &format!("copy failed: {e}"),
                 )
                 .await
             }

@@ -42,6 +42,18 @@ pub const DATA_DESCRIPTOR_BYTES_MAX: usize = 8 * 1024;
 /// are tens to hundreds of bytes per transport.
 pub const REMOTE_KEY_BYTES_MAX: usize = 4 * 1024;
 
+/// Most remote-key bytes one layout descriptor carries, all ranges together: 8 MiB, room
+/// for 2048 ranges (1024 layers, K and V) of 4 KiB keys, while a `Hello` carrying it still
+/// fits one frame beside its ranges' numbers (checked below).
+pub const LAYOUT_REMOTE_KEY_BYTES_MAX: usize = 8 * 1024 * 1024;
+
+/// A layout descriptor's numbers (at most five varints of ≤ 10 bytes, plus a key length,
+/// per range), its keys and a generous 64 KiB for the rest of a `Hello` fit one frame.
+const _: () = assert!(
+    crate::layout::RANGES_MAX * 6 * 10 + LAYOUT_REMOTE_KEY_BYTES_MAX + (64 << 10)
+        <= FRAME_PAYLOAD_BYTES_MAX
+);
+
 /// Longest free-text field (failure details, causes, peer names), in bytes: enough for an
 /// error chain, small enough that a chatty peer cannot fill frames with text.
 pub const DETAIL_BYTES_MAX: usize = 4 * 1024;

@@ -11,13 +11,14 @@
 //! duplicates and fit inside the region they are addressed through.
 
 use crate::codec;
+use crate::layout::{KvLayout, KvMemory, KvRange, LayerSpan, RANGES_MAX};
 use crate::types::{
     BlockId, EngineId, FailureReason, Rank, RankInfo, RequestId, Role, TransferMode,
 };
 use crate::wire::limits::{
     ADDRESS_BYTES_MAX, BLOCKS_PER_MESSAGE_MAX, DATA_DESCRIPTOR_BYTES_MAX, DETAIL_BYTES_MAX,
-    ENGINES_MAX, ENGINE_ID_BYTES_MAX, REMOTE_KEY_BYTES_MAX, REQUEST_ID_BYTES_MAX,
-    WORKERS_PER_ENGINE_MAX,
+    ENGINES_MAX, ENGINE_ID_BYTES_MAX, LAYOUT_REMOTE_KEY_BYTES_MAX, REMOTE_KEY_BYTES_MAX,
+    REQUEST_ID_BYTES_MAX, WORKERS_PER_ENGINE_MAX,
 };
 use crate::wire::WireError;
 use crate::PROTOCOL_VERSION;
@@ -302,6 +303,10 @@ pub struct Hello {
     /// at most [`DATA_DESCRIPTOR_BYTES_MAX`] bytes; empty when there is nothing to say.
     /// Exchanged here so that transfers never wait on the bootstrap server.
     pub data_descriptor: Vec<u8>,
+    /// The sender's KV memory as peers see it (a worker's; `None` towards the bootstrap
+    /// server): exchanged once per connection, so per-request messages carry only block
+    /// ids, and checked against ours when a request's transfer info or `Ready` arrives.
+    pub layout: Option<LayoutDescriptor>,
 }
 
 impl Hello {
@@ -313,6 +318,7 @@ impl Hello {
             rank,
             incarnation,
             data_descriptor: Vec::new(),
+            layout: None,
         }
     }
 }
@@ -326,6 +332,8 @@ pub struct HelloAck {
     pub incarnation: u64,
     /// The acceptor's data descriptor, as in [`Hello::data_descriptor`].
     pub data_descriptor: Vec<u8>,
+    /// The acceptor's KV memory, as in [`Hello::layout`].
+    pub layout: Option<LayoutDescriptor>,
 }
 
 impl HelloAck {
@@ -335,6 +343,7 @@ impl HelloAck {
             protocol_version: PROTOCOL_VERSION,
             incarnation,
             data_descriptor: Vec::new(),
+            layout: None,
         }
     }
 }
@@ -542,7 +551,7 @@ pub struct Unregistered {
     pub removed: bool,
 }
 
-/// Which data transport a region descriptor is reached through.
+/// Which data transport a region or layout descriptor is reached through.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, bincode::Encode, bincode::Decode)]
 pub enum TransportKind {
     /// Both sides in one process (tests, the simulator).
@@ -553,7 +562,9 @@ pub enum TransportKind {
     Ucx,
 }
 
-/// Where a peer's blocks live: one registered memory region, cut into equal blocks.
+/// Where a peer's blocks live for the UCX data plane: one registered memory region, cut
+/// into equal blocks (a one-range [`LayoutDescriptor`], see
+/// [`LayoutDescriptor::single_region`]). Not itself a message field.
 ///
 /// Block `b` occupies bytes `[base + b × block_bytes, base + (b + 1) × block_bytes)`, which
 /// must lie inside `[base, base + len)`: [`RegionDescriptor::check_blocks`] refuses any block
@@ -627,6 +638,166 @@ impl RegionDescriptor {
     }
 }
 
+/// One registered range of a worker's KV memory, as it travels in a [`LayoutDescriptor`]:
+/// block `b` is `bytes` bytes at `addr + b × stride`, and every block lies inside
+/// `[addr, addr + len)` (checked on arrival).
+#[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct RangeDescriptor {
+    /// Address of block 0 in the owner's address space (host pointer or `CUdeviceptr`).
+    pub addr: u64,
+    /// Registered length from `addr`, in bytes; `addr + len` must not overflow.
+    pub len: u64,
+    /// Distance between consecutive blocks; at least `bytes`.
+    pub stride: u64,
+    /// Bytes of each block in this range; not zero.
+    pub bytes: u64,
+    /// The transport's key for one-sided access to this range (e.g. a packed UCX rkey),
+    /// at most [`REMOTE_KEY_BYTES_MAX`] bytes; empty for two-sided planes (TCP).
+    pub remote_key: Vec<u8>,
+}
+
+/// A worker's KV memory as its peers see it ([`KvLayout`] plus how to reach it), carried
+/// once per connection in [`Hello::layout`] / [`HelloAck::layout`].
+///
+/// Checked on arrival ([`Message::validate`]): at most [`RANGES_MAX`] ranges and
+/// [`LAYOUT_REMOTE_KEY_BYTES_MAX`] key bytes, every block of every range inside the range's
+/// advertised length, no arithmetic overflow, layers that describe a model and divide the
+/// logical block. Pairing with our own layout is checked per request, when the transfer
+/// info or `Ready` arrives.
+#[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct LayoutDescriptor {
+    /// The data transport that reaches the memory.
+    pub transport: TransportKind,
+    /// The transport address of the memory's owner (TCP: its data server), at most
+    /// [`ADDRESS_BYTES_MAX`] bytes.
+    pub address: String,
+    /// The CUDA device holding the memory; `None` for host memory.
+    pub cuda_device: Option<u32>,
+    /// Blocks in every range.
+    pub blocks: u32,
+    /// The ranges, in logical order.
+    pub ranges: Vec<RangeDescriptor>,
+    /// First layer held.
+    pub layers_first: u32,
+    /// Layers held.
+    pub layers_count: u32,
+    /// Layers of the model.
+    pub layers_total: u32,
+    /// Tokens per block (0 = unknown).
+    pub block_tokens: u32,
+    /// Bytes per element (0 = unknown).
+    pub dtype_bytes: u32,
+}
+
+impl LayoutDescriptor {
+    /// The descriptor of `layout`, reached through `transport` at `address`: each range
+    /// registered exactly over its blocks, without remote keys (a one-sided plane fills
+    /// [`RangeDescriptor::remote_key`], and `len` if it registered more).
+    pub fn of(transport: TransportKind, address: String, layout: &KvLayout) -> LayoutDescriptor {
+        let ranges = layout
+            .ranges
+            .iter()
+            .map(|r| RangeDescriptor {
+                addr: r.addr,
+                len: r.extent(layout.blocks).unwrap_or(0),
+                stride: r.stride as u64,
+                bytes: r.bytes as u64,
+                remote_key: Vec::new(),
+            })
+            .collect();
+        LayoutDescriptor {
+            transport,
+            address,
+            cuda_device: match layout.memory {
+                KvMemory::Host => None,
+                KvMemory::Cuda { device } => Some(device),
+            },
+            blocks: layout.blocks,
+            ranges,
+            layers_first: layout.layers.first,
+            layers_count: layout.layers.count,
+            layers_total: layout.layers.total,
+            block_tokens: layout.block_tokens,
+            dtype_bytes: layout.dtype_bytes,
+        }
+    }
+
+    /// The layout this describes (addresses in the owner's address space), checked: every
+    /// bound of [`KvLayout::validate`], and every range's blocks inside its advertised
+    /// length.
+    ///
+    /// # Errors
+    /// [`WireError::Invalid`] naming the field.
+    pub fn to_layout(&self) -> Result<KvLayout, WireError> {
+        let invalid = |what, detail: String| WireError::Invalid { what, detail };
+        check_count("LayoutDescriptor.ranges", self.ranges.len(), RANGES_MAX)?;
+        let mut ranges = Vec::with_capacity(self.ranges.len());
+        for (i, r) in self.ranges.iter().enumerate() {
+            let size = |v: u64| {
+                usize::try_from(v).map_err(|_| {
+                    invalid(
+                        "LayoutDescriptor.ranges",
+                        format!("range {i}: {v} does not fit"),
+                    )
+                })
+            };
+            ranges.push(KvRange {
+                addr: r.addr,
+                stride: size(r.stride)?,
+                bytes: size(r.bytes)?,
+            });
+        }
+        let layout = KvLayout {
+            blocks: self.blocks,
+            ranges,
+            memory: self
+                .cuda_device
+                .map_or(KvMemory::Host, |device| KvMemory::Cuda { device }),
+            layers: LayerSpan {
+                first: self.layers_first,
+                count: self.layers_count,
+                total: self.layers_total,
+            },
+            block_tokens: self.block_tokens,
+            dtype_bytes: self.dtype_bytes,
+        };
+        layout
+            .validate()
+            .map_err(|e| invalid("LayoutDescriptor", e.to_string()))?;
+        for (i, (r, k)) in self.ranges.iter().zip(&layout.ranges).enumerate() {
+            let fits = r.addr.checked_add(r.len).is_some()
+                && k.extent(layout.blocks)
+                    .is_some_and(|extent| extent <= r.len);
+            if !fits {
+                return Err(invalid(
+                    "LayoutDescriptor.ranges",
+                    format!(
+                        "range {i}: {} blocks at a stride of {} do not fit its {} bytes at {:#x}",
+                        layout.blocks, r.stride, r.len, r.addr
+                    ),
+                ));
+            }
+        }
+        Ok(layout)
+    }
+
+    /// The one region this layout is, for planes that address a single registration (the
+    /// UCX plane today): `None` unless it has exactly one range of contiguous blocks.
+    pub fn single_region(&self) -> Option<RegionDescriptor> {
+        match self.ranges.as_slice() {
+            [r] if r.stride == r.bytes => Some(RegionDescriptor {
+                transport: self.transport,
+                address: self.address.clone(),
+                remote_key: r.remote_key.clone(),
+                base: r.addr,
+                len: r.len,
+                block_bytes: r.bytes,
+            }),
+            _ => None,
+        }
+    }
+}
+
 /// Payload of [`Message::TransferInfo`].
 #[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
 pub struct TransferInfo {
@@ -639,10 +810,9 @@ pub struct TransferInfo {
     /// Who moves the bytes.
     pub mode: TransferMode,
     /// The destination blocks, in the order of the request's KV; no duplicates, at most
-    /// [`BLOCKS_PER_MESSAGE_MAX`].
+    /// [`BLOCKS_PER_MESSAGE_MAX`]. They are blocks of the layout the decode rank sent in
+    /// its `Hello`/`HelloAck`, checked against it on arrival.
     pub blocks: Vec<BlockId>,
-    /// The region the destination blocks are in.
-    pub region: RegionDescriptor,
 }
 
 /// Payload of [`Message::Queued`].
@@ -677,10 +847,8 @@ pub struct Ready {
     /// The request.
     pub request_id: RequestId,
     /// The source blocks, in the order of the request's KV; no duplicates, at most
-    /// [`BLOCKS_PER_MESSAGE_MAX`].
+    /// [`BLOCKS_PER_MESSAGE_MAX`]; blocks of the prefill rank's layout (from its hello).
     pub blocks: Vec<BlockId>,
-    /// The region the source blocks are in.
-    pub region: RegionDescriptor,
 }
 
 /// Payload of [`Message::Done`].
@@ -843,6 +1011,28 @@ impl Validate for RegionDescriptor {
     }
 }
 
+impl Validate for LayoutDescriptor {
+    fn validate(&self) -> Result<(), WireError> {
+        check_address("LayoutDescriptor.address", &self.address)?;
+        check_count("LayoutDescriptor.ranges", self.ranges.len(), RANGES_MAX)?;
+        let mut key_bytes = 0usize;
+        for r in &self.ranges {
+            check_len(
+                "RangeDescriptor.remote_key",
+                r.remote_key.len(),
+                REMOTE_KEY_BYTES_MAX,
+            )?;
+            key_bytes = key_bytes.saturating_add(r.remote_key.len());
+        }
+        check_len(
+            "LayoutDescriptor.ranges[].remote_key",
+            key_bytes,
+            LAYOUT_REMOTE_KEY_BYTES_MAX,
+        )?;
+        self.to_layout().map(|_| ())
+    }
+}
+
 impl Validate for Hello {
     fn validate(&self) -> Result<(), WireError> {
         self.rank.validate()?;
@@ -850,7 +1040,8 @@ impl Validate for Hello {
             "Hello.data_descriptor",
             self.data_descriptor.len(),
             DATA_DESCRIPTOR_BYTES_MAX,
-        )
+        )?;
+        self.layout.as_ref().map_or(Ok(()), Validate::validate)
     }
 }
 
@@ -860,7 +1051,8 @@ impl Validate for HelloAck {
             "HelloAck.data_descriptor",
             self.data_descriptor.len(),
             DATA_DESCRIPTOR_BYTES_MAX,
-        )
+        )?;
+        self.layout.as_ref().map_or(Ok(()), Validate::validate)
     }
 }
 
@@ -975,9 +1167,7 @@ impl Validate for TransferInfo {
     fn validate(&self) -> Result<(), WireError> {
         check_request_id("TransferInfo.request_id", &self.request_id)?;
         self.decode.validate()?;
-        self.region.validate()?;
-        check_blocks("TransferInfo.blocks", &self.blocks)?;
-        self.region.check_blocks(&self.blocks)
+        check_blocks("TransferInfo.blocks", &self.blocks)
     }
 }
 
@@ -997,9 +1187,7 @@ impl Validate for Rejected {
 impl Validate for Ready {
     fn validate(&self) -> Result<(), WireError> {
         check_request_id("Ready.request_id", &self.request_id)?;
-        self.region.validate()?;
-        check_blocks("Ready.blocks", &self.blocks)?;
-        self.region.check_blocks(&self.blocks)
+        check_blocks("Ready.blocks", &self.blocks)
     }
 }
 

@@ -190,7 +190,15 @@ impl Actor for RequestActor {
 impl RequestState {
     fn feed(&mut self, now: Instant, event: MachineEvent) {
         match (&mut self.machine, event) {
-            (Machine::Sender(m), MachineEvent::Sender(e)) => m.handle(now, e),
+            (Machine::Sender(m), MachineEvent::Sender(e)) => {
+                m.handle(now, e);
+                // The decode rank it is paired with (from transfer info or `Queued`) is a peer
+                // this request depends on from then on, before prefill sends it anything:
+                // its loss must fail the request at once, not at the waiting deadline.
+                if let Some(peer) = m.peer() {
+                    self.ledger.add_peer(peer);
+                }
+            }
             (Machine::Receiver(m), MachineEvent::Receiver(e)) => m.handle(now, e),
             (_, event) => {
                 warn!(request = %self.ledger.id, ?event, "event for the other side dropped")

@@ -474,6 +474,27 @@ async fn a_lost_peer_fails_its_requests_at_once() {
     drop(p);
 }
 
+/// A prefill request that has decode's transfer info but no blocks yet (the engine is still
+/// computing) depends on that decode rank already: its loss fails the request at once, not
+/// at the waiting deadline.
+#[tokio::test(start_paused = true)]
+async fn a_lost_decode_fails_a_sender_still_waiting_for_its_blocks() {
+    let fabric = Fabric::new();
+    let p = start(&fabric, Role::Prefill, rank("P", 0, 1), TransferMode::Push).await;
+    let d = start(&fabric, Role::Decode, rank("D", 0, 1), TransferMode::Push).await;
+    let s = p.sender("a").unwrap();
+    let _r = d.receiver("a", spec("P", Some(blocks(0..1)))).unwrap();
+    settle().await;
+    assert_eq!(s.poll(), State::WaitingForInput);
+    let t0 = tokio::time::Instant::now();
+    p.peer_lost(rank("D", 0, 1));
+    assert!(matches!(
+        s.completion().await,
+        State::Failed(FailureReason::PeerLost { .. })
+    ));
+    assert_eq!(t0.elapsed(), Duration::ZERO);
+}
+
 /// Prefill's runtime stops mid-request: decode's sends to it fail and its requests end
 /// `PeerLost` promptly; prefill's own live requests end `Failed` with blocks released.
 #[tokio::test(start_paused = true)]

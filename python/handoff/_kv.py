@@ -120,6 +120,8 @@ def _block_ranges(
     d = _describe(obj)
     if len(d.shape) <= block_dim:
         raise LayoutError(f"{what}: shape {d.shape} has no dimension {block_dim} to hold blocks")
+    if d.readonly:
+        raise LayoutError(f"{what}: read-only memory cannot hold a KV cache")
     if any(s < 0 for s in d.strides):
         raise LayoutError(f"{what}: negative strides {d.strides}")
     if d.addr == 0 or math.prod(d.shape) == 0:
@@ -285,8 +287,6 @@ def _spec_of_items(items: list[Any], num_blocks: int | None, device: str | None)
             seen.append((_int("num_blocks", num_blocks, 1), device or "cpu"))
         else:
             got, blocks, d = _block_ranges(item, 0, f"KV cache {n}")
-            if d.readonly:
-                raise LayoutError(f"KV cache {n} is read-only")
             ranges += got
             seen.append((blocks, d.device))
             owners.append(item)

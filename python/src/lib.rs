@@ -22,14 +22,18 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use handoff_actors::bootstrap::{self, ServerConfig};
+use handoff_actors::net::engine::{
+    HEARTBEATS_MISSED_MAX, HEARTBEAT_INTERVAL_MAX, HEARTBEAT_INTERVAL_MIN,
+};
 use handoff_actors::net::{start_engine_runtime, DataTransport, EngineOptions};
 use handoff_actors::{
     BlockId, EngineId, Event, RankInfo, ReceiverSpec, RequestId, Role, State, Timeouts,
     TransferMode,
 };
 use handoff_transport::wire::limits::{ENGINE_ID_BYTES_MAX, REQUEST_ID_BYTES_MAX};
+use pyo3::exceptions::PyOverflowError;
 use pyo3::prelude::*;
-use pyo3::types::PyList;
+use pyo3::types::{PyBool, PyFloat, PyList};
 
 use errors::{Failure, NativeResult};
 
@@ -44,13 +48,54 @@ const WAIT_SECONDS_MAX: f64 = 86_400.0;
 /// Longest `shutdown` waits for the runtime to stop by default.
 const SHUTDOWN_TIMEOUT_DEFAULT_S: f64 = 10.0;
 
-fn tokio_runtime() -> NativeResult<Arc<tokio::runtime::Runtime>> {
+/// A tokio runtime that knows the process that made it. Its worker threads do not survive
+/// a `fork`: a child that inherited it (Python's `multiprocessing` forks by default) must
+/// neither use it nor drop it (dropping waits for threads that are not there), so in any
+/// other process it is refused ([`Tokio::here`]) and leaked.
+struct Tokio {
+    rt: std::mem::ManuallyDrop<tokio::runtime::Runtime>,
+    pid: u32,
+}
+
+impl Tokio {
+    /// The runtime, in the process that made it.
+    fn here(&self) -> NativeResult<&tokio::runtime::Runtime> {
+        if std::process::id() == self.pid {
+            Ok(&self.rt)
+        } else {
+            Err(Failure::new(
+                "runtime_stopped",
+                format!(
+                    "this handoff object was made in process {} and cannot be used in a forked child ({}); make a new one there",
+                    self.pid,
+                    std::process::id()
+                ),
+            ))
+        }
+    }
+}
+
+impl Drop for Tokio {
+    fn drop(&mut self) {
+        if std::process::id() == self.pid {
+            // SAFETY: dropped once, here; `rt` is not used after.
+            unsafe { std::mem::ManuallyDrop::drop(&mut self.rt) };
+        }
+    }
+}
+
+fn tokio_runtime() -> NativeResult<Arc<Tokio>> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(TOKIO_WORKER_THREADS)
         .thread_name("handoff-rt")
         .enable_all()
         .build()
-        .map(Arc::new)
+        .map(|rt| {
+            Arc::new(Tokio {
+                rt: std::mem::ManuallyDrop::new(rt),
+                pid: std::process::id(),
+            })
+        })
         .map_err(|e| Failure::new("internal_error", format!("cannot start tokio: {e}")))
 }
 
@@ -106,13 +151,26 @@ fn blocks_from(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
     let mut blocks = Vec::new();
     for item in iter {
         let item = item?;
-        let b: i128 = item.extract().map_err(|_| {
-            Failure::invalid(format!(
+        if item.is_instance_of::<PyBool>() || item.is_instance_of::<PyFloat>() {
+            return Err(Failure::invalid(format!(
                 "a block id must be an int, not {}",
                 type_name(&item)
             ))
-            .into_py(py)
-        })?;
+            .into_py(py));
+        }
+        // Anything with `__index__` (Python and numpy ints); an int too large even for
+        // i128 is out of range like any other.
+        let b: i128 = match item.extract() {
+            Ok(b) => b,
+            Err(e) if e.is_instance_of::<PyOverflowError>(py) => i128::MAX,
+            Err(_) => {
+                return Err(Failure::invalid(format!(
+                    "a block id must be an int, not {}",
+                    type_name(&item)
+                ))
+                .into_py(py))
+            }
+        };
         let b = u32::try_from(b).map_err(|_| {
             Failure::new(
                 "block_out_of_range",
@@ -150,13 +208,14 @@ const SIGNAL_CHECK_INTERVAL: Duration = Duration::from_millis(100);
 /// a pending signal's exception (e.g. `KeyboardInterrupt`) ends the wait and drops `fut`.
 fn block_on<F: std::future::Future + Send>(
     py: Python<'_>,
-    tokio: &tokio::runtime::Runtime,
+    tokio: &Tokio,
     timeout: Duration,
     fut: F,
 ) -> PyResult<Option<F::Output>>
 where
     F::Output: Send,
 {
+    let tokio = tokio.here().map_err(|f| f.into_py(py))?;
     let deadline = std::time::Instant::now() + timeout;
     let mut fut = Box::pin(fut);
     loop {
@@ -178,7 +237,7 @@ where
 /// What both handles share.
 struct HandleCore {
     id: RequestId,
-    tokio: Arc<tokio::runtime::Runtime>,
+    tokio: Arc<Tokio>,
 }
 
 /// A terminal state as what `wait` returns: `"Done"`, or the failure raised.
@@ -227,9 +286,10 @@ macro_rules! handle_methods {
 
             /// Aborts the request: it fails `aborted_by_engine`, the peer is told, its
             /// blocks are released. Never blocks.
-            fn abort(&self) {
-                let _guard = self.core.tokio.enter();
-                self.inner.abort()
+            fn abort(&self, py: Python<'_>) -> PyResult<()> {
+                let _guard = self.core.tokio.here().map_err(|f| f.into_py(py))?.enter();
+                self.inner.abort();
+                Ok(())
             }
 
             /// Blocks (releasing the GIL) until the request ends: returns `"Done"`, raises
@@ -276,7 +336,7 @@ handle_methods!(SenderHandle, {
     /// holds them until the request ends (a `released` event gives them back).
     fn send(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
         let blocks = blocks_from(blocks)?;
-        let _guard = self.core.tokio.enter();
+        let _guard = self.core.tokio.here().map_err(|f| f.into_py(py))?.enter();
         self.inner
             .send(blocks)
             .map_err(|e| Failure::from_error(&e).into_py(py))
@@ -295,16 +355,17 @@ handle_methods!(ReceiverHandle, {
     /// the request ends (`released` after `Done` means they hold the KV cache).
     fn allocate(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
         let blocks = blocks_from(blocks)?;
-        let _guard = self.core.tokio.enter();
+        let _guard = self.core.tokio.here().map_err(|f| f.into_py(py))?.enter();
         self.inner
             .allocate(blocks)
             .map_err(|e| Failure::from_error(&e).into_py(py))
     }
 
     /// Refuses the request because this decode is saturated: prefill is told at once.
-    fn reject_busy(&self) {
-        let _guard = self.core.tokio.enter();
-        self.inner.reject_busy()
+    fn reject_busy(&self, py: Python<'_>) -> PyResult<()> {
+        let _guard = self.core.tokio.here().map_err(|f| f.into_py(py))?.enter();
+        self.inner.reject_busy();
+        Ok(())
     }
 });
 
@@ -315,7 +376,7 @@ struct Runtime {
     runtime: Mutex<Option<Arc<handoff_actors::Runtime>>>,
     /// Kept after shutdown so events can still be drained.
     events: Arc<handoff_actors::Runtime>,
-    tokio: Arc<tokio::runtime::Runtime>,
+    tokio: Arc<Tokio>,
     role: Role,
     rank: RankInfo,
     control_address: String,
@@ -405,10 +466,23 @@ fn settings(
     if admission == Some(0) {
         return Err(Failure::invalid("admission must be at least 1 (or None)"));
     }
+    let heartbeat = Duration::from_millis(heartbeat_ms);
+    if !(HEARTBEAT_INTERVAL_MIN..=HEARTBEAT_INTERVAL_MAX).contains(&heartbeat) {
+        return Err(Failure::invalid(format!(
+            "heartbeat_ms must be in {}..={}, not {heartbeat_ms}",
+            HEARTBEAT_INTERVAL_MIN.as_millis(),
+            HEARTBEAT_INTERVAL_MAX.as_millis()
+        )));
+    }
+    if !(1..=HEARTBEATS_MISSED_MAX).contains(&heartbeats_missed) {
+        return Err(Failure::invalid(format!(
+            "heartbeats_missed must be in 1..={HEARTBEATS_MISSED_MAX}, not {heartbeats_missed}"
+        )));
+    }
     let register_timeout = deadline("register_timeout_s", register_s)?;
     let opts = EngineOptions {
         transport,
-        heartbeat_interval: Duration::from_millis(heartbeat_ms),
+        heartbeat_interval: heartbeat,
         heartbeats_missed_max: heartbeats_missed,
         register_timeout,
         timeouts: Timeouts {
@@ -626,7 +700,7 @@ impl Runtime {
         let open = || -> NativeResult<SenderHandle> {
             let rt = self.live()?;
             let id = request_id(id)?;
-            let _guard = self.tokio.enter();
+            let _guard = self.tokio.here()?.enter();
             let inner = rt.sender(id.clone()).map_err(|e| Failure::from_error(&e))?;
             Ok(SenderHandle {
                 inner,
@@ -656,7 +730,7 @@ impl Runtime {
                 prefill_dp_rank: dp_rank,
                 blocks,
             };
-            let _guard = self.tokio.enter();
+            let _guard = self.tokio.here()?.enter();
             let inner = rt
                 .receiver(id.clone(), spec)
                 .map_err(|e| Failure::from_error(&e))?;
@@ -819,11 +893,12 @@ impl Drop for Runtime {
             .get_mut()
             .unwrap_or_else(|e| e.into_inner())
             .take();
-        if let Some(rt) = rt {
-            // Not shut down by the program: stop it so the engine's memory is no longer
-            // registered once the Python object is gone. The runtime never needs the GIL.
+        // Not shut down by the program: stop it so the engine's memory is no longer
+        // registered once the Python object is gone. The runtime never needs the GIL. (In a
+        // forked child there is nothing to stop: the threads stayed with the parent.)
+        if let (Some(rt), Ok(tokio)) = (rt, self.tokio.here()) {
             let stop = async move { rt.shutdown().await };
-            self.tokio.block_on(async {
+            tokio.block_on(async {
                 let _ = tokio::time::timeout(Duration::from_secs(5), stop).await;
             });
         }
@@ -835,7 +910,7 @@ impl Drop for Runtime {
 struct BootstrapServer {
     server: Mutex<Option<bootstrap::BootstrapServer>>,
     address: String,
-    tokio: Arc<tokio::runtime::Runtime>,
+    tokio: Arc<Tokio>,
 }
 
 #[pymethods]
@@ -912,8 +987,8 @@ impl Drop for BootstrapServer {
             .get_mut()
             .unwrap_or_else(|e| e.into_inner())
             .take();
-        if let Some(server) = server {
-            self.tokio.block_on(async {
+        if let (Some(server), Ok(tokio)) = (server, self.tokio.here()) {
+            tokio.block_on(async {
                 let _ = tokio::time::timeout(Duration::from_secs(5), server.stop()).await;
             });
         }

@@ -22,7 +22,7 @@ def decode(bootstrap):
         yield rt
 
 
-@pytest.mark.parametrize("blocks", [[16], [3, 99], [-1], [2**40]])
+@pytest.mark.parametrize("blocks", [[16], [3, 99], [-1], [2**40], [2**200]])
 def test_block_ids_out_of_range_are_refused(prefill, decode, blocks):
     with pytest.raises(handoff.BlockOutOfRange):
         prefill.sender(f"s{blocks}").send(blocks)
@@ -30,10 +30,23 @@ def test_block_ids_out_of_range_are_refused(prefill, decode, blocks):
         decode.receiver(f"r{blocks}", "P", blocks=blocks)
 
 
-@pytest.mark.parametrize("blocks", [None, 3, "abc", [1.5], [None], [object()]])
+@pytest.mark.parametrize("blocks", [None, 3, "abc", [1.5], [None], [object()], [True]])
 def test_blocks_of_the_wrong_type_are_refused(prefill, blocks):
     with pytest.raises(handoff.InvalidInput):
         prefill.sender(f"t{blocks!r}").send(blocks)
+
+
+def test_numpy_block_ids_are_ints(prefill):
+    s = prefill.sender("np")
+    s.send(np.array([1, 2], dtype=np.int64))
+    s.abort()
+
+
+def test_heartbeats_are_bounded(bootstrap):
+    kv = np.zeros((4, 64), np.uint8)
+    for kw in ({"heartbeat_ms": 2**62}, {"heartbeat_ms": 1}, {"heartbeats_missed": 0}):
+        with pytest.raises(handoff.InvalidInput):
+            handoff.Runtime("prefill", "P", bootstrap.address, [kv], transport="tcp", **kw)
 
 
 def test_wrong_calls_are_named(prefill, decode):

@@ -118,3 +118,64 @@ def test_shutdown_fails_live_requests_and_releases_their_blocks(bootstrap):
     with pytest.raises(handoff.RuntimeStopped):
         p.sender("after")
     assert not p.running
+
+
+def test_blocking_calls_release_the_gil(pair):
+    import threading
+
+    p, _, _, _ = pair
+    s = p.sender("parked")
+    ticks = 0
+    stop = threading.Event()
+
+    def spin() -> None:
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        before = ticks
+        with pytest.raises(handoff.WaitTimeout):
+            s.wait(0.5)
+        during = ticks - before
+    finally:
+        stop.set()
+        t.join(5)
+    # Python code ran in another thread all the while the wait blocked.
+    assert during > 1000, during
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_forked_child_is_refused_by_name_and_never_hangs(pair):
+    import gc
+    import os
+    import time
+
+    p, _, _, _ = pair
+    pid = os.fork()
+    if pid == 0:  # the child: the runtime's threads stayed with the parent
+        code = 1
+        try:
+            p.sender("from-child")
+        except handoff.RuntimeStopped:
+            code = 0
+        except BaseException:
+            code = 2
+        del p
+        gc.collect()  # dropping it must not wait for threads that are not here
+        os._exit(code)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            break
+        time.sleep(0.02)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        raise AssertionError("the forked child hung")
+    # The parent's runtime is untouched.
+    p.sender("from-parent").abort()

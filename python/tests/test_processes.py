@@ -91,21 +91,34 @@ def test_a_killed_decode_fails_prefill_fast_with_peer_lost(bootstrap, peers):
     decode = peers(role="decode", engine="D", bootstrap=bootstrap.address)
     rt, _ = local("prefill", "P", bootstrap)
     with rt:
-        s = rt.sender("doomed")
+        waiting = rt.sender("doomed")
+        sent = rt.sender("in-flight")
         decode.call(op="recv", id="doomed", prefill="P", blocks=[4, 5])
-        until(lambda: s.poll() == "WaitingForInput", "prefill has decode's transfer info")
-        s.send([7, 8])
+        decode.call(op="recv", id="in-flight", prefill="P", blocks=[6])
+        until(lambda: waiting.poll() == "WaitingForInput", "prefill has decode's transfer info")
+        until(lambda: sent.poll() == "WaitingForInput", "prefill has decode's transfer info")
         decode.kill()
+        try:  # races the kill: a push into a dead peer, or refused once the loss is known
+            sent.send([9])
+            handed = [9]
+        except handoff.RequestEnded:
+            handed = []
         killed = time.monotonic()
         with pytest.raises(handoff.PeerLost):
-            s.wait(PEER_LOST_WITHIN_S * 4)
+            waiting.wait(PEER_LOST_WITHIN_S * 4)
         took = time.monotonic() - killed
         assert took < PEER_LOST_WITHIN_S, f"PeerLost after {took:.1f} s"
+        # Whichever came first, the transfer's failure or the loss, it is named and fast,
+        # and a block handed over comes back.
+        with pytest.raises((handoff.PeerLost, handoff.TransferFailed)):
+            sent.wait(PEER_LOST_WITHIN_S)
+        with pytest.raises(handoff.RequestEnded):
+            waiting.send([7, 8])  # after the end: refused, the blocks stay the engine's
         ev: list[handoff.Event] = []
         until(
             lambda: (
                 ev.extend(rt.drain_events())
-                or sorted(b for x in ev if x.kind == "released" for b in x.blocks) == [7, 8]
+                or sorted(b for x in ev if x.kind == "released" for b in x.blocks) == handed
             ),
-            "prefill's blocks released",
+            "a handed-over block is released, and only it",
         )

@@ -28,6 +28,13 @@ use crate::Runtime;
 /// Shortest heartbeat interval accepted: below it heartbeats cost more than they tell.
 pub const HEARTBEAT_INTERVAL_MIN: Duration = Duration::from_millis(10);
 
+/// Longest heartbeat interval accepted: an hour; longer is a mistake (a silent peer would
+/// hold its requests' blocks for hours), and bounding it keeps `interval × missed` finite.
+pub const HEARTBEAT_INTERVAL_MAX: Duration = Duration::from_secs(3600);
+
+/// Most heartbeats a peer may miss: with the longest interval, still a bounded lease.
+pub const HEARTBEATS_MISSED_MAX: u32 = 1000;
+
 /// Which data plane moves the blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DataTransport {
@@ -105,9 +112,11 @@ pub struct EngineOptions {
     /// With host memory over UCX, a CUDA device the UCX thread binds, so that it can reach
     /// peers' device memory.
     pub cuda_device: Option<u32>,
-    /// Heartbeat interval on peer connections (at least [`HEARTBEAT_INTERVAL_MIN`]).
+    /// Heartbeat interval on peer connections (clamped to [`HEARTBEAT_INTERVAL_MIN`] ..
+    /// [`HEARTBEAT_INTERVAL_MAX`]).
     pub heartbeat_interval: Duration,
-    /// Heartbeats a peer may miss before it is lost (at least 1).
+    /// Heartbeats a peer may miss before it is lost (clamped to 1 ..
+    /// [`HEARTBEATS_MISSED_MAX`]).
     pub heartbeats_missed_max: u32,
     /// Time to get registered with the bootstrap server at start.
     pub register_timeout: Duration,
@@ -180,8 +189,10 @@ pub async fn start_engine_runtime(
     let cfg = NetConfig {
         control_listen: opts.control_listen.clone(),
         advertise_host: opts.advertise_host.clone(),
-        heartbeat_interval: opts.heartbeat_interval.max(HEARTBEAT_INTERVAL_MIN),
-        heartbeats_missed_max: opts.heartbeats_missed_max.max(1),
+        heartbeat_interval: opts
+            .heartbeat_interval
+            .clamp(HEARTBEAT_INTERVAL_MIN, HEARTBEAT_INTERVAL_MAX),
+        heartbeats_missed_max: opts.heartbeats_missed_max.clamp(1, HEARTBEATS_MISSED_MAX),
         register_timeout: opts.register_timeout,
         key: opts.key.clone(),
         ..NetConfig::default()

@@ -1,0 +1,128 @@
+"""Engine layouts end to end: per-layer tensors on both sides, different layouts on each
+side, and pipeline stages that each hold some of the layers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import handoff
+
+LAYERS, BLOCKS, TOKENS, HEADS, DIM = 4, 16, 4, 2, 8
+
+
+def kv_first(layers: int = LAYERS) -> list[np.ndarray]:
+    return [np.zeros((2, BLOCKS, TOKENS, HEADS, DIM), np.float16) for _ in range(layers)]
+
+
+def blocks_first(layers: int = LAYERS) -> list[np.ndarray]:
+    return [np.zeros((BLOCKS, 2, TOKENS, HEADS, DIM), np.float16) for _ in range(layers)]
+
+
+def fill(layers: list[np.ndarray], blocks: list[int], seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for t in layers:
+        for b in blocks:
+            t[:, b] = rng.standard_normal(t[:, b].shape).astype(np.float16)
+
+
+def runtime(role, engine, bootstrap, spec, **kw) -> handoff.Runtime:
+    return handoff.Runtime(role, engine, bootstrap.address, spec, transport="tcp", **kw)
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_vllm_per_layer_tensors_hand_over_into_another_layout(bootstrap, mode):
+    src, dst = kv_first(), blocks_first()
+    p_spec = handoff.vllm_kv_caches(src)
+    d_spec = handoff.vllm_kv_caches(dst)
+    assert len(p_spec.ranges) == 2 * LAYERS and len(d_spec.ranges) == LAYERS
+    with (
+        runtime("prefill", "P", bootstrap, p_spec) as p,
+        runtime("decode", "D", bootstrap, d_spec, mode=mode) as d,
+    ):
+        assert p.block_bytes == d.block_bytes == p_spec.block_bytes
+        fill(src, [1, 2, 3], seed=5)
+        r = d.receiver("r", "P", blocks=[9, 10, 11])
+        s = p.sender("r")
+        s.send([1, 2, 3])
+        assert r.wait(30) == "Done" and s.wait(30) == "Done"
+        for layer in range(LAYERS):
+            for b_src, b_dst in zip([1, 2, 3], [9, 10, 11]):
+                for half in (0, 1):  # K, V
+                    assert np.array_equal(src[layer][half, b_src], dst[layer][b_dst, half])
+
+
+def test_pipeline_stages_each_fill_their_layers_of_the_decode_blocks(bootstrap):
+    stage0, stage1, whole = kv_first(2), kv_first(2), kv_first(4)
+    fill(stage0, [3], seed=1)
+    fill(stage1, [3], seed=2)
+    with (
+        runtime(
+            "prefill",
+            "P",
+            bootstrap,
+            handoff.vllm_kv_caches(stage0),
+            pp_rank=0,
+            pp_size=2,
+            layers=(0, 2, 4),
+        ) as p0,
+        runtime(
+            "prefill",
+            "P",
+            bootstrap,
+            handoff.vllm_kv_caches(stage1),
+            pp_rank=1,
+            pp_size=2,
+            layers=(2, 2, 4),
+        ) as p1,
+        runtime("decode", "D", bootstrap, handoff.vllm_kv_caches(whole), layers=(0, 4, 4)) as d,
+    ):
+        r = d.receiver("r", "P", blocks=[12])
+        s0, s1 = p0.sender("r"), p1.sender("r")
+        s0.send([3])
+        s1.send([3])
+        assert r.wait(30) == "Done"
+        assert s0.wait(30) == "Done" and s1.wait(30) == "Done"
+        for layer, t in enumerate(stage0 + stage1):
+            assert np.array_equal(whole[layer][:, 12], t[:, 3]), f"layer {layer}"
+
+
+def test_layouts_that_cannot_pair_fail_the_request_by_name(bootstrap):
+    small = [np.zeros((2, BLOCKS, TOKENS, HEADS, DIM // 2), np.float16) for _ in range(LAYERS)]
+    with (
+        runtime("prefill", "P", bootstrap, handoff.vllm_kv_caches(kv_first())) as p,
+        runtime("decode", "D", bootstrap, handoff.vllm_kv_caches(small)) as d,
+    ):
+        r = d.receiver("r", "P", blocks=[1])
+        s = p.sender("r")
+        s.send([2])
+        with pytest.raises(handoff.RequestFailed) as e:
+            r.wait(30)
+        assert e.value.reason in ("protocol_error", "aborted_by_peer"), e.value
+        with pytest.raises(handoff.RequestFailed):
+            s.wait(30)
+
+
+def test_sglang_buffers_hand_over(bootstrap):
+    def buffers():
+        ks = [np.zeros((BLOCKS * TOKENS, HEADS, DIM), np.float16) for _ in range(2)]
+        vs = [np.zeros((BLOCKS * TOKENS, HEADS, DIM), np.float16) for _ in range(2)]
+        return ks, vs
+
+    (pk, pv), (dk, dv) = buffers(), buffers()
+    rng = np.random.default_rng(3)
+    for t in pk + pv:
+        t[:] = rng.standard_normal(t.shape).astype(np.float16)
+    p_spec = handoff.sglang_kv_caches(pk, pv, page_size=TOKENS)
+    d_spec = handoff.sglang_kv_caches(dk, dv, page_size=TOKENS)
+    with (
+        runtime("prefill", "P", bootstrap, p_spec) as p,
+        runtime("decode", "D", bootstrap, d_spec) as d,
+    ):
+        r = d.receiver("r", "P", blocks=[0])
+        s = p.sender("r")
+        s.send([5])
+        assert r.wait(30) == "Done"
+        page = slice(5 * TOKENS, 6 * TOKENS)
+        for src, dst in zip(pk + pv, dk + dv):
+            assert np.array_equal(dst[:TOKENS], src[page])

@@ -498,6 +498,31 @@ async fn cached_answers_are_served_until_invalidated() {
     assert!(matches!(err, BootstrapError::Unavailable { .. }), "{err:?}");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_incarnation_is_not_handed_out_again_until_the_rank_re_registers() {
+    // A worker killed a moment ago is still registered until its record expires: a lookup
+    // in that window must not hand it out again (every request would fail on it), but wait
+    // for the rank's next incarnation.
+    let server = server().await;
+    let c = client(&server);
+    let e = EngineId::new("p");
+    let first = record("p", (0, 1), (0, 1), 1);
+    c.register(first.clone(), soon()).await.expect("register");
+    c.query(&e, soon()).await.expect("ready");
+    c.mark_lost(&first.rank, first.incarnation);
+    assert_eq!(c.cached(&e), None, "the cached answer goes with the lost peer");
+    let err = c
+        .query(&e, Instant::now() + Duration::from_millis(300))
+        .await
+        .expect_err("only a lost incarnation is registered");
+    assert!(matches!(err, BootstrapError::NotReady { .. }), "{err:?}");
+    let second = record("p", (0, 1), (0, 1), 2);
+    c.register(second.clone(), soon())
+        .await
+        .expect("the restarted rank");
+    assert_eq!(c.query(&e, soon()).await.expect("ready again"), vec![second]);
+}
+
 /// A log sink shared with a tracing subscriber.
 #[derive(Clone, Default)]
 struct Logs(Arc<Mutex<Vec<u8>>>);

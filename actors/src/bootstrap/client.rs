@@ -82,8 +82,16 @@ struct Inner {
     key: Option<Key>,
     cfg: ClientConfig,
     cache: Mutex<BTreeMap<EngineId, Vec<WorkerRecord>>>,
+    /// Ranks lost at an incarnation (oldest first, at most [`LOST_INCARNATIONS_MAX`]): the
+    /// server may still hold their records until they expire, and a lookup must not hand
+    /// a dead worker out again; it waits for the rank to re-register instead.
+    lost: Mutex<std::collections::VecDeque<(RankInfo, u64)>>,
     driver: Mutex<Option<DriverHandle>>,
 }
+
+/// Lost incarnations remembered per client: more than the ranks of the engines one worker
+/// talks to, so a restart is never forgotten before the server expires the old record.
+const LOST_INCARNATIONS_MAX: usize = 1024;
 
 struct DriverHandle {
     calls: mpsc::Sender<Call>,
@@ -150,6 +158,7 @@ impl BootstrapClient {
                 key,
                 cfg,
                 cache: Mutex::new(BTreeMap::new()),
+                lost: Mutex::new(std::collections::VecDeque::new()),
                 driver: Mutex::new(None),
             }),
         }
@@ -201,7 +210,24 @@ impl BootstrapClient {
         let workers = self
             .retry(msg, deadline, |reply| match reply {
                 Message::QueryReply(r) => match r.answer {
-                    QueryAnswer::Ready { workers } => Judged::Done(workers),
+                    QueryAnswer::Ready { workers } => {
+                        let lost = lock(&self.inner.lost);
+                        let live: Vec<Rank> = workers
+                            .iter()
+                            .filter(|w| !lost.contains(&(w.rank.clone(), w.incarnation)))
+                            .map(|w| w.rank.rank())
+                            .collect();
+                        if live.len() == workers.len() {
+                            Judged::Done(workers)
+                        } else {
+                            // A rank's record is that of a worker we lost: wait for its
+                            // next incarnation to register (or the deadline).
+                            Judged::NotReady {
+                                registered: live,
+                                expected: u32::try_from(workers.len()).unwrap_or(u32::MAX),
+                            }
+                        }
+                    }
                     QueryAnswer::NotReady {
                         registered,
                         expected,
@@ -249,6 +275,21 @@ impl BootstrapClient {
     /// elsewhere), so the next [`query`](BootstrapClient::query) asks the server.
     pub fn invalidate(&self, engine: &EngineId) {
         lock(&self.inner.cache).remove(engine);
+    }
+
+    /// Remembers that `rank` was lost at `incarnation` and forgets its engine's cached
+    /// answer: until the rank registers again with a new incarnation, lookups of its engine
+    /// answer "not ready" rather than hand the dead worker out again.
+    pub fn mark_lost(&self, rank: &RankInfo, incarnation: u64) {
+        let mut lost = lock(&self.inner.lost);
+        if !lost.contains(&(rank.clone(), incarnation)) {
+            if lost.len() >= LOST_INCARNATIONS_MAX {
+                lost.pop_front();
+            }
+            lost.push_back((rank.clone(), incarnation));
+        }
+        drop(lost);
+        self.invalidate(&rank.engine_id);
     }
 
     /// Everything the server holds, retrying transient failures until `deadline`.

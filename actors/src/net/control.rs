@@ -615,7 +615,10 @@ impl Control {
             self.router.disconnect(conn);
         }
         warn!(%peer, %why, "peer lost");
-        self.directory.invalidate(&peer.engine_id);
+        match state.incarnation {
+            Some(incarnation) => self.directory.lost(peer, incarnation),
+            None => self.directory.invalidate(&peer.engine_id),
+        }
         self.inbox.peer_lost(peer.clone());
         // Keep the incarnation, so a late message of the old incarnation is still stale.
         if let Some(incarnation) = state.incarnation {

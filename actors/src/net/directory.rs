@@ -7,7 +7,7 @@ use std::pin::Pin;
 use std::sync::Mutex;
 
 use handoff_transport::wire::messages::WorkerRecord;
-use handoff_transport::EngineId;
+use handoff_transport::{EngineId, RankInfo};
 
 use crate::link::ResolveError;
 
@@ -27,6 +27,13 @@ pub trait Directory: Send + Sync + 'static {
 
     /// Forgets what is cached about `engine` (a peer of it was lost).
     fn invalidate(&self, engine: &EngineId);
+
+    /// `peer` was lost at `incarnation`: besides forgetting its engine's cached answer,
+    /// lookups should not hand that incarnation out again.
+    fn lost(&self, peer: &RankInfo, incarnation: u64) {
+        let _ = incarnation;
+        self.invalidate(&peer.engine_id);
+    }
 }
 
 /// A directory with a fixed set of workers: every registration is kept in memory, and
@@ -134,5 +141,9 @@ impl Directory for crate::bootstrap::BootstrapClient {
 
     fn invalidate(&self, engine: &EngineId) {
         crate::bootstrap::BootstrapClient::invalidate(self, engine);
+    }
+
+    fn lost(&self, peer: &RankInfo, incarnation: u64) {
+        self.mark_lost(peer, incarnation);
     }
 }

@@ -110,6 +110,15 @@ impl BenchMemory {
     }
 }
 
+/// How a UCX bench plane gets host memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum HostMemory {
+    /// UCX allocates every range (`UCP_MEM_MAP_ALLOCATE`).
+    Allocated,
+    /// Heap memory, registered range by range by address (`UcxDataPlane::start_on_region`).
+    Registered,
+}
+
 /// Arguments of `handoff bench`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchArgs {
@@ -155,6 +164,11 @@ pub struct BenchArgs {
     /// block sizes whose segments are 128 KiB and 512 KiB. UCX only.
     #[arg(long)]
     pub layers: Option<u32>,
+    /// How UCX gets host regions: `allocated` by UCX (same-host peers map it through shared
+    /// memory), or heap memory `registered` by address, as an engine's tensors are (UCX
+    /// 1.13 emulates RMA into it with active messages the peer's UCX thread serves).
+    #[arg(long, value_enum, default_value = "allocated")]
+    pub host_memory: HostMemory,
     /// Block sizes to measure, KiB, comma-separated (default 16, 128, 1024, 4096, plus
     /// the `--layers` sizes).
     #[arg(long, value_delimiter = ',')]
@@ -288,6 +302,8 @@ struct Plan {
     block_sizes: Vec<usize>,
     /// `--layers`: ranges of the layered regions (2 × layers), when asked for.
     layered_ranges: Option<usize>,
+    /// Whether UCX host regions are heap memory registered by address.
+    registered: bool,
 }
 
 impl Plan {
@@ -317,6 +333,7 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
         cuda_device: args.cuda_device,
         block_sizes: Vec::new(),
         layered_ranges: None,
+        registered: args.host_memory == HostMemory::Registered,
     };
     let mut plan = plan;
     if let Some(layers) = args.layers {
@@ -394,9 +411,14 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
                 .extend(transport_points(t, &plan, block, layered).await?);
         }
     }
+    if plan.registered {
+        report.notes.push(
+            "UCX host regions are heap memory registered by address, range by range, as an engine's tensors (--host-memory registered). UCX 1.13 has no cma lane under peer-failure handling, so it emulates RMA into them with active messages over shared memory that the peer's UCX thread serves".into(),
+        );
+    }
     if let Some(ranges) = plan.layered_ranges {
         report.notes.push(format!(
-            "layered rows: each side's region is {} layers x K and V = {ranges} ranges (UCX: allocated and registered one by one), so a block is {ranges} segments; 'vs 1-range' is the ratio to the one-range row of the same transport and op (same run, same bytes and permutation; UCX's measured in turns, pass by pass); memcpy over {ranges} ranges is the same copy pattern without a transport: what scattered segments cost the memory system alone",
+            "layered rows: each side's region is {} layers x K and V = {ranges} ranges (UCX: one registration and remote key per range), so a block is {ranges} segments; 'vs 1-range' is the ratio to the one-range row of the same transport and op (same run, same bytes and permutation; UCX's measured in turns, pass by pass); memcpy over {ranges} ranges is the same copy pattern without a transport: what scattered segments cost the memory system alone",
             ranges / 2
         ));
         if transports.iter().any(|&t| t != BenchTransport::Ucx) {
@@ -490,14 +512,24 @@ fn cuda_transports(
     ));
     // A one-block plane on the device: fails here, with UCX's reason, where the loaded
     // UCX has no CUDA support.
-    let probe_plane = bench_plane(plan.memory, plan.peer_memory, plan.cuda_device, 1, 4096, 1)
-        .map_err(|e| format!("--memory cuda: UCX cannot use device memory here: {e}"))?;
+    let probe_plane = bench_plane(
+        plan.memory,
+        plan.peer_memory,
+        plan.cuda_device,
+        1,
+        4096,
+        1,
+        false,
+    )
+    .map_err(|e| format!("--memory cuda: UCX cannot use device memory here: {e}"))?;
     report.notes.push(probe_plane.version().to_string());
     Ok(vec![BenchTransport::Ucx])
 }
 
 /// A UCX plane of `blocks × block` bytes in `memory`, its thread bound to `device` when
 /// either side's memory is CUDA.
+// One argument per thing a bench process chooses about its plane.
+#[allow(clippy::too_many_arguments)]
 fn bench_plane(
     memory: BenchMemory,
     other: BenchMemory,
@@ -505,6 +537,7 @@ fn bench_plane(
     blocks: u32,
     block: usize,
     ranges: usize,
+    registered: bool,
 ) -> Result<UcxDataPlane, String> {
     let me = RankInfo::single("bench");
     let mut options = UcxPlaneOptions::default();
@@ -512,6 +545,11 @@ fn bench_plane(
         options.cuda_device = Some(device);
     }
     match memory {
+        BenchMemory::Host if registered => {
+            let region =
+                Region::alloc(layered_layout(blocks, block, ranges)).map_err(|e| e.to_string())?;
+            UcxDataPlane::start_on_region(Arc::new(region), &me, options)
+        }
         BenchMemory::Host if ranges > 1 => {
             UcxDataPlane::start_allocated(blocks, &vec![block / ranges; ranges], &me, options)
         }
@@ -622,32 +660,33 @@ fn blocks_of(plan: &Plan, block: usize) -> Result<u32, String> {
 
 // ------------------------------------------------------------------ memcpy reference
 
+/// `blocks` blocks of `block` bytes in `ranges` ranges of `block / ranges` bytes each, one
+/// run of blocks per range (as separate per-layer tensors), at offsets for
+/// `Region::alloc`; one range is contiguous blocks.
+fn layered_layout(blocks: u32, block: usize, ranges: usize) -> KvLayout {
+    let segment = block / ranges.max(1);
+    KvLayout {
+        blocks,
+        ranges: (0..ranges.max(1))
+            .map(|i| KvRange {
+                addr: (i * blocks as usize * segment) as u64,
+                stride: segment,
+                bytes: segment,
+            })
+            .collect(),
+        memory: KvMemory::Host,
+        layers: LayerSpan::WHOLE,
+        block_tokens: 0,
+        dtype_bytes: 0,
+    }
+}
+
 /// Single-thread `memcpy` of the permutation between two host regions of this process,
 /// each laid out in `ranges` ranges (1: contiguous blocks; more: one run of blocks per
 /// range, as separate per-layer tensors, so a block is `ranges` copies).
 fn memcpy_point(plan: &Plan, block: usize, ranges: usize) -> Result<Point, String> {
     let n = blocks_of(plan, block)?;
-    let region = || {
-        if ranges == 1 {
-            return Region::new(n, block).map_err(|e| e.to_string());
-        }
-        let segment = block / ranges;
-        let layout = KvLayout {
-            blocks: n,
-            ranges: (0..ranges)
-                .map(|i| KvRange {
-                    addr: (i * n as usize * segment) as u64,
-                    stride: segment,
-                    bytes: segment,
-                })
-                .collect(),
-            memory: KvMemory::Host,
-            layers: LayerSpan::WHOLE,
-            block_tokens: 0,
-            dtype_bytes: 0,
-        };
-        Region::alloc(layout).map_err(|e| e.to_string())
-    };
+    let region = || Region::alloc(layered_layout(n, block, ranges)).map_err(|e| e.to_string());
     let (src, dst) = (region()?, region()?);
     fill(&src, plan.seed)?;
     let from = all(n);
@@ -788,10 +827,11 @@ impl Link {
             }
             BenchTransport::Ucx | BenchTransport::Auto => {
                 let spec = format!(
-                    "ucx:{blocks}:{block}:{}:{}:{}:{ranges}",
+                    "ucx:{blocks}:{block}:{}:{}:{}:{ranges}:{}",
                     plan.peer_memory.name(),
                     plan.memory.name(),
-                    plan.cuda_device
+                    plan.cuda_device,
+                    u8::from(plan.registered)
                 );
                 let mut peer = PeerProcess::spawn(&spec).await?;
                 let ready = peer.expect().await?;
@@ -803,6 +843,7 @@ impl Link {
                     blocks,
                     block,
                     ranges,
+                    plan.registered,
                 )?;
                 Ok(Link::Ucx {
                     plane,
@@ -1233,10 +1274,10 @@ impl PeerProcess {
 async fn peer_main(spec: &str) -> Result<(), String> {
     let parts: Vec<&str> = spec.split(':').collect();
     // `tcp:<blocks>:<block>` or
-    // `ucx:<blocks>:<block>:<memory>:<peer's memory>:<device>:<ranges>`.
-    let (kind, blocks, block, memory, ranges) = match parts.as_slice() {
-        [kind, blocks, block] => (*kind, *blocks, *block, None, "1"),
-        [kind, blocks, block, memory, other, device, ranges] => {
+    // `ucx:<blocks>:<block>:<memory>:<peer's memory>:<device>:<ranges>:<registered 0|1>`.
+    let (kind, blocks, block, memory, ranges, registered) = match parts.as_slice() {
+        [kind, blocks, block] => (*kind, *blocks, *block, None, "1", false),
+        [kind, blocks, block, memory, other, device, ranges, registered] => {
             let parse = |name: &str| match name {
                 "host" => Ok(BenchMemory::Host),
                 "cuda" => Ok(BenchMemory::Cuda),
@@ -1249,6 +1290,7 @@ async fn peer_main(spec: &str) -> Result<(), String> {
                 *block,
                 Some((parse(memory)?, parse(other)?, device)),
                 *ranges,
+                *registered == "1",
             )
         }
         _ => return Err(format!("bad peer spec {spec:?}")),
@@ -1275,7 +1317,7 @@ async fn peer_main(spec: &str) -> Result<(), String> {
         "ucx" => {
             let (memory, other, device) =
                 memory.unwrap_or((BenchMemory::Host, BenchMemory::Host, 0));
-            let plane = bench_plane(memory, other, device, blocks, block, ranges)?;
+            let plane = bench_plane(memory, other, device, blocks, block, ranges, registered)?;
             say(&ucx_ready_line(&plane));
             let region = Arc::clone(plane.region());
             (Box::new(plane), region)

@@ -88,8 +88,9 @@ pub const UCX_SEGMENTS_PER_ROUND: usize = 64 * 1024;
 /// an idle target must still progress (wireup of new endpoints, keepalive, TCP lanes).
 pub const UCX_IDLE_PROGRESS_INTERVAL: Duration = Duration::from_millis(1);
 
-/// After a job, the thread polls for the next one without sleeping this long: back-to-back
-/// small transfers then cost no thread wake-up (microseconds each on a busy host).
+/// After a job, or after progress that handled something (a peer's operation that needs
+/// this side's progress), the thread polls without sleeping this long: back-to-back small
+/// transfers then cost no thread wake-up (microseconds each on a busy host).
 pub const UCX_BUSY_POLL: Duration = Duration::from_micros(200);
 
 /// How long a caller polls for the thread's answer before it parks: a one-block transfer
@@ -907,7 +908,16 @@ fn thread_main(
     };
     let mut busy_until = Instant::now();
     loop {
-        while state.worker.progress() > 0 {}
+        let mut served = false;
+        while state.worker.progress() > 0 {
+            served = true;
+        }
+        if served {
+            // Peers' operations need our progress (wireup, and the RMA UCX emulates with
+            // active messages, e.g. into registered heap memory over shared memory): keep
+            // polling while they come, instead of sleeping between each.
+            busy_until = Instant::now() + UCX_BUSY_POLL;
+        }
         let cmd = if Instant::now() < busy_until {
             match rx.try_recv() {
                 Ok(cmd) => cmd,

@@ -25,8 +25,8 @@ use handoff_actors::net::ucx::UcxPlane;
 use handoff_actors::net::DataPlane;
 use handoff_actors::net::{NetConfig, NetTransport};
 use handoff_actors::{
-    BlockId, EngineId, Event, RankInfo, ReceiverSpec, Region, RequestId, Role, Runtime, State,
-    Timeouts, TransferMode, TransportChoice,
+    BlockId, EngineId, Event, KvLayout, KvShape, LayerSpan, RankInfo, ReceiverSpec, Region,
+    RequestId, Role, Runtime, State, Timeouts, TransferMode, TransportChoice,
 };
 use handoff_gpu::checksum::{checksum64, fill_pattern};
 use handoff_gpu::DeviceBuffer;
@@ -133,9 +133,21 @@ pub struct WorkerArgs {
     /// Blocks in this worker's KV pool.
     #[arg(long, default_value_t = 1024)]
     pub pool_blocks: u32,
-    /// Bytes per KV block.
+    /// Bytes per KV block (this worker's layers of it).
     #[arg(long, default_value_t = 64 * 1024)]
     pub block_bytes: usize,
+    /// Hold the KV pool as an engine holds `N` layers: this worker allocates its own
+    /// tensors, laid out as `--layout` says, and registers them by address (blocks of
+    /// `--block-bytes` become N layers of a K and a V half each). With `--pp-size`, rank
+    /// `r` holds layers `r × N .. (r + 1) × N` of `pp_size × N`. The TCP data plane moves
+    /// them (`auto` picks TCP); the UCX plane registers one range.
+    #[arg(long, value_name = "N")]
+    pub layers: Option<u32>,
+    /// How `--layers` are laid out: `per-layer` (one tensor per layer, K and V halves: two
+    /// ranges per layer, vLLM's), `interleaved` (K and V together per block: one range per
+    /// layer), `contiguous` (one allocation, every layer of a block together).
+    #[arg(long, default_value = "per-layer", value_parser = parse_layout)]
+    pub layout: KvShape,
     /// Requests to open.
     #[arg(long, default_value_t = 0)]
     pub requests: u32,
@@ -193,6 +205,31 @@ pub struct WorkerArgs {
     /// Stay up until SIGINT/SIGTERM instead of exiting when the requests end.
     #[arg(long)]
     pub serve: bool,
+}
+
+fn parse_layout(s: &str) -> Result<KvShape, String> {
+    s.parse()
+}
+
+/// This worker's KV pool as `--layers N --layout ...` describe it, in its own allocation.
+fn laid_out_region(a: &WorkerArgs, layers: u32) -> Result<Region, String> {
+    let per_layer = 2 * layers.max(1) as usize;
+    if layers == 0 || a.block_bytes % per_layer != 0 {
+        return Err(format!(
+            "--layers {layers}: --block-bytes {} does not split into a K and a V half of every layer",
+            a.block_bytes
+        ));
+    }
+    let mut layout = KvLayout::shaped(a.layout, layers, a.pool_blocks, a.block_bytes / per_layer);
+    let total = layers
+        .checked_mul(a.pp_size)
+        .ok_or("--layers × --pp-size overflows")?;
+    layout.layers = LayerSpan {
+        first: layers.saturating_mul(a.pp_rank),
+        count: layers,
+        total,
+    };
+    Region::alloc(layout).map_err(|e| format!("--layers {layers}: {e}"))
 }
 
 /// What every line of output is made from.
@@ -332,6 +369,9 @@ async fn data_plane(
     key: Option<handoff_actors::bootstrap::Key>,
 ) -> Result<(Arc<Region>, Arc<dyn DataPlane>, &'static str), String> {
     if a.memory == MemoryArg::Cuda {
+        if a.layers.is_some() {
+            return Err("--layers holds host memory: the device pool is one UCX range".into());
+        }
         if a.transport == TransportArg::Tcp {
             return Err(
                 "--memory cuda needs --transport ucx or auto: TCP copies through the CPU".into(),
@@ -351,7 +391,12 @@ async fn data_plane(
         );
         return Ok((plane.region(), Arc::new(plane), "ucx"));
     }
-    if a.transport != TransportArg::Tcp {
+    if a.layers.is_some() && a.transport == TransportArg::Ucx {
+        return Err(
+            "--layers needs --transport tcp or auto: this UCX plane registers one range".into(),
+        );
+    }
+    if a.transport != TransportArg::Tcp && a.layers.is_none() {
         match UcxPlane::start_with(a.pool_blocks, a.block_bytes, rank, a.cuda_device) {
             Ok(plane) => {
                 tracing::info!(version = plane.version(), "data plane: UCX");
@@ -363,7 +408,11 @@ async fn data_plane(
             Err(e) => return Err(format!("UCX data plane: {e}")),
         }
     }
-    let region = Arc::new(Region::new(a.pool_blocks, a.block_bytes).map_err(|e| e.to_string())?);
+    let region = match a.layers {
+        Some(layers) => laid_out_region(a, layers)?,
+        None => Region::new(a.pool_blocks, a.block_bytes).map_err(|e| e.to_string())?,
+    };
+    let region = Arc::new(region);
     let data = TcpDataPlane::bind(
         &a.data_listen,
         a.advertise_host.as_deref(),

@@ -582,3 +582,69 @@ fn malformed_traffic_to_every_port_crashes_nothing() {
     p.kill9();
     boot.kill9();
 }
+
+/// KV caches as engines hold them, across processes over TCP: prefill holds 4 layers as
+/// vLLM's per-layer tensors (K and V halves: 8 ranges), decode the same layers interleaved
+/// (4 ranges); decode checks every byte of every block.
+#[test]
+fn per_layer_prefill_hands_over_to_interleaved_decode_between_processes() {
+    for mode in ["push", "pull"] {
+        hands_over_with(
+            mode,
+            &[
+                "--transport",
+                "tcp",
+                "--layers",
+                "4",
+                "--layout",
+                "per-layer",
+            ],
+            &[
+                "--transport",
+                "tcp",
+                "--layers",
+                "4",
+                "--layout",
+                "interleaved",
+            ],
+        );
+    }
+}
+
+/// Two processes whose layouts do not pair (the same block bytes cut into 4 layers on one
+/// side, 8 on the other: another model) fail every request by name, naming the peer,
+/// before a byte moves; nothing crashes.
+#[test]
+fn layouts_that_do_not_pair_fail_requests_by_name_between_processes() {
+    let (_boot, addr) = bootstrap();
+    let p_args = [
+        "--requests",
+        "2",
+        "--serve",
+        "--transport",
+        "tcp",
+        "--layers",
+        "4",
+    ];
+    let _p = worker("prefill", "prefill", "P", &addr, &p_args);
+    let d_args = [
+        "--requests",
+        "2",
+        "--prefill",
+        "P",
+        "--transport",
+        "tcp",
+        "--layers",
+        "8",
+    ];
+    let d = worker("decode", "decode", "D", &addr, &d_args);
+    let (ends, summary) = d.ends();
+    assert_eq!(summary["done"], 0, "{ends:?}");
+    for end in &ends {
+        let reason = end["reason"].as_str().unwrap_or_default();
+        assert!(
+            reason.contains("per layer differ") && reason.contains('P'),
+            "{end}"
+        );
+    }
+}

@@ -114,6 +114,35 @@ impl Fabric {
             .ok_or_else(|| format!("peer {peer} is not attached"))
     }
 
+    /// What a receiver of `msg` from `from` checks before a byte moves: the blocks `from`
+    /// names are in its region, and the two layouts pair ([`BlockSlice::for_ranks`]).
+    fn check_pairing(&self, from: &Peer, to: &Peer, msg: &Outbound) -> Result<(), String> {
+        let (blocks, from_sends) = match msg {
+            Outbound::TransferInfo { blocks, .. } => (blocks, false),
+            Outbound::Ready { blocks } => (blocks, true),
+            _ => return Ok(()),
+        };
+        let nodes = self.nodes();
+        let (Some(sender), Some(receiver)) = (nodes.get(from), nodes.get(to)) else {
+            return Ok(()); // a detached peer: the message finds no one either way
+        };
+        let (theirs, mine) = (sender.region.layout(), receiver.region.layout());
+        if let Some(block) = blocks.iter().find(|b| b.0 >= theirs.blocks) {
+            return Err(format!(
+                "{from} names block {block}, but its layout has {} blocks",
+                theirs.blocks
+            ));
+        }
+        let paired = if from_sends {
+            BlockSlice::for_ranks(from, theirs, to, mine)
+        } else {
+            BlockSlice::for_ranks(to, mine, from, theirs)
+        };
+        paired
+            .map(|_| ())
+            .map_err(|e| format!("blocks of {from} and {to} do not pair: {e}"))
+    }
+
     fn resolve_now(
         &self,
         me: &RankInfo,
@@ -139,8 +168,8 @@ pub struct InProcessLink {
 }
 
 /// Copies under the owner's grant: refused (and nothing copied) unless `peer` holds
-/// `access` to `checked` for request `id` in `grants`. Between pipeline ranks only the
-/// layers both hold move ([`BlockSlice::for_ranks`]).
+/// `access` to `checked` for request `id` in `grants`. Only the layers both sides hold
+/// move ([`BlockSlice::for_ranks`]), from each side's ranges as its layout lays them out.
 #[allow(clippy::too_many_arguments)]
 fn copy_granted(
     grants: &GrantTable,
@@ -152,7 +181,7 @@ fn copy_granted(
     (to_rank, to, to_blocks): (&RankInfo, &Region, &[BlockId]),
 ) -> Result<(), String> {
     let slice = BlockSlice::for_ranks(from_rank, from.layout(), to_rank, to.layout())
-        .map_err(|e| format!("pipeline slice between {from_rank} and {to_rank}: {e}"))?;
+        .map_err(|e| format!("blocks of {from_rank} and {to_rank} do not pair: {e}"))?;
     let Some(slice) = slice else {
         return Ok(()); // no layer in common: nothing to move
     };
@@ -183,6 +212,15 @@ impl Link for InProcessLink {
             }
             Outbound::Ready { blocks } => self.grants.grant(to, id, Access::Read, blocks),
             _ => {}
+        }
+        // As on the network: the receiver checks the sender's blocks and layout against its
+        // own when the transfer info or `Ready` arrives, and fails the request by name.
+        if let Err(detail) = self.fabric.check_pairing(&self.me, to, &msg) {
+            return if root.deliver_invalid(self.me.clone(), id.clone(), detail) {
+                Ok(())
+            } else {
+                Err(LinkError::PeerGone(to.to_string()))
+            };
         }
         if root.deliver(self.me.clone(), id.clone(), msg) {
             Ok(())

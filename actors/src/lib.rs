@@ -33,8 +33,8 @@ pub use config::{RuntimeConfig, TransportChoice};
 pub use error::Error;
 pub use event::Event;
 pub use handoff_transport::{
-    BlockId, BlockSlice, EngineId, FailureReason, KvLayout, KvMemory, KvRange, LayerSpan, PairSide,
-    PairingError, RankInfo, Region, RegionError, RequestId, Role, TransferMode,
+    BlockId, BlockSlice, EngineId, FailureReason, KvLayout, KvMemory, KvRange, KvShape, LayerSpan,
+    PairSide, PairingError, RankInfo, Region, RegionError, RequestId, Role, TransferMode,
 };
 pub use inproc::Fabric;
 pub use link::{Attach, Inbox, Link};

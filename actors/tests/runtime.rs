@@ -8,8 +8,9 @@ use std::time::Duration;
 
 use handoff_actors::machine::Outbound;
 use handoff_actors::{
-    merge, BlockId, EngineId, Error, Event, Fabric, FailureReason, RankInfo, ReceiverSpec, Region,
-    RequestId, Role, Runtime, State, Timeouts, TransferMode, TransportChoice,
+    merge, BlockId, EngineId, Error, Event, Fabric, FailureReason, KvLayout, KvShape, LayerSpan,
+    RankInfo, ReceiverSpec, Region, RequestId, Role, Runtime, State, Timeouts, TransferMode,
+    TransportChoice,
 };
 
 const BLOCKS: u32 = 64;
@@ -712,4 +713,226 @@ async fn transfer_info_for_a_request_never_opened_is_answered_at_the_deadline() 
         took >= timeouts().bootstrap && took < timeouts().bootstrap + Duration::from_secs(1),
         "{took:?}"
     );
+}
+
+// ---- KV caches as engines hold them: different layouts on the two sides. ----
+
+/// A runtime over a region laid out like an engine's tensors (`layout`'s addresses are
+/// offsets into a fresh allocation).
+async fn start_laid_out(
+    fabric: &Arc<Fabric>,
+    role: Role,
+    rank: RankInfo,
+    mode: TransferMode,
+    layout: KvLayout,
+) -> Runtime {
+    let region = Arc::new(Region::alloc(layout).unwrap());
+    Runtime::builder(role, rank)
+        .timeouts(timeouts())
+        .mode(mode)
+        .transport(TransportChoice::InProcess(fabric.clone()))
+        .region(region)
+        .start()
+        .await
+        .unwrap()
+}
+
+/// Distinct bytes for every byte of every block: a byte moved to the wrong place shows.
+fn pattern(block: BlockId, len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31) ^ (block.0 as u8).wrapping_mul(7) ^ seed)
+        .collect()
+}
+
+/// The bytes of `len` logical bytes at `offset` of `block`, read from the region's own
+/// ranges (physical memory), not through the logical copy.
+fn physical(region: &Region, block: BlockId, offset: usize, len: usize) -> Vec<u8> {
+    let mut segments = Vec::new();
+    region
+        .segments_into(block, offset, len, &mut segments)
+        .unwrap();
+    segments
+        .iter()
+        // SAFETY: the segments are the region's own; the request that wrote them ended.
+        .flat_map(|s| unsafe { region.host_bytes(s) }.unwrap().to_vec())
+        .collect()
+}
+
+/// Prefill holds vLLM-style per-layer tensors (K and V halves: 2 ranges per layer, 4
+/// layers), decode FlashInfer-style interleaved ones (1 range per layer): every byte of
+/// every block lands in the right place of decode's ranges.
+async fn per_layer_blocks_land_in_interleaved_blocks(mode: TransferMode) {
+    let fabric = Fabric::new();
+    let (layers, half) = (4, 16);
+    let p = start_laid_out(
+        &fabric,
+        Role::Prefill,
+        rank("P", 0, 1),
+        mode,
+        KvLayout::shaped(KvShape::KvHalves, layers, BLOCKS, half),
+    )
+    .await;
+    let d = start_laid_out(
+        &fabric,
+        Role::Decode,
+        rank("D", 0, 1),
+        mode,
+        KvLayout::shaped(KvShape::LayerBlocks, layers, BLOCKS, half),
+    )
+    .await;
+    assert_eq!(p.region().layout().ranges.len(), 8);
+    assert_eq!(d.region().layout().ranges.len(), 4);
+    let block_bytes = p.region().block_bytes();
+    let (src, dst) = (
+        blocks(3..9),
+        vec![
+            BlockId(50),
+            BlockId(2),
+            BlockId(40),
+            BlockId(41),
+            BlockId(42),
+            BlockId(7),
+        ],
+    );
+    for b in &src {
+        p.region()
+            .write_block(*b, &pattern(*b, block_bytes, 0x5a))
+            .unwrap();
+    }
+    let r = d.receiver("r", spec("P", Some(dst.clone()))).unwrap();
+    let s = p.sender("r").unwrap();
+    s.send(src.clone()).unwrap();
+    assert_eq!(r.completion().await, State::Done, "{mode:?}");
+    assert_eq!(s.completion().await, State::Done, "{mode:?}");
+    for (from, to) in src.iter().zip(&dst) {
+        let want = pattern(*from, block_bytes, 0x5a);
+        assert_eq!(
+            d.region().read_block(*to).unwrap(),
+            want,
+            "{mode:?}: block {to}"
+        );
+        for layer in 0..layers as usize {
+            // Decode's range `layer` holds prefill's layer-`layer` K half then V half.
+            let at = layer * 2 * half;
+            assert_eq!(
+                physical(d.region(), *to, at, 2 * half),
+                physical(p.region(), *from, at, 2 * half),
+                "{mode:?}: block {to}, layer {layer}"
+            );
+        }
+    }
+    // Decode blocks outside the request stay untouched.
+    assert_eq!(
+        d.region().read_block(BlockId(0)).unwrap(),
+        vec![0; block_bytes]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn per_layer_prefill_pushes_into_interleaved_decode_byte_for_byte() {
+    per_layer_blocks_land_in_interleaved_blocks(TransferMode::Push).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn interleaved_decode_pulls_from_per_layer_prefill_byte_for_byte() {
+    per_layer_blocks_land_in_interleaved_blocks(TransferMode::Pull).await;
+}
+
+/// 61 layers over 2 prefill pipeline stages (31 + 30, per-layer tensors), decode holding
+/// all 61 in one contiguous allocation: each stage's layers land in their place.
+async fn uneven_pipeline_stages_fill_whole_blocks(mode: TransferMode) {
+    let fabric = Fabric::new();
+    let half = 4;
+    let stage = |first, count| {
+        let mut layout = KvLayout::shaped(KvShape::KvHalves, count, BLOCKS, half);
+        layout.layers = LayerSpan {
+            first,
+            count,
+            total: 61,
+        };
+        layout
+    };
+    let p0 = start_laid_out(&fabric, Role::Prefill, rank("P", 0, 2), mode, stage(0, 31)).await;
+    let p1 = start_laid_out(&fabric, Role::Prefill, rank("P", 1, 2), mode, stage(31, 30)).await;
+    let d = start_laid_out(
+        &fabric,
+        Role::Decode,
+        rank("D", 0, 1),
+        mode,
+        KvLayout::shaped(KvShape::Contiguous, 61, BLOCKS, half),
+    )
+    .await;
+    let (src0, src1, dst) = (blocks(0..3), blocks(10..13), blocks(40..43));
+    let (bytes0, bytes1) = (p0.region().block_bytes(), p1.region().block_bytes());
+    assert_eq!((bytes0, bytes1, d.region().block_bytes()), (248, 240, 488));
+    for (a, b) in src0.iter().zip(&src1) {
+        p0.region()
+            .write_block(*a, &pattern(*a, bytes0, 1))
+            .unwrap();
+        p1.region()
+            .write_block(*b, &pattern(*b, bytes1, 2))
+            .unwrap();
+    }
+    let r = d.receiver("r", spec("P", Some(dst.clone()))).unwrap();
+    let s0 = p0.sender("r").unwrap();
+    let s1 = p1.sender("r").unwrap();
+    s0.send(src0.clone()).unwrap();
+    s1.send(src1.clone()).unwrap();
+    assert_eq!(r.completion().await, State::Done, "{mode:?}");
+    assert_eq!(s0.completion().await, State::Done);
+    assert_eq!(s1.completion().await, State::Done);
+    for ((a, b), to) in src0.iter().zip(&src1).zip(&dst) {
+        let got = d.region().read_block(*to).unwrap();
+        assert_eq!(
+            got[..bytes0],
+            pattern(*a, bytes0, 1),
+            "{mode:?}: {to}, layers 0..31"
+        );
+        assert_eq!(
+            got[bytes0..],
+            pattern(*b, bytes1, 2),
+            "{mode:?}: {to}, layers 31..61"
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_uneven_pipeline_split_pushes_each_stages_layers_into_place() {
+    uneven_pipeline_stages_fill_whole_blocks(TransferMode::Push).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn decode_pulls_each_stage_of_an_uneven_split_into_place() {
+    uneven_pipeline_stages_fill_whole_blocks(TransferMode::Pull).await;
+}
+
+/// Two layouts of the same size that disagree on tokens per block (another model, or a
+/// misconfigured engine) fail the request by name on both sides; not a byte moves.
+#[tokio::test(start_paused = true)]
+async fn layouts_that_do_not_pair_fail_by_name_before_a_byte_moves() {
+    let fabric = Fabric::new();
+    let mode = TransferMode::Push;
+    let mut ours = KvLayout::shaped(KvShape::KvHalves, 4, BLOCKS, 16);
+    ours.block_tokens = 16;
+    let mut theirs = KvLayout::shaped(KvShape::LayerBlocks, 4, BLOCKS, 16);
+    theirs.block_tokens = 32;
+    let p = start_laid_out(&fabric, Role::Prefill, rank("P", 0, 1), mode, ours).await;
+    let d = start_laid_out(&fabric, Role::Decode, rank("D", 0, 1), mode, theirs).await;
+    p.region().write_block(BlockId(1), &[9; 128]).unwrap();
+    let r = d.receiver("r", spec("P", Some(vec![BlockId(5)]))).unwrap();
+    let s = p.sender("r").unwrap();
+    s.send(vec![BlockId(1)]).unwrap();
+    let on_prefill = s.completion().await;
+    let on_decode = r.completion().await;
+    for outcome in [&on_prefill, &on_decode] {
+        assert!(
+            format!("{outcome}").contains("tokens per block differ"),
+            "{outcome}"
+        );
+    }
+    assert!(
+        matches!(on_prefill.failure(), Some(FailureReason::Protocol { .. })),
+        "{on_prefill}"
+    );
+    assert_eq!(d.region().read_block(BlockId(5)).unwrap(), vec![0; 128]);
 }

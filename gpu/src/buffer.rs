@@ -6,7 +6,6 @@ use std::ops::Range;
 use std::ptr::NonNull;
 
 use crate::checksum::{fill_pattern, Checksum64};
-use crate::layout::{Segment, Transfer};
 use crate::{GpuError, MemoryKind};
 
 /// Alignment of host buffers: one page, which is what memory registration for RDMA
@@ -120,76 +119,6 @@ fn chunks(offset: u64, len: u64) -> impl Iterator<Item = Chunk> {
         // Each chunk is at most STAGING_BYTES_MAX, which is a usize.
         len: (len - i * step).min(step) as usize,
     })
-}
-
-/// The checksum of a request's bytes: every segment, in order, over `regions` (indexed
-/// by [`Segment::region`]). Equal on both sides of a correct transfer when each side
-/// passes its own half of the same [`crate::transfer_plan`].
-///
-/// # Errors
-/// [`GpuError::NoSuchRegion`], and those of [`KvBuffer::read_into`].
-pub fn checksum_segments<B: KvBuffer>(
-    regions: &[B],
-    segments: &[Segment],
-) -> Result<u64, GpuError> {
-    let mut checksum = Checksum64::new();
-    for segment in segments {
-        region(regions, segment.region)?.checksum_into(
-            segment.offset,
-            segment.len,
-            &mut checksum,
-        )?;
-    }
-    Ok(checksum.finish())
-}
-
-/// Executes a transfer plan by copying through host memory: the reference data path
-/// that tests compare real transports against, and a fallback for machines without one.
-///
-/// # Errors
-/// [`GpuError::NoSuchRegion`], [`GpuError::OutOfBounds`], driver errors.
-pub fn copy_transfers<S: KvBuffer, D: KvBuffer>(
-    src: &[S],
-    dst: &mut [D],
-    plan: &[Transfer],
-) -> Result<(), GpuError> {
-    let mut staging = Vec::new();
-    for transfer in plan {
-        let from = region(src, transfer.src.region)?;
-        let dst_count = dst.len();
-        let to = usize::try_from(transfer.dst.region)
-            .ok()
-            .and_then(|index| dst.get_mut(index))
-            .ok_or(GpuError::NoSuchRegion {
-                region: transfer.dst.region,
-                count: dst_count,
-            })?;
-        if transfer.src.len != transfer.dst.len {
-            return Err(GpuError::TransferLengthMismatch {
-                src: transfer.src.len,
-                dst: transfer.dst.len,
-            });
-        }
-        // Both ranges are checked before any byte moves, so a bad plan writes nothing.
-        checked_range(transfer.src.offset, transfer.src.len, from.len())?;
-        checked_range(transfer.dst.offset, transfer.dst.len, to.len())?;
-        for chunk in chunks(0, transfer.src.len) {
-            staging.resize(chunk.len, 0);
-            from.read_into(transfer.src.offset + chunk.offset, &mut staging)?;
-            to.write_from(transfer.dst.offset + chunk.offset, &staging)?;
-        }
-    }
-    Ok(())
-}
-
-fn region<B: KvBuffer>(regions: &[B], index: u32) -> Result<&B, GpuError> {
-    usize::try_from(index)
-        .ok()
-        .and_then(|i| regions.get(i))
-        .ok_or(GpuError::NoSuchRegion {
-            region: index,
-            count: regions.len(),
-        })
 }
 
 /// `offset..offset + len` as an index range, if it lies within `buffer_len` bytes.

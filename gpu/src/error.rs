@@ -52,92 +52,19 @@ pub enum GpuError {
         /// The panic message.
         message: String,
     },
-    /// A KV-cache layout dimension is zero; a layout with no bytes describes nothing.
-    #[error("KV layout dimension `{field}` is zero")]
-    ZeroDimension {
-        /// The field that is zero.
-        field: &'static str,
-    },
-    /// A KV-cache layout dimension is past its named limit.
-    #[error("KV layout dimension `{field}` is {value}, more than the {max} allowed")]
-    DimensionTooLarge {
-        /// The field.
-        field: &'static str,
-        /// Its value.
-        value: u64,
-        /// The limit.
-        max: u64,
-    },
-    /// Tensor-parallel settings that cannot describe a real split: the rank is not
-    /// below the size, or the KV heads cannot be divided among (or replicated over) the ranks.
-    #[error("invalid tensor parallelism: rank {tp_rank} of {tp_size} with {kv_heads} KV heads")]
-    TensorParallel {
-        /// This worker's TP rank.
-        tp_rank: u32,
-        /// The TP size.
-        tp_size: u32,
-        /// The model's total KV heads.
-        kv_heads: u32,
-    },
     /// Byte arithmetic overflowed `u64` (or `usize`); the layout is too large to address.
     #[error("arithmetic overflow computing {what}")]
     Overflow {
         /// The quantity being computed.
         what: &'static str,
     },
-    /// A block id that is not below the layout's `num_blocks`.
-    #[error("block {block} out of range: the layout has {num_blocks} blocks")]
-    BlockOutOfRange {
-        /// The offending block id.
-        block: u32,
-        /// The layout's block count.
-        num_blocks: u32,
-    },
-    /// A block id named twice in one list: its bytes would be moved twice, or two
-    /// source blocks would land on one destination block.
-    #[error("block {block} appears twice in one block list")]
-    DuplicateBlock {
-        /// The repeated block id.
-        block: u32,
-    },
-    /// A block list longer than [`crate::BLOCKS_PER_REQUEST_MAX`].
-    #[error("block list of {count} blocks, more than the {max} allowed per request")]
+    /// A copy plan longer than [`crate::COPIES_PER_CALL_MAX`].
+    #[error("copy plan of {count} copies, more than the {max} allowed per call")]
     TooManyBlocks {
         /// The list's length.
         count: usize,
         /// The limit.
         max: usize,
-    },
-    /// Two block lists that must pair up one to one have different lengths.
-    #[error("block lists differ in length: {src} source blocks, {dst} destination blocks")]
-    BlockCountMismatch {
-        /// Source list length.
-        src: usize,
-        /// Destination list length.
-        dst: usize,
-    },
-    /// Two layouts whose blocks cannot be copied into one another (different layer
-    /// count or different bytes per block per layer).
-    #[error("layouts do not match: {reason}")]
-    LayoutMismatch {
-        /// Which quantity differs, with both values.
-        reason: String,
-    },
-    /// A copy whose source and destination lengths differ.
-    #[error("transfer of {src} source bytes into {dst} destination bytes")]
-    TransferLengthMismatch {
-        /// Source length.
-        src: u64,
-        /// Destination length.
-        dst: u64,
-    },
-    /// A segment names a region that the caller did not supply.
-    #[error("segment names region {region}, but only {count} region(s) were given")]
-    NoSuchRegion {
-        /// The region index.
-        region: u32,
-        /// How many regions were given.
-        count: usize,
     },
     /// A byte range that does not lie inside its buffer.
     #[error("byte range {offset}+{len} is outside a buffer of {buffer_len} bytes")]

@@ -1,10 +1,11 @@
 //! `handoff-gpu`: the GPU side of handoff.
 //!
 //! It probes for a CUDA driver and devices at run time (through cudarc, never linking
-//! CUDA at build time), describes an engine's KV-cache layout so that a request's block
-//! list becomes a list of address ranges, allocates KV caches for tests and benchmarks,
-//! checks their contents with a checksum, and names the memory kinds (host, CUDA) that
-//! transports register.
+//! CUDA at build time), allocates KV caches for tests and benchmarks, copies between host
+//! memory and device memory named by address (an engine's KV tensors), checks contents
+//! with a checksum, and names the memory kinds (host, CUDA) that transports register.
+//! KV-cache layouts (which ranges a block id is made of) live in `handoff-transport`
+//! (`handoff_transport::layout`), next to the regions and data planes that use them.
 //!
 //! No GPU, no driver, or `HANDOFF_CUDA_DISABLE=1` is an error value
 //! ([`GpuError::NoDriver`], [`GpuError::NoDevice`]), never a panic: cudarc panics when
@@ -15,16 +16,13 @@
 //! - [`MemoryKind`]: where a region's bytes live.
 //! - [`mod@probe`] (`probe.rs`): [`probe()`], [`GpuInfo`], [`DeviceInfo`], the
 //!   `HANDOFF_CUDA_DISABLE` override. Creates no CUDA context.
-//! - [`layout`] (`layout.rs`): [`KvShape`], [`LayoutKind`] (vLLM's per-layer tensors or
-//!   one block-contiguous allocation), [`KvLayout`] with checked byte arithmetic,
-//!   [`Segment`]s of a block list, [`coalesce`], and [`transfer_plan`] pairing a
-//!   prefill block list with a decode block list.
 //! - [`buffer`] (`buffer.rs`): the [`KvBuffer`] trait, [`HostBuffer`] (page-aligned heap
-//!   memory), [`checksum_segments`] and [`copy_transfers`].
+//!   memory).
 //! - [`device`] (`device.rs`): [`DeviceBuffer`], CUDA memory through cudarc, with copies
 //!   through `&self` (a registered buffer is shared with a transport) and the
-//!   device-to-device reference copy [`DeviceBuffer::copy_to`];
-//!   [`bind_device_to_thread`] for a transport's I/O thread.
+//!   device-to-device reference copy [`DeviceBuffer::copy_to`]; [`DeviceCopier`] for
+//!   copies to and from device memory by address; [`bind_device_to_thread`] for a
+//!   transport's I/O thread.
 //! - [`checksum`] (`checksum.rs`): [`Checksum64`] / [`checksum64`] and the
 //!   deterministic fill pattern.
 //! - `error.rs`: [`GpuError`], the crate's one error type.
@@ -45,21 +43,14 @@ pub mod buffer;
 pub mod checksum;
 pub mod device;
 mod error;
-pub mod layout;
 pub mod probe;
 
-pub use buffer::{
-    checksum_segments, copy_transfers, HostBuffer, KvBuffer, HOST_ALIGN_BYTES, STAGING_BYTES_MAX,
-};
+pub use buffer::{HostBuffer, KvBuffer, HOST_ALIGN_BYTES, STAGING_BYTES_MAX};
 pub use checksum::{checksum64, Checksum64};
 pub use device::{
     bind_device_to_thread, DeviceBuffer, DeviceContext, DeviceCopier, COPIES_PER_CALL_MAX,
 };
 pub use error::GpuError;
-pub use layout::{
-    coalesce, transfer_plan, KvLayout, KvShape, LayoutKind, Segment, Transfer,
-    BLOCKS_PER_REQUEST_MAX, LAYERS_MAX,
-};
 pub use probe::{
     cuda_disabled_by_env, probe, DeviceInfo, DriverVersion, GpuInfo, CUDA_DISABLE_ENV,
     DEVICE_COUNT_MAX,

@@ -4,9 +4,8 @@
 
 use handoff_gpu::checksum::fill_pattern;
 use handoff_gpu::{
-    checksum64, checksum_segments, copy_transfers, probe, transfer_plan, DeviceBuffer, GpuError,
-    GpuInfo, HostBuffer, KvBuffer, KvLayout, KvShape, LayoutKind, MemoryKind, Segment,
-    STAGING_BYTES_MAX,
+    checksum64, probe, DeviceBuffer, DeviceCopier, GpuError, GpuInfo, HostBuffer, KvBuffer,
+    MemoryKind, STAGING_BYTES_MAX,
 };
 
 /// The probe result, or `None` after printing why these tests cannot run here. Any
@@ -163,80 +162,21 @@ fn device_errors_are_values_not_panics() {
     assert_eq!(buffer.write_from(0, &[1, 2, 3]), Ok(()));
 }
 
-fn shape(num_blocks: u32) -> KvShape {
-    KvShape {
-        layers: 4,
-        num_blocks,
-        block_size_tokens: 16,
-        kv_heads: 8,
-        head_dim: 128,
-        dtype_bytes: 2,
-        tp_rank: 0,
-        tp_size: 1,
-    }
-}
-
 #[test]
-fn kv_blocks_move_between_device_caches_of_different_layouts() {
+fn a_copier_reads_and_writes_device_memory_by_address() {
     let Some(_) = gpu() else { return };
-    let src = KvLayout::new(shape(32), LayoutKind::PerLayer).unwrap_or_else(|e| panic!("{e}"));
-    let dst =
-        KvLayout::new(shape(48), LayoutKind::BlockContiguous).unwrap_or_else(|e| panic!("{e}"));
-    let mut src_cache: Vec<DeviceBuffer> = (0..src.region_count())
-        .map(|_| device(src.region_bytes() as usize))
-        .collect();
-    for (region, buffer) in src_cache.iter_mut().enumerate() {
-        assert_eq!(buffer.fill_pattern(region as u64), Ok(()));
-    }
-    let mut dst_cache = vec![device(dst.total_bytes() as usize)];
-    let (src_blocks, dst_blocks) = ([1, 2, 3, 9, 31], [40, 41, 0, 7, 8]);
-    let plan =
-        transfer_plan(&src, &src_blocks, &dst, &dst_blocks).unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(copy_transfers(&src_cache, &mut dst_cache, &plan), Ok(()));
-
-    let sent: Vec<Segment> = plan.iter().map(|t| t.src).collect();
-    let landed: Vec<Segment> = plan.iter().map(|t| t.dst).collect();
-    let sent_sum = checksum_segments(&src_cache, &sent);
-    assert!(sent_sum.is_ok());
-    assert_eq!(sent_sum, checksum_segments(&dst_cache, &landed));
-    // Blocks that were not granted are still zero.
-    let others: Vec<u32> = (0..48).filter(|b| !dst_blocks.contains(b)).collect();
-    let others = dst.segments(&others).unwrap_or_else(|e| panic!("{e}"));
-    let zeros = host(dst.total_bytes() as usize);
-    assert_eq!(
-        checksum_segments(&dst_cache, &others),
-        checksum_segments(&[zeros], &others)
-    );
-}
-
-#[test]
-fn kv_blocks_move_from_host_to_device_and_back() {
-    let Some(_) = gpu() else { return };
-    let layout =
-        KvLayout::new(shape(16), LayoutKind::BlockContiguous).unwrap_or_else(|e| panic!("{e}"));
-    let bytes = layout.total_bytes() as usize;
-    let mut host_cache = vec![host(bytes)];
-    assert_eq!(host_cache[0].fill_pattern(11), Ok(()));
-    let mut device_cache = vec![device(bytes)];
-    let blocks = [0, 5, 6, 15];
-    let plan = transfer_plan(&layout, &blocks, &layout, &blocks).unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(
-        copy_transfers(&host_cache, &mut device_cache, &plan),
-        Ok(())
-    );
-    let segments = layout.segments(&blocks).unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(
-        checksum_segments(&device_cache, &segments),
-        checksum_segments(&host_cache, &segments)
-    );
-    let mut returned = vec![host(bytes)];
-    assert_eq!(copy_transfers(&device_cache, &mut returned, &plan), Ok(()));
-    for segment in &segments {
-        assert_eq!(
-            returned[0].bytes(segment.offset, segment.len),
-            host_cache[0].bytes(segment.offset, segment.len)
-        );
-    }
+    let buffer = device(4096);
+    let copier = DeviceCopier::new(buffer.ordinal()).unwrap_or_else(|e| panic!("{e}"));
+    let data: Vec<u8> = (0..=255).collect();
+    // SAFETY: 256 bytes at offset 1000 lie inside the 4096-byte buffer, alive here.
+    unsafe { copier.write(buffer.addr() + 1000, &data) }.unwrap_or_else(|e| panic!("{e}"));
+    let mut back = vec![0u8; 256];
+    assert_eq!(buffer.read_at(1000, &mut back), Ok(()));
+    assert_eq!(back, data);
+    let mut again = vec![0u8; 256];
+    // SAFETY: as above.
+    unsafe { copier.read(buffer.addr() + 1000, &mut again) }.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(again, data);
 }
 
 #[test]

@@ -8,7 +8,7 @@
 use std::process::ExitCode;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use crate::config::{DataPlane, FaultPlan, Faults, ModeChoice, SimConfig};
+use crate::config::{DataPlane, FaultPlan, Faults, LayoutChoice, ModeChoice, SimConfig};
 use crate::report::Report;
 use crate::{simulate, SimError};
 
@@ -46,6 +46,19 @@ pub struct SimArgs {
     /// Dp ranks of every decode engine.
     #[arg(long, default_value_t = 1)]
     pub decode_dp: u32,
+    /// Bytes per KV block (the whole model's).
+    #[arg(long, default_value_t = 32)]
+    pub block_bytes: usize,
+    /// Model layers (0: opaque blocks split evenly across prefill pipeline ranks);
+    /// prefill stages split them unevenly when they must (61 over 2: 30 + 31).
+    #[arg(long, default_value_t = 0)]
+    pub layers: u32,
+    /// How prefill workers lay out their layers: per-layer, interleaved or contiguous.
+    #[arg(long, default_value = "contiguous")]
+    pub prefill_layout: String,
+    /// How decode workers lay out their layers: per-layer, interleaved or contiguous.
+    #[arg(long, default_value = "contiguous")]
+    pub decode_layout: String,
     /// Requests in the safety phase (faults on).
     #[arg(long, default_value_t = 200)]
     pub requests: u64,
@@ -95,6 +108,10 @@ pub fn config(args: &SimArgs, seed: u64) -> Result<SimConfig, SimError> {
         })
         .collect::<Result<_, _>>()?;
     cfg.shape.mode = args.mode.parse::<ModeChoice>()?;
+    cfg.shape.block_bytes = args.block_bytes;
+    cfg.shape.layers = args.layers;
+    cfg.shape.prefill_layout = args.prefill_layout.parse::<LayoutChoice>()?;
+    cfg.shape.decode_layout = args.decode_layout.parse::<LayoutChoice>()?;
     cfg.data_plane = args.data_plane.parse::<DataPlane>()?;
     cfg.workload.requests = args.requests;
     cfg.workload.liveness_requests = args.liveness_requests;

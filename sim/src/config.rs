@@ -8,10 +8,47 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use handoff_actors::machine::Outbound;
-use handoff_actors::{Timeouts, TransferMode};
+use handoff_actors::{KvShape, Timeouts, TransferMode};
 
 use crate::rng::{Rng, PPM};
 use crate::SimError;
+
+/// How a worker lays out its layers' KV ranges (with [`Shape::layers`] > 0), as the
+/// engines it stands in for do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum LayoutChoice {
+    /// vLLM's per-layer tensors with K and V halves: two ranges per layer.
+    PerLayer,
+    /// Per-layer tensors with K and V interleaved per block: one range per layer.
+    Interleaved,
+    /// One allocation, every layer of a block together: one range.
+    Contiguous,
+}
+
+impl LayoutChoice {
+    /// The layout shape this stands for.
+    pub fn shape(self) -> KvShape {
+        match self {
+            LayoutChoice::PerLayer => KvShape::KvHalves,
+            LayoutChoice::Interleaved => KvShape::LayerBlocks,
+            LayoutChoice::Contiguous => KvShape::Contiguous,
+        }
+    }
+}
+
+impl FromStr for LayoutChoice {
+    type Err = SimError;
+    fn from_str(s: &str) -> Result<Self, SimError> {
+        match s {
+            "per-layer" => Ok(Self::PerLayer),
+            "interleaved" => Ok(Self::Interleaved),
+            "contiguous" => Ok(Self::Contiguous),
+            other => Err(SimError::Config(format!(
+                "layout {other:?}: expected per-layer, interleaved or contiguous"
+            ))),
+        }
+    }
+}
 
 /// Which transfer mode decode engines use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -69,10 +106,20 @@ pub struct Shape {
     pub decode_dp: u32,
     /// KV blocks per worker.
     pub blocks_per_worker: u32,
-    /// Bytes per KV block.
+    /// Bytes per KV block (the whole model's logical block).
     pub block_bytes: usize,
     /// Push, pull, or both.
     pub mode: ModeChoice,
+    /// Model layers: 0 keeps blocks opaque (each prefill pipeline rank holds an equal byte
+    /// share of every block, one contiguous region per worker); otherwise prefill rank `r`
+    /// of `pp` holds layers `r × layers / pp .. (r + 1) × layers / pp` (uneven when `pp`
+    /// does not divide `layers`), laid out as `prefill_layout` says, and decode holds every
+    /// layer as `decode_layout` says.
+    pub layers: u32,
+    /// How prefill workers lay out their layers' ranges (with `layers > 0`).
+    pub prefill_layout: LayoutChoice,
+    /// How decode workers lay out their layers' ranges (with `layers > 0`).
+    pub decode_layout: LayoutChoice,
 }
 
 impl Default for Shape {
@@ -87,6 +134,9 @@ impl Default for Shape {
             blocks_per_worker: 48,
             block_bytes: 32,
             mode: ModeChoice::Mixed,
+            layers: 0,
+            prefill_layout: LayoutChoice::Contiguous,
+            decode_layout: LayoutChoice::Contiguous,
         }
     }
 }
@@ -123,8 +173,16 @@ impl Shape {
         if self.blocks_per_worker == 0 || self.block_bytes == 0 {
             return bad("workers need blocks of at least one byte");
         }
-        if self.block_bytes % self.pp as usize != 0 {
+        if self.layers == 0 && self.block_bytes % self.pp as usize != 0 {
             return bad("block bytes must split evenly across the prefill pipeline ranks");
+        }
+        if self.layers > 0 {
+            if self.layers < self.pp {
+                return bad("every prefill pipeline rank needs at least one layer");
+            }
+            if self.block_bytes % (2 * self.layers as usize) != 0 {
+                return bad("block bytes must split into a K and a V half of every layer");
+            }
         }
         Ok(())
     }

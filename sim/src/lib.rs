@@ -57,8 +57,8 @@ pub mod trace;
 mod world;
 
 pub use config::{
-    FaultKind, FaultPlan, Faults, MessageKind, ModeChoice, Scripted, Shape, SimConfig, Target,
-    Timing, Workload,
+    FaultKind, FaultPlan, Faults, LayoutChoice, MessageKind, ModeChoice, Scripted, Shape,
+    SimConfig, Target, Timing, Workload,
 };
 pub use error::SimError;
 pub use report::{Invariant, Report, Violation};

@@ -12,9 +12,9 @@ use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
 
 use handoff_actors::{
-    Attach, BlockId, EngineId, Error as ActorError, Event, RankInfo, ReceiverHandle, ReceiverSpec,
-    Region, RegionError, RequestId, Role, Runtime, SenderHandle, State, TransferMode,
-    TransportChoice,
+    Attach, BlockId, EngineId, Error as ActorError, Event, KvLayout, LayerSpan, RankInfo,
+    ReceiverHandle, ReceiverSpec, Region, RegionError, RequestId, Role, Runtime, SenderHandle,
+    State, TransferMode, TransportChoice,
 };
 
 use crate::config::{Scripted, Shape, SimConfig, Target};
@@ -199,19 +199,52 @@ fn pattern(req: u64, tp: u32, k: usize, block_bytes: usize) -> Vec<u8> {
     out
 }
 
-/// The slice of `whole` that pipeline rank `pp_rank` of `pp_size` holds.
-fn pipeline_part(whole: &[u8], pp_rank: u32, pp_size: u32) -> &[u8] {
-    let part = whole.len() / pp_size.max(1) as usize;
-    let start = part * pp_rank as usize;
-    &whole[start.min(whole.len())..(start + part).min(whole.len())]
+/// The layers prefill pipeline rank `pp_rank` of `pp_size` holds of a model of `layers`
+/// (`layers > 0`): an uneven split when `pp_size` does not divide `layers`.
+fn stage_layers(layers: u32, pp_rank: u32, pp_size: u32) -> LayerSpan {
+    let pp = u64::from(pp_size.max(1));
+    let at = |r: u32| (u64::from(layers) * u64::from(r) / pp) as u32;
+    LayerSpan {
+        first: at(pp_rank),
+        count: at(pp_rank + 1) - at(pp_rank),
+        total: layers,
+    }
 }
 
-/// A worker's region: each pipeline rank holds its share of every block.
-fn worker_region(shape: &Shape, rank: &RankInfo) -> Result<Region, RegionError> {
-    Region::new(
-        shape.blocks_per_worker,
-        shape.block_bytes / rank.pp_size.max(1) as usize,
-    )
+/// The slice of `whole` that a worker at `rank` holds: its pipeline share (an equal byte
+/// share without layers, its layers' bytes with them). Decode holds whole blocks.
+fn pipeline_part<'a>(shape: &Shape, whole: &'a [u8], rank: &RankInfo) -> &'a [u8] {
+    let (start, len) = if shape.layers == 0 {
+        let part = whole.len() / rank.pp_size.max(1) as usize;
+        (part * rank.pp_rank as usize, part)
+    } else {
+        let layer = whole.len() / shape.layers as usize;
+        let span = stage_layers(shape.layers, rank.pp_rank, rank.pp_size);
+        (span.first as usize * layer, span.count as usize * layer)
+    };
+    &whole[start.min(whole.len())..(start + len).min(whole.len())]
+}
+
+/// A worker's region: each pipeline rank holds its share of every block; with layers, laid
+/// out as its side's [`Shape::prefill_layout`] or [`Shape::decode_layout`] says.
+fn worker_region(shape: &Shape, rank: &RankInfo, role: Role) -> Result<Region, RegionError> {
+    if shape.layers == 0 {
+        return Region::new(
+            shape.blocks_per_worker,
+            shape.block_bytes / rank.pp_size.max(1) as usize,
+        );
+    }
+    let (layout, span) = match role {
+        Role::Prefill => (
+            shape.prefill_layout,
+            stage_layers(shape.layers, rank.pp_rank, rank.pp_size),
+        ),
+        Role::Decode => (shape.decode_layout, stage_layers(shape.layers, 0, 1)),
+    };
+    let half = shape.block_bytes / (2 * shape.layers as usize);
+    let mut kv = KvLayout::shaped(layout.shape(), span.count, shape.blocks_per_worker, half);
+    kv.layers = span;
+    Region::alloc(kv)
 }
 
 fn expected_checksum(req: u64, tp: u32, blocks: usize, block_bytes: usize) -> u64 {
@@ -292,7 +325,7 @@ impl World {
         let attach: Arc<dyn Attach> = Arc::new(SimAttach(net.clone()));
         let mut workers = Vec::with_capacity(ranks.len());
         for (idx, (rank, role, mode)) in ranks.into_iter().enumerate() {
-            let region = Arc::new(worker_region(&s, &rank)?);
+            let region = Arc::new(worker_region(&s, &rank, role)?);
             workers.push(Worker {
                 idx,
                 rank,
@@ -836,10 +869,9 @@ impl World {
         };
         let tp = worker.rank.tp_rank;
         if worker.role == Role::Prefill {
-            let (pp_rank, pp_size) = (worker.rank.pp_rank, worker.rank.pp_size);
             for (k, b) in blocks.iter().enumerate() {
                 let whole = pattern(req, tp, k, self.cfg.shape.block_bytes);
-                let bytes = pipeline_part(&whole, pp_rank, pp_size);
+                let bytes = pipeline_part(&self.cfg.shape, &whole, &worker.rank);
                 if let Err(e) = worker.region.write_block(*b, bytes) {
                     let detail = format!("w{w} could not fill block {b}: {e}");
                     return self.violate(Invariant::Api, Some(req), detail);
@@ -1396,7 +1428,7 @@ impl World {
         worker.inc += 1;
         // A new process: new memory, a new pool.
         let s = &self.cfg.shape;
-        match worker_region(s, &worker.rank) {
+        match worker_region(s, &worker.rank, worker.role) {
             Ok(r) => worker.region = Arc::new(r),
             Err(e) => return self.violate(Invariant::Api, None, format!("w{w}: {e}")),
         }

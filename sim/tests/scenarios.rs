@@ -350,3 +350,75 @@ fn a_block_that_does_not_split_across_pipeline_ranks_is_refused() {
         .unwrap_or_default();
     assert!(err.contains("split evenly"), "{err}");
 }
+
+/// KV caches as engines hold them: 61 layers over 2 prefill pipeline stages (30 + 31), each
+/// stage's memory in per-layer ranges (K and V halves: 2 ranges per layer) or interleaved,
+/// decode's in one contiguous range or per layer. The integrity invariant compares every
+/// byte of every decode block with what the prefill stages wrote, so each stage's layers
+/// must land in their place through both layouts, in every mode and on both planes.
+#[test]
+fn per_layer_stages_of_an_uneven_split_fill_decode_blocks_of_another_layout() {
+    use handoff_sim::LayoutChoice::{Contiguous, Interleaved, PerLayer};
+    for (seed, mode, plane, prefill, decode) in [
+        (
+            7001,
+            ModeChoice::Push,
+            DataPlane::Fenced,
+            PerLayer,
+            Contiguous,
+        ),
+        (
+            7002,
+            ModeChoice::Pull,
+            DataPlane::Rdma,
+            PerLayer,
+            Contiguous,
+        ),
+        (
+            7003,
+            ModeChoice::Mixed,
+            DataPlane::Fenced,
+            Contiguous,
+            Interleaved,
+        ),
+        (
+            7004,
+            ModeChoice::Mixed,
+            DataPlane::Rdma,
+            Interleaved,
+            PerLayer,
+        ),
+    ] {
+        let mut cfg = base(seed);
+        cfg.shape.pp = 2;
+        cfg.shape.layers = 61;
+        cfg.shape.block_bytes = 61 * 2 * 2;
+        cfg.shape.prefill_layout = prefill;
+        cfg.shape.decode_layout = decode;
+        cfg.shape.mode = mode;
+        cfg.data_plane = plane;
+        let report = run(&cfg);
+        assert_eq!(report.safety.done, cfg.workload.requests, "{report}");
+        assert_eq!(report.liveness.done, cfg.workload.liveness_requests);
+    }
+}
+
+/// Layers that cannot be split (fewer than the stages, or blocks that do not hold a K and
+/// a V half of every layer) are refused when the cluster is configured, by name.
+#[test]
+fn layers_that_do_not_fit_the_blocks_or_the_stages_are_refused() {
+    for (pp, layers, block_bytes, name) in [
+        (4, 3, 48, "at least one layer"),
+        (2, 5, 32, "K and a V half"),
+    ] {
+        let mut cfg = base(7005);
+        cfg.shape.pp = pp;
+        cfg.shape.layers = layers;
+        cfg.shape.block_bytes = block_bytes;
+        let err = simulate(&cfg)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains(name), "{err}");
+    }
+}

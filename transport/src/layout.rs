@@ -100,12 +100,6 @@ impl LayerSpan {
         }
         Ok(())
     }
-
-    /// One past the last layer held (`first + count`, saturating: validated spans never
-    /// saturate).
-    pub fn end(&self) -> u32 {
-        self.first.saturating_add(self.count)
-    }
 }
 
 /// Where a layout's memory lives.
@@ -128,6 +122,36 @@ impl KvMemory {
         match self {
             Self::Host => handoff_gpu::MemoryKind::Host,
             Self::Cuda { .. } => handoff_gpu::MemoryKind::Cuda,
+        }
+    }
+}
+
+/// How an engine lays out its KV tensors, for [`KvLayout::shaped`] (and
+/// `handoff worker --layout`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KvShape {
+    /// One tensor per layer, K half then V half (`[2, num_blocks, ...]`, vLLM with
+    /// FlashAttention; SGLang's K and V buffers look the same): two ranges per layer.
+    KvHalves,
+    /// One tensor per layer with whole blocks (`[num_blocks, 2, ...]`: K and V interleaved
+    /// per block; an MLA latent cache): one range per layer.
+    LayerBlocks,
+    /// One allocation with every layer of a block together (`[num_blocks, layers, 2,
+    /// ...]`): one range.
+    Contiguous,
+}
+
+impl std::str::FromStr for KvShape {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "per-layer" => Ok(Self::KvHalves),
+            "interleaved" => Ok(Self::LayerBlocks),
+            "contiguous" => Ok(Self::Contiguous),
+            other => Err(format!(
+                "unknown layout {other:?}: per-layer, interleaved or contiguous"
+            )),
         }
     }
 }
@@ -281,6 +305,112 @@ impl KvLayout {
             block_tokens: 0,
             dtype_bytes: 0,
         }
+    }
+
+    /// Per-layer tensors shaped `[2, num_blocks, ...]` (vLLM with FlashAttention): tensor
+    /// `l` at `bases[l]` holds every block's K half, then every block's V half, so each
+    /// layer is two ranges: K at the base, V `blocks × half_bytes` further.
+    pub fn kv_halves(bases: &[u64], blocks: u32, half_bytes: usize, memory: KvMemory) -> Self {
+        let v_offset = u64::from(blocks).saturating_mul(half_bytes as u64);
+        let ranges = bases
+            .iter()
+            .flat_map(|&base| {
+                [
+                    KvRange::contiguous(base, half_bytes),
+                    KvRange::contiguous(base.saturating_add(v_offset), half_bytes),
+                ]
+            })
+            .collect();
+        Self::per_layer(ranges, bases.len(), blocks, memory)
+    }
+
+    /// Separate K and V buffers per layer (SGLang's `MHATokenToKVPool`): two ranges per
+    /// layer, K at `k_bases[l]`, V at `v_bases[l]` (pairs up to the shorter list).
+    pub fn k_and_v_buffers(
+        k_bases: &[u64],
+        v_bases: &[u64],
+        blocks: u32,
+        half_bytes: usize,
+        memory: KvMemory,
+    ) -> Self {
+        let ranges = k_bases
+            .iter()
+            .zip(v_bases)
+            .flat_map(|(&k, &v)| {
+                [
+                    KvRange::contiguous(k, half_bytes),
+                    KvRange::contiguous(v, half_bytes),
+                ]
+            })
+            .collect();
+        Self::per_layer(ranges, k_bases.len().min(v_bases.len()), blocks, memory)
+    }
+
+    /// One tensor per layer whose blocks are whole (`[num_blocks, 2, ...]`: FlashInfer's K
+    /// and V interleaved per block; or an MLA model's latent cache): one range per layer of
+    /// `layer_block_bytes` per block.
+    pub fn layer_blocks(
+        bases: &[u64],
+        blocks: u32,
+        layer_block_bytes: usize,
+        memory: KvMemory,
+    ) -> Self {
+        let ranges = bases
+            .iter()
+            .map(|&base| KvRange::contiguous(base, layer_block_bytes))
+            .collect();
+        Self::per_layer(ranges, bases.len(), blocks, memory)
+    }
+
+    /// `ranges` of `layers` per-layer tensors holding every layer of the model (set
+    /// [`KvLayout::layers`] for a pipeline stage).
+    fn per_layer(ranges: Vec<KvRange>, layers: usize, blocks: u32, memory: KvMemory) -> Self {
+        // A layer count past u32 is past LAYERS_MAX too: `validate` names it.
+        let layers = u32::try_from(layers).unwrap_or(u32::MAX).max(1);
+        Self {
+            blocks,
+            ranges,
+            memory,
+            layers: LayerSpan {
+                first: 0,
+                count: layers,
+                total: layers,
+            },
+            block_tokens: 0,
+            dtype_bytes: 0,
+        }
+    }
+
+    /// A host layout of `layers` layers of `half_bytes` per block for K and for V, laid out
+    /// as `shape` says, with range addresses as offsets from 0 (for
+    /// [`crate::Region::alloc`]): what tests, the simulator and `handoff worker --layout`
+    /// allocate to stand in for an engine. Tensors are 64 bytes apart, so no two of them
+    /// happen to be contiguous.
+    pub fn shaped(shape: KvShape, layers: u32, blocks: u32, half_bytes: usize) -> Self {
+        /// Gap between consecutive tensors.
+        const TENSOR_GAP_BYTES: u64 = 64;
+        let tensor = 2 * u64::from(blocks).saturating_mul(half_bytes as u64);
+        let bases: Vec<u64> = (0..u64::from(layers))
+            .map(|l| l.saturating_mul(tensor + TENSOR_GAP_BYTES))
+            .collect();
+        let mut layout = match shape {
+            KvShape::KvHalves => Self::kv_halves(&bases, blocks, half_bytes, KvMemory::Host),
+            KvShape::LayerBlocks => {
+                Self::layer_blocks(&bases, blocks, 2 * half_bytes, KvMemory::Host)
+            }
+            KvShape::Contiguous => Self::contiguous(
+                0,
+                blocks,
+                (2 * half_bytes).saturating_mul(layers as usize),
+                KvMemory::Host,
+            ),
+        };
+        layout.layers = LayerSpan {
+            first: 0,
+            count: layers.max(1),
+            total: layers.max(1),
+        };
+        layout
     }
 
     /// Checks every bound, overflow-safe: ranges 1..=[`RANGES_MAX`], blocks ≥ 1, every
@@ -615,6 +745,40 @@ mod tests {
             l.segments(0, 0, 0),
             Err(LayoutError::SliceOutOfBlock { .. })
         ));
+    }
+
+    #[test]
+    fn engine_shapes_make_the_ranges_engines_hold() {
+        // vLLM `[2, 8, ...]` per layer: K then V, 8 blocks of 32 bytes each.
+        let halves = KvLayout::kv_halves(&[0x1000, 0x9000], 8, 32, KvMemory::Cuda { device: 1 });
+        assert_eq!(halves.ranges.len(), 4);
+        assert_eq!(halves.ranges[1], KvRange::contiguous(0x1000 + 8 * 32, 32));
+        assert_eq!(
+            halves.layers,
+            LayerSpan {
+                first: 0,
+                count: 2,
+                total: 2
+            }
+        );
+        assert_eq!(halves.validate(), Ok(128));
+        let sglang =
+            KvLayout::k_and_v_buffers(&[0x1000, 0x2000], &[0x5000, 0x6000], 8, 32, KvMemory::Host);
+        assert_eq!(sglang.ranges[1], KvRange::contiguous(0x5000, 32));
+        assert_eq!(sglang.layers.count, 2);
+        let mla = KvLayout::layer_blocks(&[0x1000, 0x2000, 0x3000], 8, 64, KvMemory::Host);
+        assert_eq!(
+            (mla.ranges.len(), mla.layers.count, mla.validate()),
+            (3, 3, Ok(192))
+        );
+        // Every shape of the same layers holds the same logical block.
+        for shape in [KvShape::KvHalves, KvShape::LayerBlocks, KvShape::Contiguous] {
+            let l = KvLayout::shaped(shape, 4, 8, 16);
+            assert_eq!(l.validate(), Ok(4 * 2 * 16), "{shape:?}");
+            assert_eq!(l.layers.count, 4);
+        }
+        assert_eq!("per-layer".parse(), Ok(KvShape::KvHalves));
+        assert!("columnar".parse::<KvShape>().is_err());
     }
 
     #[test]

@@ -32,7 +32,7 @@ pub mod wire;
 pub mod zmtp;
 
 pub use layout::{
-    pair_segments, KvLayout, KvMemory, KvRange, LayerSpan, LayoutError, PairSide, Segment,
+    pair_segments, KvLayout, KvMemory, KvRange, KvShape, LayerSpan, LayoutError, PairSide, Segment,
     LAYERS_MAX, LAYOUT_BYTES_MAX, RANGES_MAX,
 };
 pub use region::{BlockSlice, PairingError, Region, RegionError};

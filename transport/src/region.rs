@@ -1165,46 +1165,12 @@ mod tests {
         ));
     }
 
-    /// A vLLM-style per-layer host layout of `layers` layers, K and V halves of `half`
-    /// bytes, as offsets for [`Region::alloc`].
     fn per_layer(blocks: u32, layers: u32, half: usize) -> KvLayout {
-        let tensor = 2 * blocks as u64 * half as u64;
-        let ranges = (0..layers as u64)
-            .flat_map(|l| {
-                let base = l * (tensor + 64);
-                [
-                    crate::KvRange::contiguous(base, half),
-                    crate::KvRange::contiguous(base + blocks as u64 * half as u64, half),
-                ]
-            })
-            .collect();
-        KvLayout {
-            blocks,
-            ranges,
-            memory: KvMemory::Host,
-            layers: LayerSpan {
-                first: 0,
-                count: layers,
-                total: layers,
-            },
-            block_tokens: 16,
-            dtype_bytes: 2,
-        }
+        KvLayout::shaped(crate::KvShape::KvHalves, layers, blocks, half)
     }
 
-    /// The same bytes with K and V interleaved per block, one range per layer.
     fn interleaved(blocks: u32, layers: u32, half: usize) -> KvLayout {
-        let ranges = (0..layers as u64)
-            .map(|l| crate::KvRange {
-                addr: l * (2 * blocks as u64 * half as u64 + 128),
-                stride: 2 * half,
-                bytes: 2 * half,
-            })
-            .collect();
-        KvLayout {
-            ranges,
-            ..per_layer(blocks, layers, half)
-        }
+        KvLayout::shaped(crate::KvShape::LayerBlocks, layers, blocks, half)
     }
 
     #[test]

@@ -537,3 +537,57 @@ async fn a_dropped_server_fails_calls_promptly_and_a_dead_address_fails_to_conne
         .unwrap_err();
     assert!(matches!(err, DataError::Connect { .. }), "{err}");
 }
+
+/// KV caches as engines hold them on both ends of a TCP transfer: the server's region is
+/// 8 layers of per-layer K and V halves (16 ranges), the client's the same layers
+/// interleaved (8 ranges). Whole-block writes and reads of a permutation, and a layer
+/// slice (the second half of the layers, as a pipeline stage moves it), land byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_move_between_regions_of_different_layouts() {
+    use handoff_transport::{BlockSlice, KvLayout, KvShape};
+    let (layers, half) = (8, BLOCK_BYTES / 16);
+    let remote =
+        Arc::new(Region::alloc(KvLayout::shaped(KvShape::KvHalves, layers, BLOCKS, half)).unwrap());
+    let server = DataServer::bind(
+        "127.0.0.1:0",
+        Arc::clone(&remote),
+        Arc::new(AllowAll),
+        RankInfo::single("decode"),
+        None,
+    )
+    .await
+    .unwrap();
+    let local =
+        Region::alloc(KvLayout::shaped(KvShape::LayerBlocks, layers, BLOCKS, half)).unwrap();
+    assert_eq!(local.block_bytes(), BLOCK_BYTES);
+    fill(&local, 21);
+    let c = client(&server, None).await;
+    let (src, dst) = (ids(0..BLOCKS), Rng::new(5).permutation(BLOCKS));
+    let r = RequestId::new("r");
+    c.write(&r, &local, &src, &dst, deadline()).await.unwrap();
+    assert_eq!(checksum(&remote, &dst), checksum(&local, &src));
+    let back = Region::alloc(KvLayout::shaped(KvShape::KvHalves, layers, BLOCKS, half)).unwrap();
+    c.read(&r, &back, &dst, &src, deadline()).await.unwrap();
+    assert_eq!(checksum(&back, &src), checksum(&local, &src));
+    // Layers 4..8 of local block 3 into layers 4..8 of remote block 0, nothing else.
+    let slice = BlockSlice {
+        src_offset: BLOCK_BYTES / 2,
+        dst_offset: BLOCK_BYTES / 2,
+        len: BLOCK_BYTES / 2,
+    };
+    let before = remote.read_block(BlockId(0)).unwrap();
+    c.write_slice(
+        &r,
+        &local,
+        &[BlockId(3)],
+        &[BlockId(0)],
+        Some(slice),
+        deadline(),
+    )
+    .await
+    .unwrap();
+    let after = remote.read_block(BlockId(0)).unwrap();
+    let want = local.read_block(BlockId(3)).unwrap();
+    assert_eq!(after[..BLOCK_BYTES / 2], before[..BLOCK_BYTES / 2]);
+    assert_eq!(after[BLOCK_BYTES / 2..], want[BLOCK_BYTES / 2..]);
+}

@@ -8,7 +8,9 @@
 //!
 //! Every message is validated after decoding and before encoding ([`Message::validate`]):
 //! lists and strings are bounded by the limits in [`crate::wire::limits`], block lists hold no
-//! duplicates and fit inside the region they are addressed through.
+//! duplicates, and a layout descriptor describes memory (every block of every range inside
+//! its advertised length). Whether a request's blocks fit the peer's layout, and whether the
+//! two layouts pair, is checked by the receiver against the layout the peer sent at connect.
 
 use crate::codec;
 use crate::layout::{KvLayout, KvMemory, KvRange, LayerSpan, RANGES_MAX};
@@ -172,7 +174,8 @@ messages! {
 
     /// Sent by a decode rank to each prefill rank it depends on, once per request, after
     /// allocating the destination blocks. The prefill rank checks the blocks against the
-    /// region, attaches the info to the request's sender (which leaves `Bootstrapping`), and
+    /// decode rank's layout (from its hello) and pairs that layout with its own (a failure
+    /// fails the request as a protocol error naming decode), attaches the info to the request's sender (which leaves `Bootstrapping`), and
     /// in push mode writes into those blocks when the engine says the KV is ready.
     TransferInfo(TransferInfo) = 0x0201,
     /// Sent by a decode rank that knows the request but cannot yet allocate its blocks
@@ -184,7 +187,8 @@ messages! {
     /// deadline, and frees its blocks.
     Rejected(Rejected) = 0x0203,
     /// Pull mode: sent by the prefill rank when the request's KV is ready, naming the source
-    /// blocks. The decode rank reads them, then answers [`ReadDone`]. The prefill rank holds
+    /// blocks. The decode rank checks them and the pairing as prefill does for
+    /// [`TransferInfo`], then reads them, then answers [`ReadDone`]. The prefill rank holds
     /// the blocks until then, or until their TTL ends (seed 002).
     Ready(Ready) = 0x0204,
     /// Push mode: sent by the prefill rank after every write into the decode rank's blocks
@@ -569,7 +573,7 @@ pub enum TransportKind {
 /// Block `b` occupies bytes `[base + b × block_bytes, base + (b + 1) × block_bytes)`, which
 /// must lie inside `[base, base + len)`: [`RegionDescriptor::check_blocks`] refuses any block
 /// that does not, so a peer cannot make us read or write outside the region it registered.
-#[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RegionDescriptor {
     /// The data transport that reaches the region.
     pub transport: TransportKind,
@@ -996,18 +1000,6 @@ impl Validate for FailureReason {
             | FailureReason::RejectedBusy
             | FailureReason::AbortedByEngine => Ok(()),
         }
-    }
-}
-
-impl Validate for RegionDescriptor {
-    fn validate(&self) -> Result<(), WireError> {
-        check_address("RegionDescriptor.address", &self.address)?;
-        check_len(
-            "RegionDescriptor.remote_key",
-            self.remote_key.len(),
-            REMOTE_KEY_BYTES_MAX,
-        )?;
-        self.check_shape()
     }
 }
 

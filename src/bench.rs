@@ -37,7 +37,9 @@ use handoff_transport::data::{
 };
 use handoff_transport::tcp::{DataClient, DataServer};
 use handoff_transport::wire::{RegionDescriptor, TransportKind};
-use handoff_transport::{BlockId, RankInfo, Region, RequestId};
+use handoff_transport::{
+    BlockId, KvLayout, KvMemory, KvRange, LayerSpan, RankInfo, Region, RequestId,
+};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 
@@ -108,6 +110,15 @@ impl BenchMemory {
     }
 }
 
+/// How a UCX bench plane gets host memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum HostMemory {
+    /// UCX allocates every range (`UCP_MEM_MAP_ALLOCATE`).
+    Allocated,
+    /// Heap memory, registered range by range by address (`UcxDataPlane::start_on_region`).
+    Registered,
+}
+
 /// Arguments of `handoff bench`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchArgs {
@@ -153,6 +164,11 @@ pub struct BenchArgs {
     /// block sizes whose segments are 128 KiB and 512 KiB. UCX only.
     #[arg(long)]
     pub layers: Option<u32>,
+    /// How UCX gets host regions: `allocated` by UCX (same-host peers map it through shared
+    /// memory), or heap memory `registered` by address, as an engine's tensors are (UCX
+    /// 1.13 emulates RMA into it with active messages the peer's UCX thread serves).
+    #[arg(long, value_enum, default_value = "allocated")]
+    pub host_memory: HostMemory,
     /// Block sizes to measure, KiB, comma-separated (default 16, 128, 1024, 4096, plus
     /// the `--layers` sizes).
     #[arg(long, value_delimiter = ',')]
@@ -286,6 +302,8 @@ struct Plan {
     block_sizes: Vec<usize>,
     /// `--layers`: ranges of the layered regions (2 × layers), when asked for.
     layered_ranges: Option<usize>,
+    /// Whether UCX host regions are heap memory registered by address.
+    registered: bool,
 }
 
 impl Plan {
@@ -315,6 +333,7 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
         cuda_device: args.cuda_device,
         block_sizes: Vec::new(),
         layered_ranges: None,
+        registered: args.host_memory == HostMemory::Registered,
     };
     let mut plan = plan;
     if let Some(layers) = args.layers {
@@ -378,32 +397,28 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
         report.points.push(if plan.uses_cuda() {
             cuda_memcpy_point(&plan, block)?
         } else {
-            memcpy_point(&plan, block)?
+            memcpy_point(&plan, block, 1)?
         });
-        for &t in &transports {
-            let one = transport_points(t, &plan, block, 1).await?;
-            let layered = match plan.layered_ranges {
-                Some(ranges) if t == BenchTransport::Ucx => {
-                    let mut points = transport_points(t, &plan, block, ranges).await?;
-                    for p in &mut points {
-                        p.vs_one_range = one
-                            .iter()
-                            .find(|o| o.op == p.op)
-                            .map(Point::gbps)
-                            .filter(|&g| g > 0.0)
-                            .map(|g| p.gbps() / g);
-                    }
-                    points
-                }
-                _ => Vec::new(),
-            };
-            report.points.extend(one);
-            report.points.extend(layered);
+        if let (Some(ranges), false) = (plan.layered_ranges, plan.uses_cuda()) {
+            let mut points = vec![memcpy_point(&plan, block, ranges)?];
+            with_one_range_ratios_against(&mut points, report.points.last());
+            report.points.extend(points);
         }
+        for &t in &transports {
+            let layered = plan.layered_ranges.filter(|_| t == BenchTransport::Ucx);
+            report
+                .points
+                .extend(transport_points(t, &plan, block, layered).await?);
+        }
+    }
+    if plan.registered {
+        report.notes.push(
+            "UCX host regions are heap memory registered by address, range by range, as an engine's tensors (--host-memory registered). UCX 1.13 has no cma lane under peer-failure handling, so it emulates RMA into them with active messages over shared memory that the peer's UCX thread serves".into(),
+        );
     }
     if let Some(ranges) = plan.layered_ranges {
         report.notes.push(format!(
-            "layered rows: each side's region is {} layers x K and V = {ranges} ranges, UCX-allocated and registered one by one, so a block is {ranges} segments; 'vs 1-range' is the ratio to the one-range row above it (same run, same bytes and permutation)",
+            "layered rows: each side's region is {} layers x K and V = {ranges} ranges (UCX: one registration and remote key per range), so a block is {ranges} segments; 'vs 1-range' is the ratio to the one-range row of the same transport and op (same run, same bytes and permutation; UCX's measured in turns, pass by pass); memcpy over {ranges} ranges is the same copy pattern without a transport: what scattered segments cost the memory system alone",
             ranges / 2
         ));
         if transports.iter().any(|&t| t != BenchTransport::Ucx) {
@@ -497,14 +512,24 @@ fn cuda_transports(
     ));
     // A one-block plane on the device: fails here, with UCX's reason, where the loaded
     // UCX has no CUDA support.
-    let probe_plane = bench_plane(plan.memory, plan.peer_memory, plan.cuda_device, 1, 4096, 1)
-        .map_err(|e| format!("--memory cuda: UCX cannot use device memory here: {e}"))?;
+    let probe_plane = bench_plane(
+        plan.memory,
+        plan.peer_memory,
+        plan.cuda_device,
+        1,
+        4096,
+        1,
+        false,
+    )
+    .map_err(|e| format!("--memory cuda: UCX cannot use device memory here: {e}"))?;
     report.notes.push(probe_plane.version().to_string());
     Ok(vec![BenchTransport::Ucx])
 }
 
 /// A UCX plane of `blocks × block` bytes in `memory`, its thread bound to `device` when
 /// either side's memory is CUDA.
+// One argument per thing a bench process chooses about its plane.
+#[allow(clippy::too_many_arguments)]
 fn bench_plane(
     memory: BenchMemory,
     other: BenchMemory,
@@ -512,6 +537,7 @@ fn bench_plane(
     blocks: u32,
     block: usize,
     ranges: usize,
+    registered: bool,
 ) -> Result<UcxDataPlane, String> {
     let me = RankInfo::single("bench");
     let mut options = UcxPlaneOptions::default();
@@ -519,6 +545,11 @@ fn bench_plane(
         options.cuda_device = Some(device);
     }
     match memory {
+        BenchMemory::Host if registered => {
+            let region =
+                Region::alloc(layered_layout(blocks, block, ranges)).map_err(|e| e.to_string())?;
+            UcxDataPlane::start_on_region(Arc::new(region), &me, options)
+        }
         BenchMemory::Host if ranges > 1 => {
             UcxDataPlane::start_allocated(blocks, &vec![block / ranges; ranges], &me, options)
         }
@@ -629,24 +660,50 @@ fn blocks_of(plan: &Plan, block: usize) -> Result<u32, String> {
 
 // ------------------------------------------------------------------ memcpy reference
 
-fn memcpy_point(plan: &Plan, block: usize) -> Result<Point, String> {
+/// `blocks` blocks of `block` bytes in `ranges` ranges of `block / ranges` bytes each, one
+/// run of blocks per range (as separate per-layer tensors), at offsets for
+/// `Region::alloc`; one range is contiguous blocks.
+fn layered_layout(blocks: u32, block: usize, ranges: usize) -> KvLayout {
+    let segment = block / ranges.max(1);
+    KvLayout {
+        blocks,
+        ranges: (0..ranges.max(1))
+            .map(|i| KvRange {
+                addr: (i * blocks as usize * segment) as u64,
+                stride: segment,
+                bytes: segment,
+            })
+            .collect(),
+        memory: KvMemory::Host,
+        layers: LayerSpan::WHOLE,
+        block_tokens: 0,
+        dtype_bytes: 0,
+    }
+}
+
+/// Single-thread `memcpy` of the permutation between two host regions of this process,
+/// each laid out in `ranges` ranges (1: contiguous blocks; more: one run of blocks per
+/// range, as separate per-layer tensors, so a block is `ranges` copies).
+fn memcpy_point(plan: &Plan, block: usize, ranges: usize) -> Result<Point, String> {
     let n = blocks_of(plan, block)?;
-    let src = Region::new(n, block).map_err(|e| e.to_string())?;
-    let dst = Region::new(n, block).map_err(|e| e.to_string())?;
+    let region = || Region::alloc(layered_layout(n, block, ranges)).map_err(|e| e.to_string());
+    let (src, dst) = (region()?, region()?);
     fill(&src, plan.seed)?;
     let from = all(n);
     let to = permutation(plan.seed ^ block as u64, n);
-    let (src_host, dst_host) = (
-        src.host_ptr().map_err(|e| e.to_string())?,
-        dst.host_ptr().map_err(|e| e.to_string())?,
-    );
+    src.check_host("memcpy").map_err(|e| e.to_string())?;
+    dst.check_host("memcpy").map_err(|e| e.to_string())?;
+    let (src_ranges, dst_ranges) = (src.layout().ranges.clone(), dst.layout().ranges.clone());
     let copy = || {
         for (s, d) in from.iter().zip(&to) {
-            let s = s.0 as usize * block;
-            let d = d.0 as usize * block;
-            // SAFETY: both offsets are block starts inside host regions of `n` blocks; the
-            // two regions are distinct allocations only this function touches.
-            unsafe { std::ptr::copy_nonoverlapping(src_host.add(s), dst_host.add(d), block) };
+            for (a, b) in src_ranges.iter().zip(&dst_ranges) {
+                let s = a.addr as usize + s.0 as usize * a.stride;
+                let d = b.addr as usize + d.0 as usize * b.stride;
+                // SAFETY: both are block starts inside host ranges of `n` blocks of
+                // `bytes` (the regions' own layouts); the two regions are distinct
+                // allocations only this function touches.
+                unsafe { std::ptr::copy_nonoverlapping(s as *const u8, d as *mut u8, a.bytes) };
+            }
         }
     };
     copy();
@@ -663,7 +720,7 @@ fn memcpy_point(plan: &Plan, block: usize) -> Result<Point, String> {
         bytes: (passes(plan) * n as usize * block) as u64,
         secs,
         verified: Some(verified),
-        ranges: 1,
+        ranges,
         vs_one_range: None,
         note: "single thread, same permutation".into(),
     })
@@ -770,10 +827,11 @@ impl Link {
             }
             BenchTransport::Ucx | BenchTransport::Auto => {
                 let spec = format!(
-                    "ucx:{blocks}:{block}:{}:{}:{}:{ranges}",
+                    "ucx:{blocks}:{block}:{}:{}:{}:{ranges}:{}",
                     plan.peer_memory.name(),
                     plan.memory.name(),
-                    plan.cuda_device
+                    plan.cuda_device,
+                    u8::from(plan.registered)
                 );
                 let mut peer = PeerProcess::spawn(&spec).await?;
                 let ready = peer.expect().await?;
@@ -785,6 +843,7 @@ impl Link {
                     blocks,
                     block,
                     ranges,
+                    plan.registered,
                 )?;
                 Ok(Link::Ucx {
                     plane,
@@ -952,78 +1011,136 @@ struct Timed<'a> {
     perm: &'a [BlockId],
     perm_seed: u64,
     plan: &'a Plan,
-    ranges: usize,
 }
 
 impl Timed<'_> {
-    /// A warm-up pass, then the timed passes, then both sides' checksums compared.
-    async fn measure(&self, link: &mut Link, write: bool) -> Result<Point, String> {
+    /// A warm-up pass over each link, then the timed passes, the links taking turns pass
+    /// by pass (so a layered region and the one-range region it is compared with see the
+    /// same moments of a shared machine), then both sides' checksums compared per link.
+    /// A point's time is its median pass's, times the passes: a pass that another process
+    /// of this shared machine stalled does not decide the ratio.
+    async fn measure(
+        &self,
+        links: &mut [(usize, Link)],
+        write: bool,
+    ) -> Result<Vec<Point>, String> {
         let op = if write { "write" } else { "read" };
         let passes = passes(self.plan);
-        let mut started = Instant::now();
+        let mut secs = vec![Vec::with_capacity(passes); links.len()];
         for pass in 0..=passes {
-            let deadline = Instant::now() + CALL_TIMEOUT;
-            let result = if write {
-                link.write(self.src, self.perm, deadline).await
-            } else {
-                link.read(self.perm, self.src, deadline).await
-            };
-            result.map_err(|e| {
-                format!("{} {op} at {} KiB blocks: {e}", self.name, self.block >> 10)
-            })?;
-            if pass == 0 {
-                started = Instant::now(); // the first pass was the warm-up
+            for (i, (ranges, link)) in links.iter_mut().enumerate() {
+                let deadline = Instant::now() + CALL_TIMEOUT;
+                let started = Instant::now();
+                let result = if write {
+                    link.write(self.src, self.perm, deadline).await
+                } else {
+                    link.read(self.perm, self.src, deadline).await
+                };
+                result.map_err(|e| {
+                    format!(
+                        "{} {op} at {} KiB blocks in {ranges} ranges: {e}",
+                        self.name,
+                        self.block >> 10
+                    )
+                })?;
+                // The first pass is the warm-up.
+                if pass > 0 {
+                    secs[i].push(started.elapsed().as_secs_f64());
+                }
             }
         }
-        let secs = started.elapsed().as_secs_f64();
         let n = self.src.len() as u32;
-        let verified =
-            link.remote_checksum(self.perm_seed, n).await? == checksum(link.local(), self.src)?;
-        Ok(Point {
-            transport: self.name.into(),
-            op: op.into(),
-            block_bytes: self.block,
-            bytes: (passes * n as usize * self.block) as u64,
-            secs,
-            verified: Some(verified),
-            ranges: self.ranges,
-            vs_one_range: None,
-            note: String::new(),
-        })
+        let mut points = Vec::with_capacity(links.len());
+        for ((ranges, link), mut secs) in links.iter_mut().zip(secs) {
+            secs.sort_by(f64::total_cmp);
+            let median = secs.get(secs.len() / 2).copied().unwrap_or(0.0);
+            let verified =
+                link.remote_checksum(self.perm_seed, n).await? == checksum(link.local(), self.src)?;
+            points.push(Point {
+                transport: self.name.into(),
+                op: op.into(),
+                block_bytes: self.block,
+                bytes: (passes * n as usize * self.block) as u64,
+                secs: median * passes as f64,
+                verified: Some(verified),
+                ranges: *ranges,
+                vs_one_range: None,
+                note: String::new(),
+            });
+        }
+        Ok(points)
     }
 }
 
-/// Write and read points for one transport at one block size, each side's region in
-/// `ranges` ranges (1: one contiguous range).
+/// Write and read points for one transport at one block size: each side's region in one
+/// range, and, with `layered` ranges, the same points over regions of that many ranges,
+/// measured in turns with the one-range ones (their ratio in `vs_one_range`).
 async fn transport_points(
     t: BenchTransport,
     plan: &Plan,
     block: usize,
-    ranges: usize,
+    layered: Option<usize>,
 ) -> Result<Vec<Point>, String> {
     let n = blocks_of(plan, block)?;
-    let mut link = Link::open(t, plan, n, block, ranges).await?;
+    let mut links = vec![(1, Link::open(t, plan, n, block, 1).await?)];
+    if let Some(ranges) = layered {
+        links.push((ranges, Link::open(t, plan, n, block, ranges).await?));
+    }
     let src = all(n);
     let perm_seed = plan.seed ^ (block as u64).rotate_left(17);
     let perm = permutation(perm_seed, n);
-    let point = Timed {
+    let timed = Timed {
         name: t.name(),
         block,
         src: &src,
         perm: &perm,
         perm_seed,
         plan,
-        ranges,
     };
     // Push: our blocks 0..n into the peer's permuted positions.
-    fill(link.local(), plan.seed)?;
-    let write = point.measure(&mut link, true).await?;
+    for (_, link) in &links {
+        fill(link.local(), plan.seed)?;
+    }
+    let mut points = timed.measure(&mut links, true).await?;
     // Pull: the peer's permuted positions into our blocks 0..n.
-    link.remote_fill(plan.seed.wrapping_add(1)).await?;
-    let read = point.measure(&mut link, false).await?;
-    let points = vec![write, read];
-    link.close().await;
+    for (_, link) in &mut links {
+        link.remote_fill(plan.seed.wrapping_add(1)).await?;
+    }
+    points.extend(timed.measure(&mut links, false).await?);
+    for (_, link) in links {
+        link.close().await;
+    }
+    with_one_range_ratios(&mut points);
+    // One-range rows first, then the layered ones.
+    points.sort_by_key(|p| p.ranges);
     Ok(points)
+}
+
+/// Sets the ratio of layered `points` to `one`, the one-range point they repeat.
+fn with_one_range_ratios_against(points: &mut [Point], one: Option<&Point>) {
+    let Some(gbps) = one.map(Point::gbps).filter(|&g| g > 0.0) else {
+        return;
+    };
+    for p in points.iter_mut().filter(|p| p.ranges > 1) {
+        p.vs_one_range = Some(p.gbps() / gbps);
+    }
+}
+
+/// Sets every layered point's ratio to the one-range point of the same operation.
+fn with_one_range_ratios(points: &mut [Point]) {
+    let one: Vec<(String, f64)> = points
+        .iter()
+        .filter(|p| p.ranges == 1)
+        .map(|p| (p.op.clone(), p.gbps()))
+        .collect();
+    for p in points.iter_mut().filter(|p| p.ranges > 1) {
+        p.vs_one_range = one
+            .iter()
+            .find(|(op, _)| *op == p.op)
+            .map(|(_, gbps)| *gbps)
+            .filter(|&g| g > 0.0)
+            .map(|g| p.gbps() / g);
+    }
 }
 
 async fn latency(t: BenchTransport, plan: &Plan) -> Result<Latency, String> {
@@ -1157,10 +1274,10 @@ impl PeerProcess {
 async fn peer_main(spec: &str) -> Result<(), String> {
     let parts: Vec<&str> = spec.split(':').collect();
     // `tcp:<blocks>:<block>` or
-    // `ucx:<blocks>:<block>:<memory>:<peer's memory>:<device>:<ranges>`.
-    let (kind, blocks, block, memory, ranges) = match parts.as_slice() {
-        [kind, blocks, block] => (*kind, *blocks, *block, None, "1"),
-        [kind, blocks, block, memory, other, device, ranges] => {
+    // `ucx:<blocks>:<block>:<memory>:<peer's memory>:<device>:<ranges>:<registered 0|1>`.
+    let (kind, blocks, block, memory, ranges, registered) = match parts.as_slice() {
+        [kind, blocks, block] => (*kind, *blocks, *block, None, "1", false),
+        [kind, blocks, block, memory, other, device, ranges, registered] => {
             let parse = |name: &str| match name {
                 "host" => Ok(BenchMemory::Host),
                 "cuda" => Ok(BenchMemory::Cuda),
@@ -1173,6 +1290,7 @@ async fn peer_main(spec: &str) -> Result<(), String> {
                 *block,
                 Some((parse(memory)?, parse(other)?, device)),
                 *ranges,
+                *registered == "1",
             )
         }
         _ => return Err(format!("bad peer spec {spec:?}")),
@@ -1199,7 +1317,7 @@ async fn peer_main(spec: &str) -> Result<(), String> {
         "ucx" => {
             let (memory, other, device) =
                 memory.unwrap_or((BenchMemory::Host, BenchMemory::Host, 0));
-            let plane = bench_plane(memory, other, device, blocks, block, ranges)?;
+            let plane = bench_plane(memory, other, device, blocks, block, ranges, registered)?;
             say(&ucx_ready_line(&plane));
             let region = Arc::clone(plane.region());
             (Box::new(plane), region)
@@ -1409,7 +1527,7 @@ impl Report {
     /// The human-readable table.
     pub fn table(&self) -> String {
         let mut out = format!(
-            "handoff bench: {} MiB regions, {} MiB per point after a warm-up, blocks to a seeded random permutation\n\n",
+            "handoff bench: {} MiB regions, {} MiB per point after a warm-up (transports: the median pass), blocks to a seeded random permutation\n\n",
             self.region_bytes >> 20,
             self.total_bytes >> 20
         );

@@ -97,6 +97,68 @@ fn host_bench_verifies_every_point_against_the_memcpy_reference() {
 }
 
 #[test]
+fn layered_bench_repeats_every_ucx_point_over_per_layer_ranges_with_its_ratio() {
+    let dir = tempdir();
+    let json = dir.join("layers.json");
+    let (out, report) = run(
+        &[
+            "--transport",
+            "ucx",
+            "--layers",
+            "2",
+            "--block-kib",
+            "16,256",
+        ],
+        &json,
+    );
+    let log = text(&out);
+    if !out.status.success() && log.contains("UCX library not found") {
+        eprintln!("SKIP layered bench: libucp not usable here\n{log}");
+        return;
+    }
+    assert!(out.status.success(), "{log}");
+    let report = report.expect("a JSON report");
+    let points = report["points"].as_array().expect("points");
+    for p in points {
+        assert_eq!(p["verified"], Value::Bool(true), "{p}\n{log}");
+    }
+    for (transport, op) in [("memcpy", "copy"), ("ucx", "write"), ("ucx", "read")] {
+        for block in [16 << 10, 256 << 10] {
+            let rows: Vec<&Value> = points
+                .iter()
+                .filter(|p| p["transport"] == transport && p["op"] == op)
+                .filter(|p| p["block_bytes"] == block)
+                .collect();
+            let ranges: Vec<u64> = rows.iter().filter_map(|p| p["ranges"].as_u64()).collect();
+            assert_eq!(ranges, [1, 4], "{transport} {op} {block}\n{log}");
+            // The layered row: 4 segments per block, and its ratio to the one-range row.
+            assert_eq!(rows[1]["segment_bytes"], block / 4, "{log}");
+            assert!(rows[1]["vs_one_range"].as_f64().is_some(), "{}", rows[1]);
+            assert!(rows[0]["vs_one_range"].is_null(), "{}", rows[0]);
+        }
+    }
+    assert!(log.contains("vs 1-range"), "{log}");
+}
+
+#[test]
+fn layered_bench_refuses_what_it_cannot_lay_out() {
+    for args in [
+        &["--layers", "0"][..],
+        &["--layers", "3", "--block-kib", "16"][..],
+        &["--layers", "2", "--memory", "cuda"][..],
+    ] {
+        let out = handoff()
+            .arg("bench")
+            .args(SMALL)
+            .args(["--no-perftest", "--transport", "ucx"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", text(&out));
+    }
+}
+
+#[test]
 fn cuda_memory_refuses_transports_that_copy_through_the_cpu() {
     let out = handoff()
         .args(["bench", "--memory", "cuda", "--transport", "tcp"])

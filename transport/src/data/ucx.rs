@@ -88,8 +88,15 @@ pub const UCX_SEGMENTS_PER_ROUND: usize = 64 * 1024;
 /// an idle target must still progress (wireup of new endpoints, keepalive, TCP lanes).
 pub const UCX_IDLE_PROGRESS_INTERVAL: Duration = Duration::from_millis(1);
 
-/// After a job, the thread polls for the next one without sleeping this long: back-to-back
-/// small transfers then cost no thread wake-up (microseconds each on a busy host).
+/// [`UCX_IDLE_PROGRESS_INTERVAL`] for a plane over registered host memory (an engine's
+/// CPU tensors): UCX 1.13 emulates peers' RMA into it with active messages this thread
+/// must serve, so an idle sleep is the first operation's latency. 100 µs bounds that, for
+/// a few percent of a core while idle (each wake-up is a few microseconds).
+pub const UCX_IDLE_PROGRESS_INTERVAL_REGISTERED_HOST: Duration = Duration::from_micros(100);
+
+/// After a job, or after progress that handled something (a peer's operation that needs
+/// this side's progress), the thread polls without sleeping this long: back-to-back small
+/// transfers then cost no thread wake-up (microseconds each on a busy host).
 pub const UCX_BUSY_POLL: Duration = Duration::from_micros(200);
 
 /// How long a caller polls for the thread's answer before it parks: a one-block transfer
@@ -875,6 +882,8 @@ struct PeerConn {
 /// after its registrations.
 struct State {
     worker: Worker,
+    /// How long the idle thread sleeps between progress calls.
+    idle: Duration,
     memory: ManuallyDrop<Vec<MemoryRegion>>,
     keep: ManuallyDrop<Option<Box<dyn Send>>>,
     /// The bound CUDA context, retained while the thread runs.
@@ -907,7 +916,16 @@ fn thread_main(
     };
     let mut busy_until = Instant::now();
     loop {
-        while state.worker.progress() > 0 {}
+        let mut served = false;
+        while state.worker.progress() > 0 {
+            served = true;
+        }
+        if served {
+            // Peers' operations need our progress (wireup, and the RMA UCX emulates with
+            // active messages, e.g. into registered heap memory over shared memory): keep
+            // polling while they come, instead of sleeping between each.
+            busy_until = Instant::now() + UCX_BUSY_POLL;
+        }
         let cmd = if Instant::now() < busy_until {
             match rx.try_recv() {
                 Ok(cmd) => cmd,
@@ -915,7 +933,7 @@ fn thread_main(
                 Err(mpsc::TryRecvError::Disconnected) => break,
             }
         } else {
-            match rx.recv_timeout(UCX_IDLE_PROGRESS_INTERVAL) {
+            match rx.recv_timeout(state.idle) {
                 Ok(cmd) => cmd,
                 Err(mpsc::RecvTimeoutError::Timeout) => continue,
                 Err(mpsc::RecvTimeoutError::Disconnected) => break,
@@ -948,6 +966,13 @@ fn start_ucx(setup: Setup) -> Result<(State, Ready), DataError> {
     let ctx = Context::with_options(&options)?;
     let worker = Worker::new(&ctx)?;
     let mut regions = Vec::new();
+    let registered_host = matches!(
+        &memory,
+        Memory::Register {
+            mem_type: MemoryType::Host,
+            ..
+        }
+    );
     let (specs, keep) = match memory {
         Memory::Allocate(specs) => {
             for spec in &specs {
@@ -1041,6 +1066,11 @@ fn start_ucx(setup: Setup) -> Result<(State, Ready), DataError> {
     };
     let state = State {
         worker,
+        idle: if registered_host {
+            UCX_IDLE_PROGRESS_INTERVAL_REGISTERED_HOST
+        } else {
+            UCX_IDLE_PROGRESS_INTERVAL
+        },
         memory: ManuallyDrop::new(regions),
         keep: ManuallyDrop::new(keep),
         _cuda: cuda,

@@ -11,6 +11,11 @@ use super::sys;
 use super::worker::{Endpoint, EndpointInner, RemoteKey};
 use super::{UcxError, OPS_INFLIGHT_MAX, SEGMENTS_PER_BATCH_MAX};
 
+/// Operations posted between two looks at the clock while posting (waiting for
+/// completions looks every round): a look costs tens of nanoseconds, as much as posting a
+/// small segment over shared memory, and 16 posts take microseconds, far below any deadline.
+const OPS_PER_DEADLINE_CHECK: usize = 16;
+
 /// One contiguous piece of a transfer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Segment {
@@ -400,7 +405,7 @@ impl Endpoint {
             op,
             requests: Vec::with_capacity(OPS_INFLIGHT_MAX),
         };
-        for seg in ops {
+        for (i, seg) in ops.iter().enumerate() {
             if in_flight.requests.len() >= OPS_INFLIGHT_MAX {
                 in_flight.drain_to(OPS_INFLIGHT_MAX - 1, started, deadline)?;
             }
@@ -435,7 +440,9 @@ impl Endpoint {
             if let Some(request) = worker.poll_start(op, ptr)? {
                 in_flight.requests.push(request);
             }
-            if Instant::now() >= deadline {
+            if i % OPS_PER_DEADLINE_CHECK == OPS_PER_DEADLINE_CHECK - 1
+                && Instant::now() >= deadline
+            {
                 return Err(UcxError::Timeout {
                     op,
                     after: started.elapsed(),
@@ -443,5 +450,44 @@ impl Endpoint {
             }
         }
         in_flight.drain_to(0, started, deadline)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seg(local: u32, local_offset: usize, remote: u32, remote_addr: u64) -> RangeSegment {
+        RangeSegment {
+            local,
+            local_offset,
+            remote,
+            remote_addr,
+            len: 8,
+        }
+    }
+
+    #[test]
+    fn segments_merge_only_when_adjacent_on_both_sides_in_the_same_two_ranges() {
+        let mut out = Vec::new();
+        for s in [
+            seg(0, 0, 0, 100),
+            seg(0, 8, 0, 108),  // continues both sides: merged
+            seg(1, 16, 0, 116), // another local range: not merged
+            seg(1, 24, 1, 124), // another remote range: not merged
+            seg(1, 32, 1, 140), // remote gap: not merged
+            seg(1, 40, 1, 148), // continues: merged
+        ] {
+            RangeSegment::push_coalesced(&mut out, s);
+        }
+        let lens: Vec<usize> = out.iter().map(|s| s.len).collect();
+        assert_eq!(lens, [16, 8, 8, 16]);
+        // A run that would overflow starts a new segment instead.
+        let mut out = vec![RangeSegment {
+            len: usize::MAX - 4,
+            ..seg(0, 0, 0, 0)
+        }];
+        RangeSegment::push_coalesced(&mut out, seg(0, usize::MAX - 4, 0, (usize::MAX - 4) as u64));
+        assert_eq!(out.len(), 2);
     }
 }

@@ -9,8 +9,9 @@
 //! [`Worker::connect`] to a peer's address for an [`Endpoint`]; [`MemoryRegion`]s
 //! registered or allocated on the context, their [`MemoryRegion::pack_rkey`] bytes sent to
 //! peers, which turn them into [`RemoteKey`]s with [`Endpoint::unpack_rkey`]. Then
-//! [`Endpoint::put`], [`Endpoint::get`] or the batched [`Endpoint::transfer`], and
-//! [`Endpoint::flush`].
+//! [`Endpoint::put`], [`Endpoint::get`] or the batched [`Endpoint::transfer`] (one region
+//! and key) and [`Endpoint::transfer_ranges`] (segments across several regions and keys:
+//! a KV layout registers each of its ranges on its own), and [`Endpoint::flush`].
 //!
 //! Every wait progresses the worker until the operation is done or its deadline passes
 //! ([`UcxError::Timeout`]). An endpoint whose peer dies, or whose operation times out, is
@@ -40,7 +41,8 @@
 //! - `context`: [`Context`], [`ContextOptions`], [`Version`].
 //! - `worker`: [`Worker`], [`Endpoint`], [`RemoteKey`], request waiting.
 //! - `memory`: [`MemoryRegion`], [`MemoryType`].
-//! - `batch`: [`Segment`], [`Direction`], [`coalesce`], the batched transfer.
+//! - `batch`: [`Segment`], [`RangeSegment`], [`Direction`], [`coalesce`], the batched
+//!   transfers.
 
 #![warn(missing_docs)]
 

@@ -32,8 +32,9 @@ export MATURIN_PEP517_ARGS="${MATURIN_PEP517_ARGS:---profile ${HANDOFF_PY_PROFIL
 "$venv/bin/python" -m pip install --quiet --no-build-isolation --force-reinstall --no-deps "$here"
 
 echo "run-tests: ruff"
-"$venv/bin/ruff" format --check "$here"
-"$venv/bin/ruff" check "$here"
+# The package, its examples and tests, and the Python scripts beside the project's shell ones.
+"$venv/bin/ruff" format --check --config "$here/pyproject.toml" "$here" "$here/../scripts"
+"$venv/bin/ruff" check --config "$here/pyproject.toml" "$here" "$here/../scripts"
 
 echo "run-tests: pytest"
 cd "$here"

@@ -131,9 +131,7 @@ class Server:
     def tail(self, n: int = 25) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
-    def wait_log(
-        self, pattern: str, since: int, timeout_s: float
-    ) -> tuple[str, int] | None:
+    def wait_log(self, pattern: str, since: int, timeout_s: float) -> tuple[str, int] | None:
         """The first line matching `pattern` past byte `since` within the deadline."""
         deadline = time.monotonic() + timeout_s
         rx = re.compile(pattern)
@@ -222,9 +220,7 @@ def metrics(port: int) -> dict[str, float]:
     """Prometheus samples summed over labels: name -> value."""
     out: dict[str, float] = {}
     try:
-        with urllib.request.urlopen(
-            f"http://127.0.0.1:{port}/metrics", timeout=10
-        ) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             text = r.read().decode()
     except (urllib.error.URLError, OSError):
         return out
@@ -316,10 +312,7 @@ def handoff_times(d: Server, since: int) -> list[float]:
     """Decode-side handoff times our connector logged (receiver opened -> blocks in)."""
     text = d.log_path.read_text(errors="replace")[since:]
     return [
-        float(m)
-        for m in re.findall(
-            r"handoff decode request \S+: \d+ blocks in ([\d.]+) ms", text
-        )
+        float(m) for m in re.findall(r"handoff decode request \S+: \d+ blocks in ([\d.]+) ms", text)
     ]
 
 
@@ -344,9 +337,7 @@ def prefill_loss(args, p_srv: Server, d_srv: Server, label: str) -> None:
         "model": model(args), "prompt": prompt(100, 4343), "max_tokens": 4, "temperature": 0,
         "return_token_ids": True,
     })  # fmt: skip
-    check(
-        f"{label}: decode keeps serving after its prefill died", rd2 is not None, err2
-    )
+    check(f"{label}: decode keeps serving after its prefill died", rd2 is not None, err2)
 
 
 def decode_loss(args, p_srv: Server, d_srv: Server) -> None:
@@ -369,9 +360,7 @@ def decode_loss(args, p_srv: Server, d_srv: Server) -> None:
     worker.start()
     seen = p_srv.wait_log(r"handoff prefill request \S+: decode is ready", mark, 60)
     if seen is None:
-        check(
-            "handoff: decode killed mid-handoff", False, "decode never reached prefill"
-        )
+        check("handoff: decode killed mid-handoff", False, "decode never reached prefill")
         return
     d_srv.kill()
     t = time.monotonic()
@@ -396,9 +385,7 @@ def decode_loss(args, p_srv: Server, d_srv: Server) -> None:
     )  # fmt: skip
 
 
-def summarize(
-    rows: dict[str, dict[int, list[dict]]], handoff_ms: dict[int, list[float]]
-):
+def summarize(rows: dict[str, dict[int, list[dict]]], handoff_ms: dict[int, list[float]]):
     def med(xs):
         xs = [x for x in xs if x is not None]
         if not xs:
@@ -406,9 +393,7 @@ def summarize(
         return f"{statistics.median(xs) * 1000:.1f} ({min(xs) * 1000:.1f}-{max(xs) * 1000:.1f})"
 
     print("\nTimings, ms: median (min-max) over the timed requests of each size")
-    print(
-        "| prompt | metric | HandoffConnector | NixlConnector | ratio (nixl/handoff) |"
-    )
+    print("| prompt | metric | HandoffConnector | NixlConnector | ratio (nixl/handoff) |")
     print("|---|---|---|---|---|")
     for size in SIZES:
         h, n = rows.get("handoff", {}).get(size, []), rows.get("nixl", {}).get(size, [])
@@ -422,9 +407,7 @@ def summarize(
         nx = [r["nixl_xfer_s"] for r in n]
         ratio = "n/a"
         if hx and [x for x in nx if x]:
-            ratio = (
-                f"{statistics.median([x for x in nx if x]) / statistics.median(hx):.2f}"
-            )
+            ratio = f"{statistics.median([x for x in nx if x]) / statistics.median(hx):.2f}"
         print(f"| {size} | handoff (transfer) | {med(hx)} | {med(nx)} | {ratio} |")
     print(
         "\nTTFT: first streamed token of the decode request (the transfer, one forward pass"
@@ -439,15 +422,11 @@ def main() -> int:
     ap.add_argument("--dir", required=True, help="the venv's folder (logs go there)")
     ap.add_argument("--handoff", required=True, help="the handoff binary")
     ap.add_argument("--transport", default="auto", help="auto | ucx | tcp")
-    ap.add_argument(
-        "--reps", type=int, default=3, help="timed requests per prompt size"
-    )
+    ap.add_argument("--reps", type=int, default=3, help="timed requests per prompt size")
     ap.add_argument("--skip-nixl", action="store_true", help="only HandoffConnector")
     args = ap.parse_args()
     (Path(args.dir) / "tiny").mkdir(parents=True, exist_ok=True)
-    (Path(args.dir) / "tiny" / "config.json").write_text(
-        json.dumps(TINY_CONFIG, indent=1)
-    )
+    (Path(args.dir) / "tiny" / "config.json").write_text(json.dumps(TINY_CONFIG, indent=1))
     args.prefill_port, args.decode_port = free_port(), free_port()
     bport = free_port()
     args.bootstrap = f"tcp://127.0.0.1:{bport}"
@@ -462,9 +441,7 @@ def main() -> int:
     try:
         # 1. HandoffConnector: correctness and timings.
         args.label = "handoff"
-        p, d = start_pair(
-            args, handoff_kv(args, "kv_producer"), handoff_kv(args, "kv_consumer")
-        )
+        p, d = start_pair(args, handoff_kv(args, "kv_producer"), handoff_kv(args, "kv_consumer"))
         servers += [p, d]
         for size in SIZES:
             handoff_ms[size] = []
@@ -497,9 +474,7 @@ def main() -> int:
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
                 "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
             }
-            p, d = start_pair(
-                args, nixl_kv("kv_producer"), nixl_kv("kv_consumer"), env_p, env_d
-            )
+            p, d = start_pair(args, nixl_kv("kv_producer"), nixl_kv("kv_consumer"), env_p, env_d)
             servers += [p, d]
             rows["nixl"] = {}
             for si, size in enumerate(SIZES):

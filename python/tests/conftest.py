@@ -13,9 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 import handoff
+import pytest
 
 #: Every wait in these tests has this deadline at most.
 DEADLINE_S = 30.0

@@ -16,9 +16,8 @@ import json
 import sys
 import time
 
-import numpy as np
-
 import handoff
+import numpy as np
 
 
 def pattern(seed: int, k: int, nbytes: int) -> np.ndarray:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import handoff
 import numpy as np
 import pytest
-
-import handoff
 
 
 class FakeTensor:

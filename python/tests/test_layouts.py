@@ -3,10 +3,9 @@ side, and pipeline stages that each hold some of the layers."""
 
 from __future__ import annotations
 
+import handoff
 import numpy as np
 import pytest
-
-import handoff
 
 LAYERS, BLOCKS, TOKENS, HEADS, DIM = 4, 16, 4, 2, 8
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import handoff
 import numpy as np
 import pytest
 from conftest import until
-
-import handoff
 
 BLOCKS, BLOCK_BYTES = 32, 4096
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import time
 
+import handoff
 import numpy as np
 import pytest
 from conftest import until
 from peer import pattern
-
-import handoff
 
 BLOCKS, BLOCK_BYTES = 64, 4096
 #: A killed peer resets its sockets, so its loss is noticed at once; the heartbeats

@@ -510,7 +510,11 @@ async fn a_lost_incarnation_is_not_handed_out_again_until_the_rank_re_registers(
     c.register(first.clone(), soon()).await.expect("register");
     c.query(&e, soon()).await.expect("ready");
     c.mark_lost(&first.rank, first.incarnation);
-    assert_eq!(c.cached(&e), None, "the cached answer goes with the lost peer");
+    assert_eq!(
+        c.cached(&e),
+        None,
+        "the cached answer goes with the lost peer"
+    );
     let err = c
         .query(&e, Instant::now() + Duration::from_millis(300))
         .await
@@ -520,7 +524,10 @@ async fn a_lost_incarnation_is_not_handed_out_again_until_the_rank_re_registers(
     c.register(second.clone(), soon())
         .await
         .expect("the restarted rank");
-    assert_eq!(c.query(&e, soon()).await.expect("ready again"), vec![second]);
+    assert_eq!(
+        c.query(&e, soon()).await.expect("ready again"),
+        vec![second]
+    );
 }
 
 /// A log sink shared with a tracing subscriber.

@@ -77,6 +77,10 @@ struct PeerState {
     inbound: Option<ConnId>,
     /// The incarnation the peer announced.
     incarnation: Option<u64>,
+    /// This incarnation was lost and its requests failed: the state is kept only so that
+    /// its late messages are known stale. A new incarnation replaces it without failing
+    /// anything (what depended on the old one already failed).
+    lost: bool,
     last_heard: Option<Instant>,
     dialing: Option<u64>,
     queue: VecDeque<Vec<u8>>,
@@ -230,11 +234,18 @@ impl Control {
     /// A new incarnation of a known peer means the old one is gone: its requests fail now.
     fn note_incarnation(&mut self, peer: &Peer, incarnation: u64) {
         let known = self.peers.get(peer).and_then(|s| s.incarnation);
+        let already_lost = self.peers.get(peer).is_some_and(|s| s.lost);
         if let Some(old) = known.filter(|old| *old != incarnation) {
-            info!(%peer, old, new = incarnation, "peer restarted: failing requests of its old incarnation");
-            self.lose(peer, "it restarted with a new incarnation");
+            if already_lost {
+                info!(%peer, old, new = incarnation, "peer back with a new incarnation");
+            } else {
+                info!(%peer, old, new = incarnation, "peer restarted: failing requests of its old incarnation");
+                self.lose(peer, "it restarted with a new incarnation");
+            }
         }
-        self.peers.entry(peer.clone()).or_default().incarnation = Some(incarnation);
+        let state = self.peers.entry(peer.clone()).or_default();
+        state.lost = false;
+        state.incarnation = Some(incarnation);
     }
 
     fn on_peer_message(&mut self, peer: &Peer, msg: Message) -> Result<(), WireError> {
@@ -626,6 +637,7 @@ impl Control {
                 peer.clone(),
                 PeerState {
                     incarnation: Some(incarnation),
+                    lost: true,
                     ..PeerState::default()
                 },
             );

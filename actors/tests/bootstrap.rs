@@ -501,8 +501,8 @@ async fn cached_answers_are_served_until_invalidated() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_incarnation_is_not_handed_out_again_until_the_rank_re_registers() {
     // A worker killed a moment ago is still registered until its record expires: a lookup
-    // in that window must not hand it out again (every request would fail on it), but wait
-    // for the rank's next incarnation.
+    // in that window must not hand it out again (a request would wait on it, or be fenced
+    // by it), but fail at once, naming it; its next incarnation is served again.
     let server = server().await;
     let c = client(&server);
     let e = EngineId::new("p");
@@ -515,11 +515,23 @@ async fn a_lost_incarnation_is_not_handed_out_again_until_the_rank_re_registers(
         None,
         "the cached answer goes with the lost peer"
     );
+    let t0 = Instant::now();
     let err = c
-        .query(&e, Instant::now() + Duration::from_millis(300))
+        .query(&e, Instant::now() + Duration::from_secs(5))
         .await
         .expect_err("only a lost incarnation is registered");
-    assert!(matches!(err, BootstrapError::NotReady { .. }), "{err:?}");
+    assert!(
+        matches!(err, BootstrapError::Lost { incarnation: 1, .. }),
+        "{err:?}"
+    );
+    assert!(
+        matches!(err.failure_reason(), FailureReason::PeerLost { .. }),
+        "{err:?}"
+    );
+    assert!(
+        t0.elapsed() < Duration::from_secs(2),
+        "failed only at the deadline"
+    );
     let second = record("p", (0, 1), (0, 1), 2);
     c.register(second.clone(), soon())
         .await

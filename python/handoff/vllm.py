@@ -25,7 +25,8 @@ How vLLM's connector calls map onto handoff's lifecycle:
   in the worker at the next step). When the receiver releases them after ``Done`` the
   request is reported finished receiving; when it failed (prefill lost, timeout,
   rejection), the blocks are reported through ``get_block_ids_with_load_errors`` so vLLM
-  fails the request or recomputes it (its ``kv_load_failure_policy``), never hangs.
+  fails the request or recomputes it (its ``kv_load_failure_policy``), never hangs. Either
+  is reported once handoff released the blocks, so no late write can land in them after.
 - Aborts on either side end the handoff request, which tells the other side, so both
   free their blocks.
 
@@ -41,7 +42,8 @@ Options (``kv_connector_extra_config``), every one optional but ``bootstrap``:
 ``ttl_s``
     Prefill: how long finished requests' blocks wait for decode (default 120).
 ``transfer_timeout_s``, ``bootstrap_timeout_s``, ``waiting_timeout_s``
-    Lifecycle deadlines (defaults 30, 120, 120).
+    Lifecycle deadlines, seconds: 30; prefill ``ttl_s`` and decode 10 (decode only looks
+    its prefill up and dials it); prefill 120 and decode 30.
 ``heartbeat_ms``, ``heartbeats_missed``
     Peer liveness on control connections (defaults 1000 and 3: a silent peer is lost
     after about 3 s; a killed one at once, by its reset connections).
@@ -179,10 +181,6 @@ class HandoffConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         return self._scheduler.build_meta()
 
-    def update_connector_output(self, connector_output: Any) -> None:
-        if self._scheduler is not None:
-            self._scheduler.on_output(connector_output)
-
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -247,11 +245,6 @@ class _SchedulerSide:
         self.block_size = block_size
         self.sends: dict[str, list[int]] = {}
         self.recvs: dict[str, _Recv] = {}
-        #: Decode: local request id -> blocks it loads into, until its load is settled.
-        self.loading: dict[str, set[int]] = {}
-        #: Decode: requests whose load failed while handoff may still hold their blocks
-        #: (a one-sided write fence): vLLM must not reuse them until the worker says so.
-        self.failed_loads: set[str] = set()
 
     def num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -302,21 +295,12 @@ class _SchedulerSide:
                 len(remote),
                 wanted,
             )
-        self.loading[request.request_id] = set(local)
         self.recvs[request.request_id] = _Recv(transfer_id, prefill, local)
 
     def build_meta(self) -> HandoffConnectorMetadata:
         meta = HandoffConnectorMetadata(sends=self.sends, recvs=self.recvs)
         self.sends, self.recvs = {}, {}
         return meta
-
-    def on_output(self, output: Any) -> None:
-        """Decode: learns which loads failed (their blocks were reported invalid)."""
-        invalid = set(getattr(output, "invalid_block_ids", None) or ())
-        for req_id in getattr(output, "finished_recving", None) or ():
-            blocks = self.loading.pop(req_id, set())
-            if blocks & invalid:
-                self.failed_loads.add(req_id)
 
     def finished(
         self, request: Request, block_ids: list[int]
@@ -326,12 +310,6 @@ class _SchedulerSide:
         params = request.kv_transfer_params
         if not params:
             return False, None
-        self.loading.pop(request.request_id, None)
-        if request.request_id in self.failed_loads:
-            # Decode: its load failed; handoff may hold the blocks until no late write
-            # can land (the worker reports the request "sent" when they are free).
-            self.failed_loads.discard(request.request_id)
-            return True, None
         if params.get("do_remote_prefill"):
             # Decode: finished before its blocks were allocated (aborted while waiting):
             # tell prefill so it frees the request's blocks now, not at its TTL.
@@ -381,8 +359,8 @@ class _Transfer:
     reason: str | None = None
     #: Handoff released the blocks.
     released: bool = False
-    #: Decode: the failure was reported to vLLM, which keeps the blocks until told.
-    reported: bool = False
+    #: Decode: vLLM finished the request (aborted it) while it was loading.
+    dropped: bool = False
 
 
 class _WorkerSide:
@@ -401,19 +379,11 @@ class _WorkerSide:
         self.extra = extra
         transfer = vllm_config.kv_transfer_config
         self.role = "prefill" if transfer.is_kv_producer else "decode"
-        policy = getattr(transfer, "kv_load_failure_policy", "fail")
-        #: With "fail", a failed load is reported at once and vLLM keeps the blocks (delay
-        #: free) until handoff releases them; with "recompute" vLLM would reuse them at
-        #: once, so the failure waits for handoff to release them.
-        self.report_failures_early = policy == "fail"
         self.runtime: handoff.Runtime | None = None
         #: transfer id (the prefill request id) -> its transfer.
         self.transfers: dict[str, _Transfer] = {}
         #: Prefill, with ``send_delay_ms``: transfer id -> when to hand the blocks over.
         self.delayed: dict[str, float] = {}
-        #: Decode: local ids whose failure was reported, waiting for vLLM to finish them.
-        self.awaiting_finish: dict[str, str] = {}
-        self.vllm_finished: set[str] = set()
         self.finished_sending: set[str] = set()
         self.finished_recving: set[str] = set()
         self.load_errors: set[int] = set()
@@ -469,11 +439,12 @@ class _WorkerSide:
             advertise_host=x.get("advertise_host"),
             timeouts={
                 # Decode asks for a request prefill already finished: the bootstrap
-                # lookup and dial are all its Bootstrapping covers.
+                # lookup and dial are all its Bootstrapping covers, and prefill's write
+                # follows its transfer info at once (the wait also bounds a fence).
                 "bootstrap_s": float(
                     x.get("bootstrap_timeout_s", 10.0 if decode else float(x.get("ttl_s", 120.0)))
                 ),
-                "waiting_s": float(x.get("waiting_timeout_s", 120.0)),
+                "waiting_s": float(x.get("waiting_timeout_s", 30.0 if decode else 120.0)),
                 "transfer_s": float(x.get("transfer_timeout_s", 30.0)),
                 "pull_ttl_s": float(x.get("ttl_s", 120.0)),
             },
@@ -582,17 +553,11 @@ class _WorkerSide:
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.runtime is None:
             return None, None
-        self.vllm_finished |= finished_req_ids
         self._send_due(time.monotonic())
+        if self.role == "decode" and finished_req_ids:
+            self._drop_finished(finished_req_ids)
         for event in self.runtime.drain_events():
             self._on_event(event)
-        for local_id, transfer_id in list(self.awaiting_finish.items()):
-            t = self.transfers.get(transfer_id)
-            if t is not None and t.released and local_id in self.vllm_finished:
-                del self.awaiting_finish[local_id]
-                del self.transfers[transfer_id]
-                self.vllm_finished.discard(local_id)
-                self.finished_sending.add(local_id)
         sending, recving = self.finished_sending, self.finished_recving
         self.finished_sending, self.finished_recving = set(), set()
         return (sending or None), (recving or None)
@@ -633,42 +598,44 @@ class _WorkerSide:
             outcome,
         )
 
+    def _drop_finished(self, finished_req_ids: set[str]) -> None:
+        """vLLM finished (aborted) requests still loading: end their transfers, so that
+        prefill frees its copy now; their blocks return to vLLM when handoff releases them.
+        """
+        for t in self.transfers.values():
+            if t.local_id in finished_req_ids and not t.ended and not t.dropped:
+                t.dropped = True
+                t.handle.abort()
+
     def _settle_decode(self, transfer_id: str, t: _Transfer) -> None:
+        """A load is reported once handoff released its blocks, never before: after a
+        failure a one-sided write may still be fenced, and vLLM reuses the blocks as soon as
+        it hears (it frees or recomputes them, by its ``kv_load_failure_policy``)."""
         if not t.blocks:  # an abort-only receiver
             if t.ended:
                 self.transfers.pop(transfer_id, None)
             return
+        if not (t.released or (t.ended and not t.handed)):
+            return
+        self.transfers.pop(transfer_id, None)
         elapsed_ms = (time.monotonic() - t.opened) * 1000.0
+        self.finished_recving.add(t.local_id)
         if t.reason is None:
-            if t.released:
-                self.transfers.pop(transfer_id, None)
-                self.finished_recving.add(t.local_id)
-                log.info(
-                    "handoff decode request %s: %d blocks in %.3f ms",
-                    transfer_id,
-                    len(t.blocks),
-                    elapsed_ms,
-                )
-            return
-        if t.reported:
-            return
-        if self.report_failures_early or t.released or not t.handed:
-            t.reported = True
-            self.load_errors.update(t.blocks)
-            self.finished_recving.add(t.local_id)
-            log.warning(
-                "handoff decode request %s: load failed after %.1f ms (%s); %d blocks "
-                "reported to vLLM%s",
+            log.info(
+                "handoff decode request %s: %d blocks in %.3f ms",
                 transfer_id,
-                elapsed_ms,
-                t.reason,
                 len(t.blocks),
-                "" if t.released else ", kept out of its pool until handoff frees them",
+                elapsed_ms,
             )
-            if t.handed:
-                self.awaiting_finish[t.local_id] = transfer_id
-            else:
-                self.transfers.pop(transfer_id, None)
+            return
+        self.load_errors.update(t.blocks)
+        log.warning(
+            "handoff decode request %s: load failed after %.1f ms (%s); %d blocks reported",
+            transfer_id,
+            elapsed_ms,
+            t.reason,
+            len(t.blocks),
+        )
 
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()

@@ -84,7 +84,7 @@ struct Inner {
     cache: Mutex<BTreeMap<EngineId, Vec<WorkerRecord>>>,
     /// Ranks lost at an incarnation (oldest first, at most [`LOST_INCARNATIONS_MAX`]): the
     /// server may still hold their records until they expire, and a lookup must not hand
-    /// a dead worker out again; it waits for the rank to re-register instead.
+    /// a dead worker out again: it fails by name until the rank registers anew.
     lost: Mutex<std::collections::VecDeque<(RankInfo, u64)>>,
     driver: Mutex<Option<DriverHandle>>,
 }
@@ -212,20 +212,17 @@ impl BootstrapClient {
                 Message::QueryReply(r) => match r.answer {
                     QueryAnswer::Ready { workers } => {
                         let lost = lock(&self.inner.lost);
-                        let live: Vec<Rank> = workers
+                        match workers
                             .iter()
-                            .filter(|w| !lost.contains(&(w.rank.clone(), w.incarnation)))
-                            .map(|w| w.rank.rank())
-                            .collect();
-                        if live.len() == workers.len() {
-                            Judged::Done(workers)
-                        } else {
-                            // A rank's record is that of a worker we lost: wait for its
-                            // next incarnation to register (or the deadline).
-                            Judged::NotReady {
-                                registered: live,
-                                expected: u32::try_from(workers.len()).unwrap_or(u32::MAX),
-                            }
+                            .find(|w| lost.contains(&(w.rank.clone(), w.incarnation)))
+                        {
+                            // A record of a worker we lost: what it held is gone with it.
+                            Some(dead) => Judged::Fail(BootstrapError::Lost {
+                                address: address.clone(),
+                                rank: dead.rank.clone(),
+                                incarnation: dead.incarnation,
+                            }),
+                            None => Judged::Done(workers),
                         }
                     }
                     QueryAnswer::NotReady {
@@ -279,7 +276,7 @@ impl BootstrapClient {
 
     /// Remembers that `rank` was lost at `incarnation` and forgets its engine's cached
     /// answer: until the rank registers again with a new incarnation, lookups of its engine
-    /// answer "not ready" rather than hand the dead worker out again.
+    /// fail with [`BootstrapError::Lost`] rather than hand the dead worker out again.
     pub fn mark_lost(&self, rank: &RankInfo, incarnation: u64) {
         let mut lost = lock(&self.inner.lost);
         if !lost.contains(&(rank.clone(), incarnation)) {

@@ -1,7 +1,7 @@
 //! [`BootstrapError`]: everything the bootstrap server, its client and the CLI report.
 
 use handoff_transport::wire::{WireError, WorkerRecord};
-use handoff_transport::{EngineId, FailureReason, Rank};
+use handoff_transport::{EngineId, FailureReason, Rank, RankInfo};
 
 /// What can go wrong serving, registering with or querying a bootstrap server.
 ///
@@ -43,6 +43,18 @@ pub enum BootstrapError {
         address: String,
         /// The engine asked about.
         engine: EngineId,
+    },
+    /// The server still holds the record of a worker this client lost (dead, its record not
+    /// expired yet) and no newer incarnation of that rank has registered: what it held is
+    /// gone with it, so the lookup fails at once instead of handing the dead worker out.
+    #[error("bootstrap server {address}: {rank} (incarnation {incarnation}) was lost and has not registered again")]
+    Lost {
+        /// The bootstrap server's address.
+        address: String,
+        /// The lost worker.
+        rank: RankInfo,
+        /// Its lost incarnation.
+        incarnation: u64,
     },
     /// The server holds a record that contradicts ours (same rank and incarnation with other
     /// addresses, an older incarnation, other engine sizes or role, or an engine that has all
@@ -117,6 +129,9 @@ impl BootstrapError {
                 address,
                 last_error,
             } => unavailable(address, last_error.clone()),
+            BootstrapError::Lost { rank, .. } => FailureReason::PeerLost {
+                peer: rank.to_string(),
+            },
             BootstrapError::NotReady { address, .. }
             | BootstrapError::UnknownEngine { address, .. }
             | BootstrapError::Conflict { address, .. }

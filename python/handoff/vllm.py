@@ -37,8 +37,11 @@ Options (``kv_connector_extra_config``), every one optional but ``bootstrap``:
 ``transport``
     ``auto`` (UCX when libucp loads, else TCP), ``ucx`` or ``tcp``. Default ``auto``.
 ``mode``
-    Decode: ``push`` (prefill writes into decode's blocks) or ``pull`` (decode reads).
-    Default ``push``.
+    Decode: ``pull`` (decode reads prefill's blocks) or ``push`` (prefill writes into
+    decode's). Default ``pull``: over a one-sided plane (UCX) a failed push request keeps
+    decode's blocks fenced while a lost prefill might still write, and vLLM cannot fail a
+    load while keeping its blocks, so the request would wait for the fence; in pull mode
+    decode's blocks are written only by its own reads, and a failure is answered at once.
 ``ttl_s``
     Prefill: how long finished requests' blocks wait for decode (default 120).
 ``transfer_timeout_s``, ``bootstrap_timeout_s``, ``waiting_timeout_s``
@@ -433,7 +436,7 @@ class _WorkerSide:
             pp_rank=int(get_pp_group().rank_in_group),
             pp_size=int(parallel.pipeline_parallel_size),
             transport=str(x.get("transport", "auto")),
-            mode=str(x.get("mode", "push")),
+            mode=str(x.get("mode", "pull")),
             control_listen=str(x.get("control_listen", "tcp://127.0.0.1:0")),
             data_listen=str(x.get("data_listen", "127.0.0.1:0")),
             advertise_host=x.get("advertise_host"),

@@ -81,9 +81,16 @@ def test_a_killed_prefill_fails_decode_fast_with_peer_lost(bootstrap, peers):
         took = time.monotonic() - killed
         assert took < PEER_LOST_WITHIN_S, f"PeerLost after {took:.1f} s"
         assert e.value.reason == "peer_lost" and "P/" in e.value.detail
-        ev = rt.drain_events()
-        assert sorted(b for x in ev if x.kind == "released" for b in x.blocks) == [1, 2, 3]
-        print(f"decode failed PeerLost {took * 1e3:.0f} ms after prefill was killed")
+        released = sorted(b for x in rt.drain_events() if x.kind == "released" for b in x.blocks)
+        if rt.transport == "tcp":
+            # Every write is checked against its grant on arrival: the blocks go at once.
+            assert released == [1, 2, 3]
+        # One-sided (UCX): a lost prefill might still write into the granted blocks, so
+        # they may stay fenced (released by the fence's bound): not asserted here.
+        print(
+            f"decode failed PeerLost {took * 1e3:.0f} ms after prefill was killed "
+            f"({rt.transport}; released at once: {released})"
+        )
 
 
 def test_a_killed_decode_fails_prefill_fast_with_peer_lost(bootstrap, peers):

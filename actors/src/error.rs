@@ -45,6 +45,14 @@ pub enum Error {
     /// The blocks were handed over already (`send` or `allocate` called twice).
     #[error("request {0}: blocks were already handed over")]
     AlreadyHandedOver(RequestId),
+    /// A payload beside the KV larger than the wire carries.
+    #[error("aux payload of {len} bytes is over the limit of {max}")]
+    AuxTooLarge {
+        /// Its length.
+        len: usize,
+        /// [`handoff_transport::wire::AUX_BYTES_MAX`].
+        max: usize,
+    },
     /// A block id outside this runtime's registered region.
     #[error(transparent)]
     Region(#[from] RegionError),

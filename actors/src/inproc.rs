@@ -119,7 +119,7 @@ impl Fabric {
     fn check_pairing(&self, from: &Peer, to: &Peer, msg: &Outbound) -> Result<(), String> {
         let (blocks, from_sends) = match msg {
             Outbound::TransferInfo { blocks, .. } => (blocks, false),
-            Outbound::Ready { blocks } => (blocks, true),
+            Outbound::Ready { blocks, .. } => (blocks, true),
             _ => return Ok(()),
         };
         let nodes = self.nodes();
@@ -210,7 +210,7 @@ impl Link for InProcessLink {
             Outbound::TransferInfo { blocks, .. } => {
                 self.grants.grant(to, id, Access::Write, blocks)
             }
-            Outbound::Ready { blocks } => self.grants.grant(to, id, Access::Read, blocks),
+            Outbound::Ready { blocks, .. } => self.grants.grant(to, id, Access::Read, blocks),
             _ => {}
         }
         // As on the network: the receiver checks the sender's blocks and layout against its

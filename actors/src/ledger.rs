@@ -22,6 +22,8 @@ pub(crate) struct Record {
     pub(crate) held: Vec<BlockId>,
     pub(crate) handed_over: bool,
     pub(crate) peers: Vec<Peer>,
+    /// Decode: each prefill rank's per-request payload, in arrival order (one per rank).
+    pub(crate) aux: Vec<(Peer, Vec<u8>)>,
 }
 
 /// A shared handle on one request's [`Record`].
@@ -40,6 +42,7 @@ impl Ledger {
             held: Vec::new(),
             handed_over: false,
             peers: Vec::new(),
+            aux: Vec::new(),
         };
         events.push(Event::State {
             id: id.clone(),
@@ -92,6 +95,17 @@ impl Ledger {
             true
         });
         result
+    }
+
+    /// Keeps a prefill rank's payload for the engine (the latest, if a rank sent twice).
+    pub(crate) fn add_aux(&self, from: Peer, bytes: Vec<u8>) {
+        self.cell.send_if_modified(|r| {
+            match r.aux.iter_mut().find(|(p, _)| *p == from) {
+                Some(slot) => slot.1 = bytes,
+                None => r.aux.push((from, bytes)),
+            }
+            false
+        });
     }
 
     pub(crate) fn add_peer(&self, peer: &Peer) {

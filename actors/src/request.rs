@@ -320,6 +320,7 @@ impl RequestState {
                 self.spawn_transfer(myself, fut, move |r| MachineEvent::Receiver(done(r)));
             }
             Action::Release { blocks } => self.ledger.release(&blocks),
+            Action::Aux { from, bytes } => self.ledger.add_aux(from, bytes),
             Action::StateChanged(state) => {
                 debug!(request = %id, role = %self.ledger.role, %state, "state changed");
                 if state.is_terminal() {

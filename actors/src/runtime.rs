@@ -18,6 +18,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use handoff_transport::wire::AUX_BYTES_MAX;
 use handoff_transport::{
     BlockId, EngineId, FailureReason, RankInfo, Region, RequestId, Role, TransferMode,
 };
@@ -42,7 +43,11 @@ pub(crate) enum RootMsg {
     /// The engine opened a request.
     Open { ledger: Ledger, kind: OpenKind },
     /// The engine handed blocks over (already recorded in the ledger).
-    HandedOver { id: RequestId, blocks: Vec<BlockId> },
+    HandedOver {
+        id: RequestId,
+        blocks: Vec<BlockId>,
+        aux: Vec<u8>,
+    },
     /// The engine aborted a request.
     Abort { id: RequestId },
     /// A peer sent a control message about a request.
@@ -198,9 +203,9 @@ impl Actor for RootActor {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             RootMsg::Open { ledger, kind } => state.open(&myself, ledger, kind).await,
-            RootMsg::HandedOver { id, blocks } => {
+            RootMsg::HandedOver { id, blocks, aux } => {
                 let event = match state.cfg.role {
-                    Role::Prefill => MachineEvent::Sender(SenderEvent::Input { blocks }),
+                    Role::Prefill => MachineEvent::Sender(SenderEvent::Input { blocks, aux }),
                     Role::Decode => MachineEvent::Receiver(ReceiverEvent::Allocated { blocks }),
                 };
                 state.deliver(&id, event);
@@ -601,8 +606,8 @@ fn to_event(role: Role, from: Peer, msg: Outbound) -> MachineEvent {
             },
         }),
         Role::Decode => MachineEvent::Receiver(match msg {
-            Outbound::Done => ReceiverEvent::Done { from },
-            Outbound::Ready { blocks } => ReceiverEvent::Ready { from, blocks },
+            Outbound::Done { aux } => ReceiverEvent::Done { from, aux },
+            Outbound::Ready { blocks, aux } => ReceiverEvent::Ready { from, blocks, aux },
             Outbound::Abort { reason } => ReceiverEvent::PeerAbort { from, reason },
             Outbound::AbortAck => ReceiverEvent::AbortAck { from },
             other => ReceiverEvent::Unexpected {
@@ -875,11 +880,21 @@ impl Handle {
         }
     }
 
-    fn hand_over(&self, blocks: Vec<BlockId>) -> Result<(), Error> {
+    fn hand_over(&self, blocks: Vec<BlockId>, aux: Vec<u8>) -> Result<(), Error> {
         self.region.check_blocks(&blocks)?;
+        if aux.len() > AUX_BYTES_MAX {
+            return Err(Error::AuxTooLarge {
+                len: aux.len(),
+                max: AUX_BYTES_MAX,
+            });
+        }
         self.ledger.hand_over(blocks.clone())?;
         let id = self.ledger.id.clone();
-        if self.root.cast(RootMsg::HandedOver { id, blocks }).is_err() {
+        if self
+            .root
+            .cast(RootMsg::HandedOver { id, blocks, aux })
+            .is_err()
+        {
             self.ledger.fail_if_live(FailureReason::Internal {
                 detail: "runtime stopped".into(),
             });
@@ -925,7 +940,14 @@ impl SenderHandle {
     /// which holds them until the request ends (then a `Released` event gives them back).
     /// Refused, with the blocks still the caller's, if the request has ended already.
     pub fn send(&self, blocks: Vec<BlockId>) -> Result<(), Error> {
-        self.0.hand_over(blocks)
+        self.0.hand_over(blocks, Vec::new())
+    }
+
+    /// [`send`](Self::send), with a payload for decode's engine beside the KV (at most
+    /// [`AUX_BYTES_MAX`] bytes; SGLang's first output token and its metadata): decode's
+    /// [`ReceiverHandle::aux`] holds it once the request is `Done` there.
+    pub fn send_with_aux(&self, blocks: Vec<BlockId>, aux: Vec<u8>) -> Result<(), Error> {
+        self.0.hand_over(blocks, aux)
     }
 
     /// The request's state now. Never blocks.
@@ -957,7 +979,14 @@ impl ReceiverHandle {
     /// The destination blocks are allocated: the runtime sends them to prefill and holds
     /// them until the request ends (`Released` after `Done` means they hold the KV cache).
     pub fn allocate(&self, blocks: Vec<BlockId>) -> Result<(), Error> {
-        self.0.hand_over(blocks)
+        self.0.hand_over(blocks, Vec::new())
+    }
+
+    /// The payloads prefill ranks sent with their KV ([`SenderHandle::send_with_aux`]), one
+    /// per rank that sent a non-empty one, in arrival order. Complete once the request is
+    /// `Done`; a failed request's are not to be used.
+    pub fn aux(&self) -> Vec<(RankInfo, Vec<u8>)> {
+        self.0.rx.borrow().aux.clone()
     }
 
     /// The request's state now. Never blocks.

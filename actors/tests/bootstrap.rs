@@ -711,6 +711,7 @@ async fn malformed_frames_through_a_dealer_are_refused_by_name_and_the_server_ke
     let not_served = wire::encode(
         &Message::Done(handoff_transport::wire::Done {
             request_id: "r".into(),
+            aux: vec![],
         }),
         None,
     )

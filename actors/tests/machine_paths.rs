@@ -45,7 +45,13 @@ fn sender_push_writes_then_says_done_then_releases() {
         },
     );
     assert_eq!(drain_s(&mut m), vec![changed(State::WaitingForInput)]);
-    m.handle(t, SenderEvent::Input { blocks: b(&[1, 2]) });
+    m.handle(
+        t,
+        SenderEvent::Input {
+            blocks: b(&[1, 2]),
+            aux: vec![],
+        },
+    );
     assert_eq!(
         drain_s(&mut m),
         vec![
@@ -63,7 +69,7 @@ fn sender_push_writes_then_says_done_then_releases() {
         vec![
             Action::Send {
                 to: d,
-                msg: Outbound::Done
+                msg: Outbound::Done { aux: vec![] }
             },
             changed(State::Done),
             Action::Release { blocks: b(&[1, 2]) }
@@ -77,7 +83,13 @@ fn sender_given_blocks_before_transfer_info_goes_straight_to_transferring() {
     let t = Instant::now();
     let d = rank("D", 0);
     let mut m = SenderMachine::new(t, Timeouts::default());
-    m.handle(t, SenderEvent::Input { blocks: b(&[1]) });
+    m.handle(
+        t,
+        SenderEvent::Input {
+            blocks: b(&[1]),
+            aux: vec![],
+        },
+    );
     assert_eq!(drain_s(&mut m), vec![]);
     assert_eq!(m.state(), &State::Bootstrapping);
     m.handle(
@@ -94,7 +106,10 @@ fn sender_given_blocks_before_transfer_info_goes_straight_to_transferring() {
             changed(State::Transferring),
             Action::Send {
                 to: d.clone(),
-                msg: Outbound::Ready { blocks: b(&[1]) }
+                msg: Outbound::Ready {
+                    blocks: b(&[1]),
+                    aux: vec![]
+                }
             }
         ]
     );
@@ -120,7 +135,13 @@ fn sender_refuses_a_block_count_mismatch_and_tells_decode() {
             blocks: b(&[7]),
         },
     );
-    m.handle(t, SenderEvent::Input { blocks: b(&[1, 2]) });
+    m.handle(
+        t,
+        SenderEvent::Input {
+            blocks: b(&[1, 2]),
+            aux: vec![],
+        },
+    );
     let actions = drain_s(&mut m);
     assert!(
         matches!(m.state(), State::Failed(FailureReason::Protocol { detail }) if detail.contains("granted 1 blocks"))
@@ -214,11 +235,29 @@ fn receiver_push_waits_for_done_from_every_pipeline_rank() {
             changed(State::WaitingForInput)
         ]
     );
-    m.handle(t, ReceiverEvent::Done { from: p1.clone() });
+    m.handle(
+        t,
+        ReceiverEvent::Done {
+            from: p1.clone(),
+            aux: vec![],
+        },
+    );
     assert_eq!(drain_r(&mut m), vec![changed(State::Transferring)]);
-    m.handle(t, ReceiverEvent::Done { from: p1 });
+    m.handle(
+        t,
+        ReceiverEvent::Done {
+            from: p1,
+            aux: vec![],
+        },
+    );
     assert_eq!(drain_r(&mut m), vec![], "a duplicate Done changes nothing");
-    m.handle(t, ReceiverEvent::Done { from: p0 });
+    m.handle(
+        t,
+        ReceiverEvent::Done {
+            from: p0,
+            aux: vec![],
+        },
+    );
     assert_eq!(
         drain_r(&mut m),
         vec![changed(State::Done), Action::Release { blocks: b(&[4, 5]) }]
@@ -243,6 +282,7 @@ fn receiver_pull_reads_then_acknowledges_each_rank() {
         ReceiverEvent::Ready {
             from: p0.clone(),
             blocks: b(&[9]),
+            aux: vec![],
         },
     );
     assert_eq!(
@@ -276,13 +316,17 @@ fn receiver_names_a_stranger_and_a_wrong_mode_as_protocol_errors() {
     let p0 = rank("P", 0);
     for (event, expect) in [
         (
-            ReceiverEvent::Done { from: rank("X", 0) },
+            ReceiverEvent::Done {
+                from: rank("X", 0),
+                aux: vec![],
+            },
             "from a rank not serving this request",
         ),
         (
             ReceiverEvent::Ready {
                 from: p0.clone(),
                 blocks: b(&[1]),
+                aux: vec![],
             },
             "Ready in Push mode",
         ),
@@ -316,7 +360,13 @@ fn a_failed_push_receiver_holds_its_blocks_until_prefill_acknowledges() {
         },
     );
     m.handle(t, ReceiverEvent::Allocated { blocks: b(&[4, 5]) });
-    m.handle(t, ReceiverEvent::Done { from: p1.clone() }); // p1's writes are complete
+    m.handle(
+        t,
+        ReceiverEvent::Done {
+            from: p1.clone(),
+            aux: vec![],
+        },
+    ); // p1's writes are complete
     drain_r(&mut m);
     m.handle_timeout(t + timeouts.transfer); // transferring since p1's Done
     assert_eq!(
@@ -384,7 +434,13 @@ fn a_prefill_rank_acknowledges_only_after_its_write_reported_back() {
             blocks: b(&[7]),
         },
     );
-    m.handle(t, SenderEvent::Input { blocks: b(&[1]) });
+    m.handle(
+        t,
+        SenderEvent::Input {
+            blocks: b(&[1]),
+            aux: vec![],
+        },
+    );
     drain_s(&mut m); // the write is posted
     m.handle(
         t,
@@ -451,4 +507,89 @@ fn sender_failed_by_an_unpaired_peers_invalid_message_tells_that_peer() {
         )),
         "{actions:?}"
     );
+}
+
+#[test]
+fn the_engines_payload_travels_with_done_or_ready_and_reaches_decode_before_done() {
+    let t = Instant::now();
+    let d = rank("D", 0);
+    let p = rank("P", 0);
+    let aux = b"first token".to_vec();
+    for mode in [TransferMode::Push, TransferMode::Pull] {
+        // Prefill: the payload handed over with the blocks goes out with the last message.
+        let mut s = SenderMachine::new(t, Timeouts::default());
+        s.handle(
+            t,
+            SenderEvent::Input {
+                blocks: b(&[1]),
+                aux: aux.clone(),
+            },
+        );
+        s.handle(
+            t,
+            SenderEvent::TransferInfo {
+                from: d.clone(),
+                mode,
+                blocks: b(&[9]),
+            },
+        );
+        if mode == TransferMode::Push {
+            s.handle(t, SenderEvent::TransferComplete);
+        }
+        let sent: Vec<Outbound> = drain_s(&mut s)
+            .into_iter()
+            .filter_map(|a| match a {
+                Action::Send { msg, .. } => Some(msg),
+                _ => None,
+            })
+            .collect();
+        let expected = match mode {
+            TransferMode::Push => Outbound::Done { aux: aux.clone() },
+            TransferMode::Pull => Outbound::Ready {
+                blocks: b(&[1]),
+                aux: aux.clone(),
+            },
+        };
+        assert_eq!(sent, vec![expected], "{mode:?}");
+
+        // Decode: the payload is handed to the driver before the request is Done.
+        let mut r = ReceiverMachine::new(t, Timeouts::default(), mode);
+        r.handle(t, ReceiverEvent::Allocated { blocks: b(&[9]) });
+        r.handle(
+            t,
+            ReceiverEvent::PeersResolved {
+                peers: vec![p.clone()],
+            },
+        );
+        drain_r(&mut r);
+        match mode {
+            TransferMode::Push => r.handle(
+                t,
+                ReceiverEvent::Done {
+                    from: p.clone(),
+                    aux: aux.clone(),
+                },
+            ),
+            TransferMode::Pull => {
+                r.handle(
+                    t,
+                    ReceiverEvent::Ready {
+                        from: p.clone(),
+                        blocks: b(&[1]),
+                        aux: aux.clone(),
+                    },
+                );
+                r.handle(t, ReceiverEvent::ReadComplete { from: p.clone() });
+            }
+        }
+        let actions = drain_r(&mut r);
+        let at_aux = actions
+            .iter()
+            .position(|a| matches!(a, Action::Aux { from, bytes } if *from == p && *bytes == aux));
+        let at_done = actions.iter().position(|a| *a == changed(State::Done));
+        assert!(
+            matches!((at_aux, at_done), (Some(x), Some(y)) if x < y),
+            "{mode:?}: {actions:?}"
+        );
+    }
 }

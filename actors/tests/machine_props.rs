@@ -132,6 +132,8 @@ struct Ledger {
     /// Latest instant a fence may hold blocks until (terminal time + fence_max).
     fenced_by: Option<Instant>,
     fence_max: Duration,
+    /// Prefill ranks whose payload was handed to the engine.
+    aux_from: Vec<RankInfo>,
 }
 
 impl Ledger {
@@ -145,6 +147,7 @@ impl Ledger {
             terminal_at: None,
             fenced_by: None,
             fence_max: timeouts().fence_max(),
+            aux_from: Vec::new(),
         }
     }
 
@@ -198,6 +201,15 @@ impl Ledger {
                     assert_eq!(src.len(), dst.len(), "transfer with mismatched block lists");
                 }
                 Action::Send { .. } => {}
+                Action::Aux { from, bytes } => {
+                    assert!(!bytes.is_empty(), "an empty payload handed to the engine");
+                    assert!(
+                        self.phase < Phase::Terminal,
+                        "payload from {from} after the request ended"
+                    );
+                    assert!(!self.aux_from.contains(&from), "two payloads from {from}");
+                    self.aux_from.push(from);
+                }
             }
         }
         if let Some(s) = last_change {
@@ -286,7 +298,7 @@ proptest! {
                 SOp::Info(p, mode, n) => SenderEvent::TransferInfo { from: peer(p), mode, blocks: ledger.blocks(n, false) },
                 SOp::Queued(p) => SenderEvent::Queued { from: peer(p) },
                 SOp::Rejected(p, reason) => SenderEvent::Rejected { from: peer(p), reason },
-                SOp::Input(n) => SenderEvent::Input { blocks: ledger.blocks(n, true) },
+                SOp::Input(n) => SenderEvent::Input { blocks: ledger.blocks(n, true), aux: vec![] },
                 SOp::Complete => SenderEvent::TransferComplete,
                 SOp::TransferFailed => SenderEvent::TransferFailed { detail: "x".into() },
                 SOp::ReadDone(p) => SenderEvent::ReadDone { from: peer(p) },
@@ -325,8 +337,8 @@ proptest! {
                 ROp::Reject => ReceiverEvent::Reject { reason: FailureReason::RejectedBusy },
                 ROp::AbortAck(p) => ReceiverEvent::AbortAck { from: peer(p) },
                 ROp::Allocated(n) => ReceiverEvent::Allocated { blocks: ledger.blocks(n, true) },
-                ROp::Done(p) => ReceiverEvent::Done { from: peer(p) },
-                ROp::Ready(p, n) => ReceiverEvent::Ready { from: peer(p), blocks: ledger.blocks(n, false) },
+                ROp::Done(p) => ReceiverEvent::Done { from: peer(p), aux: vec![p] },
+                ROp::Ready(p, n) => ReceiverEvent::Ready { from: peer(p), blocks: ledger.blocks(n, false), aux: vec![p] },
                 ROp::ReadComplete(p) => ReceiverEvent::ReadComplete { from: peer(p) },
                 ROp::TransferFailed => ReceiverEvent::TransferFailed { detail: "x".into() },
                 ROp::Abort => ReceiverEvent::Abort,

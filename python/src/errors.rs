@@ -53,6 +53,7 @@ impl Failure {
             Error::WrongRole(_) => "wrong_role",
             Error::RequestEnded { .. } => "request_ended",
             Error::AlreadyHandedOver(_) => "already_handed_over",
+            Error::AuxTooLarge { .. } => "invalid_argument",
             Error::Region(r) => region_kind(r),
         };
         Failure::new(kind, e.to_string())

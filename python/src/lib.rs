@@ -333,12 +333,15 @@ struct SenderHandle {
 
 handle_methods!(SenderHandle, {
     /// The KV cache is computed and lives in `blocks`: hand them to the runtime, which
-    /// holds them until the request ends (a `released` event gives them back).
-    fn send(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// holds them until the request ends (a `released` event gives them back). `aux`: bytes
+    /// for decode's engine beside the KV (at most `AUX_BYTES_MAX`), read there with
+    /// `ReceiverHandle.aux` once the request is `Done`.
+    #[pyo3(signature = (blocks, aux = None))]
+    fn send(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>, aux: Option<&[u8]>) -> PyResult<()> {
         let blocks = blocks_from(blocks)?;
         let _guard = self.core.tokio.here().map_err(|f| f.into_py(py))?.enter();
         self.inner
-            .send(blocks)
+            .send_with_aux(blocks, aux.map(<[u8]>::to_vec).unwrap_or_default())
             .map_err(|e| Failure::from_error(&e).into_py(py))
     }
 });
@@ -359,6 +362,18 @@ handle_methods!(ReceiverHandle, {
         self.inner
             .allocate(blocks)
             .map_err(|e| Failure::from_error(&e).into_py(py))
+    }
+
+    /// What prefill's engines sent beside the KV (`SenderHandle.send(blocks, aux)`): one
+    /// `(rank, bytes)` per prefill rank that sent any, `rank` as `Runtime.rank` names it.
+    /// Complete once the request is `Done`.
+    #[getter]
+    fn aux<'py>(&self, py: Python<'py>) -> Vec<(String, Bound<'py, pyo3::types::PyBytes>)> {
+        self.inner
+            .aux()
+            .into_iter()
+            .map(|(rank, bytes)| (rank.to_string(), pyo3::types::PyBytes::new(py, &bytes)))
+            .collect()
     }
 
     /// Refuses the request because this decode is saturated: prefill is told at once.
@@ -1019,6 +1034,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;
     m.add("REQUEST_ID_BYTES_MAX", REQUEST_ID_BYTES_MAX)?;
     m.add("ENGINE_ID_BYTES_MAX", ENGINE_ID_BYTES_MAX)?;
+    m.add("AUX_BYTES_MAX", handoff_transport::wire::AUX_BYTES_MAX)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

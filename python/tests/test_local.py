@@ -59,6 +59,27 @@ def test_numpy_arrays_hand_over_byte_for_byte(pair):
     assert len(finals) == 4
 
 
+@pytest.mark.parametrize("pair", ["push", "pull"], indirect=True)
+def test_aux_bytes_travel_beside_the_kv(pair):
+    p, d, kv_p, kv_d = pair
+    kv_p[3] = 9
+    r = d.receiver("aux", "P", blocks=[30])
+    s = p.sender("aux")
+    payload = bytes(range(256)) * 40  # SGLang's first token and metadata are this order
+    s.send([3], aux=payload)
+    assert r.wait(30) == "Done" and s.wait(30) == "Done"
+    assert np.array_equal(kv_d[30], kv_p[3])
+    assert r.aux == [(p.rank, payload)]
+    # Without a payload, decode gets none; too large a one is refused before anything moves.
+    r2 = d.receiver("plain", "P", blocks=[29])
+    p.sender("plain").send([4])
+    assert r2.wait(30) == "Done" and r2.aux == []
+    s3 = p.sender("big")
+    with pytest.raises(handoff.InvalidInput):
+        s3.send([5], aux=b"x" * (handoff._native.AUX_BYTES_MAX + 1))
+    s3.abort()
+
+
 def test_abort_frees_blocks_and_tells_the_peer(pair):
     p, d, _, _ = pair
     r = d.receiver("gone", "P", blocks=[5, 6, 7])

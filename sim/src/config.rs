@@ -595,7 +595,7 @@ impl MessageKind {
             Outbound::TransferInfo { .. } => Self::TransferInfo,
             Outbound::Queued => Self::Queued,
             Outbound::Ready { .. } => Self::Ready,
-            Outbound::Done => Self::Done,
+            Outbound::Done { .. } => Self::Done,
             Outbound::ReadDone => Self::ReadDone,
             Outbound::Rejected { .. } => Self::Rejected,
             Outbound::Abort { .. } => Self::Abort,

@@ -12,7 +12,7 @@ use handoff_transport::wire::{
     HelloAck, LayoutDescriptor, Message, MessageType, ProtocolError, Query, QueryAnswer,
     QueryReply, Queued, RangeDescriptor, ReadDone, Ready, RegisterConflict, RegisterOk, Rejected,
     StatusReply, StatusRequest, TransferInfo, TransportKind, Unregister, Unregistered, WireError,
-    WithPeer, WorkerRecord, WorkerSummary, HEADER_BYTES,
+    WithPeer, WorkerRecord, WorkerSummary, AUX_BYTES_MAX, HEADER_BYTES,
 };
 use handoff_transport::{
     BlockId, EngineId, FailureReason, Rank, RankInfo, RequestId, Role, TransferMode,
@@ -157,9 +157,11 @@ fn every_message() -> Vec<Message> {
         Message::Ready(Ready {
             request_id: request(),
             blocks: vec![BlockId(0), BlockId(7)],
+            aux: vec![],
         }),
         Message::Done(Done {
             request_id: request(),
+            aux: vec![],
         }),
         Message::ReadDone(ReadDone {
             request_id: request(),
@@ -237,13 +239,14 @@ fn every_message_round_trips_without_and_with_a_key() {
 fn header_is_little_endian_in_the_documented_layout() {
     let bytes = encoded(&Message::Done(Done {
         request_id: RequestId::new("r"),
+        aux: vec![],
     }));
     assert_eq!(&bytes[0..4], b"HDOF");
     assert_eq!(&bytes[4..6], &PROTOCOL_VERSION.to_le_bytes());
     assert_eq!(&bytes[6..8], &0x0205u16.to_le_bytes());
     assert_eq!(&bytes[8..12], &[0, 0, 0, 0]);
-    assert_eq!(&bytes[12..16], &2u32.to_le_bytes()); // varint length 1 + "r"
-    assert_eq!(&bytes[16..], &[1, b'r']);
+    assert_eq!(&bytes[12..16], &3u32.to_le_bytes()); // varint length 1 + "r", empty aux
+    assert_eq!(&bytes[16..], &[1, b'r', 0]);
 }
 
 #[test]
@@ -508,6 +511,7 @@ fn frame_without_trailer_is_auth_missing_when_a_key_is_configured() {
 fn frame_with_a_wrong_trailer_or_key_is_auth_mismatch() {
     let msg = Message::Done(Done {
         request_id: request(),
+        aux: vec![],
     });
     let bytes = wire::encode(&msg, Some(&key())).unwrap_or_else(|e| panic!("{e}"));
     let other = Key::new(b"another secret, 32 bytes long...").unwrap_or_else(|e| panic!("{e}"));
@@ -643,6 +647,7 @@ fn duplicate_blocks_are_refused_on_decode() {
 fn overlong_strings_and_oversized_lists_are_refused() {
     let long_id = Done {
         request_id: RequestId::new("x".repeat(REQUEST_ID_BYTES_MAX + 1)),
+        aux: vec![],
     };
     let frame = raw_frame(MessageType::Done, &raw_payload(&long_id));
     assert_eq!(
@@ -662,8 +667,29 @@ fn overlong_strings_and_oversized_lists_are_refused() {
             ..
         })
     ));
+    let big_aux = Done {
+        request_id: RequestId::new("r"),
+        aux: vec![7; AUX_BYTES_MAX + 1],
+    };
+    let frame = raw_frame(MessageType::Done, &raw_payload(&big_aux));
+    assert_eq!(
+        wire::decode(&frame, None),
+        Err(WireError::TooLong {
+            what: "Done.aux",
+            len: AUX_BYTES_MAX + 1,
+            max: AUX_BYTES_MAX
+        })
+    );
+    assert!(matches!(
+        wire::encode(&Message::Done(big_aux), None),
+        Err(WireError::TooLong {
+            what: "Done.aux",
+            ..
+        })
+    ));
     let empty = Done {
         request_id: RequestId::new(""),
+        aux: vec![],
     };
     let frame = raw_frame(MessageType::Done, &raw_payload(&empty));
     assert!(matches!(
@@ -993,9 +1019,18 @@ fn any_peer_message() -> impl Strategy<Value = Message> {
         any_request_id().prop_map(|request_id| Message::Queued(Queued { request_id })),
         (any_request_id(), any_failure_reason())
             .prop_map(|(request_id, reason)| Message::Rejected(Rejected { request_id, reason })),
-        (any_request_id(), any_blocks())
-            .prop_map(|(request_id, blocks)| Message::Ready(Ready { request_id, blocks })),
-        any_request_id().prop_map(|request_id| Message::Done(Done { request_id })),
+        (
+            any_request_id(),
+            any_blocks(),
+            prop::collection::vec(any::<u8>(), 0..64)
+        )
+            .prop_map(|(request_id, blocks, aux)| Message::Ready(Ready {
+                request_id,
+                blocks,
+                aux
+            })),
+        (any_request_id(), prop::collection::vec(any::<u8>(), 0..64))
+            .prop_map(|(request_id, aux)| Message::Done(Done { request_id, aux })),
         any_request_id().prop_map(|request_id| Message::ReadDone(ReadDone { request_id })),
         any_request_id().prop_map(|request_id| Message::AbortAck(AbortAck { request_id })),
         (any_request_id(), any_failure_reason())

@@ -103,6 +103,7 @@ fn seeds() -> Vec<(&'static str, Vec<u8>, Expect)> {
     let ok_hello = encoded(&hello(), None);
     let done = Message::Done(Done {
         request_id: RequestId::new("req-1"),
+        aux: vec![],
     });
     let transfer = Message::TransferInfo(transfer_info(vec![BlockId(2), BlockId(0)]));
     let two_frames = [encoded(&hello(), None), encoded(&done, None)].concat();

@@ -212,9 +212,14 @@ pub enum Outbound {
     Ready {
         /// Prefill's source blocks, in order.
         blocks: Vec<BlockId>,
+        /// The engine's per-request payload (empty if none).
+        aux: Vec<u8>,
     },
     /// Prefill → decode (push): every block has been written.
-    Done,
+    Done {
+        /// The engine's per-request payload (empty if none).
+        aux: Vec<u8>,
+    },
     /// Decode → prefill (pull): every block has been read.
     ReadDone,
     /// Decode → prefill: decode is saturated and refuses the request (sent by decode's
@@ -268,6 +273,14 @@ pub enum Action {
     Release {
         /// The blocks.
         blocks: Vec<BlockId>,
+    },
+    /// Decode: a prefill rank's per-request payload arrived (non-empty only); the engine
+    /// reads it with the request's blocks once the request is `Done`.
+    Aux {
+        /// The prefill rank that sent it.
+        from: Peer,
+        /// The bytes, as the prefill engine gave them.
+        bytes: Vec<u8>,
     },
     /// The state changed (emitted after every transition, for events and logs).
     StateChanged(State),

@@ -45,6 +45,8 @@ pub enum ReceiverEvent {
     Done {
         /// The prefill rank.
         from: Peer,
+        /// Its engine's per-request payload (empty if none).
+        aux: Vec<u8>,
     },
     /// Pull: a prefill rank's blocks are ready to be read.
     Ready {
@@ -52,6 +54,8 @@ pub enum ReceiverEvent {
         from: Peer,
         /// Its source blocks.
         blocks: Vec<BlockId>,
+        /// Its engine's per-request payload (empty if none).
+        aux: Vec<u8>,
     },
     /// Push: a prefill rank confirms no write of its into our blocks can land any more
     /// (it answers our abort, or its own failure).
@@ -237,8 +241,8 @@ impl ReceiverMachine {
                 }
             }
             ReceiverEvent::Allocated { blocks } => self.on_allocated(now, blocks),
-            ReceiverEvent::Done { from } => self.on_done(now, from),
-            ReceiverEvent::Ready { from, blocks } => self.on_ready(now, from, blocks),
+            ReceiverEvent::Done { from, aux } => self.on_done(now, from, aux),
+            ReceiverEvent::Ready { from, blocks, aux } => self.on_ready(now, from, blocks, aux),
             ReceiverEvent::ReadComplete { from } => self.on_read_complete(from),
             ReceiverEvent::TransferFailed { detail } => {
                 self.reads_outstanding = self.reads_outstanding.saturating_sub(1);
@@ -379,15 +383,27 @@ impl ReceiverMachine {
         }
     }
 
-    fn on_done(&mut self, now: Instant, from: Peer) {
+    fn on_done(&mut self, now: Instant, from: Peer, aux: Vec<u8>) {
         let Some(i) = self.expect_input(&from, TransferMode::Push, "Done") else {
             return;
         };
+        if self.peers[i].1 == Progress::Complete {
+            return; // a duplicate
+        }
         self.peers[i].1 = Progress::Complete;
+        self.take_aux(from, aux);
         self.finish_if_complete(now);
     }
 
-    fn on_ready(&mut self, now: Instant, from: Peer, blocks: Vec<BlockId>) {
+    /// Hands a prefill rank's payload to the driver (once per rank: its input is accepted
+    /// once), before the state that lets the engine read it.
+    fn take_aux(&mut self, from: Peer, bytes: Vec<u8>) {
+        if !bytes.is_empty() {
+            self.core.actions.push_back(Action::Aux { from, bytes });
+        }
+    }
+
+    fn on_ready(&mut self, now: Instant, from: Peer, blocks: Vec<BlockId>, aux: Vec<u8>) {
         let Some(i) = self.expect_input(&from, TransferMode::Pull, "Ready") else {
             return;
         };
@@ -404,6 +420,7 @@ impl ReceiverMachine {
         }
         self.peers[i].1 = Progress::Reading;
         self.reads_outstanding += 1;
+        self.take_aux(from.clone(), aux);
         self.enter_transferring(now);
         let dst = self.core.held.clone();
         self.core.actions.push_back(Action::Read {
@@ -504,7 +521,7 @@ impl ReceiverMachine {
     fn handle_after_end(&mut self, event: ReceiverEvent) {
         match event {
             ReceiverEvent::Allocated { blocks } => return self.core.release_late(blocks),
-            ReceiverEvent::AbortAck { from } | ReceiverEvent::Done { from } => {
+            ReceiverEvent::AbortAck { from } | ReceiverEvent::Done { from, .. } => {
                 if let Some(i) = self.index(&from) {
                     self.peers[i].1 = Progress::Complete;
                 }

@@ -43,6 +43,9 @@ pub enum SenderEvent {
     Input {
         /// The blocks, in order.
         blocks: Vec<BlockId>,
+        /// The engine's per-request payload for decode (empty if none), sent with `Done`
+        /// (push) or `Ready` (pull).
+        aux: Vec<u8>,
     },
     /// Push: the data plane finished writing every block.
     TransferComplete,
@@ -102,6 +105,8 @@ pub struct SenderMachine {
     dst: Option<Vec<BlockId>>,
     /// True once the engine has handed over its blocks.
     has_input: bool,
+    /// The engine's payload for decode, handed over with the blocks.
+    aux: Vec<u8>,
     /// A push write was handed to the data plane and has not reported back.
     write_outstanding: bool,
     /// Decode is owed an `AbortAck` as soon as no write is outstanding.
@@ -124,6 +129,7 @@ impl SenderMachine {
             mode: TransferMode::Push,
             dst: None,
             has_input: false,
+            aux: Vec::new(),
             write_outstanding: false,
             ack_owed: false,
             fence_reads: false,
@@ -208,7 +214,7 @@ impl SenderMachine {
                 self.peer.get_or_insert(from);
             }
             SenderEvent::Rejected { from, reason } => self.fail(reason, Some(&from)),
-            SenderEvent::Input { blocks } => self.on_input(now, blocks),
+            SenderEvent::Input { blocks, aux } => self.on_input(now, blocks, aux),
             SenderEvent::TransferComplete => self.on_transfer_complete(),
             SenderEvent::TransferFailed { detail } => {
                 self.write_outstanding = false;
@@ -273,13 +279,14 @@ impl SenderMachine {
         }
     }
 
-    fn on_input(&mut self, now: Instant, blocks: Vec<BlockId>) {
+    fn on_input(&mut self, now: Instant, blocks: Vec<BlockId>, aux: Vec<u8>) {
         if self.has_input {
             // The engine sent twice: keep the first set, give the second back.
             return self.core.release_late(blocks);
         }
         self.has_input = true;
         self.core.held = blocks;
+        self.aux = aux;
         if self.core.state == State::WaitingForInput {
             self.start_transfer(now);
         }
@@ -310,7 +317,8 @@ impl SenderMachine {
             TransferMode::Pull => {
                 let limit = self.core.timeouts.pull_ttl;
                 self.core.advance(now, State::Transferring, limit);
-                self.core.send(&peer, Outbound::Ready { blocks: src });
+                let aux = self.aux.clone();
+                self.core.send(&peer, Outbound::Ready { blocks: src, aux });
             }
         }
     }
@@ -321,7 +329,8 @@ impl SenderMachine {
             return; // stale completion
         }
         if let Some(peer) = self.peer.clone() {
-            self.core.send(&peer, Outbound::Done);
+            let aux = std::mem::take(&mut self.aux);
+            self.core.send(&peer, Outbound::Done { aux });
         }
         self.core.finish(State::Done);
     }
@@ -347,7 +356,7 @@ impl SenderMachine {
     /// everything else is stale.
     fn handle_after_end(&mut self, event: SenderEvent) {
         match event {
-            SenderEvent::Input { blocks } => self.core.release_late(blocks),
+            SenderEvent::Input { blocks, .. } => self.core.release_late(blocks),
             SenderEvent::TransferComplete | SenderEvent::TransferFailed { .. } => {
                 self.write_outstanding = false;
                 self.pay_ack();

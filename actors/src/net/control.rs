@@ -287,11 +287,17 @@ impl Control {
                     self.inbox.deliver_invalid(peer.clone(), r.request_id, e);
                     return Ok(());
                 }
-                (r.request_id, Outbound::Ready { blocks: r.blocks })
+                (
+                    r.request_id,
+                    Outbound::Ready {
+                        blocks: r.blocks,
+                        aux: r.aux,
+                    },
+                )
             }
             Message::Queued(q) => (q.request_id, Outbound::Queued),
             Message::Rejected(r) => (r.request_id, Outbound::Rejected { reason: r.reason }),
-            Message::Done(d) => (d.request_id, Outbound::Done),
+            Message::Done(d) => (d.request_id, Outbound::Done { aux: d.aux }),
             Message::ReadDone(d) => (d.request_id, Outbound::ReadDone),
             Message::Abort(a) => (a.request_id, Outbound::Abort { reason: a.reason }),
             Message::AbortAck(a) => (a.request_id, Outbound::AbortAck),
@@ -424,11 +430,15 @@ impl Control {
             }
             Outbound::Queued => Message::Queued(messages::Queued { request_id: id }),
             Outbound::Rejected { reason } => Message::Rejected(messages::Rejected::new(id, reason)),
-            Outbound::Ready { blocks } => Message::Ready(messages::Ready {
+            Outbound::Ready { blocks, aux } => Message::Ready(messages::Ready {
                 request_id: id,
                 blocks,
+                aux,
             }),
-            Outbound::Done => Message::Done(messages::Done { request_id: id }),
+            Outbound::Done { aux } => Message::Done(messages::Done {
+                request_id: id,
+                aux,
+            }),
             Outbound::ReadDone => Message::ReadDone(messages::ReadDone { request_id: id }),
             Outbound::Abort { reason } => Message::Abort(messages::Abort::new(id, reason)),
             Outbound::AbortAck => Message::AbortAck(messages::AbortAck { request_id: id }),

@@ -397,7 +397,9 @@ impl Link for NetLink {
             Outbound::TransferInfo { blocks, .. } => {
                 self.data.grants().grant(to, id, Access::Write, blocks)
             }
-            Outbound::Ready { blocks } => self.data.grants().grant(to, id, Access::Read, blocks),
+            Outbound::Ready { blocks, .. } => {
+                self.data.grants().grant(to, id, Access::Read, blocks)
+            }
             _ => {}
         }
         self.cmds

@@ -22,6 +22,13 @@ pub const FRAME_PAYLOAD_BYTES_MAX: usize = 16 * 1024 * 1024;
 /// vLLM's 16 tokens per block the same bound allows 16M-token prompts.
 pub const BLOCKS_PER_MESSAGE_MAX: usize = 1 << 20;
 
+/// Largest per-request payload a prefill rank hands to decode beside the KV blocks, in
+/// bytes: what an engine needs that is not KV cache (SGLang's first output token, its
+/// logprobs and, for speculative decoding, one row of hidden states: a few KiB; a 16k-wide
+/// hidden state in fp32 is 64 KiB). Carried in [`Ready`](crate::wire::Ready) or
+/// [`Done`](crate::wire::Done); decode holds one per prefill rank until the request ends.
+pub const AUX_BYTES_MAX: usize = 1 << 20;
+
 /// Longest request id, in bytes. Engines use UUIDs or `chatcmpl-<uuid>` (under 100 bytes);
 /// routers that prefix or concatenate ids stay well under this.
 pub const REQUEST_ID_BYTES_MAX: usize = 512;
@@ -92,9 +99,12 @@ const TRANSFER_FIXED_ENCODED_BYTES_MAX: usize = 64 * 1024;
 const _: () = assert!(
     WORKERS_PER_ENGINE_MAX * WORKER_RECORD_ENCODED_BYTES_MAX + 1024 <= FRAME_PAYLOAD_BYTES_MAX
 );
-// A transfer message listing the most blocks fits in one frame.
+// A transfer message listing the most blocks, with the largest payload, fits in one frame.
 const _: () = assert!(
-    BLOCKS_PER_MESSAGE_MAX * VARINT_U32_BYTES_MAX + TRANSFER_FIXED_ENCODED_BYTES_MAX
+    BLOCKS_PER_MESSAGE_MAX * VARINT_U32_BYTES_MAX
+        + AUX_BYTES_MAX
+        + VARINT_U64_BYTES_MAX
+        + TRANSFER_FIXED_ENCODED_BYTES_MAX
         <= FRAME_PAYLOAD_BYTES_MAX
 );
 const _: () = assert!(

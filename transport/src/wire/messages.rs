@@ -18,9 +18,9 @@ use crate::types::{
     BlockId, EngineId, FailureReason, Rank, RankInfo, RequestId, Role, TransferMode,
 };
 use crate::wire::limits::{
-    ADDRESS_BYTES_MAX, BLOCKS_PER_MESSAGE_MAX, DATA_DESCRIPTOR_BYTES_MAX, DETAIL_BYTES_MAX,
-    ENGINES_MAX, ENGINE_ID_BYTES_MAX, LAYOUT_REMOTE_KEY_BYTES_MAX, REMOTE_KEY_BYTES_MAX,
-    REQUEST_ID_BYTES_MAX, WORKERS_PER_ENGINE_MAX,
+    ADDRESS_BYTES_MAX, AUX_BYTES_MAX, BLOCKS_PER_MESSAGE_MAX, DATA_DESCRIPTOR_BYTES_MAX,
+    DETAIL_BYTES_MAX, ENGINES_MAX, ENGINE_ID_BYTES_MAX, LAYOUT_REMOTE_KEY_BYTES_MAX,
+    REMOTE_KEY_BYTES_MAX, REQUEST_ID_BYTES_MAX, WORKERS_PER_ENGINE_MAX,
 };
 use crate::wire::WireError;
 use crate::PROTOCOL_VERSION;
@@ -853,6 +853,9 @@ pub struct Ready {
     /// The source blocks, in the order of the request's KV; no duplicates, at most
     /// [`BLOCKS_PER_MESSAGE_MAX`]; blocks of the prefill rank's layout (from its hello).
     pub blocks: Vec<BlockId>,
+    /// The engine's per-request payload beside the KV (empty if none), at most
+    /// [`AUX_BYTES_MAX`]: opaque bytes, handed to decode's engine with the request.
+    pub aux: Vec<u8>,
 }
 
 /// Payload of [`Message::Done`].
@@ -860,6 +863,9 @@ pub struct Ready {
 pub struct Done {
     /// The request whose blocks were all written.
     pub request_id: RequestId,
+    /// The engine's per-request payload beside the KV (empty if none), at most
+    /// [`AUX_BYTES_MAX`]: opaque bytes, handed to decode's engine with the request.
+    pub aux: Vec<u8>,
 }
 
 /// Payload of [`Message::ReadDone`].
@@ -1179,13 +1185,15 @@ impl Validate for Rejected {
 impl Validate for Ready {
     fn validate(&self) -> Result<(), WireError> {
         check_request_id("Ready.request_id", &self.request_id)?;
-        check_blocks("Ready.blocks", &self.blocks)
+        check_blocks("Ready.blocks", &self.blocks)?;
+        check_len("Ready.aux", self.aux.len(), AUX_BYTES_MAX)
     }
 }
 
 impl Validate for Done {
     fn validate(&self) -> Result<(), WireError> {
-        check_request_id("Done.request_id", &self.request_id)
+        check_request_id("Done.request_id", &self.request_id)?;
+        check_len("Done.aux", self.aux.len(), AUX_BYTES_MAX)
     }
 }
 

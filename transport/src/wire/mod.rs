@@ -27,7 +27,9 @@ pub mod messages;
 
 pub use error::{PeerError, WireError, WithPeer};
 pub use frame::{FrameLen, FRAME_BYTES_MAX, HEADER_BYTES};
-pub use limits::{BLOCKS_PER_MESSAGE_MAX, FRAME_PAYLOAD_BYTES_MAX, LAYOUT_REMOTE_KEY_BYTES_MAX};
+pub use limits::{
+    AUX_BYTES_MAX, BLOCKS_PER_MESSAGE_MAX, FRAME_PAYLOAD_BYTES_MAX, LAYOUT_REMOTE_KEY_BYTES_MAX,
+};
 pub use messages::{
     bounded_reason, bounded_text, check_hello, check_hello_ack, Abort, AbortAck, Done,
     EngineStatus, Heartbeat, Hello, HelloAck, LayoutDescriptor, Message, MessageType,

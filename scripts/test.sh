@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Sets up what the tests need and runs every test: the Rust workspace, the Python package
 # (python/run-tests.sh: a cached venv, `pip install ./python`, ruff, pytest) and real vLLM
-# prefill/decode through the connector (scripts/vllm-e2e.sh: a cached venv outside the repo).
+# prefill/decode through the connector (scripts/vllm-e2e.sh) and real SGLang prefill/decode
+# through the backend (scripts/sglang-e2e.sh), each in a cached venv outside the repo.
 # Idempotent; fast on a warm machine. .ci/run calls it.
 #
 #   scripts/test.sh
 #
-# HANDOFF_SKIP=vllm (comma-separated) leaves out the vLLM end-to-end run, which needs ~5 GB
-# and a few minutes the first time; what was left out is said at the end, never silently.
+# HANDOFF_SKIP=vllm,sglang (comma-separated) leaves out the vLLM or SGLang end-to-end runs,
+# which need ~5 and ~7 GB and a few minutes each the first time; what was left out is said at
+# the end, never silently.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 skip=",${HANDOFF_SKIP:-},"
@@ -33,6 +35,13 @@ if [[ $skip == *,vllm,* ]]; then
 else
   echo "== scripts/vllm-e2e.sh"
   scripts/vllm-e2e.sh
+fi
+
+if [[ $skip == *,sglang,* ]]; then
+  skipped+=("sglang (HANDOFF_SKIP=sglang): real SGLang through the backend")
+else
+  echo "== scripts/sglang-e2e.sh"
+  scripts/sglang-e2e.sh
 fi
 
 if [ ${#skipped[@]} -gt 0 ]; then

@@ -55,7 +55,7 @@ EOF
 setup_handoff() {
   # The package (built by maturin from python/) and the handoff binary (bootstrap server).
   "$PIP" install -q maturin >/dev/null
-  "$PIP" install -q "$ROOT/python"
+  CARGO_TARGET_DIR="$ROOT/target" "$PIP" install -q "$ROOT/python"
   cargo build --release --quiet --bin handoff
 }
 

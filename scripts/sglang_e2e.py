@@ -1,0 +1,483 @@
+"""Real SGLang P/D through handoff's backend, then through mooncake's TCP backend, side by side.
+
+Run by scripts/sglang-e2e.sh inside its venv (standard library only here; the SGLang servers
+are separate processes). Prints one line per check (`PASS`/`FAIL`), then a table of timings
+for both backends, and exits 0 only when every check passed.
+
+A tiny Llama (4 layers, hidden 256, 2 KV heads, vocab 1024) with dummy weights gives every
+instance the same seeded weights, so decode's greedy tokens after a transfer must equal what
+a single, non-disaggregated server computes for the same prompt. Decode computes no prompt
+token itself: its first token comes from prefill, and every later one reads the moved KV.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 4,
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
+}
+SIZES = (64, 512, 2048)
+DECODE_TOKENS = 8
+#: Seconds an SGLang server may take to come up on a 2-core machine.
+STARTUP_S_MAX = 300
+#: Seconds within which decode must answer a request whose prefill died.
+PREFILL_LOSS_ANSWER_S_MAX = 10.0
+#: Seconds within which prefill must free a request's pages after decode died.
+DECODE_LOSS_FREE_S_MAX = 10.0
+#: How late the slow prefill hands its pages over (so a peer can die meanwhile).
+SEND_DELAY_MS = 5000
+#: SGLang's FAKE_BOOTSTRAP_HOST: a request with it runs through decode without a prefill.
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+
+results: list[tuple[str, bool, str]] = []
+
+
+def check(name: str, ok: bool, detail: str = "") -> bool:
+    results.append((name, ok, detail))
+    print(f"{'PASS' if ok else 'FAIL'}  {name}{': ' + detail if detail else ''}", flush=True)
+    return ok
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prompt(size: int, salt: int) -> list[int]:
+    """A prompt no other (size, salt) shares a prefix with: a seeded LCG over the vocab."""
+    x = (size * 1_000_003 + salt * 7919 + 12345) & 0xFFFFFFFF
+    out = []
+    for _ in range(size):
+        x = (x * 1_664_525 + 1_013_904_223) & 0xFFFFFFFF
+        out.append(10 + (x >> 8) % 1000)
+    return out
+
+
+class Server:
+    """One SGLang server process (`python -m sglang.launch_server`)."""
+
+    def __init__(self, args, name: str, port: int, cpu: int, extra: list[str], env: dict):
+        self.name, self.port = name, port
+        self.log_path = Path(args.dir) / "logs" / f"{name}.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        full_env = dict(os.environ)
+        full_env.update(
+            SGLANG_USE_CPU_ENGINE="1",
+            SGLANG_HOST_IP="127.0.0.1",
+            SGLANG_CPU_OMP_THREADS_BIND=str(cpu),
+            # Test rig: the early send of a cached prefix records a CUDA event.
+            SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX="0",
+            PYTHONPATH=str(Path(args.dir) / "shims"),
+            PYTHONUNBUFFERED="1",
+        )
+        full_env.update(env)
+        cmd = [
+            sys.executable, "-m", "sglang.launch_server",
+            "--model-path", str(Path(args.dir) / "tiny"), "--load-format", "dummy",
+            "--skip-tokenizer-init", "--device", "cpu", "--host", "127.0.0.1",
+            "--port", str(port), "--max-total-tokens", "8192", "--max-running-requests", "4",
+            "--disable-cuda-graph", "--enable-metrics", *extra,
+        ]  # fmt: skip
+        self.log = open(self.log_path, "w")  # noqa: SIM115 - lives as long as the server
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=full_env,
+            start_new_session=True,
+        )  # fmt: skip
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+
+    def tail(self, n: int = 25) -> str:
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(line[:300] for line in lines if "server_args=" not in line)[-4000:]
+
+    def log_size(self) -> int:
+        return self.log_path.stat().st_size
+
+    def wait_log(self, pattern: str, since: int, timeout_s: float) -> tuple[str, int] | None:
+        """The first line matching `pattern` past byte `since` within the deadline."""
+        deadline = time.monotonic() + timeout_s
+        rx = re.compile(pattern)
+        while time.monotonic() < deadline:
+            text = self.log_path.read_text(errors="replace")[since:]
+            for line in text.splitlines():
+                if rx.search(line):
+                    return line, since + len(text)
+            time.sleep(0.05)
+        return None
+
+
+def wait_up(servers: list[Server]) -> None:
+    deadline = time.monotonic() + STARTUP_S_MAX
+    pending = list(servers)
+    while pending and time.monotonic() < deadline:
+        for s in list(pending):
+            if not s.alive():
+                raise RuntimeError(f"{s.name} died while starting:\n{s.tail()}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{s.port}/health", timeout=2)
+                pending.remove(s)
+            except (urllib.error.URLError, OSError):
+                pass
+        time.sleep(1)
+    if pending:
+        raise RuntimeError(f"{[s.name for s in pending]} not up in {STARTUP_S_MAX} s")
+
+
+def body(args, ids: list[int], room: int, tokens: int = DECODE_TOKENS) -> dict:
+    return {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": tokens, "temperature": 0},
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": args.bootstrap_port,
+        "bootstrap_room": room,
+    }
+
+
+def post(port: int, payload: dict, timeout: float = 120) -> tuple[float, dict | None, str]:
+    """POST /generate: (seconds, json or None, error text)."""
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/generate",
+        data=json.dumps(payload).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    t = time.perf_counter()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return time.perf_counter() - t, json.load(r), ""
+    except urllib.error.HTTPError as e:
+        return time.perf_counter() - t, None, f"HTTP {e.code}: {e.read()[:300]!r}"
+    except (urllib.error.URLError, OSError) as e:
+        return time.perf_counter() - t, None, str(e)
+
+
+def stream(port: int, payload: dict, timeout: float = 120):
+    """Streamed /generate: (seconds to the first token, total seconds, token ids, error)."""
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/generate",
+        data=json.dumps(dict(payload, stream=True)).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    t = time.perf_counter()
+    first = None
+    tokens: list[int] = []
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                ids = chunk.get("output_ids") or []
+                if ids and first is None:
+                    first = time.perf_counter() - t
+                # Streamed chunks carry the new ids (or all so far, by version).
+                tokens = (
+                    ids
+                    if len(ids) >= len(tokens) and ids[: len(tokens)] == tokens
+                    else (tokens + ids)
+                )
+    except urllib.error.HTTPError as e:
+        return None, time.perf_counter() - t, tokens, f"HTTP {e.code}: {e.read()[:300]!r}"
+    except (urllib.error.URLError, OSError) as e:
+        return None, time.perf_counter() - t, tokens, str(e)
+    return first, time.perf_counter() - t, tokens, ""
+
+
+def metric(port: int, name: str) -> float:
+    """A Prometheus sample summed over its labels (0 when absent)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except (urllib.error.URLError, OSError):
+        return 0.0
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)", line)
+        if m and m.group(1) == name:
+            with contextlib.suppress(ValueError):
+                total += float(m.group(3))
+    return total
+
+
+def pd_round(args, ids: list[int]) -> dict:
+    """One request sent to prefill and decode at once, as SGLang's router does."""
+    room = random.randrange(1, 2**62)
+    lat_sum = metric(args.prefill_port, "sglang:kv_transfer_latency_ms_sum")
+    lat_n = metric(args.prefill_port, "sglang:kv_transfer_latency_ms_count")
+    out: dict = {}
+
+    def prefill():
+        out["prefill"] = post(args.prefill_port, body(args, ids, room))
+
+    th = threading.Thread(target=prefill)
+    th.start()
+    ttft, total, tokens, err = stream(args.decode_port, body(args, ids, room))
+    th.join(130)
+    _, rp, perr = out.get("prefill", (0, None, "no answer"))
+    dn = metric(args.prefill_port, "sglang:kv_transfer_latency_ms_count") - lat_n
+    ds = metric(args.prefill_port, "sglang:kv_transfer_latency_ms_sum") - lat_sum
+    return {
+        "ttft_s": ttft, "decode_s": total, "tokens": tokens,
+        "error": err or (f"prefill: {perr}" if rp is None else ""),
+        "transfer_s": ds / dn / 1000.0 if dn else None,
+    }  # fmt: skip
+
+
+def references(args) -> dict[tuple[int, int], list[int]]:
+    """What one non-disaggregated server computes for every prompt used below."""
+    args.label = "reference"
+    srv = Server(args, "reference", free_port(), 0, [], {})
+    try:
+        wait_up([srv])
+        out = {}
+        for si, size in enumerate(SIZES):
+            for rep in range(args.reps + 1):
+                ids = prompt(size, 1000 * si + rep)
+                _, r, err = post(srv.port, {
+                    "input_ids": ids,
+                    "sampling_params": {"max_new_tokens": DECODE_TOKENS, "temperature": 0},
+                })  # fmt: skip
+                if r is None:
+                    raise RuntimeError(f"reference server: {err}")
+                out[(size, rep)] = r["output_ids"]
+        return out
+    finally:
+        srv.stop()
+
+
+def start_server(args, name: str, backend: str, mode: str, cpu: int, env=None) -> Server:
+    extra = [
+        "--disaggregation-mode", mode, "--disaggregation-transfer-backend", backend,
+        "--disaggregation-bootstrap-port", str(args.bootstrap_port),
+    ]  # fmt: skip
+    if mode == "decode":
+        extra += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
+    port = args.prefill_port if mode == "prefill" else args.decode_port
+    full_env = {"HANDOFF_BOOTSTRAP": f"tcp://127.0.0.1:{args.bootstrap_port}"}
+    if backend == "handoff":
+        full_env["HANDOFF_TRANSPORT"] = args.transport
+    full_env.update(env or {})
+    return Server(args, name, port, cpu, extra, full_env)
+
+
+def run_sizes(args, backend: str, refs) -> dict[int, list[dict]]:
+    rows: dict[int, list[dict]] = {}
+    for si, size in enumerate(SIZES):
+        rows[size] = []
+        for rep in range(args.reps + 1):  # the first round is checked, not timed
+            r = pd_round(args, prompt(size, 1000 * si + rep))
+            ref = refs.get((size, rep))
+            ok = not r["error"] and r["tokens"] == ref
+            if rep == 0 or not ok:
+                check(
+                    f"{backend}: {size}-token prompt round {rep}, decode's greedy tokens equal "
+                    "a single server's",
+                    ok, r["error"] or f"decode {r['tokens']} reference {ref}",
+                )  # fmt: skip
+            if rep > 0 and not r["error"]:
+                rows[size].append(r)
+    return rows
+
+
+def decode_serves(args) -> tuple[bool, str]:
+    """Decode answers a request that needs no prefill (SGLang's fake bootstrap host)."""
+    _, r, err = post(args.decode_port, {
+        "input_ids": prompt(32, 77), "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+        "bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_port": args.bootstrap_port,
+        "bootstrap_room": random.randrange(1, 2**62),
+    })  # fmt: skip
+    return r is not None, err or "answered"
+
+
+def prefill_loss(args, d: Server) -> Server:
+    """Prefill killed after its prefill, before its pages went: decode answers in seconds."""
+    p = start_server(args, "handoff-slow-prefill-1", "handoff", "prefill", 0,
+                     {"HANDOFF_SEND_DELAY_MS": str(SEND_DELAY_MS)})  # fmt: skip
+    wait_up([p])
+    ids, room = prompt(300, 4242), random.randrange(1, 2**62)
+    mark = p.log_size()
+    threading.Thread(
+        target=post, args=(args.prefill_port, body(args, ids, room)), daemon=True
+    ).start()
+    out: dict = {}
+
+    def decode():
+        out["d"] = post(args.decode_port, body(args, ids, room, 4))
+
+    th = threading.Thread(target=decode)
+    th.start()
+    seen = p.wait_log(rf"handoff prefill request {room}: \d+ pages computed", mark, 60)
+    if seen is None:
+        check("handoff: prefill killed after its prefill", False, "prefill never computed it")
+        return p
+    p.kill()
+    t = time.monotonic()
+    th.join(60)
+    dt = time.monotonic() - t
+    _, rd, err = out.get("d", (0, None, "no answer"))
+    named = "peer_lost" in err or "PeerLost" in err
+    check(
+        "handoff: prefill killed after its prefill -> decode fails that request in seconds, "
+        "by name",
+        rd is None and named and dt < PREFILL_LOSS_ANSWER_S_MAX,
+        f"{dt:.2f} s after the kill: {err[:200] if err else 'it answered tokens'}",
+    )  # fmt: skip
+    ok, detail = decode_serves(args)
+    check("handoff: decode keeps serving after its prefill died", ok, detail)
+    return p
+
+
+def decode_loss(args, d: Server) -> Server:
+    """Decode killed while prefill computes: prefill frees the pages by peer loss."""
+    p = start_server(args, "handoff-slow-prefill-2", "handoff", "prefill", 0,
+                     {"HANDOFF_SEND_DELAY_MS": str(SEND_DELAY_MS)})  # fmt: skip
+    wait_up([p])
+    ids, room = prompt(700, 5151), random.randrange(1, 2**62)
+    mark = p.log_size()
+    for port in (args.prefill_port, args.decode_port):
+        threading.Thread(
+            target=post, args=(port, body(args, ids, room, 4), 60), daemon=True
+        ).start()
+    seen = p.wait_log(rf"handoff prefill request {room}: \d+ pages computed", mark, 60)
+    if seen is None:
+        check("handoff: decode killed mid-handoff", False, "prefill never computed it")
+        return p
+    d.kill()
+    t = time.monotonic()
+    freed = p.wait_log(rf"handoff prefill request {room} failed: peer_lost", seen[1], 60)
+    dt = time.monotonic() - t
+    check(
+        "handoff: decode killed mid-handoff -> prefill frees the pages by peer loss",
+        freed is not None and dt < DECODE_LOSS_FREE_S_MAX,
+        f"{dt:.2f} s after the kill: " + (freed[0].strip()[-160:] if freed else "never"),
+    )  # fmt: skip
+    _, r, err = post(args.prefill_port, {
+        "input_ids": prompt(16, 99), "sampling_params": {"max_new_tokens": 1},
+        "bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_port": args.bootstrap_port,
+        "bootstrap_room": random.randrange(1, 2**62),
+    })  # fmt: skip
+    check("handoff: prefill keeps serving after its decode died", r is not None, err or "answered")
+    return p
+
+
+def summarize(rows: dict[str, dict[int, list[dict]]]) -> None:
+    def med(xs):
+        xs = [x for x in xs if x is not None]
+        if not xs:
+            return "n/a"
+        return f"{statistics.median(xs) * 1000:.1f} ({min(xs) * 1000:.1f}-{max(xs) * 1000:.1f})"
+
+    print("\nTimings, ms: median (min-max) over the timed requests of each size")
+    print("| prompt | metric | handoff | mooncake (tcp) | ratio (mooncake/handoff) |")
+    print("|---|---|---|---|---|")
+    for size in SIZES:
+        h, m = rows.get("handoff", {}).get(size, []), rows.get("mooncake", {}).get(size, [])
+        for key, name in (("ttft_s", "decode TTFT"), ("transfer_s", "handoff (transfer)")):
+            hv = [r[key] for r in h if r[key] is not None]
+            mv = [r[key] for r in m if r[key] is not None]
+            ratio = "n/a"
+            if hv and mv:
+                ratio = f"{statistics.median(mv) / statistics.median(hv):.2f}"
+            print(f"| {size} | {name} | {med(hv)} | {med(mv)} | {ratio} |")
+    print(
+        "\nTTFT: first streamed token of decode's request, both requests sent at once as"
+        " SGLang's router does (prefill's compute, the transfer and decode's first step)."
+        " Transfer: SGLang's own sglang:kv_transfer_latency_ms on prefill, the same code for"
+        " both backends (the last chunk queued for transfer to the transfer's success)."
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--dir", required=True, help="the venv's folder (logs go under logs/)")
+    ap.add_argument("--transport", default="auto", help="handoff: auto | ucx | tcp")
+    ap.add_argument("--reps", type=int, default=3, help="timed requests per prompt size")
+    ap.add_argument("--skip-mooncake", action="store_true", help="only the handoff backend")
+    args = ap.parse_args()
+    (Path(args.dir) / "tiny").mkdir(parents=True, exist_ok=True)
+    (Path(args.dir) / "tiny" / "config.json").write_text(json.dumps(TINY_CONFIG, indent=1))
+    args.prefill_port, args.decode_port = free_port(), free_port()
+    args.bootstrap_port = free_port()
+    servers: list[Server] = []
+    rows: dict[str, dict[int, list[dict]]] = {}
+    try:
+        refs = references(args)
+        # 1. The handoff backend: tokens and timings.
+        p = start_server(args, "handoff-prefill", "handoff", "prefill", 0)
+        d = start_server(args, "handoff-decode", "handoff", "decode", 1)
+        servers += [p, d]
+        wait_up([p, d])
+        rows["handoff"] = run_sizes(args, "handoff", refs)
+        p.stop()
+        # 2. Prefill killed after its prefill; 3. decode killed while prefill computes.
+        servers.append(prefill_loss(args, d))
+        servers.append(decode_loss(args, d))
+        for s in servers:
+            s.stop()
+        # 4. Mooncake's TCP backend on the same prompts.
+        if not args.skip_mooncake:
+            p = start_server(args, "mooncake-prefill", "mooncake_tcp", "prefill", 0)
+            d = start_server(args, "mooncake-decode", "mooncake_tcp", "decode", 1)
+            servers += [p, d]
+            wait_up([p, d])
+            rows["mooncake"] = run_sizes(args, "mooncake", refs)
+    except Exception as e:  # any failure of the run itself is one failed check
+        check("the run itself", False, f"{type(e).__name__}: {e}")
+    finally:
+        for s in servers:
+            s.stop()
+    summarize(rows)
+    failed = [name for name, ok, _ in results if not ok]
+    print(f"\n{len(results) - len(failed)} of {len(results)} checks passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

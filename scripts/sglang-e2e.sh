@@ -15,7 +15,8 @@
 # Two test-rig shims, for this CPU-only machine and never for production, live in the venv's
 # folder: a stand-in `sgl_kernel` (its CPU build is not on PyPI; on a CPU without AMX SGLang
 # takes pure-torch paths, and the stand-in raises if anything is called), and an SGLang plugin
-# that turns off the mooncake sender's host-index path (it needs CUDA events).
+# that turns off the mooncake sender's host-index path (it needs CUDA events) and keeps NCCL
+# out of the pipeline-parallel group (SGLang 0.5.23 asks for it even on CPU).
 # Exit status: 0 when every check passed, 1 otherwise; 2 when setup failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -56,14 +57,34 @@ version = "0.1.0"
 handoff_testrig = "handoff_testrig:register"
 EOF
   cat > "$D/testrig/handoff_testrig/__init__.py" <<'EOF'
-"""Test rig only: SGLang's mooncake sender moves page indices through pinned memory and CUDA
-events when it says it supports host tensor indices; on a CPU-only machine it must not."""
+"""Test rig only, for a CPU-only machine.
+
+1. SGLang's mooncake sender moves page indices through pinned memory and CUDA events when it
+   says it supports host tensor indices; on a CPU-only machine it must not.
+2. SGLang 0.5.23 builds its pipeline-parallel group with NCCL whatever the device, so
+   --pp-size 2 cannot start on CPU; without a GPU the group uses gloo (torch.distributed's
+   CPU backend) alone.
+"""
+
+VERSION = 2
 
 
 def register():
+    import torch
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
+    from sglang.srt.distributed import parallel_state
 
     MooncakeKVSender.supports_host_tensor_indices = False
+    if torch.cuda.is_available() or getattr(parallel_state, "_handoff_testrig", False):
+        return
+    original = parallel_state.init_model_parallel_group
+
+    def cpu_group(*args, **kwargs):
+        kwargs["use_pynccl"] = False
+        return original(*args, **kwargs)
+
+    parallel_state.init_model_parallel_group = cpu_group
+    parallel_state._handoff_testrig = True
 EOF
 }
 
@@ -71,7 +92,12 @@ setup_sglang() {
   mkdir -p "$D"
   [ -x "$PY" ] || python3 -m venv "$D/venv"
   write_shims
-  if PYTHONPATH="$D/shims" "$PY" -c "import sglang.srt.disaggregation.mooncake.conn, handoff_testrig" 2>/dev/null; then
+  if PYTHONPATH="$D/shims" "$PY" -c "import sglang.srt.disaggregation.mooncake.conn, handoff_testrig as t; assert t.VERSION == 2" 2>/dev/null; then
+    return 0
+  fi
+  if PYTHONPATH="$D/shims" "$PY" -c "import sglang.srt.disaggregation.mooncake.conn" 2>/dev/null; then
+    # SGLang is there; only the test rig is new.
+    timeout 300 "$PIP" install -q --no-build-isolation --force-reinstall --no-deps "$D/testrig"
     return 0
   fi
   echo "sglang-e2e: installing torch $TORCH_VERSION, sglang $SGLANG_VERSION, mooncake into $D (first run only)"

@@ -59,13 +59,29 @@ DECODE_LOSS_FREE_S_MAX = 10.0
 SEND_DELAY_MS = 5000
 #: SGLang's FAKE_BOOTSTRAP_HOST: a request with it runs through decode without a prefill.
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+#: Seed 003 (PD + pipeline parallelism + a saturated decode): prefill runs in two pipeline
+#: stages; decode's KV pool (--max-total-tokens) holds about two of these requests at once.
+SEED3_DECODE_POOL = 1024
+SEED3_PROMPT = 300
+SEED3_NEW_TOKENS = 24
+SEED3_REQUESTS = 6
+#: Seconds within which a queued request must be answered (it waits for decode's pages).
+SEED3_ANSWER_S_MAX = 120.0
+#: The bootstrap deadline of the deadline case, and the blocker that outlasts it: a request
+#: that needs no prefill and holds most of decode's pool until it is aborted.
+SEED3_BOOTSTRAP_S = 6
+SEED3_BLOCKER_PROMPT = 200
+SEED3_BLOCKER_TOKENS = 800
 
 results: list[tuple[str, bool, str]] = []
 
 
 def check(name: str, ok: bool, detail: str = "") -> bool:
     results.append((name, ok, detail))
-    print(f"{'PASS' if ok else 'FAIL'}  {name}{': ' + detail if detail else ''}", flush=True)
+    print(
+        f"{'PASS' if ok else 'FAIL'}  {name}{': ' + detail if detail else ''}",
+        flush=True,
+    )
     return ok
 
 
@@ -88,7 +104,7 @@ def prompt(size: int, salt: int) -> list[int]:
 class Server:
     """One SGLang server process (`python -m sglang.launch_server`)."""
 
-    def __init__(self, args, name: str, port: int, cpu: int, extra: list[str], env: dict):
+    def __init__(self, args, name: str, port: int, cpu, extra: list[str], env: dict):
         self.name, self.port = name, port
         self.log_path = Path(args.dir) / "logs" / f"{name}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -136,6 +152,10 @@ class Server:
     def tail(self, n: int = 25) -> str:
         lines = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(line[:300] for line in lines if "server_args=" not in line)[-4000:]
+
+    def text(self) -> str:
+        """The whole log."""
+        return self.log_path.read_text(errors="replace")
 
     def log_size(self) -> int:
         return self.log_path.stat().st_size
@@ -192,7 +212,7 @@ def post(port: int, payload: dict, timeout: float = 120) -> tuple[float, dict | 
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return time.perf_counter() - t, json.load(r), ""
     except urllib.error.HTTPError as e:
-        return time.perf_counter() - t, None, f"HTTP {e.code}: {e.read()[:300]!r}"
+        return time.perf_counter() - t, None, f"HTTP {e.code}: {e.read()[:2000]!r}"
     except (urllib.error.URLError, OSError) as e:
         return time.perf_counter() - t, None, str(e)
 
@@ -224,10 +244,25 @@ def stream(port: int, payload: dict, timeout: float = 120):
                     else (tokens + ids)
                 )
     except urllib.error.HTTPError as e:
-        return None, time.perf_counter() - t, tokens, f"HTTP {e.code}: {e.read()[:300]!r}"
+        return (
+            None,
+            time.perf_counter() - t,
+            tokens,
+            f"HTTP {e.code}: {e.read()[:300]!r}",
+        )
     except (urllib.error.URLError, OSError) as e:
         return None, time.perf_counter() - t, tokens, str(e)
     return first, time.perf_counter() - t, tokens, ""
+
+
+def until(cond, timeout_s: float) -> bool:
+    """Polls `cond` until it holds or the deadline passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def metric(port: int, name: str) -> float:
@@ -287,15 +322,27 @@ def references(args) -> dict[tuple[int, int], list[int]]:
                 if r is None:
                     raise RuntimeError(f"reference server: {err}")
                 out[(size, rep)] = r["output_ids"]
+        for i in range(SEED3_REQUESTS):
+            _, r, err = post(srv.port, {
+                "input_ids": seed3_prompt(i),
+                "sampling_params": {"max_new_tokens": SEED3_NEW_TOKENS, "temperature": 0},
+            })  # fmt: skip
+            if r is None:
+                raise RuntimeError(f"reference server: {err}")
+            out[("seed3", i)] = r["output_ids"]
         return out
     finally:
         srv.stop()
 
 
-def start_server(args, name: str, backend: str, mode: str, cpu: int, env=None) -> Server:
+def seed3_prompt(i: int) -> list[int]:
+    return prompt(SEED3_PROMPT, 3000 + i)
+
+
+def start_server(args, name: str, backend: str, mode: str, cpu, env=None, extra=()) -> Server:
     extra = [
         "--disaggregation-mode", mode, "--disaggregation-transfer-backend", backend,
-        "--disaggregation-bootstrap-port", str(args.bootstrap_port),
+        "--disaggregation-bootstrap-port", str(args.bootstrap_port), *extra,
     ]  # fmt: skip
     if mode == "decode":
         extra += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
@@ -355,7 +402,11 @@ def prefill_loss(args, d: Server) -> Server:
     th.start()
     seen = p.wait_log(rf"handoff prefill request {room}: \d+ pages computed", mark, 60)
     if seen is None:
-        check("handoff: prefill killed after its prefill", False, "prefill never computed it")
+        check(
+            "handoff: prefill killed after its prefill",
+            False,
+            "prefill never computed it",
+        )
         return p
     p.kill()
     t = time.monotonic()
@@ -403,8 +454,218 @@ def decode_loss(args, d: Server) -> Server:
         "bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_port": args.bootstrap_port,
         "bootstrap_room": random.randrange(1, 2**62),
     })  # fmt: skip
-    check("handoff: prefill keeps serving after its decode died", r is not None, err or "answered")
+    check(
+        "handoff: prefill keeps serving after its decode died",
+        r is not None,
+        err or "answered",
+    )
     return p
+
+
+CRASH = re.compile(r"Traceback|AssertionError|Scheduler hit an exception|SIGQUIT")
+
+
+def seed3_pair(args, backend: str, tag: str, env=None) -> tuple[Server, Server]:
+    """Prefill in two pipeline stages (a core each), decode with a small KV pool."""
+    p = start_server(args, f"{backend}-{tag}-prefill-pp2", backend, "prefill", "0|1", env,
+                     ["--pp-size", "2"])  # fmt: skip
+    d = start_server(args, f"{backend}-{tag}-decode", backend, "decode", 1, env,
+                     ["--max-total-tokens", str(SEED3_DECODE_POOL)])  # fmt: skip
+    try:
+        wait_up([p, d])
+    except BaseException:
+        p.stop()
+        d.stop()
+        raise
+    return p, d
+
+
+def crashes(*servers: Server) -> str:
+    """What went wrong in a server: dead, or a traceback or assertion in its log."""
+    out = []
+    for s in servers:
+        if not s.alive():
+            out.append(f"{s.name} died")
+        hits = [ln for ln in s.text().splitlines() if CRASH.search(ln)]
+        if hits:
+            out.append(f"{s.name}: {hits[0][:160]}")
+    return "; ".join(out)
+
+
+def seed3_queue(args, backend: str, refs) -> dict:
+    """More requests than decode's pool holds, sent at once: they queue for decode's pages
+    and every one completes with the right tokens; both pipeline stages of prefill end
+    each request the same way."""
+    p, d = seed3_pair(args, backend, "queue")
+    try:
+        rooms = [random.randrange(1, 2**62) for _ in range(SEED3_REQUESTS)]
+        out: dict[int, tuple] = {}
+
+        def one(i: int) -> None:
+            payload = body(args, seed3_prompt(i), rooms[i], SEED3_NEW_TOKENS)
+            th = threading.Thread(target=post, args=(args.prefill_port, payload, 200))
+            th.start()
+            out[i] = post(args.decode_port, payload, SEED3_ANSWER_S_MAX + 30)
+            th.join(30)
+
+        t = time.monotonic()
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(SEED3_REQUESTS)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(SEED3_ANSWER_S_MAX + 60)
+        wall = time.monotonic() - t
+        good = sum(
+            1 for i in range(SEED3_REQUESTS)
+            if out.get(i, (0, None, ""))[1] is not None
+            and out[i][1]["output_ids"] == refs[("seed3", i)]
+        )  # fmt: skip
+        errors = [out[i][2][:120] for i in out if out[i][1] is None]
+        slowest = max((out[i][0] for i in out), default=float("nan"))
+        result = {"good": good, "errors": errors, "slowest_s": slowest, "wall_s": wall,
+                  "crash": crashes(p, d)}  # fmt: skip
+        if backend == "handoff":
+
+            def stages_done() -> int:
+                log = p.text()
+                return sum(1 for r in rooms if len(re.findall(rf"request {r} done", log)) == 2)
+
+            # Each stage logs its end when it polls the request next: wait for that.
+            until(lambda: stages_done() == SEED3_REQUESTS, 30)
+            agree = stages_done()
+            result["both_stages_done"] = agree
+            check(
+                f"seed 003, {backend}: {SEED3_REQUESTS} requests at once into a decode that "
+                "holds ~2 -> they queue and every one completes with a single server's tokens",
+                good == SEED3_REQUESTS and slowest < SEED3_ANSWER_S_MAX,
+                f"{good} right, slowest {slowest:.1f} s, errors {errors}",
+            )  # fmt: skip
+            check(
+                f"seed 003, {backend}: both pipeline stages of prefill end every request Done",
+                agree == SEED3_REQUESTS, f"{agree} of {SEED3_REQUESTS}",
+            )  # fmt: skip
+            check(f"seed 003, {backend}: nothing crashed or asserted", not result["crash"],
+                  result["crash"] or "both servers alive, no traceback")  # fmt: skip
+        return result
+    finally:
+        p.stop()
+        d.stop()
+
+
+def seed3_deadline(args, backend: str) -> dict:
+    """Decode's pool held (by a request that needs no prefill) past prefill's bootstrap
+    deadline: the waiting request fails on every rank, by name, in about the deadline, and
+    both servers keep serving."""
+    env = {"HANDOFF_BOOTSTRAP_TIMEOUT_S": str(SEED3_BOOTSTRAP_S),
+           "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(SEED3_BOOTSTRAP_S)}  # fmt: skip
+    p, d = seed3_pair(args, backend, "deadline", env)
+    try:
+        blocker_rid = f"blocker-{random.randrange(2**32)}"
+        blocker = {
+            "rid": blocker_rid,
+            "input_ids": prompt(SEED3_BLOCKER_PROMPT, 31337),
+            "sampling_params": {"max_new_tokens": SEED3_BLOCKER_TOKENS, "temperature": 0,
+                                "ignore_eos": True},
+            "bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_port": args.bootstrap_port,
+            "bootstrap_room": random.randrange(1, 2**62),
+        }  # fmt: skip
+        bt = threading.Thread(target=post, args=(args.decode_port, blocker, 600), daemon=True)
+        bt.start()
+        if not until(lambda: metric(args.decode_port, "sglang:num_running_reqs") > 0, 60):
+            raise RuntimeError("the blocker never ran on decode")
+        room = random.randrange(1, 2**62)
+        payload = body(args, seed3_prompt(0), room, SEED3_NEW_TOKENS)
+        out: dict = {}
+        th = threading.Thread(
+            target=lambda: out.__setitem__("p", post(args.prefill_port, payload, 120))
+        )
+        th.start()
+        dt, rd, err = post(args.decode_port, payload, 120)
+        th.join(60)
+        _, rp, perr = out.get("p", (0, None, "no answer"))
+        # Free decode's pool, then both must serve a new request end to end.
+        _abort(args.decode_port, blocker_rid)
+        bt.join(60)
+        ok_after = pd_round(args, seed3_prompt(1))
+        result = {
+            "decode": f"{dt:.1f} s: " + (err[:160] if rd is None else "answered"),
+            "prefill": perr[:160] if rp is None else "answered",
+            "serves_after": not ok_after["error"], "crash": crashes(p, d),
+            "blocked": bt.is_alive(),
+        }  # fmt: skip
+        if backend == "handoff":
+            log = p.text()
+            reasons = re.findall(rf"handoff prefill request {room} failed: (\w+)", log)
+            stages = len(reasons)
+            result["stages_failed"] = reasons
+            check(
+                f"seed 003, {backend}: decode saturated past prefill's {SEED3_BOOTSTRAP_S} s "
+                "bootstrap deadline -> decode's request fails by name within it",
+                rd is None
+                and ("bootstrap timeout" in err or "bootstrap_timeout" in err)
+                and dt < SEED3_BOOTSTRAP_S + 10,
+                result["decode"],
+            )  # fmt: skip
+            check(
+                f"seed 003, {backend}: both pipeline stages fail it (by the deadline, or "
+                "told by decode), and nothing crashed",
+                stages == 2
+                and set(reasons) <= {"bootstrap_timeout", "aborted_by_peer", "aborted_by_engine"}
+                and not result["crash"],
+                f"stages: {reasons}; {result['crash'] or 'no crash'}",
+            )  # fmt: skip
+            check(f"seed 003, {backend}: both serve the next request end to end",
+                  result["serves_after"], ok_after["error"] or "answered")  # fmt: skip
+        return result
+    finally:
+        p.stop()
+        d.stop()
+
+
+def _abort(port: int, rid: str) -> None:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/abort_request",
+        data=json.dumps({"rid": rid}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with contextlib.suppress(urllib.error.URLError, OSError):
+        urllib.request.urlopen(req, timeout=10).read()
+
+
+def seed3(args, refs) -> None:
+    """Seed 003 on both backends, then what each did, side by side. Handoff's runs are
+    checks; mooncake's are what users meet today, reported (a failure there is data)."""
+    seen: dict[str, dict[str, dict | str]] = {}
+    for backend in ("handoff", "mooncake_tcp"):
+        if backend != "handoff" and args.skip_mooncake:
+            continue
+        seen[backend] = {}
+        for part, run in (("queue", lambda b: seed3_queue(args, b, refs)),
+                          ("deadline", lambda b: seed3_deadline(args, b))):  # fmt: skip
+            try:
+                seen[backend][part] = run(backend)
+            except Exception as e:  # mooncake: reported below; handoff: a failed check
+                if backend == "handoff":
+                    raise
+                seen[backend][part] = f"{type(e).__name__}: {str(e)[:300]}"
+    print(
+        f"\nSeed 003 (prefill --pp-size 2, decode --max-total-tokens {SEED3_DECODE_POOL}), "
+        "what each backend did:"
+    )
+    for backend, r in seen.items():
+        q, dl = r.get("queue"), r.get("deadline")
+        if isinstance(q, dict):
+            print(f"- {backend}, {SEED3_REQUESTS} requests at once: {q['good']} right tokens, "
+                  f"slowest {q['slowest_s']:.1f} s, errors {q['errors'] or 'none'}, "
+                  f"crash: {q['crash'] or 'none'}")  # fmt: skip
+        else:
+            print(f"- {backend}, {SEED3_REQUESTS} requests at once: did not run: {q}")
+        if isinstance(dl, dict):
+            print(f"- {backend}, pool held past a {SEED3_BOOTSTRAP_S} s bootstrap deadline: "
+                  f"decode {dl['decode']}; prefill {dl['prefill']}; next request served: "
+                  f"{dl['serves_after']}; crash: {dl['crash'] or 'none'}")  # fmt: skip
+        else:
+            print(f"- {backend}, pool held past the bootstrap deadline: did not run: {dl}")
 
 
 def summarize(rows: dict[str, dict[int, list[dict]]]) -> None:
@@ -418,8 +679,14 @@ def summarize(rows: dict[str, dict[int, list[dict]]]) -> None:
     print("| prompt | metric | handoff | mooncake (tcp) | ratio (mooncake/handoff) |")
     print("|---|---|---|---|---|")
     for size in SIZES:
-        h, m = rows.get("handoff", {}).get(size, []), rows.get("mooncake", {}).get(size, [])
-        for key, name in (("ttft_s", "decode TTFT"), ("transfer_s", "handoff (transfer)")):
+        h, m = (
+            rows.get("handoff", {}).get(size, []),
+            rows.get("mooncake", {}).get(size, []),
+        )
+        for key, name in (
+            ("ttft_s", "decode TTFT"),
+            ("transfer_s", "handoff (transfer)"),
+        ):
             hv = [r[key] for r in h if r[key] is not None]
             mv = [r[key] for r in m if r[key] is not None]
             ratio = "n/a"
@@ -440,6 +707,8 @@ def main() -> int:
     ap.add_argument("--transport", default="auto", help="handoff: auto | ucx | tcp")
     ap.add_argument("--reps", type=int, default=3, help="timed requests per prompt size")
     ap.add_argument("--skip-mooncake", action="store_true", help="only the handoff backend")
+    ap.add_argument("--only", choices=("sizes", "faults", "seed3"), action="append",
+                    help="run only these parts (repeatable; default: all)")  # fmt: skip
     args = ap.parse_args()
     (Path(args.dir) / "tiny").mkdir(parents=True, exist_ok=True)
     (Path(args.dir) / "tiny" / "config.json").write_text(json.dumps(TINY_CONFIG, indent=1))
@@ -447,33 +716,44 @@ def main() -> int:
     args.bootstrap_port = free_port()
     servers: list[Server] = []
     rows: dict[str, dict[int, list[dict]]] = {}
+    parts = set(args.only or ("sizes", "faults", "seed3"))
     try:
         refs = references(args)
-        # 1. The handoff backend: tokens and timings.
-        p = start_server(args, "handoff-prefill", "handoff", "prefill", 0)
-        d = start_server(args, "handoff-decode", "handoff", "decode", 1)
-        servers += [p, d]
-        wait_up([p, d])
-        rows["handoff"] = run_sizes(args, "handoff", refs)
-        p.stop()
-        # 2. Prefill killed after its prefill; 3. decode killed while prefill computes.
-        servers.append(prefill_loss(args, d))
-        servers.append(decode_loss(args, d))
-        for s in servers:
-            s.stop()
+        if parts & {"sizes", "faults"}:
+            # 1. The handoff backend: tokens and timings.
+            p = start_server(args, "handoff-prefill", "handoff", "prefill", 0)
+            d = start_server(args, "handoff-decode", "handoff", "decode", 1)
+            servers += [p, d]
+            wait_up([p, d])
+            if "sizes" in parts:
+                rows["handoff"] = run_sizes(args, "handoff", refs)
+            p.stop()
+            if "faults" in parts:
+                # 2. Prefill killed after its prefill; 3. decode killed while prefill
+                # computes.
+                servers.append(prefill_loss(args, d))
+                servers.append(decode_loss(args, d))
+            for s in servers:
+                s.stop()
         # 4. Mooncake's TCP backend on the same prompts.
-        if not args.skip_mooncake:
+        if "sizes" in parts and not args.skip_mooncake:
             p = start_server(args, "mooncake-prefill", "mooncake_tcp", "prefill", 0)
             d = start_server(args, "mooncake-decode", "mooncake_tcp", "decode", 1)
             servers += [p, d]
             wait_up([p, d])
             rows["mooncake"] = run_sizes(args, "mooncake", refs)
+            p.stop()
+            d.stop()
+        # 5. Seed 003: pipeline-parallel prefill and a saturated decode, both backends.
+        if "seed3" in parts:
+            seed3(args, refs)
     except Exception as e:  # any failure of the run itself is one failed check
         check("the run itself", False, f"{type(e).__name__}: {e}")
     finally:
         for s in servers:
             s.stop()
-    summarize(rows)
+    if rows:
+        summarize(rows)
     failed = [name for name, ok, _ in results if not ok]
     print(f"\n{len(results) - len(failed)} of {len(results)} checks passed")
     return 1 if failed else 0

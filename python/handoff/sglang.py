@@ -369,7 +369,8 @@ class HandoffKVManager(BaseKVManager):
             _env_float("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300.0),
         )
         self.send_delay_s = _env_float("HANDOFF_SEND_DELAY_MS", 0.0) / 1000.0
-        self.lock = threading.Lock()
+        # Reentrant: a request may conclude (and forget itself) from an event in pump().
+        self.lock = threading.RLock()
         self.requests: dict[str, HandoffKVSender | HandoffKVReceiver] = {}
         self.runtime = handoff.Runtime(
             role=self.role,
@@ -519,10 +520,14 @@ class _Request:
         self.opened = time.monotonic()
         self.ended_at: float | None = None
         self.pages_moved = 0
+        #: Ended because another rank failed the request; concluded once released.
+        self.dropped = False
 
     def on_event(self, event: handoff.Event) -> None:
         if event.kind == "released":
             self.released = True
+            if self.dropped:
+                self._conclude(KVPoll.Failed)
         elif event.kind == "state" and event.state == "Failed":
             self.reason, self.detail = event.reason, event.detail
 
@@ -575,12 +580,34 @@ class _Request:
         return self._conclude(KVPoll.Success if state == "Done" else KVPoll.Failed)
 
     def failure_exception(self) -> None:
+        """Raises the named failure. SGLang also calls it on a rank whose own request has
+        not failed when another rank of the request did (pipeline stages follow stage 0,
+        tensor-parallel ranks the lowest poll): this rank's request is then ended too, so
+        that its handle and pages go, and the exception says it came from another rank."""
+        from_other_rank = self.conclude_state is None and self.reason is None
+        if from_other_rank:
+            self._end_for_another_rank()
         cls = handoff.error_class(self.reason or "internal")
-        raise cls(
+        error = cls(
             f"handoff {self.kv_mgr.role} request {self.request_id} (bootstrap_room "
             f"{self.bootstrap_room}) failed: {self.detail or self.reason}",
             self.reason or "internal",
         )
+        # SGLang logs a failure once, on the rank it started from.
+        error.is_from_another_rank = from_other_rank  # type: ignore[attr-defined]
+        raise error
+
+    def _end_for_another_rank(self) -> None:
+        self.reason = "aborted_by_engine"
+        self.detail = "another rank of this request failed it (SGLang's consensus of ranks)"
+        if self.handle is not None:
+            self.handle.abort()
+        if not self.handed or self.released:
+            self._conclude(KVPoll.Failed)
+        else:
+            # The pages stay fenced until handoff releases them; poll (or
+            # is_abort_release_safe) says when.
+            self.dropped = True
 
     def clear(self) -> None:
         self.kv_mgr.forget(self.request_id)

@@ -191,6 +191,26 @@ async fn per_layer_ranges_move_into_differently_laid_out_peers_with_matching_che
             format!("checksum {}", checksum(local, &src)),
             "write into {kind}"
         );
+        // Runs of contiguous blocks in another order (each range's runs coalesce, and
+        // close where the next block does not continue them): every byte lands.
+        fill(local, 131 + i as u64);
+        let runs: Vec<BlockId> = (0..BLOCKS)
+            .collect::<Vec<_>>()
+            .chunks(3)
+            .rev()
+            .flatten()
+            .map(|&b| BlockId(b))
+            .collect();
+        plane
+            .write(&r, &peer, &src, &runs, deadline())
+            .await
+            .unwrap();
+        let remote = child.ask(&format!("checksum {}", format_ids(&runs)), STEP);
+        assert_eq!(
+            remote,
+            format!("checksum {}", checksum(local, &src)),
+            "runs into {kind}"
+        );
         // Pull: the child's permuted blocks into ours.
         assert_eq!(child.ask("fill 9", STEP), "filled");
         let from = Rng::new(70 + i as u64).permutation(BLOCKS);

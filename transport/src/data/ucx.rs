@@ -58,8 +58,8 @@ use crate::layout::{pair_segments, KvLayout, KvMemory, KvRange, LayerSpan, Segme
 use crate::region::{BlockSlice, Region};
 use crate::types::{BlockId, RankInfo, RequestId};
 use crate::ucx::{
-    Context, ContextOptions, Direction, Endpoint, MemoryRegion, MemoryType, RangeSegment,
-    RemoteKey, UcxError, Worker,
+    Context, ContextOptions, Direction, Endpoint, MemoryRegion, MemoryType, RangeCoalescer,
+    RangeSegment, RemoteKey, UcxError, Worker,
 };
 use crate::wire::limits::{DATA_DESCRIPTOR_BYTES_MAX, REMOTE_KEY_BYTES_MAX};
 use crate::wire::messages::LayoutDescriptor;
@@ -1275,8 +1275,8 @@ fn peer_layout(peer: &UcxPeer, ranges: &[UcxRange]) -> Result<KvLayout, DataErro
 }
 
 /// Maps every block pair to both sides' segments ([`KvLayout::segments_into`]), pairs them
-/// ([`pair_segments`]), merges pieces adjacent on both sides in the same two ranges, and
-/// posts them in rounds of at most [`UCX_SEGMENTS_PER_ROUND`] segments. Everything was
+/// ([`pair_segments`]), merges pieces adjacent on both sides in the same two ranges (range
+/// by range: [`RangeCoalescer`]), and posts them in rounds of at most [`UCX_SEGMENTS_PER_ROUND`] segments. Everything was
 /// checked before the first round: both block lists against both layouts, the slice
 /// against both logical block sizes, and every peer range's blocks against the length it
 /// advertises, so every segment lies inside its registration and its key's range (which
@@ -1294,6 +1294,7 @@ fn post_rounds(
     let most = ours.ranges.len() + theirs.ranges.len();
     let mut segments: Vec<RangeSegment> =
         Vec::with_capacity(UCX_SEGMENTS_PER_ROUND.min(job.local.len().saturating_mul(most)));
+    let mut runs = RangeCoalescer::new(ours.ranges.len());
     let (mut mine, mut other) = (Vec::new(), Vec::new());
     let layout_error = |e: crate::layout::LayoutError| UcxError::InvalidArgument {
         what: e.to_string(),
@@ -1317,8 +1318,7 @@ fn post_rounds(
                 outside = Some(m);
                 return;
             };
-            RangeSegment::push_coalesced(
-                &mut segments,
+            runs.push(
                 RangeSegment {
                     local: m.range,
                     local_offset,
@@ -1326,6 +1326,7 @@ fn post_rounds(
                     remote_addr: o.addr,
                     len: m.len,
                 },
+                &mut segments,
             );
         })
         .map_err(layout_error)?;
@@ -1339,6 +1340,7 @@ fn post_rounds(
             segments.clear();
         }
     }
+    runs.finish(&mut segments);
     if !segments.is_empty() {
         ep.transfer_ranges(job.direction, locals, &remotes, &segments, job.deadline)?;
     }

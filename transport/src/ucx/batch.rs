@@ -71,6 +71,55 @@ impl RangeSegment {
     }
 }
 
+/// Merges segments into runs per local range, across interleaved ranges. A multi-range
+/// layout yields a block's pieces range by range (K0, V0, K1, ... for an engine's per-layer
+/// tensors), so consecutive blocks continue each other range by range and never segment
+/// after segment: [`RangeSegment::push_coalesced`] alone would post one operation per
+/// block and range (16,384 for 2,048 one-token pages over 8 ranges) where this posts one
+/// per range and contiguous run.
+///
+/// It holds one open run per local range (`ranges` of them, the layout's count, bounded by
+/// its limits); a run closes into the output when the next segment of its range does not
+/// continue it, and at [`finish`](Self::finish). The order of the output is not the order
+/// of the input: the runs touch disjoint bytes, so the order of operations does not matter.
+#[derive(Debug)]
+pub struct RangeCoalescer {
+    open: Vec<Option<RangeSegment>>,
+}
+
+impl RangeCoalescer {
+    /// A coalescer for segments whose local range is below `ranges` (others pass through,
+    /// merged only with the previous output segment).
+    pub fn new(ranges: usize) -> Self {
+        Self {
+            open: vec![None; ranges],
+        }
+    }
+
+    /// Adds `seg`: extends its range's open run, or closes that run into `out` and opens
+    /// a new one.
+    pub fn push(&mut self, seg: RangeSegment, out: &mut Vec<RangeSegment>) {
+        let Some(slot) = self.open.get_mut(seg.local as usize) else {
+            return RangeSegment::push_coalesced(out, seg);
+        };
+        if let Some(run) = slot {
+            if run.is_followed_by(&seg) {
+                if let Some(len) = run.len.checked_add(seg.len) {
+                    run.len = len;
+                    return;
+                }
+            }
+            out.push(*run);
+        }
+        *slot = Some(seg);
+    }
+
+    /// Closes every open run into `out`.
+    pub fn finish(&mut self, out: &mut Vec<RangeSegment>) {
+        out.extend(self.open.iter_mut().filter_map(Option::take));
+    }
+}
+
 /// Which way the bytes go.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Direction {
@@ -489,5 +538,51 @@ mod tests {
         }];
         RangeSegment::push_coalesced(&mut out, seg(0, usize::MAX - 4, 0, (usize::MAX - 4) as u64));
         assert_eq!(out.len(), 2);
+    }
+
+    #[test]
+    fn interleaved_ranges_coalesce_range_by_range() {
+        // Three blocks over two ranges, visited block by block (range 0, range 1, range 0,
+        // ...), the way a per-layer layout yields them: one run per range.
+        let mut c = RangeCoalescer::new(2);
+        let mut out = Vec::new();
+        for b in 0..3u64 {
+            let at = b as usize * 8;
+            c.push(seg(0, at, 0, 1000 + b * 8), &mut out);
+            c.push(seg(1, at, 1, 5000 + b * 8), &mut out);
+        }
+        assert!(out.is_empty(), "runs stay open until they break or finish");
+        c.finish(&mut out);
+        out.sort_by_key(|s| s.local);
+        assert_eq!(
+            out,
+            [
+                RangeSegment {
+                    len: 24,
+                    ..seg(0, 0, 0, 1000)
+                },
+                RangeSegment {
+                    len: 24,
+                    ..seg(1, 0, 1, 5000)
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn a_break_in_one_range_closes_only_that_run() {
+        let mut c = RangeCoalescer::new(2);
+        let mut out = Vec::new();
+        c.push(seg(0, 0, 0, 100), &mut out);
+        c.push(seg(1, 0, 1, 500), &mut out);
+        c.push(seg(0, 8, 0, 300), &mut out); // remote gap in range 0: its run closes
+        c.push(seg(1, 8, 1, 508), &mut out); // range 1 continues
+        assert_eq!(out, [seg(0, 0, 0, 100)]);
+        // A range beyond the count passes through.
+        c.push(seg(7, 0, 0, 900), &mut out);
+        c.finish(&mut out);
+        let total: usize = out.iter().map(|s| s.len).sum();
+        assert_eq!(total, 8 * 5, "every byte once");
+        assert_eq!(out.len(), 4);
     }
 }

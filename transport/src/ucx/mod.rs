@@ -54,7 +54,7 @@ mod worker;
 
 use std::time::Duration;
 
-pub use batch::{coalesce, Direction, RangeSegment, Segment, TransferStats};
+pub use batch::{coalesce, Direction, RangeCoalescer, RangeSegment, Segment, TransferStats};
 pub use context::{Context, ContextOptions, Version, KEEPALIVE_INTERVAL_DEFAULT};
 pub use memory::{MemoryRegion, MemoryType};
 pub use worker::{Endpoint, RemoteKey, Worker};

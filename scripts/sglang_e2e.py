@@ -68,10 +68,12 @@ SEED3_REQUESTS = 6
 #: Seconds within which a queued request must be answered (it waits for decode's pages).
 SEED3_ANSWER_S_MAX = 120.0
 #: The bootstrap deadline of the deadline case, and the blocker that outlasts it: a request
-#: that needs no prefill and holds most of decode's pool until it is aborted.
+#: that needs no prefill and holds most of decode's pool (of SEED3_BLOCKED_POOL tokens) for
+#: thousands of decode steps, until it is aborted.
 SEED3_BOOTSTRAP_S = 6
+SEED3_BLOCKED_POOL = 4096
 SEED3_BLOCKER_PROMPT = 200
-SEED3_BLOCKER_TOKENS = 800
+SEED3_BLOCKER_TOKENS = 3800
 
 results: list[tuple[str, bool, str]] = []
 
@@ -174,6 +176,17 @@ class Server:
 
 
 def wait_up(servers: list[Server]) -> None:
+    """Waits until every server answers /health; if one dies or the deadline passes, stops
+    them all (a caller may not hold them yet) and raises."""
+    try:
+        _wait_up(servers)
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+
+
+def _wait_up(servers: list[Server]) -> None:
     deadline = time.monotonic() + STARTUP_S_MAX
     pending = list(servers)
     while pending and time.monotonic() < deadline:
@@ -465,18 +478,13 @@ def decode_loss(args, d: Server) -> Server:
 CRASH = re.compile(r"Traceback|AssertionError|Scheduler hit an exception|SIGQUIT")
 
 
-def seed3_pair(args, backend: str, tag: str, env=None) -> tuple[Server, Server]:
+def seed3_pair(args, backend: str, tag: str, pool: int, env=None) -> tuple[Server, Server]:
     """Prefill in two pipeline stages (a core each), decode with a small KV pool."""
     p = start_server(args, f"{backend}-{tag}-prefill-pp2", backend, "prefill", "0|1", env,
                      ["--pp-size", "2"])  # fmt: skip
     d = start_server(args, f"{backend}-{tag}-decode", backend, "decode", 1, env,
-                     ["--max-total-tokens", str(SEED3_DECODE_POOL)])  # fmt: skip
-    try:
-        wait_up([p, d])
-    except BaseException:
-        p.stop()
-        d.stop()
-        raise
+                     ["--max-total-tokens", str(pool)])  # fmt: skip
+    wait_up([p, d])
     return p, d
 
 
@@ -496,7 +504,7 @@ def seed3_queue(args, backend: str, refs) -> dict:
     """More requests than decode's pool holds, sent at once: they queue for decode's pages
     and every one completes with the right tokens; both pipeline stages of prefill end
     each request the same way."""
-    p, d = seed3_pair(args, backend, "queue")
+    p, d = seed3_pair(args, backend, "queue", SEED3_DECODE_POOL)
     try:
         rooms = [random.randrange(1, 2**62) for _ in range(SEED3_REQUESTS)]
         out: dict[int, tuple] = {}
@@ -558,7 +566,7 @@ def seed3_deadline(args, backend: str) -> dict:
     both servers keep serving."""
     env = {"HANDOFF_BOOTSTRAP_TIMEOUT_S": str(SEED3_BOOTSTRAP_S),
            "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(SEED3_BOOTSTRAP_S)}  # fmt: skip
-    p, d = seed3_pair(args, backend, "deadline", env)
+    p, d = seed3_pair(args, backend, "deadline", SEED3_BLOCKED_POOL, env)
     try:
         blocker_rid = f"blocker-{random.randrange(2**32)}"
         blocker = {
@@ -580,7 +588,7 @@ def seed3_deadline(args, backend: str) -> dict:
             target=lambda: out.__setitem__("p", post(args.prefill_port, payload, 120))
         )
         th.start()
-        dt, rd, err = post(args.decode_port, payload, 120)
+        dt, rd, err = post(args.decode_port, payload, SEED3_BOOTSTRAP_S + 40)
         th.join(60)
         _, rp, perr = out.get("p", (0, None, "no answer"))
         # Free decode's pool, then both must serve a new request end to end.

@@ -148,6 +148,17 @@ class Server:
 
 
 def wait_up(servers: list[Server]) -> None:
+    """Waits until every server answers /health; if one dies or the deadline passes, stops
+    them all (a caller may not hold them yet) and raises."""
+    try:
+        _wait_up(servers)
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+
+
+def _wait_up(servers: list[Server]) -> None:
     deadline = time.monotonic() + STARTUP_S_MAX
     pending = list(servers)
     while pending and time.monotonic() < deadline:

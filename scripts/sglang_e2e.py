@@ -18,10 +18,7 @@ import json
 import os
 import random
 import re
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -29,25 +26,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-TINY_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_hidden_layers": 4,
-    "vocab_size": 1024,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "hidden_act": "silu",
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "tie_word_embeddings": False,
-}
-SIZES = (64, 512, 2048)
+import e2e_common as common
+from e2e_common import SIZES, TINY_CONFIG, ServerProcess, check, free_port, prompt, until
+
 DECODE_TOKENS = 8
 #: Seconds an SGLang server may take to come up on a 2-core machine.
 STARTUP_S_MAX = 300
@@ -75,41 +56,11 @@ SEED3_BLOCKED_POOL = 4096
 SEED3_BLOCKER_PROMPT = 200
 SEED3_BLOCKER_TOKENS = 3800
 
-results: list[tuple[str, bool, str]] = []
 
-
-def check(name: str, ok: bool, detail: str = "") -> bool:
-    results.append((name, ok, detail))
-    print(
-        f"{'PASS' if ok else 'FAIL'}  {name}{': ' + detail if detail else ''}",
-        flush=True,
-    )
-    return ok
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def prompt(size: int, salt: int) -> list[int]:
-    """A prompt no other (size, salt) shares a prefix with: a seeded LCG over the vocab."""
-    x = (size * 1_000_003 + salt * 7919 + 12345) & 0xFFFFFFFF
-    out = []
-    for _ in range(size):
-        x = (x * 1_664_525 + 1_013_904_223) & 0xFFFFFFFF
-        out.append(10 + (x >> 8) % 1000)
-    return out
-
-
-class Server:
+class Server(ServerProcess):
     """One SGLang server process (`python -m sglang.launch_server`)."""
 
     def __init__(self, args, name: str, port: int, cpu, extra: list[str], env: dict):
-        self.name, self.port = name, port
-        self.log_path = Path(args.dir) / "logs" / f"{name}.log"
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         full_env = dict(os.environ)
         full_env.update(
             SGLANG_USE_CPU_ENGINE="1",
@@ -128,79 +79,15 @@ class Server:
             "--port", str(port), "--max-total-tokens", "8192", "--max-running-requests", "4",
             "--disable-cuda-graph", "--enable-metrics", *extra,
         ]  # fmt: skip
-        self.log = open(self.log_path, "w")  # noqa: SIM115 - lives as long as the server
-        self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=full_env,
-            start_new_session=True,
-        )  # fmt: skip
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill(self) -> None:
-        if self.alive():
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.alive():
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
+        super().__init__(name, port, Path(args.dir) / "logs" / f"{name}.log", cmd, full_env)
 
     def tail(self, n: int = 25) -> str:
-        lines = self.log_path.read_text(errors="replace").splitlines()
+        lines = self.text().splitlines()
         return "\n".join(line[:300] for line in lines if "server_args=" not in line)[-4000:]
-
-    def text(self) -> str:
-        """The whole log."""
-        return self.log_path.read_text(errors="replace")
-
-    def log_size(self) -> int:
-        return self.log_path.stat().st_size
-
-    def wait_log(self, pattern: str, since: int, timeout_s: float) -> tuple[str, int] | None:
-        """The first line matching `pattern` past byte `since` within the deadline."""
-        deadline = time.monotonic() + timeout_s
-        rx = re.compile(pattern)
-        while time.monotonic() < deadline:
-            text = self.log_path.read_text(errors="replace")[since:]
-            for line in text.splitlines():
-                if rx.search(line):
-                    return line, since + len(text)
-            time.sleep(0.05)
-        return None
 
 
 def wait_up(servers: list[Server]) -> None:
-    """Waits until every server answers /health; if one dies or the deadline passes, stops
-    them all (a caller may not hold them yet) and raises."""
-    try:
-        _wait_up(servers)
-    except BaseException:
-        for s in servers:
-            s.stop()
-        raise
-
-
-def _wait_up(servers: list[Server]) -> None:
-    deadline = time.monotonic() + STARTUP_S_MAX
-    pending = list(servers)
-    while pending and time.monotonic() < deadline:
-        for s in list(pending):
-            if not s.alive():
-                raise RuntimeError(f"{s.name} died while starting:\n{s.tail()}")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{s.port}/health", timeout=2)
-                pending.remove(s)
-            except (urllib.error.URLError, OSError):
-                pass
-        time.sleep(1)
-    if pending:
-        raise RuntimeError(f"{[s.name for s in pending]} not up in {STARTUP_S_MAX} s")
+    common.wait_up(servers, STARTUP_S_MAX)
 
 
 def body(args, ids: list[int], room: int, tokens: int = DECODE_TOKENS) -> dict:
@@ -215,19 +102,7 @@ def body(args, ids: list[int], room: int, tokens: int = DECODE_TOKENS) -> dict:
 
 def post(port: int, payload: dict, timeout: float = 120) -> tuple[float, dict | None, str]:
     """POST /generate: (seconds, json or None, error text)."""
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/generate",
-        data=json.dumps(payload).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    t = time.perf_counter()
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return time.perf_counter() - t, json.load(r), ""
-    except urllib.error.HTTPError as e:
-        return time.perf_counter() - t, None, f"HTTP {e.code}: {e.read()[:2000]!r}"
-    except (urllib.error.URLError, OSError) as e:
-        return time.perf_counter() - t, None, str(e)
+    return common.post_json(port, "/generate", payload, timeout)
 
 
 def stream(port: int, payload: dict, timeout: float = 120):
@@ -266,16 +141,6 @@ def stream(port: int, payload: dict, timeout: float = 120):
     except (urllib.error.URLError, OSError) as e:
         return None, time.perf_counter() - t, tokens, str(e)
     return first, time.perf_counter() - t, tokens, ""
-
-
-def until(cond, timeout_s: float) -> bool:
-    """Polls `cond` until it holds or the deadline passes."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def metric(port: int, name: str) -> float:
@@ -631,13 +496,7 @@ def seed3_deadline(args, backend: str) -> dict:
 
 
 def _abort(port: int, rid: str) -> None:
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/abort_request",
-        data=json.dumps({"rid": rid}).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with contextlib.suppress(urllib.error.URLError, OSError):
-        urllib.request.urlopen(req, timeout=10).read()
+    common.post_json(port, "/abort_request", {"rid": rid}, 10)
 
 
 def seed3(args, refs) -> None:
@@ -762,9 +621,7 @@ def main() -> int:
             s.stop()
     if rows:
         summarize(rows)
-    failed = [name for name, ok, _ in results if not ok]
-    print(f"\n{len(results) - len(failed)} of {len(results)} checks passed")
-    return 1 if failed else 0
+    return common.finish()
 
 
 if __name__ == "__main__":

@@ -16,8 +16,6 @@ import contextlib
 import json
 import os
 import re
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,25 +25,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-TINY_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_hidden_layers": 4,
-    "vocab_size": 1024,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "hidden_act": "silu",
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "tie_word_embeddings": False,
-}
-SIZES = (64, 512, 2048)
+import e2e_common as common
+from e2e_common import SIZES, TINY_CONFIG, ServerProcess, check, free_port, prompt
+
 DECODE_TOKENS = 8
 #: Seconds a vLLM instance may take to come up on a 2-core machine.
 STARTUP_S_MAX = 420
@@ -56,40 +38,11 @@ DECODE_LOSS_FREE_S_MAX = 10.0
 #: The TTL prefill runs with in these checks: freeing must come well before it.
 TTL_S = 120
 
-results: list[tuple[str, bool, str]] = []
 
-
-def check(name: str, ok: bool, detail: str = "") -> bool:
-    results.append((name, ok, detail))
-    print(
-        f"{'PASS' if ok else 'FAIL'}  {name}{': ' + detail if detail else ''}",
-        flush=True,
-    )
-    return ok
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def prompt(size: int, salt: int) -> list[int]:
-    """A prompt no other (size, salt) shares a prefix with: a seeded LCG over the vocab."""
-    x = (size * 1_000_003 + salt * 7919 + 12345) & 0xFFFFFFFF
-    out = []
-    for _ in range(size):
-        x = (x * 1_664_525 + 1_013_904_223) & 0xFFFFFFFF
-        out.append(10 + (x >> 8) % 1000)
-    return out
-
-
-class Server:
+class Server(ServerProcess):
     """One vLLM OpenAI server process."""
 
     def __init__(self, args, name: str, port: int, cpu: int, kv: dict, env: dict):
-        self.name, self.port = name, port
-        self.log_path = Path(args.dir) / f"{name}.log"
         full_env = dict(os.environ)
         full_env.update(
             VLLM_CPU_KVCACHE_SPACE="1",
@@ -105,91 +58,16 @@ class Server:
             "--host", "127.0.0.1", "--port", str(port),
             "--kv-transfer-config", json.dumps(kv),
         ]  # fmt: skip
-        self.log = open(self.log_path, "w")  # noqa: SIM115 - lives as long as the server
-        self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=full_env,
-            start_new_session=True,
-        )  # fmt: skip
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill(self) -> None:
-        if self.alive():
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.alive():
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-
-    def tail(self, n: int = 25) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-
-    def wait_log(self, pattern: str, since: int, timeout_s: float) -> tuple[str, int] | None:
-        """The first line matching `pattern` past byte `since` within the deadline."""
-        deadline = time.monotonic() + timeout_s
-        rx = re.compile(pattern)
-        while time.monotonic() < deadline:
-            text = self.log_path.read_text(errors="replace")[since:]
-            for line in text.splitlines():
-                if rx.search(line):
-                    return line, since + len(text)
-            time.sleep(0.05)
-        return None
-
-    def log_size(self) -> int:
-        return self.log_path.stat().st_size
+        super().__init__(name, port, Path(args.dir) / f"{name}.log", cmd, full_env)
 
 
 def wait_up(servers: list[Server]) -> None:
-    """Waits until every server answers /health; if one dies or the deadline passes, stops
-    them all (a caller may not hold them yet) and raises."""
-    try:
-        _wait_up(servers)
-    except BaseException:
-        for s in servers:
-            s.stop()
-        raise
-
-
-def _wait_up(servers: list[Server]) -> None:
-    deadline = time.monotonic() + STARTUP_S_MAX
-    pending = list(servers)
-    while pending and time.monotonic() < deadline:
-        for s in list(pending):
-            if not s.alive():
-                raise RuntimeError(f"{s.name} died while starting:\n{s.tail()}")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{s.port}/health", timeout=2)
-                pending.remove(s)
-            except (urllib.error.URLError, OSError):
-                pass
-        time.sleep(1)
-    if pending:
-        raise RuntimeError(f"{[s.name for s in pending]} not up in {STARTUP_S_MAX} s")
+    common.wait_up(servers, STARTUP_S_MAX)
 
 
 def post(port: int, body: dict, timeout: float = 300) -> tuple[float, dict | None, str]:
     """POST /v1/completions: (seconds, json or None, error text)."""
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    t = time.perf_counter()
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return time.perf_counter() - t, json.load(r), ""
-    except urllib.error.HTTPError as e:
-        return time.perf_counter() - t, None, f"HTTP {e.code}: {e.read()[:200]!r}"
-    except (urllib.error.URLError, OSError) as e:
-        return time.perf_counter() - t, None, str(e)
+    return common.post_json(port, "/v1/completions", body, timeout)
 
 
 def stream(port: int, body: dict, timeout: float = 300):
@@ -498,9 +376,7 @@ def main() -> int:
         boot.terminate()
         boot.wait(timeout=10)
     summarize(rows, handoff_ms)
-    failed = [name for name, ok, _ in results if not ok]
-    print(f"\n{len(results) - len(failed)} of {len(results)} checks passed")
-    return 1 if failed else 0
+    return common.finish()
 
 
 def run_connector_size(args, label: str, size: int, si: int) -> list[dict]:

@@ -1,0 +1,176 @@
+"""What the real-engine end-to-end runs share (scripts/vllm_e2e.py, scripts/sglang_e2e.py):
+checks, prompts, server processes and waiting for them. Standard library only: each run
+imports it from its own venv, with this folder on `sys.path` (Python puts a script's own
+folder there)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+#: A tiny Llama (4 layers, hidden 256, 2 KV heads, vocab 1024): with dummy weights, every
+#: instance has the same seeded weights, so a disaggregated request's tokens must equal a
+#: single server's.
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 4,
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
+}
+#: Prompt sizes, in tokens.
+SIZES = (64, 512, 2048)
+
+#: Every check of the run: (name, passed, detail).
+results: list[tuple[str, bool, str]] = []
+
+
+def check(name: str, ok: bool, detail: str = "") -> bool:
+    """Records and prints one check (`PASS`/`FAIL`)."""
+    results.append((name, ok, detail))
+    print(f"{'PASS' if ok else 'FAIL'}  {name}{': ' + detail if detail else ''}", flush=True)
+    return ok
+
+
+def finish() -> int:
+    """Prints the count of checks passed; the run's exit status (0 only if all passed)."""
+    failed = [name for name, ok, _ in results if not ok]
+    print(f"\n{len(results) - len(failed)} of {len(results)} checks passed")
+    return 1 if failed else 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prompt(size: int, salt: int) -> list[int]:
+    """A prompt no other (size, salt) shares a prefix with: a seeded LCG over the vocab."""
+    x = (size * 1_000_003 + salt * 7919 + 12345) & 0xFFFFFFFF
+    out = []
+    for _ in range(size):
+        x = (x * 1_664_525 + 1_013_904_223) & 0xFFFFFFFF
+        out.append(10 + (x >> 8) % 1000)
+    return out
+
+
+def post_json(port: int, path: str, payload: dict, timeout: float):
+    """POST a JSON body to a local server: (seconds, json or None, error text)."""
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        data=json.dumps(payload).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    t = time.perf_counter()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return time.perf_counter() - t, json.load(r), ""
+    except urllib.error.HTTPError as e:
+        return time.perf_counter() - t, None, f"HTTP {e.code}: {e.read()[:2000]!r}"
+    except (urllib.error.URLError, OSError) as e:
+        return time.perf_counter() - t, None, str(e)
+
+
+def until(cond, timeout_s: float) -> bool:
+    """Polls `cond` until it holds or the deadline passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+class ServerProcess:
+    """One engine server process in a session of its own, its output in a log file."""
+
+    def __init__(self, name: str, port: int, log_path: Path, cmd: list[str], env: dict):
+        self.name, self.port, self.log_path = name, port, log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log = open(log_path, "w")  # noqa: SIM115 - lives as long as the server
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+
+    def text(self) -> str:
+        """The whole log."""
+        return self.log_path.read_text(errors="replace")
+
+    def tail(self, n: int = 25) -> str:
+        return "\n".join(self.text().splitlines()[-n:])
+
+    def log_size(self) -> int:
+        return self.log_path.stat().st_size
+
+    def wait_log(self, pattern: str, since: int, timeout_s: float) -> tuple[str, int] | None:
+        """The first line matching `pattern` past byte `since` within the deadline."""
+        deadline = time.monotonic() + timeout_s
+        rx = re.compile(pattern)
+        while time.monotonic() < deadline:
+            text = self.text()[since:]
+            for line in text.splitlines():
+                if rx.search(line):
+                    return line, since + len(text)
+            time.sleep(0.05)
+        return None
+
+
+def wait_up(servers: list, startup_s: float) -> None:
+    """Waits until every server answers /health; if one dies or the deadline passes, stops
+    them all (a caller may not hold them yet) and raises."""
+    try:
+        deadline = time.monotonic() + startup_s
+        pending = list(servers)
+        while pending and time.monotonic() < deadline:
+            for s in list(pending):
+                if not s.alive():
+                    raise RuntimeError(f"{s.name} died while starting:\n{s.tail()}")
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{s.port}/health", timeout=2)
+                    pending.remove(s)
+                except (urllib.error.URLError, OSError):
+                    pass
+            time.sleep(1)
+        if pending:
+            raise RuntimeError(f"{[s.name for s in pending]} not up in {startup_s} s")
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise

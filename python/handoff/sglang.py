@@ -34,6 +34,11 @@ How SGLang's pieces map onto handoff:
   reports ``Success``.
 - **Chunked prefill.** ``send`` is called once per chunk; the pages are handed to handoff
   with the last chunk.
+- **Pipeline parallelism.** Each prefill stage registers its layers as a rank of its own;
+  decode's receiver pairs with every stage and decides the request's outcome for all of
+  them. When SGLang fails a request on a stage because another stage failed it (its
+  consensus of stages), ``failure_exception`` ends that stage's request too
+  (``aborted_by_engine``).
 
 Not supported yet (refused by name at start, never silently wrong): the state buffers of
 hybrid (Mamba, SWA) models, speculative-decoding draft KV, data-parallel attention, a

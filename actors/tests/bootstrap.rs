@@ -924,6 +924,7 @@ async fn serve_fails_fast_with_a_named_error_on_bad_input() {
         |listen: &str, secret: Option<std::path::PathBuf>| handoff_actors::bootstrap::ServeArgs {
             listen: listen.into(),
             secret_file: secret,
+            insecure: false,
             expire_after: Duration::from_secs(6),
         };
     let code = handoff_actors::bootstrap::run_serve(args("not an address", None)).await;

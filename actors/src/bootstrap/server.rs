@@ -53,6 +53,9 @@ pub struct ServerConfig {
     /// How long a registered worker may stay silent before its record is removed. Default
     /// [`EXPIRE_AFTER_DEFAULT`] (three client heartbeat intervals).
     pub expire_after: Duration,
+    /// Serve unauthenticated clients on a non-loopback address. Without it, and without
+    /// `key`, such an address refuses to start (see [`crate::exposure`]).
+    pub insecure: bool,
 }
 
 impl ServerConfig {
@@ -62,7 +65,14 @@ impl ServerConfig {
             listen: listen.into(),
             key: None,
             expire_after: EXPIRE_AFTER_DEFAULT,
+            insecure: false,
         }
+    }
+
+    /// The same configuration, serving unauthenticated clients off loopback.
+    pub fn with_insecure(mut self, insecure: bool) -> ServerConfig {
+        self.insecure = insecure;
+        self
     }
 
     /// The same configuration with a shared key.
@@ -89,6 +99,11 @@ pub async fn serve(cfg: ServerConfig) -> Result<BootstrapServer, BootstrapError>
             detail: "expire_after must be more than zero".into(),
         });
     }
+    crate::exposure::check_exposure(
+        &[("bootstrap listen", cfg.listen.as_str())],
+        cfg.key.is_some(),
+        cfg.insecure,
+    )?;
     let router = Router::bind(&cfg.listen)
         .await
         .map_err(|e| BootstrapError::Bind {

@@ -104,12 +104,16 @@ pub async fn serve(cfg: ServerConfig) -> Result<BootstrapServer, BootstrapError>
         cfg.key.is_some(),
         cfg.insecure,
     )?;
-    let router = Router::bind(&cfg.listen)
-        .await
-        .map_err(|e| BootstrapError::Bind {
-            address: cfg.listen.clone(),
-            detail: e.to_string(),
-        })?;
+    let router = Router::bind_with(
+        &cfg.listen,
+        cfg.key.clone(),
+        handoff_transport::wire::unauthenticated_refusal(),
+    )
+    .await
+    .map_err(|e| BootstrapError::Bind {
+        address: cfg.listen.clone(),
+        detail: e.to_string(),
+    })?;
     let local = router.local_addr();
     let incarnation = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

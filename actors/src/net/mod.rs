@@ -201,12 +201,16 @@ impl NetTransport {
         directory: Arc<dyn Directory>,
         data: Arc<dyn DataPlane>,
     ) -> Result<NetTransport, NetError> {
-        let router = Router::bind(&cfg.control_listen)
-            .await
-            .map_err(|source| NetError::Bind {
-                addr: cfg.control_listen.clone(),
-                source,
-            })?;
+        let router = Router::bind_with(
+            &cfg.control_listen,
+            cfg.key.clone(),
+            handoff_transport::wire::unauthenticated_refusal(),
+        )
+        .await
+        .map_err(|source| NetError::Bind {
+            addr: cfg.control_listen.clone(),
+            source,
+        })?;
         let local = router.local_addr();
         let host = match (&cfg.advertise_host, local.ip()) {
             (Some(host), _) => host.clone(),

@@ -18,6 +18,8 @@ use tracing::{debug, warn};
 
 use super::codec::{self, Incoming, SocketType, ZmtpError};
 use super::{CONNECTIONS_MAX, HANDSHAKE_TIMEOUT, RECV_QUEUE_MESSAGES_MAX, SEND_QUEUE_MESSAGES_MAX};
+use crate::auth::Key;
+use crate::noise::{self, Session};
 
 /// One accepted connection of a [`Router`]; never reused within a process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -92,11 +94,25 @@ static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
 impl Router {
     /// Binds `addr` (`tcp://host:port`; port 0 picks one) and starts accepting.
     pub async fn bind(addr: &str) -> Result<Router, ZmtpError> {
+        Router::bind_with(addr, None, None).await
+    }
+
+    /// Binds `addr` and starts accepting; with a key, every connection must complete a Noise
+    /// handshake ([`crate::noise`]) within [`HANDSHAKE_TIMEOUT`] before anything it sends
+    /// is read beyond the handshake, and every message is sealed. A peer whose handshake
+    /// fails is sent `refusal` (one plain frame, the same for everyone) before it is closed,
+    /// so a client configured without the secret can say why.
+    pub async fn bind_with(
+        addr: &str,
+        key: Option<Key>,
+        refusal: Option<Vec<u8>>,
+    ) -> Result<Router, ZmtpError> {
+        let sealing = key.map(|key| Arc::new(Sealing { key, refusal }));
         let listener = TcpListener::bind(parse_addr(addr)?).await?;
         let local = listener.local_addr()?;
         let (tx, events) = mpsc::channel(RECV_QUEUE_MESSAGES_MAX);
         let senders: Senders = Arc::default();
-        let accept = tokio::spawn(accept_loop(listener, tx, senders.clone()));
+        let accept = tokio::spawn(accept_loop(listener, tx, senders.clone(), sealing));
         Ok(Router {
             local,
             events,
@@ -138,7 +154,12 @@ impl Router {
     }
 }
 
-async fn accept_loop(listener: TcpListener, events: mpsc::Sender<RouterEvent>, senders: Senders) {
+async fn accept_loop(
+    listener: TcpListener,
+    events: mpsc::Sender<RouterEvent>,
+    senders: Senders,
+    sealing: Option<Arc<Sealing>>,
+) {
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(accepted) => accepted,
@@ -163,6 +184,7 @@ async fn accept_loop(listener: TcpListener, events: mpsc::Sender<RouterEvent>, s
             rx,
             events.clone(),
             senders.clone(),
+            sealing.clone(),
         ));
     }
 }
@@ -175,12 +197,14 @@ async fn serve(
     outbox: mpsc::Receiver<Vec<Vec<u8>>>,
     events: mpsc::Sender<RouterEvent>,
     senders: Senders,
+    sealing: Option<Arc<Sealing>>,
 ) {
     let _ = stream.set_nodelay(true);
     let result = run_connection(
         stream,
         SocketType::Router,
         &[],
+        sealing.as_deref(),
         outbox,
         |frames| {
             let events = events.clone();
@@ -203,7 +227,9 @@ async fn serve(
     let reason = match result {
         Ok(()) => "closed".to_string(),
         Err(e) => {
-            if !matches!(e, ZmtpError::Io(_) | ZmtpError::Closed) {
+            if matches!(e, ZmtpError::Noise(_)) {
+                warn!(%peer, error = %e, "refused a connection: not authenticated (not the same secret, replayed or forged)");
+            } else if !matches!(e, ZmtpError::Io(_) | ZmtpError::Closed) {
                 warn!(%peer, error = %e, "closing connection: protocol violation");
             }
             e.to_string()
@@ -221,6 +247,7 @@ async fn run_connection<D, DF, C, CF>(
     stream: TcpStream,
     ours: SocketType,
     identity: &[u8],
+    sealing: Option<&Sealing>,
     mut outbox: mpsc::Receiver<Vec<Vec<u8>>>,
     deliver: D,
     connected: C,
@@ -238,12 +265,33 @@ where
         r: &mut reader,
         w: &mut writer,
     };
-    tokio::time::timeout(
-        HANDSHAKE_TIMEOUT,
-        codec::handshake(&mut both, ours, identity),
-    )
-    .await
-    .map_err(|_| ZmtpError::HandshakeTimeout(HANDSHAKE_TIMEOUT))??;
+    let deadline = tokio::time::Instant::now() + HANDSHAKE_TIMEOUT;
+    let late = |_| ZmtpError::HandshakeTimeout(HANDSHAKE_TIMEOUT);
+    tokio::time::timeout_at(deadline, codec::handshake(&mut both, ours, identity))
+        .await
+        .map_err(late)??;
+    let session = match sealing {
+        None => None,
+        Some(Sealing { key, refusal }) => {
+            match tokio::time::timeout_at(deadline, noise_handshake(&mut both, ours, key)).await {
+                Ok(Ok(session)) => Some(session),
+                Ok(Err(e)) => {
+                    // A peer without the secret (or with another) is told so in the clear,
+                    // with a fixed message, before the connection closes.
+                    if let Some(refusal) = refusal {
+                        let write = codec::write_message(&mut both, std::slice::from_ref(refusal));
+                        let _ = tokio::time::timeout_at(deadline, write).await;
+                    }
+                    return Err(e);
+                }
+                Err(e) => return Err(late(e)),
+            }
+        }
+    };
+    let (mut sealer, mut opener) = match session {
+        Some(s) => (Some(s.sealer), Some(s.opener)),
+        None => (None, None),
+    };
     connected().await;
     let (pong_tx, mut pong_rx) = mpsc::channel::<Vec<u8>>(4);
     let write_half = async move {
@@ -254,16 +302,23 @@ where
                     Some(body) => codec::write_command(&mut writer, &body).await?,
                     None => return Ok::<(), ZmtpError>(()),
                 },
-                msg = outbox.recv() => match msg {
-                    Some(frames) => codec::write_message(&mut writer, &frames).await?,
-                    None => return Ok(()),
+                msg = outbox.recv() => match (msg, sealer.as_mut()) {
+                    (Some(frames), None) => codec::write_message(&mut writer, &frames).await?,
+                    (Some(frames), Some(sealer)) => {
+                        codec::write_sealed(&mut writer, sealer, &frames).await?;
+                    }
+                    (None, _) => return Ok(()),
                 },
             }
         }
     };
     let read_half = async move {
         loop {
-            match codec::read_message(&mut reader).await? {
+            let incoming = match opener.as_mut() {
+                None => codec::read_message(&mut reader).await?,
+                Some(opener) => codec::read_sealed(&mut reader, opener).await?,
+            };
+            match incoming {
                 Incoming::Message(frames) => {
                     if !deliver(frames).await {
                         return Ok::<(), ZmtpError>(());
@@ -281,6 +336,31 @@ where
         biased;
         r = read_half => r,
         w = write_half => w,
+    }
+}
+
+/// A connection's secret, and what a ROUTER tells a peer that fails the handshake.
+struct Sealing {
+    key: Key,
+    refusal: Option<Vec<u8>>,
+}
+
+/// The Noise handshake after ZMTP's: the DEALER (the end that connected) initiates.
+async fn noise_handshake<S>(io: &mut S, ours: SocketType, key: &Key) -> Result<Session, ZmtpError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    if ours == SocketType::Dealer {
+        let mut initiator = noise::Initiator::new(key, noise::PROLOGUE_ZMTP)?;
+        codec::write_handshake(io, &initiator.hello()?).await?;
+        let answer = codec::read_handshake(io).await?;
+        Ok(initiator.finish(&answer)?)
+    } else {
+        let responder = noise::Responder::new(key, noise::PROLOGUE_ZMTP)?;
+        let hello = codec::read_handshake(io).await?;
+        let (answer, session) = responder.answer(&hello)?;
+        codec::write_handshake(io, &answer).await?;
+        Ok(session)
     }
 }
 
@@ -339,6 +419,17 @@ impl Dealer {
         identity: &[u8],
         timeout: std::time::Duration,
     ) -> Result<Dealer, ZmtpError> {
+        Dealer::connect_with(addr, identity, timeout, None).await
+    }
+
+    /// Connects to `addr` and completes the handshake (with a key, the Noise handshake too:
+    /// see [`Router::bind_with`]), all within `timeout`.
+    pub async fn connect_with(
+        addr: &str,
+        identity: &[u8],
+        timeout: std::time::Duration,
+        key: Option<Key>,
+    ) -> Result<Dealer, ZmtpError> {
         let hostport = parse_addr(addr)?;
         let stream = tokio::time::timeout(timeout, TcpStream::connect(&hostport))
             .await
@@ -346,36 +437,46 @@ impl Dealer {
         let _ = stream.set_nodelay(true);
         let (outbox, out_rx) = mpsc::channel(SEND_QUEUE_MESSAGES_MAX);
         let (in_tx, inbox) = mpsc::channel(RECV_QUEUE_MESSAGES_MAX);
-        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+        let sealing = key.map(|key| Sealing { key, refusal: None });
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<Result<(), ZmtpError>>();
+        // Told once: connected, or why the handshake failed (a refused secret, by name).
+        let ready = Arc::new(Mutex::new(Some(ready_tx)));
+        let tell = move |r: Result<(), ZmtpError>| {
+            if let Some(tx) = ready.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                let _ = tx.send(r);
+            }
+        };
         let identity = identity.to_vec();
         let peer = addr.to_string();
         let name = peer.clone();
         let task = tokio::spawn(async move {
+            let told = tell.clone();
             let result = run_connection(
                 stream,
                 SocketType::Dealer,
                 &identity,
+                sealing.as_ref(),
                 out_rx,
                 |frames| {
                     let in_tx = in_tx.clone();
                     async move { in_tx.send(frames).await.is_ok() }
                 },
-                || async move {
-                    let _ = ready_tx.send(());
-                },
+                || async move { told(Ok(())) },
             )
             .await;
             if let Err(e) = result {
                 debug!(peer = %name, error = %e, "dealer connection ended");
+                tell(Err(e));
             }
         });
         match tokio::time::timeout(timeout, ready_rx).await {
-            Ok(Ok(())) => Ok(Dealer {
+            Ok(Ok(Ok(()))) => Ok(Dealer {
                 peer,
                 outbox,
                 inbox,
                 task: Arc::new(AbortOnDrop(task.abort_handle())),
             }),
+            Ok(Ok(Err(e))) => Err(e),
             Ok(Err(_)) => Err(ZmtpError::Closed),
             Err(_) => {
                 task.abort();

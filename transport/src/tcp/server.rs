@@ -14,13 +14,14 @@ use tokio::task::JoinSet;
 use tokio::time::timeout;
 
 use super::frame::{self, FrameError, Header, HelloOk, Op, Segment, HEADER_BYTES, NONCE_BYTES};
-use super::io::{io_error, read_head, write_frame};
+use super::io::{io_error, read_head, session, write_frame};
 use super::{
     CONNECTION_IDLE_TIMEOUT_DEFAULT, FRAME_READ_TIMEOUT_DEFAULT, OP_BYTES_MAX,
     SERVER_CONNECTIONS_MAX,
 };
 use crate::auth::Key;
 use crate::data::{plan, Access, DataError, Grants, RefusalCode};
+use crate::noise::{Opener, Sealer};
 use crate::region::Region;
 use crate::types::{BlockId, RankInfo, RequestId};
 
@@ -241,7 +242,7 @@ async fn refuse_connection(stream: TcpStream, code: RefusalCode, detail: &str) {
     let meta = frame::encode_error(code.to_wire(), detail);
     let _ = timeout(
         ERROR_SEND_TIMEOUT,
-        write_frame(&mut w, header, &meta, &[], None, &[0; NONCE_BYTES]),
+        write_frame(&mut w, header, &meta, &[], None),
     )
     .await;
 }
@@ -252,6 +253,9 @@ struct Conn<'a> {
     r: OwnedReadHalf,
     w: OwnedWriteHalf,
     nonce: [u8; NONCE_BYTES],
+    /// With a shared secret: this connection's Noise session, one half per direction.
+    sealer: Option<Sealer>,
+    opener: Option<Opener>,
     /// `engine/rank@address` once the peer said hello, its address before.
     peer: String,
     rank: Option<RankInfo>,
@@ -282,6 +286,8 @@ async fn serve_connection(stream: TcpStream, addr: SocketAddr, shared: &Shared) 
         r,
         w,
         nonce,
+        sealer: None,
+        opener: None,
         peer: addr.to_string(),
         rank: None,
         meta: Vec::new(),
@@ -316,11 +322,32 @@ impl Conn<'_> {
 
     async fn handshake(&mut self) -> Result<(), End> {
         let limit = self.shared.config.frame_read_timeout;
-        let key = self.shared.key.as_ref();
-        let zero = [0u8; NONCE_BYTES];
-        let head = timeout(
-            limit,
-            read_head(&mut self.r, key, &zero, &mut self.meta, &self.peer, "hello"),
+        let deadline = tokio::time::Instant::now() + limit;
+        if let Some(key) = self.shared.key.as_ref() {
+            let (sealer, opener) = tokio::time::timeout_at(
+                deadline,
+                session(&mut self.r, &mut self.w, key, false, &self.peer),
+            )
+            .await
+            .map_err(|_| {
+                End::Error(
+                    self.protocol(format!("no handshake within {limit:?}")),
+                    None,
+                )
+            })?
+            .map_err(classify)?;
+            self.sealer = Some(sealer);
+            self.opener = Some(opener);
+        }
+        let head = tokio::time::timeout_at(
+            deadline,
+            read_head(
+                &mut self.r,
+                self.opener.as_mut(),
+                &mut self.meta,
+                &self.peer,
+                "hello",
+            ),
         )
         .await
         .map_err(|_| End::Error(self.protocol(format!("no Hello within {limit:?}")), None))?
@@ -349,7 +376,7 @@ impl Conn<'_> {
             data_len: 0,
         };
         let meta = frame::encode_hello_ok(&ok);
-        write_frame(&mut self.w, header, &meta, &[], key, &zero)
+        write_frame(&mut self.w, header, &meta, &[], self.sealer.as_mut())
             .await
             .map_err(|e| End::Error(io_error(&self.peer, "hello", e), None))
     }
@@ -384,11 +411,9 @@ impl Conn<'_> {
 
     /// Reads and answers one frame. `Err` ends the connection.
     async fn one_frame(&mut self) -> Result<(), End> {
-        let key = self.shared.key.as_ref();
         let head = read_head(
             &mut self.r,
-            key,
-            &self.nonce,
+            self.opener.as_mut(),
             &mut self.meta,
             &self.peer,
             "frame",
@@ -518,16 +543,9 @@ impl Conn<'_> {
                     meta_len: 0,
                     data_len: 0,
                 };
-                write_frame(
-                    &mut self.w,
-                    header,
-                    &[],
-                    &[],
-                    self.shared.key.as_ref(),
-                    &self.nonce,
-                )
-                .await
-                .map_err(|e| End::Error(io_error(&self.peer, "answering a write", e), None))
+                write_frame(&mut self.w, header, &[], &[], self.sealer.as_mut())
+                    .await
+                    .map_err(|e| End::Error(io_error(&self.peer, "answering a write", e), None))
             }
             (Ok(()), Ok(false)) => {
                 self.refuse(
@@ -589,16 +607,9 @@ impl Conn<'_> {
                     data_len: total as u32,
                 };
                 let data = [IoSlice::new(&self.staging)];
-                write_frame(
-                    &mut self.w,
-                    header,
-                    &[],
-                    &data,
-                    self.shared.key.as_ref(),
-                    &self.nonce,
-                )
-                .await
-                .map_err(|e| End::Error(io_error(&self.peer, "sending read data", e), None))
+                write_frame(&mut self.w, header, &[], &data, self.sealer.as_mut())
+                    .await
+                    .map_err(|e| End::Error(io_error(&self.peer, "sending read data", e), None))
             }
             (Ok(()), Ok(false)) => {
                 self.refuse(
@@ -654,21 +665,8 @@ impl Conn<'_> {
             data_len: 0,
         };
         let meta = frame::encode_error(code.to_wire(), detail);
-        // Before the handshake completed the peer knows no nonce: sign with zeros.
-        let nonce = if self.rank.is_some() {
-            self.nonce
-        } else {
-            [0; NONCE_BYTES]
-        };
-        write_frame(
-            &mut self.w,
-            header,
-            &meta,
-            &[],
-            self.shared.key.as_ref(),
-            &nonce,
-        )
-        .await
+        // A peer that failed the Noise handshake has no session: its refusal goes bare.
+        write_frame(&mut self.w, header, &meta, &[], self.sealer.as_mut()).await
     }
 }
 

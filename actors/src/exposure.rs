@@ -143,6 +143,58 @@ pub fn route_to(target: &str) -> Option<IpAddr> {
     (!ip.is_unspecified()).then_some(ip)
 }
 
+/// Descriptors a process needs besides its listeners' connections (runtime, UCX, files).
+pub const OPEN_FILES_SPARE: u64 = 256;
+
+/// Raises the open-file soft limit to the hard limit, once per process, and logs both with
+/// the connection limits they must cover (every ZMTP listener's
+/// `handoff_transport::zmtp::CONNECTIONS_MAX`, the TCP data server's
+/// `SERVER_CONNECTIONS_MAX`, the spare). A limit too low for them is logged as a warning:
+/// a flood would then meet the descriptor limit before the connection bounds. Returns the
+/// soft limit in force, `None` where it cannot be read.
+#[allow(clippy::unnecessary_cast)] // rlim_t is u64 on Linux, not on every unix
+pub fn raise_open_files() -> Option<u64> {
+    static RAISED: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    *RAISED.get_or_init(|| {
+        #[cfg(unix)]
+        {
+            let mut lim = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            // SAFETY: getrlimit and setrlimit only read and write the struct we pass.
+            if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+                return None;
+            }
+            let before = lim.rlim_cur as u64;
+            if lim.rlim_cur < lim.rlim_max {
+                lim.rlim_cur = lim.rlim_max;
+                // SAFETY: as above.
+                if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 {
+                    lim.rlim_cur = before as libc::rlim_t;
+                }
+            }
+            let soft = lim.rlim_cur as u64;
+            let needed = (2 * handoff_transport::zmtp::CONNECTIONS_MAX
+                + handoff_transport::tcp::SERVER_CONNECTIONS_MAX) as u64
+                + OPEN_FILES_SPARE;
+            if soft < needed {
+                tracing::warn!(soft, hard = lim.rlim_max as u64, needed,
+                    "open-file limit below what the connection limits need: raise the hard limit (ulimit -Hn)");
+            } else {
+                tracing::info!(before, soft, needed, zmtp_connections_max = handoff_transport::zmtp::CONNECTIONS_MAX,
+                    data_connections_max = handoff_transport::tcp::SERVER_CONNECTIONS_MAX,
+                    "open-file limit raised to the hard limit");
+            }
+            Some(soft)
+        }
+        #[cfg(not(unix))]
+        {
+            None
+        }
+    })
+}
+
 /// True when `address`'s host is `0.0.0.0` or `::` (listening on every interface).
 pub fn is_unspecified(address: &str) -> bool {
     host_of(address)
@@ -192,6 +244,20 @@ mod tests {
         assert_eq!(check_exposure(&addrs, true, false), Ok(()));
         assert_eq!(check_exposure(&addrs, false, true), Ok(()));
         assert_eq!(check_exposure(&addrs[..1], false, false), Ok(()));
+    }
+
+    #[test]
+    #[allow(clippy::unnecessary_cast)] // rlim_t is u64 on Linux, not on every unix
+    fn the_open_file_limit_is_raised_to_the_hard_limit() {
+        let soft = raise_open_files();
+        let mut lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit only writes the struct we pass.
+        assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
+        assert_eq!(lim.rlim_cur, lim.rlim_max);
+        assert_eq!(soft, Some(lim.rlim_cur as u64));
     }
 
     #[test]

@@ -99,6 +99,7 @@ pub async fn serve(cfg: ServerConfig) -> Result<BootstrapServer, BootstrapError>
             detail: "expire_after must be more than zero".into(),
         });
     }
+    crate::exposure::raise_open_files();
     crate::exposure::check_exposure(
         &[("bootstrap listen", cfg.listen.as_str())],
         cfg.key.is_some(),
@@ -244,6 +245,9 @@ pub(crate) enum ServerMsg {
 enum Outgoing {
     Send(ConnId, Vec<u8>),
     Disconnect(ConnId),
+    /// A worker registered on this connection: a known peer from now on (outside the
+    /// router's bounds on pending connections and their idle deadline).
+    Admit(ConnId),
 }
 
 struct ServerState {
@@ -369,6 +373,7 @@ async fn pump(
                     }
                 }
                 Some(Outgoing::Disconnect(conn)) => router.disconnect(conn),
+                Some(Outgoing::Admit(conn)) => router.admit(conn),
                 None => return,
             },
             (permit, event) = next_event => {
@@ -472,7 +477,14 @@ impl ServerState {
         });
         let (rank, role, incarnation) = (record.rank.clone(), record.role, record.incarnation);
         let control = record.control_address.clone();
-        match self.registry.register(record, origin, now) {
+        let outcome = self.registry.register(record, origin, now);
+        if matches!(
+            outcome,
+            RegisterOutcome::Added | RegisterOutcome::Refreshed | RegisterOutcome::Replaced { .. }
+        ) {
+            self.queue(Outgoing::Admit(origin.conn));
+        }
+        match outcome {
             RegisterOutcome::Added => {
                 info!(peer = %origin.peer, %rank, %role, incarnation, %control, "worker registered");
                 Some(ok)

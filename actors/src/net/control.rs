@@ -226,6 +226,8 @@ impl Control {
         ack.data_descriptor = self.data.data_descriptor();
         ack.layout = Some(self.descriptor.clone());
         let ack = wire::encode(&Message::HelloAck(ack), self.key())?;
+        // A peer that said a valid hello: outside the bounds on pending connections.
+        self.router.admit(conn);
         let _ = self.router.send(conn, vec![ack]);
         self.flush(&peer);
         Ok(())

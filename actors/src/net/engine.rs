@@ -186,6 +186,7 @@ pub async fn start_engine_runtime(
     memory: WorkerMemory,
 ) -> Result<EngineRuntime, NetError> {
     check_exposure(&opts)?;
+    exposure::raise_open_files();
     let control_advertise = advertised_host(&opts, &opts.control_listen)?;
     let data_advertise = advertised_host(&opts, &opts.data_listen)?;
     opts.advertise_host = data_advertise;

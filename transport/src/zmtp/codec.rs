@@ -66,6 +66,9 @@ pub enum ZmtpError {
         /// Theirs, as announced.
         theirs: String,
     },
+    /// A connection not admitted as a peer sent no whole message in time.
+    #[error("no whole message within {0:?} from a connection that is not a known peer")]
+    Idle(std::time::Duration),
     /// The handshake did not finish in time.
     #[error("handshake did not finish within {0:?}")]
     HandshakeTimeout(std::time::Duration),

@@ -7,17 +7,21 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::io::{AsyncRead, AsyncWrite, BufReader, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
 use super::codec::{self, Incoming, SocketType, ZmtpError};
-use super::{CONNECTIONS_MAX, HANDSHAKE_TIMEOUT, RECV_QUEUE_MESSAGES_MAX, SEND_QUEUE_MESSAGES_MAX};
+use super::{
+    CONNECTIONS_MAX, CONNECTION_INFLIGHT_MAX, HANDSHAKE_TIMEOUT, PENDING_CONNECTIONS_MAX,
+    PENDING_IDLE_TIMEOUT, PENDING_PER_SOURCE_MAX, RECV_QUEUE_MESSAGES_MAX, SEND_QUEUE_BYTES_MAX,
+    SEND_QUEUE_MESSAGES_MAX,
+};
 use crate::auth::Key;
 use crate::noise::{self, Session};
 
@@ -67,18 +71,66 @@ pub(crate) fn parse_addr(addr: &str) -> Result<String, ZmtpError> {
     Ok(hostport.to_string())
 }
 
-type Senders = Arc<Mutex<BTreeMap<ConnId, mpsc::Sender<Vec<Vec<u8>>>>>>;
+/// One accepted connection, as the [`Router`] keeps it.
+struct Slot {
+    tx: mpsc::Sender<Vec<Vec<u8>>>,
+    /// Bytes queued to it and not yet written (bounded by [`SEND_QUEUE_BYTES_MAX`]).
+    queued: Arc<AtomicUsize>,
+    /// Set by [`Router::admit`]: a known peer, exempt from the bounds on pending ones.
+    admitted: Arc<AtomicBool>,
+    /// Where it came from (for the per-source bound).
+    peer: SocketAddr,
+}
 
-fn lock(s: &Senders) -> std::sync::MutexGuard<'_, BTreeMap<ConnId, mpsc::Sender<Vec<Vec<u8>>>>> {
+type Senders = Arc<Mutex<BTreeMap<ConnId, Slot>>>;
+
+fn lock(s: &Senders) -> std::sync::MutexGuard<'_, BTreeMap<ConnId, Slot>> {
     s.lock().unwrap_or_else(|e| e.into_inner())
 }
+
+/// What one connection's writer drains, and the state the [`Router`] shares with it.
+struct Outbox {
+    rx: mpsc::Receiver<Vec<Vec<u8>>>,
+    queued: Arc<AtomicUsize>,
+    admitted: Arc<AtomicBool>,
+}
+
+/// Events handed up, each with the permit its connection took (released when taken).
+type Events = mpsc::Sender<(RouterEvent, Option<OwnedSemaphorePermit>)>;
 
 /// A bound ROUTER socket.
 pub struct Router {
     local: SocketAddr,
-    events: mpsc::Receiver<RouterEvent>,
+    events: mpsc::Receiver<(RouterEvent, Option<OwnedSemaphorePermit>)>,
     senders: Senders,
     accept: JoinHandle<()>,
+    stats: Arc<RouterCounters>,
+}
+
+/// Bounds a [`Router`] enforced, counted since it was bound (each also logged).
+#[derive(Default)]
+struct RouterCounters {
+    refused_full: AtomicU64,
+    refused_pending: AtomicU64,
+    refused_source: AtomicU64,
+    dropped_slow: AtomicU64,
+    dropped_idle: AtomicU64,
+}
+
+/// What a [`Router`] refused or dropped to stay within its bounds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RouterStats {
+    /// Connections refused at [`CONNECTIONS_MAX`].
+    pub refused_full: u64,
+    /// Connections refused at [`PENDING_CONNECTIONS_MAX`] (not yet admitted peers).
+    pub refused_pending: u64,
+    /// Connections refused at [`PENDING_PER_SOURCE_MAX`] from one address.
+    pub refused_source: u64,
+    /// Connections dropped for not reading their replies ([`SEND_QUEUE_BYTES_MAX`]).
+    pub dropped_slow: u64,
+    /// Pending connections dropped for sending no whole message in
+    /// [`PENDING_IDLE_TIMEOUT`].
+    pub dropped_idle: u64,
 }
 
 impl Drop for Router {
@@ -112,12 +164,20 @@ impl Router {
         let local = listener.local_addr()?;
         let (tx, events) = mpsc::channel(RECV_QUEUE_MESSAGES_MAX);
         let senders: Senders = Arc::default();
-        let accept = tokio::spawn(accept_loop(listener, tx, senders.clone(), sealing));
+        let stats = Arc::new(RouterCounters::default());
+        let accept = tokio::spawn(accept_loop(
+            listener,
+            tx,
+            senders.clone(),
+            sealing,
+            stats.clone(),
+        ));
         Ok(Router {
             local,
             events,
             senders,
             accept,
+            stats,
         })
     }
 
@@ -126,21 +186,58 @@ impl Router {
         self.local
     }
 
-    /// The next event; `None` only if the accept loop has ended.
+    /// The next event; `None` only if the accept loop has ended. Taking a message frees
+    /// one of its connection's [`CONNECTION_INFLIGHT_MAX`] places in the queue.
     pub async fn recv(&mut self) -> Option<RouterEvent> {
-        self.events.recv().await
+        self.events.recv().await.map(|(event, _permit)| event)
     }
 
-    /// Queues a message to one connection. Never waits: a full queue is `QueueFull`.
+    /// Marks `conn` as a known peer (it said a valid hello, or registered): exempt from the
+    /// pending bounds from now on (its capacity is the reserve below [`CONNECTIONS_MAX`]).
+    pub fn admit(&self, conn: ConnId) {
+        if let Some(slot) = lock(&self.senders).get(&conn) {
+            slot.admitted.store(true, Ordering::Release);
+        }
+    }
+
+    /// What the router refused or dropped so far.
+    pub fn stats(&self) -> RouterStats {
+        let c = &self.stats;
+        RouterStats {
+            refused_full: c.refused_full.load(Ordering::Relaxed),
+            refused_pending: c.refused_pending.load(Ordering::Relaxed),
+            refused_source: c.refused_source.load(Ordering::Relaxed),
+            dropped_slow: c.dropped_slow.load(Ordering::Relaxed),
+            dropped_idle: c.dropped_idle.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Queues a message to one connection. Never waits. A connection whose queue is full,
+    /// in messages or in bytes ([`SEND_QUEUE_BYTES_MAX`]), does not read what it is sent:
+    /// it is dropped (counted, logged) and `QueueFull` returned.
     pub fn send(&self, conn: ConnId, frames: Vec<Vec<u8>>) -> Result<(), ZmtpError> {
-        let tx = lock(&self.senders)
-            .get(&conn)
-            .cloned()
-            .ok_or(ZmtpError::Closed)?;
-        tx.try_send(frames).map_err(|e| match e {
-            mpsc::error::TrySendError::Full(_) => ZmtpError::QueueFull,
-            mpsc::error::TrySendError::Closed(_) => ZmtpError::Closed,
-        })
+        let bytes: usize = frames.iter().map(Vec::len).sum();
+        let mut slots = lock(&self.senders);
+        let slot = slots.get(&conn).ok_or(ZmtpError::Closed)?;
+        let queued = slot.queued.fetch_add(bytes, Ordering::AcqRel);
+        let sent = if queued + bytes > SEND_QUEUE_BYTES_MAX {
+            Err(ZmtpError::QueueFull)
+        } else {
+            slot.tx.try_send(frames).map_err(|e| match e {
+                mpsc::error::TrySendError::Full(_) => ZmtpError::QueueFull,
+                mpsc::error::TrySendError::Closed(_) => ZmtpError::Closed,
+            })
+        };
+        if sent.is_err() {
+            slot.queued.fetch_sub(bytes, Ordering::AcqRel);
+        }
+        if matches!(sent, Err(ZmtpError::QueueFull)) {
+            self.stats.dropped_slow.fetch_add(1, Ordering::Relaxed);
+            warn!(peer = %slot.peer, queued, max = SEND_QUEUE_BYTES_MAX,
+                "dropping a connection that does not read its replies");
+            slots.remove(&conn);
+        }
+        sent
     }
 
     /// Closes one connection.
@@ -156,9 +253,10 @@ impl Router {
 
 async fn accept_loop(
     listener: TcpListener,
-    events: mpsc::Sender<RouterEvent>,
+    events: Events,
     senders: Senders,
     sealing: Option<Arc<Sealing>>,
+    stats: Arc<RouterCounters>,
 ) {
     loop {
         let (stream, peer) = match listener.accept().await {
@@ -170,36 +268,85 @@ async fn accept_loop(
                 continue;
             }
         };
-        if lock(&senders).len() >= CONNECTIONS_MAX {
-            warn!(%peer, max = CONNECTIONS_MAX, "refusing connection: too many connections");
+        if let Some(refused) = admission(&lock(&senders), peer) {
+            let counter = match refused {
+                Refused::Full => &stats.refused_full,
+                Refused::Pending => &stats.refused_pending,
+                Refused::Source => &stats.refused_source,
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+            warn!(%peer, bound = ?refused, "refusing connection: at a connection bound");
             continue; // dropping the stream closes it
         }
         let conn = ConnId(NEXT_CONN.fetch_add(1, Ordering::Relaxed));
         let (tx, rx) = mpsc::channel(SEND_QUEUE_MESSAGES_MAX);
-        lock(&senders).insert(conn, tx);
+        let outbox = Outbox {
+            rx,
+            queued: Arc::default(),
+            admitted: Arc::default(),
+        };
+        let slot = Slot {
+            tx,
+            queued: outbox.queued.clone(),
+            admitted: outbox.admitted.clone(),
+            peer,
+        };
+        lock(&senders).insert(conn, slot);
         tokio::spawn(serve(
             stream,
-            peer,
-            conn,
-            rx,
+            (peer, conn),
+            outbox,
             events.clone(),
             senders.clone(),
             sealing.clone(),
+            stats.clone(),
         ));
     }
+}
+
+/// Which bound refuses a new connection.
+#[derive(Debug)]
+enum Refused {
+    Full,
+    Pending,
+    Source,
+}
+
+/// Whether a connection from `peer` fits: under [`CONNECTIONS_MAX`] in all, and, among
+/// connections not yet admitted as peers, under [`PENDING_CONNECTIONS_MAX`] and
+/// [`PENDING_PER_SOURCE_MAX`] from its address; so admitted peers always keep the reserve.
+fn admission(slots: &BTreeMap<ConnId, Slot>, peer: SocketAddr) -> Option<Refused> {
+    if slots.len() >= CONNECTIONS_MAX {
+        return Some(Refused::Full);
+    }
+    let pending = slots
+        .values()
+        .filter(|s| !s.admitted.load(Ordering::Acquire));
+    let (mut all, mut same) = (0usize, 0usize);
+    for slot in pending {
+        all += 1;
+        same += usize::from(slot.peer.ip() == peer.ip());
+    }
+    if all >= PENDING_CONNECTIONS_MAX {
+        return Some(Refused::Pending);
+    }
+    (same >= PENDING_PER_SOURCE_MAX).then_some(Refused::Source)
 }
 
 /// One accepted connection: handshake, then read and write until either side ends.
 async fn serve(
     stream: TcpStream,
-    peer: SocketAddr,
-    conn: ConnId,
-    outbox: mpsc::Receiver<Vec<Vec<u8>>>,
-    events: mpsc::Sender<RouterEvent>,
+    (peer, conn): (SocketAddr, ConnId),
+    outbox: Outbox,
+    events: Events,
     senders: Senders,
     sealing: Option<Arc<Sealing>>,
+    stats: Arc<RouterCounters>,
 ) {
     let _ = stream.set_nodelay(true);
+    // At most CONNECTION_INFLIGHT_MAX of this connection's messages wait in the shared
+    // queue: a flood on one connection cannot delay another's heartbeats behind it.
+    let fair = Arc::new(Semaphore::new(CONNECTION_INFLIGHT_MAX));
     let result = run_connection(
         stream,
         SocketType::Router,
@@ -207,22 +354,28 @@ async fn serve(
         sealing.as_deref(),
         outbox,
         |frames| {
-            let events = events.clone();
+            let (events, fair) = (events.clone(), fair.clone());
             async move {
-                events
-                    .send(RouterEvent::Message { conn, peer, frames })
-                    .await
-                    .is_ok()
+                let Ok(permit) = fair.acquire_owned().await else {
+                    return false;
+                };
+                let event = RouterEvent::Message { conn, peer, frames };
+                events.send((event, Some(permit))).await.is_ok()
             }
         },
         || {
             let events = events.clone();
             async move {
-                let _ = events.send(RouterEvent::Connected { conn, peer }).await;
+                let _ = events
+                    .send((RouterEvent::Connected { conn, peer }, None))
+                    .await;
             }
         },
     )
     .await;
+    if matches!(result, Err(ZmtpError::Idle(_))) {
+        stats.dropped_idle.fetch_add(1, Ordering::Relaxed);
+    }
     lock(&senders).remove(&conn);
     let reason = match result {
         Ok(()) => "closed".to_string(),
@@ -237,7 +390,7 @@ async fn serve(
     };
     debug!(%peer, ?conn, %reason, "connection ended");
     let _ = events
-        .send(RouterEvent::Disconnected { conn, peer, reason })
+        .send((RouterEvent::Disconnected { conn, peer, reason }, None))
         .await;
 }
 
@@ -248,7 +401,7 @@ async fn run_connection<D, DF, C, CF>(
     ours: SocketType,
     identity: &[u8],
     sealing: Option<&Sealing>,
-    mut outbox: mpsc::Receiver<Vec<Vec<u8>>>,
+    outbox: Outbox,
     deliver: D,
     connected: C,
 ) -> Result<(), ZmtpError>
@@ -293,6 +446,11 @@ where
         None => (None, None),
     };
     connected().await;
+    let Outbox {
+        rx: mut outbox,
+        queued,
+        admitted,
+    } = outbox;
     let (pong_tx, mut pong_rx) = mpsc::channel::<Vec<u8>>(4);
     let write_half = async move {
         loop {
@@ -302,21 +460,36 @@ where
                     Some(body) => codec::write_command(&mut writer, &body).await?,
                     None => return Ok::<(), ZmtpError>(()),
                 },
-                msg = outbox.recv() => match (msg, sealer.as_mut()) {
-                    (Some(frames), None) => codec::write_message(&mut writer, &frames).await?,
-                    (Some(frames), Some(sealer)) => {
-                        codec::write_sealed(&mut writer, sealer, &frames).await?;
+                msg = outbox.recv() => {
+                    let bytes = msg.as_ref().map_or(0, |f| f.iter().map(Vec::len).sum());
+                    match (msg, sealer.as_mut()) {
+                        (Some(frames), None) => codec::write_message(&mut writer, &frames).await?,
+                        (Some(frames), Some(sealer)) => {
+                            codec::write_sealed(&mut writer, sealer, &frames).await?;
+                        }
+                        (None, _) => return Ok(()),
                     }
-                    (None, _) => return Ok(()),
-                },
+                    queued.fetch_sub(bytes, Ordering::AcqRel);
+                }
             }
         }
     };
     let read_half = async move {
         loop {
-            let incoming = match opener.as_mut() {
-                None => codec::read_message(&mut reader).await?,
-                Some(opener) => codec::read_sealed(&mut reader, opener).await?,
+            let read = async {
+                match opener.as_mut() {
+                    None => codec::read_message(&mut reader).await,
+                    Some(opener) => codec::read_sealed(&mut reader, opener).await,
+                }
+            };
+            // A connection not yet admitted as a peer must send a whole message within
+            // PENDING_IDLE_TIMEOUT (idle and trickling connections cannot hold a slot).
+            let incoming = if admitted.load(Ordering::Acquire) {
+                read.await?
+            } else {
+                tokio::time::timeout(PENDING_IDLE_TIMEOUT, read)
+                    .await
+                    .map_err(|_| ZmtpError::Idle(PENDING_IDLE_TIMEOUT))??
             };
             match incoming {
                 Incoming::Message(frames) => {
@@ -436,6 +609,12 @@ impl Dealer {
             .map_err(|_| ZmtpError::HandshakeTimeout(timeout))??;
         let _ = stream.set_nodelay(true);
         let (outbox, out_rx) = mpsc::channel(SEND_QUEUE_MESSAGES_MAX);
+        let out_rx = Outbox {
+            rx: out_rx,
+            queued: Arc::default(),
+            // Our own connection to a server: no pending bounds apply.
+            admitted: Arc::new(AtomicBool::new(true)),
+        };
         let (in_tx, inbox) = mpsc::channel(RECV_QUEUE_MESSAGES_MAX);
         let sealing = key.map(|key| Sealing { key, refusal: None });
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<Result<(), ZmtpError>>();

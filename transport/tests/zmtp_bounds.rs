@@ -80,6 +80,16 @@ async fn an_idle_connection_flood_cannot_lock_out_an_admitted_peer() {
         "{:?}",
         started.elapsed()
     );
+    // A newcomer from the same address (a `status`) still gets its exchange through: the
+    // oldest idle stranger is evicted for it.
+    let newcomer = Dealer::connect(&format!("tcp://{addr}"), b"", T)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    newcomer
+        .send(vec![b"status".to_vec()])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let (_, frames) = message(&mut router).await;
+    assert_eq!(frames, vec![b"status".to_vec()]);
     let stats = router.stats();
     assert!(
         stats.refused_source >= PENDING_PER_SOURCE_MAX as u64,

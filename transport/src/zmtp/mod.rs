@@ -50,13 +50,16 @@ pub const CONNECTIONS_MAX: usize = 1024;
 
 /// Connections not yet admitted as peers ([`Router::admit`]: a valid hello, a
 /// registration), at most: the other `CONNECTIONS_MAX - PENDING_CONNECTIONS_MAX` (768) are
-/// reserved for known peers, which a flood of strangers therefore cannot lock out.
+/// reserved for known peers, which a flood of strangers therefore cannot lock out. At the
+/// bound the oldest pending connection is evicted (counted, logged), so a newcomer's short
+/// exchange (a `status`, a registration) still gets through a flood.
 /// Worst case while pending: one partial message each (with a secret: one 64 KiB chunk
 /// after a 128-byte handshake message), 256 × 64 KiB = 16 MiB.
 pub const PENDING_CONNECTIONS_MAX: usize = 256;
 
-/// Pending connections from one source address. On loopback every peer shares one
-/// address, so this bounds a local flood too (honest pending connections are brief).
+/// Pending connections from one source address (past it, that source's oldest pending
+/// connection is evicted). On loopback every peer shares one address, so this bounds a
+/// local flood too (honest pending connections are brief).
 pub const PENDING_PER_SOURCE_MAX: usize = 64;
 
 /// How long a pending connection may go without sending a whole message: idle and

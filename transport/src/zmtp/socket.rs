@@ -120,11 +120,12 @@ struct RouterCounters {
 /// What a [`Router`] refused or dropped to stay within its bounds.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RouterStats {
-    /// Connections refused at [`CONNECTIONS_MAX`].
+    /// New connections that met [`CONNECTIONS_MAX`] (a pending one evicted, or refused).
     pub refused_full: u64,
-    /// Connections refused at [`PENDING_CONNECTIONS_MAX`] (not yet admitted peers).
+    /// New connections that met [`PENDING_CONNECTIONS_MAX`] (the oldest pending evicted).
     pub refused_pending: u64,
-    /// Connections refused at [`PENDING_PER_SOURCE_MAX`] from one address.
+    /// New connections that met [`PENDING_PER_SOURCE_MAX`] (that source's oldest pending
+    /// connection evicted).
     pub refused_source: u64,
     /// Connections dropped for not reading their replies ([`SEND_QUEUE_BYTES_MAX`]).
     pub dropped_slow: u64,
@@ -268,15 +269,27 @@ async fn accept_loop(
                 continue;
             }
         };
-        if let Some(refused) = admission(&lock(&senders), peer) {
-            let counter = match refused {
-                Refused::Full => &stats.refused_full,
-                Refused::Pending => &stats.refused_pending,
-                Refused::Source => &stats.refused_source,
+        {
+            let mut slots = lock(&senders);
+            let counter = |bound: &Bound| match bound {
+                Bound::Full => &stats.refused_full,
+                Bound::Pending => &stats.refused_pending,
+                Bound::Source => &stats.refused_source,
             };
-            counter.fetch_add(1, Ordering::Relaxed);
-            warn!(%peer, bound = ?refused, "refusing connection: at a connection bound");
-            continue; // dropping the stream closes it
+            match admission(&slots, peer) {
+                Ok(None) => {}
+                Ok(Some((bound, evicted))) => {
+                    counter(&bound).fetch_add(1, Ordering::Relaxed);
+                    let old = slots.remove(&evicted).map(|s| s.peer);
+                    warn!(%peer, ?bound, evicted = ?old,
+                        "at a connection bound: evicted the oldest pending connection");
+                }
+                Err(bound) => {
+                    counter(&bound).fetch_add(1, Ordering::Relaxed);
+                    warn!(%peer, ?bound, "refusing connection: every place is a known peer's");
+                    continue; // dropping the stream closes it
+                }
+            }
         }
         let conn = ConnId(NEXT_CONN.fetch_add(1, Ordering::Relaxed));
         let (tx, rx) = mpsc::channel(SEND_QUEUE_MESSAGES_MAX);
@@ -304,9 +317,9 @@ async fn accept_loop(
     }
 }
 
-/// Which bound refuses a new connection.
+/// Which bound a new connection met.
 #[derive(Debug)]
-enum Refused {
+enum Bound {
     Full,
     Pending,
     Source,
@@ -314,23 +327,45 @@ enum Refused {
 
 /// Whether a connection from `peer` fits: under [`CONNECTIONS_MAX`] in all, and, among
 /// connections not yet admitted as peers, under [`PENDING_CONNECTIONS_MAX`] and
-/// [`PENDING_PER_SOURCE_MAX`] from its address; so admitted peers always keep the reserve.
-fn admission(slots: &BTreeMap<ConnId, Slot>, peer: SocketAddr) -> Option<Refused> {
+/// [`PENDING_PER_SOURCE_MAX`] from its address. At a bound, the oldest pending connection
+/// (of that source, for the per-source bound) is evicted to make room: strangers can only
+/// push each other out, an honest newcomer's short exchange gets through, and admitted
+/// peers always keep the reserve. `Err` when there is nothing to evict (all admitted).
+fn admission(
+    slots: &BTreeMap<ConnId, Slot>,
+    peer: SocketAddr,
+) -> Result<Option<(Bound, ConnId)>, Bound> {
+    let pending = || {
+        slots
+            .iter()
+            .filter(|(_, s)| !s.admitted.load(Ordering::Acquire))
+    };
+    let oldest = |same_source: bool| {
+        pending()
+            .find(|(_, s)| !same_source || s.peer.ip() == peer.ip())
+            .map(|(c, _)| *c)
+    };
     if slots.len() >= CONNECTIONS_MAX {
-        return Some(Refused::Full);
+        return oldest(false)
+            .map(|c| Some((Bound::Full, c)))
+            .ok_or(Bound::Full);
     }
-    let pending = slots
-        .values()
-        .filter(|s| !s.admitted.load(Ordering::Acquire));
     let (mut all, mut same) = (0usize, 0usize);
-    for slot in pending {
+    for (_, slot) in pending() {
         all += 1;
         same += usize::from(slot.peer.ip() == peer.ip());
     }
-    if all >= PENDING_CONNECTIONS_MAX {
-        return Some(Refused::Pending);
+    if same >= PENDING_PER_SOURCE_MAX {
+        return oldest(true)
+            .map(|c| Some((Bound::Source, c)))
+            .ok_or(Bound::Source);
     }
-    (same >= PENDING_PER_SOURCE_MAX).then_some(Refused::Source)
+    if all >= PENDING_CONNECTIONS_MAX {
+        return oldest(false)
+            .map(|c| Some((Bound::Pending, c)))
+            .ok_or(Bound::Pending);
+    }
+    Ok(None)
 }
 
 /// One accepted connection: handshake, then read and write until either side ends.

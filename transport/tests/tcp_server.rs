@@ -678,3 +678,31 @@ async fn a_captured_keyed_connection_replayed_writes_nothing() {
     assert_eq!(checksum(&remote, &ids(20..22)), before);
     assert!(server.stats().dropped_connections >= 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strangers_that_never_say_hello_cannot_lock_a_peer_out() {
+    let config = ServerConfig {
+        connections_max: 4,
+        ..ServerConfig::default()
+    };
+    let (server, remote) = server(Arc::new(AllowAll), None, config).await;
+    let mut idle = Vec::new();
+    for _ in 0..10 {
+        idle.push(TcpStream::connect(server.local_addr()).await.unwrap());
+    }
+    // A peer's new connection gets through, evicting the oldest stranger.
+    let c = client(&server, None).await;
+    let local = Region::new(BLOCKS, BLOCK_BYTES).unwrap();
+    fill(&local, 3);
+    c.write(
+        &RequestId::new("r"),
+        &local,
+        &ids(0..2),
+        &ids(4..6),
+        deadline(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(checksum(&remote, &ids(4..6)), checksum(&local, &ids(0..2)));
+    assert!(server.stats().evicted >= 1, "{:?}", server.stats());
+}

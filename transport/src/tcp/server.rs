@@ -1,9 +1,10 @@
 //! [`DataServer`]: serves one region to peers, checking every operation against the
 //! runtime's grants.
 
+use std::collections::BTreeMap;
 use std::io::IoSlice;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -62,6 +63,8 @@ pub struct ServerStats {
     pub dropped_connections: u64,
     /// Connections accepted (including ones answered `Busy`).
     pub connections: u64,
+    /// Connections that had not said hello, evicted at the connection limit for a newcomer.
+    pub evicted: u64,
 }
 
 #[derive(Default)]
@@ -72,6 +75,7 @@ struct Counters {
     dropped: AtomicU64,
     connections: AtomicU64,
     open: AtomicUsize,
+    evicted: AtomicU64,
 }
 
 struct Shared {
@@ -182,6 +186,7 @@ impl DataServer {
             refused: c.refused.load(Ordering::Relaxed),
             dropped_connections: c.dropped.load(Ordering::Relaxed),
             connections: c.connections.load(Ordering::Relaxed),
+            evicted: c.evicted.load(Ordering::Relaxed),
         }
     }
 }
@@ -200,24 +205,51 @@ fn nonce_seed() -> u64 {
     h.finish()
 }
 
+/// Counts a connection open while it lives (also when its task is aborted).
+struct OpenGuard(Arc<Shared>);
+
+impl Drop for OpenGuard {
+    fn drop(&mut self) {
+        self.0.counters.open.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     let mut connections = JoinSet::new();
+    // Connections that have not said hello yet, oldest first: at the limit the oldest is
+    // evicted for a newcomer, so strangers that connect and say nothing cannot lock out a
+    // peer's new connection (peers' established connections are never evicted).
+    let mut pending: BTreeMap<u64, (tokio::task::AbortHandle, Arc<AtomicBool>)> = BTreeMap::new();
+    let mut next = 0u64;
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, addr)) => {
                     shared.counters.connections.fetch_add(1, Ordering::Relaxed);
-                    let open = shared.counters.open.fetch_add(1, Ordering::AcqRel);
-                    let shared = Arc::clone(&shared);
-                    connections.spawn(async move {
-                        if open >= shared.config.connections_max {
-                            tracing::warn!(peer = %addr, max = shared.config.connections_max, "data server at its connection limit; refusing");
-                            refuse_connection(stream, RefusalCode::Busy, "server at its connection limit").await;
+                    pending.retain(|_, (task, hello)| !task.is_finished() && !hello.load(Ordering::Acquire));
+                    if shared.counters.open.load(Ordering::Acquire) >= shared.config.connections_max {
+                        if let Some((_, (task, _))) = pending.pop_first() {
+                            shared.counters.evicted.fetch_add(1, Ordering::Relaxed);
+                            tracing::warn!(peer = %addr, max = shared.config.connections_max, "data server at its connection limit; evicted the oldest connection that had not said hello");
+                            task.abort();
                         } else {
-                            serve_connection(stream, addr, &shared).await;
+                            tracing::warn!(peer = %addr, max = shared.config.connections_max, "data server at its connection limit; refusing");
+                            connections.spawn(async move {
+                                refuse_connection(stream, RefusalCode::Busy, "server at its connection limit").await;
+                            });
+                            continue;
                         }
-                        shared.counters.open.fetch_sub(1, Ordering::AcqRel);
+                    }
+                    shared.counters.open.fetch_add(1, Ordering::AcqRel);
+                    let guard = OpenGuard(Arc::clone(&shared));
+                    let hello = Arc::new(AtomicBool::new(false));
+                    let said = hello.clone();
+                    let task = connections.spawn(async move {
+                        let _open = guard;
+                        serve_connection(stream, addr, &_open.0, &said).await;
                     });
+                    next += 1;
+                    pending.insert(next, (task, hello));
                 }
                 Err(e) => {
                     // Out of file descriptors and the like: wait a little rather than spin.
@@ -274,7 +306,12 @@ enum End {
     Error(DataError, Option<RefusalCode>),
 }
 
-async fn serve_connection(stream: TcpStream, addr: SocketAddr, shared: &Shared) {
+async fn serve_connection(
+    stream: TcpStream,
+    addr: SocketAddr,
+    shared: &Shared,
+    hello: &AtomicBool,
+) {
     let _ = stream.set_nodelay(true);
     let (r, w) = stream.into_split();
     let id = shared.next_connection.fetch_add(1, Ordering::Relaxed);
@@ -296,7 +333,10 @@ async fn serve_connection(stream: TcpStream, addr: SocketAddr, shared: &Shared) 
         staging: Vec::new(),
     };
     let end = match conn.handshake().await {
-        Ok(()) => conn.serve().await,
+        Ok(()) => {
+            hello.store(true, Ordering::Release);
+            conn.serve().await
+        }
         Err(end) => end,
     };
     if let End::Error(error, code) = end {

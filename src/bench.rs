@@ -440,12 +440,28 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
     if let Some(plane) = network {
         let floor = crate::lifecycle::loopback_rtt(plan.latency_iters).await?;
         let floor = percentiles("loopback", "rtt", &floor, String::new());
-        let samples = crate::lifecycle::measure(plane, 16 << 10, plan.latency_iters).await?;
+        let samples = crate::lifecycle::measure(plane, 16 << 10, plan.latency_iters, None).await?;
         let mut lifecycle = percentiles(
             "lifecycle",
             &format!("{plane:?}").to_lowercase(),
             &samples,
             String::new(),
+        );
+        // The same, every connection authenticated (Noise sessions), in the same run.
+        let key = handoff_actors::bootstrap::Key::new(b"handoff bench secret, 32 bytes..")
+            .map_err(|e| e.to_string())?;
+        let keyed =
+            crate::lifecycle::measure(plane, 16 << 10, plan.latency_iters, Some(&key)).await?;
+        let mut keyed = percentiles(
+            "lifecycle+secret",
+            &format!("{plane:?}").to_lowercase(),
+            &keyed,
+            String::new(),
+        );
+        keyed.note = format!(
+            "the same requests with a shared secret (every connection a Noise session): p50 {:.2}x, p99 {:.2}x without",
+            keyed.p50_us / lifecycle.p50_us.max(f64::MIN_POSITIVE),
+            keyed.p99_us / lifecycle.p99_us.max(f64::MIN_POSITIVE)
         );
         lifecycle.note = format!(
             "one 16 KiB request: open both sides, transfer info, write, Done (peers cached); p50 {:.2}x the loopback round trip",
@@ -455,6 +471,7 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
             note: "64 B TCP ping-pong between two tasks of this process: the one round trip every request's transfer info and Done make".into(),
             ..floor
         });
+        report.latency.push(keyed);
         report.lifecycle = Some(lifecycle);
     }
     if plan.uses_cuda() {

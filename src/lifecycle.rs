@@ -8,6 +8,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use handoff_actors::bootstrap::Key;
 use handoff_actors::net::tcp::TcpDataPlane;
 use handoff_actors::net::ucx::UcxPlane;
 use handoff_actors::net::{DataPlane, NetConfig, NetTransport, StaticDirectory};
@@ -36,6 +37,7 @@ async fn side(
     engine: &str,
     plane: Plane,
     block_bytes: usize,
+    key: Option<&Key>,
 ) -> Result<Runtime, String> {
     let rank = RankInfo::single(engine);
     let (region, data): (Arc<Region>, Arc<dyn DataPlane>) = match plane {
@@ -46,13 +48,23 @@ async fn side(
         Plane::Tcp => {
             let region =
                 Arc::new(Region::new(POOL_BLOCKS, block_bytes).map_err(|e| e.to_string())?);
-            let p = TcpDataPlane::bind("127.0.0.1:0", None, region.clone(), rank.clone(), None)
-                .await
-                .map_err(|e| e.to_string())?;
+            let p = TcpDataPlane::bind(
+                "127.0.0.1:0",
+                None,
+                region.clone(),
+                rank.clone(),
+                key.cloned(),
+            )
+            .await
+            .map_err(|e| e.to_string())?;
             (region, Arc::new(p))
         }
     };
-    let net = NetTransport::bind(NetConfig::default(), rank.clone(), role, dir.clone(), data)
+    let cfg = NetConfig {
+        key: key.cloned(),
+        ..NetConfig::default()
+    };
+    let net = NetTransport::bind(cfg, rank.clone(), role, dir.clone(), data)
         .await
         .map_err(|e| e.to_string())?;
     Runtime::builder(role, rank)
@@ -65,10 +77,24 @@ async fn side(
 }
 
 /// Times `iters` one-block requests (after one warm-up request); the latencies, µs, sorted.
-pub async fn measure(plane: Plane, block_bytes: usize, iters: usize) -> Result<Vec<f64>, String> {
+/// With `key`, both sides authenticate every connection with it (Noise sessions).
+pub async fn measure(
+    plane: Plane,
+    block_bytes: usize,
+    iters: usize,
+    key: Option<&Key>,
+) -> Result<Vec<f64>, String> {
     let dir = Arc::new(StaticDirectory::new());
-    let p = side(&dir, Role::Prefill, "bench-prefill", plane, block_bytes).await?;
-    let d = side(&dir, Role::Decode, "bench-decode", plane, block_bytes).await?;
+    let p = side(
+        &dir,
+        Role::Prefill,
+        "bench-prefill",
+        plane,
+        block_bytes,
+        key,
+    )
+    .await?;
+    let d = side(&dir, Role::Decode, "bench-decode", plane, block_bytes, key).await?;
     let mut samples = Vec::with_capacity(iters);
     for i in 0..=iters {
         let id = format!("lat-{i}");

@@ -17,8 +17,9 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Run the bootstrap server, where workers register and find each other
-    /// (`handoff bootstrap --listen tcp://0.0.0.0:7400`), or ask one what is registered
+    /// Run the bootstrap server, where workers register and find each other (loopback by
+    /// default; off loopback it needs a secret: `HANDOFF_SECRET_FILE=PATH handoff
+    /// bootstrap --listen tcp://0.0.0.0:7400`), or ask one what is registered
     /// (`handoff bootstrap status --connect tcp://HOST:7400 [--json]`).
     #[command(args_conflicts_with_subcommands = true)]
     Bootstrap {

@@ -189,9 +189,14 @@ pub struct WorkerArgs {
     /// Pull-mode TTL of prefill's blocks, seconds.
     #[arg(long, default_value_t = 480.0)]
     pub pull_ttl_s: f64,
-    /// File with the shared secret (frames are then authenticated).
+    /// File with the shared secret (frames are then authenticated); without it,
+    /// `HANDOFF_SECRET_FILE`, then `HANDOFF_SECRET`, are read from the environment.
     #[arg(long)]
     pub secret_file: Option<PathBuf>,
+    /// Accept unauthenticated peers on non-loopback addresses (a trusted network only).
+    /// Without it, listening on or dialing such an address needs a secret.
+    #[arg(long)]
+    pub insecure: bool,
     /// Decode: after the first requests, open as many more for this prefill engine...
     #[arg(long)]
     pub then_prefill: Option<String>,
@@ -281,10 +286,8 @@ async fn run_inner(a: WorkerArgs) -> Result<ExitCode, String> {
         RoleArg::Decode => Role::Decode,
     };
     let rank = rank_of(&a);
-    let key = match &a.secret_file {
-        Some(path) => Some(handoff_actors::bootstrap::load_key(path).map_err(|e| e.to_string())?),
-        None => None,
-    };
+    let key = handoff_actors::exposure::resolve_key(a.secret_file.as_deref())
+        .map_err(|e| e.to_string())?;
     let waves = if a.then_prefill.is_some() { 2 } else { 1 };
     let needed = a.requests as u64 * a.blocks_per_request as u64 * waves;
     if needed > a.pool_blocks as u64 {
@@ -318,6 +321,7 @@ async fn run_inner(a: WorkerArgs) -> Result<ExitCode, String> {
         },
         admission: a.admission,
         key,
+        insecure: a.insecure,
         ..EngineOptions::new(role, rank.clone(), a.bootstrap.clone())
     };
     let engine = start_engine_runtime(opts, memory(&a)?)

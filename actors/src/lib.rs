@@ -13,6 +13,8 @@
 //! - [`event`]: lifecycle events and their bounded queue.
 //! - [`link`]: what the runtime needs from a transport; [`inproc`]: the in-process one.
 //! - [`net`]: the network transport: control channels over ZMTP, heartbeats, data-plane hooks.
+//! - [`exposure`]: secure by default on a network (a secret or `--insecure` off loopback),
+//!   the secret from a file or the environment, the advertised host.
 //! - [`config`]: configuration and named limits; [`Error`]: the API's errors.
 //! - [`bootstrap`]: the bootstrap server (registry actor), its client, and the
 //!   `handoff bootstrap serve|status` functions.
@@ -21,6 +23,7 @@ pub mod bootstrap;
 pub mod config;
 mod error;
 pub mod event;
+pub mod exposure;
 pub mod inproc;
 mod ledger;
 pub mod link;

@@ -163,6 +163,13 @@ class DataPlaneError(StartError):
     reason = "data_plane"
 
 
+class InsecureRefused(StartError):
+    """A non-loopback address without a shared secret: set ``secret_file`` (or
+    ``HANDOFF_SECRET_FILE`` / ``HANDOFF_SECRET``), or pass ``insecure=True``."""
+
+    reason = "insecure"
+
+
 _BY_REASON: dict[str, type[HandoffError]] = {}
 for _cls in list(globals().values()):
     if isinstance(_cls, type) and issubclass(_cls, HandoffError) and "reason" in _cls.__dict__:

@@ -77,6 +77,7 @@ class Runtime:
         secret_file: str | None = None,
         admission: int | None = None,
         keep: object | None = None,
+        insecure: bool = False,
     ) -> None: ...
     @property
     def role(self) -> str: ...
@@ -120,6 +121,7 @@ class BootstrapServer:
         *,
         secret_file: str | None = None,
         expire_after_s: float | None = None,
+        insecure: bool = False,
     ) -> None: ...
     @property
     def address(self) -> str: ...

@@ -60,6 +60,10 @@ class Runtime:
     copied), binds the control port and registers with the bootstrap server; it blocks (GIL
     released) until registered or ``register_timeout_s``. Every other call returns at once
     except `wait` and `shutdown`, which release the GIL and take a timeout.
+
+    Secure by default: a listen, advertised or bootstrap address that is not loopback needs
+    a shared secret (``secret_file``, else ``HANDOFF_SECRET_FILE`` or ``HANDOFF_SECRET`` from
+    the environment) or ``insecure=True``; otherwise `InsecureRefused` is raised.
     """
 
     def __init__(
@@ -91,6 +95,7 @@ class Runtime:
         secret_file: str | os.PathLike[str] | None = None,
         admission: int | None = None,
         register_timeout_s: float = 30.0,
+        insecure: bool = False,
     ) -> None:
         spec: KvSpec = kv_spec(kv_caches, num_blocks, device)
         t = dict(TIMEOUTS_DEFAULT)
@@ -145,6 +150,7 @@ class Runtime:
             secret_file=None if secret_file is None else os.fspath(secret_file),
             admission=admission,
             keep=tuple(spec.owners),
+            insecure=bool(insecure),
             **ints,
         )
         self.kv: KvSpec = spec
@@ -238,6 +244,7 @@ class BootstrapServer:
         *,
         secret_file: str | os.PathLike[str] | None = None,
         expire_after_s: float | None = None,
+        insecure: bool = False,
     ) -> None:
         self._native = _native.BootstrapServer(
             _str("listen", listen),
@@ -245,6 +252,7 @@ class BootstrapServer:
             expire_after_s=None
             if expire_after_s is None
             else _seconds("expire_after_s", expire_after_s),
+            insecure=bool(insecure),
         )
 
     @property
@@ -269,6 +277,9 @@ def bootstrap_server(
     *,
     secret_file: str | os.PathLike[str] | None = None,
     expire_after_s: float | None = None,
+    insecure: bool = False,
 ) -> BootstrapServer:
     """Starts a bootstrap server in this process (see `BootstrapServer`)."""
-    return BootstrapServer(listen, secret_file=secret_file, expire_after_s=expire_after_s)
+    return BootstrapServer(
+        listen, secret_file=secret_file, expire_after_s=expire_after_s, insecure=insecure
+    )

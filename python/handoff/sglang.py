@@ -69,8 +69,12 @@ Options, as environment variables of both servers (SGLang has no per-backend con
 ``HANDOFF_CONTROL_LISTEN``, ``HANDOFF_DATA_LISTEN``, ``HANDOFF_ADVERTISE_HOST``
     Where each scheduler process listens (defaults ``tcp://127.0.0.1:0``, ``127.0.0.1:0``)
     and the host peers dial when it listens on all interfaces.
-``HANDOFF_SECRET_FILE``
-    A file holding a shared secret: control frames are then authenticated.
+``HANDOFF_SECRET_FILE`` (or ``HANDOFF_SECRET``)
+    A file holding a shared secret (or the secret): every connection is then
+    authenticated. Needed when the bootstrap server or a worker listens on, or dials, an
+    address that is not loopback (SGLang's ``--host 0.0.0.0`` included).
+``HANDOFF_INSECURE``
+    ``1`` to run without a secret on non-loopback addresses (a trusted network only).
 ``HANDOFF_ADMISSION``
     Decode: refuse new transfers while this many wait for pages.
 ``HANDOFF_SEND_DELAY_MS``
@@ -191,6 +195,11 @@ def _env_int(name: str, default: int | None) -> int | None:
         raise ValueError(f"{name}={raw!r}: expected an integer") from None
 
 
+def _insecure() -> bool:
+    """``HANDOFF_INSECURE``: run without a secret off loopback (a trusted network only)."""
+    return os.environ.get("HANDOFF_INSECURE", "").strip().lower() in ("1", "true", "yes")
+
+
 def _connect_host(host: str | None) -> str:
     if not host or host in ("0.0.0.0", "::"):
         return "127.0.0.1"
@@ -216,7 +225,7 @@ class HandoffKVBootstrapServer(BaseKVBootstrapServer):
             return
         listen = f"tcp://{_host_port(host or '0.0.0.0', int(port))}"
         self.server = handoff.bootstrap_server(
-            listen, secret_file=os.environ.get("HANDOFF_SECRET_FILE")
+            listen, secret_file=os.environ.get("HANDOFF_SECRET_FILE"), insecure=_insecure()
         )
         log.info("handoff: bootstrap server on %s", self.server.address)
 
@@ -405,6 +414,7 @@ class HandoffKVManager(BaseKVManager):
             heartbeats_missed=_env_int("HANDOFF_HEARTBEATS_MISSED", 3) or 3,
             secret_file=os.environ.get("HANDOFF_SECRET_FILE"),
             admission=_env_int("HANDOFF_ADMISSION", None) if decode else None,
+            insecure=_insecure(),
         )
         log.info(
             "handoff %s %s rank tp%d/pp%d: %d KV ranges (layers %d..%d of %d), %d pages of "

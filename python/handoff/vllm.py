@@ -54,7 +54,11 @@ Options (``kv_connector_extra_config``), every one optional but ``bootstrap``:
     Where this worker listens (defaults ``tcp://127.0.0.1:0``, ``127.0.0.1:0``) and the
     host peers dial when listening on all interfaces.
 ``secret_file``
-    A file holding a shared secret: control frames are then authenticated.
+    A file holding a shared secret: every connection is then authenticated (without it,
+    ``HANDOFF_SECRET_FILE`` or ``HANDOFF_SECRET`` from the environment). Needed when a
+    listen, advertised or bootstrap address is not loopback.
+``insecure``
+    ``true`` to run without a secret on non-loopback addresses (a trusted network only).
 ``admission``
     Decode: refuse new transfers while this many wait for blocks.
 ``engine_id``
@@ -455,6 +459,7 @@ class _WorkerSide:
             heartbeats_missed=int(x.get("heartbeats_missed", 3)),
             secret_file=x.get("secret_file"),
             admission=x.get("admission"),
+            insecure=bool(x.get("insecure", False)),
         )
         log.info(
             "handoff %s %s: %d KV ranges (layers %d..%d of %d), %d blocks of %d tokens",

@@ -65,6 +65,8 @@ impl Failure {
             NetError::Bind { .. } => "bind_failed",
             NetError::Register(_) => "register_failed",
             NetError::DataPlane(_) => "data_plane",
+            NetError::Exposed(_) => "insecure",
+            NetError::NoAdvertisedHost { .. } => "bind_failed",
             NetError::Runtime(inner) => return Failure::from_error(inner),
         };
         Failure::new(kind, e.to_string())

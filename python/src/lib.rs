@@ -472,12 +472,8 @@ fn settings(
         }
     };
     let [bootstrap_s, waiting_s, transfer_s, pull_ttl_s, register_s] = timeouts;
-    let key = match secret_file {
-        Some(path) => {
-            Some(bootstrap::load_key(&path).map_err(|e| Failure::invalid(e.to_string()))?)
-        }
-        None => None,
-    };
+    let key = handoff_actors::exposure::resolve_key(secret_file.as_deref())
+        .map_err(|e| Failure::invalid(e.to_string()))?;
     if admission == Some(0) {
         return Err(Failure::invalid("admission must be at least 1 (or None)"));
     }
@@ -546,7 +542,7 @@ impl Runtime {
         pp_size=1, transport="auto", mode="push", control_listen="tcp://127.0.0.1:0",
         data_listen="127.0.0.1:0", advertise_host=None, bootstrap_s=300.0, waiting_s=300.0,
         transfer_s=60.0, pull_ttl_s=480.0, register_timeout_s=30.0, heartbeat_ms=5000,
-        heartbeats_missed=6, secret_file=None, admission=None, keep=None
+        heartbeats_missed=6, secret_file=None, admission=None, keep=None, insecure=false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -581,6 +577,7 @@ impl Runtime {
         secret_file: Option<std::path::PathBuf>,
         admission: Option<usize>,
         keep: Option<PyObject>,
+        insecure: bool,
     ) -> PyResult<Runtime> {
         let err = |f: Failure| f.into_py(py);
         let Settings {
@@ -609,6 +606,7 @@ impl Runtime {
         opts.control_listen = control_listen.to_string();
         opts.data_listen = data_listen.to_string();
         opts.advertise_host = advertise_host;
+        opts.insecure = insecure;
         let spec = memory::Spec {
             ranges,
             num_blocks,
@@ -932,18 +930,21 @@ struct BootstrapServer {
 impl BootstrapServer {
     /// Binds `listen` (`tcp://HOST:PORT`, port 0 picks one) and serves until `stop`.
     #[new]
-    #[pyo3(signature = (listen="tcp://127.0.0.1:0", *, secret_file=None, expire_after_s=None))]
+    #[pyo3(signature = (
+        listen="tcp://127.0.0.1:0", *, secret_file=None, expire_after_s=None, insecure=false
+    ))]
     fn new(
         py: Python<'_>,
         listen: &str,
         secret_file: Option<std::path::PathBuf>,
         expire_after_s: Option<f64>,
+        insecure: bool,
     ) -> PyResult<BootstrapServer> {
         let make = || -> NativeResult<ServerConfig> {
-            let mut cfg = ServerConfig::new(listen);
-            if let Some(path) = secret_file {
-                let key =
-                    bootstrap::load_key(&path).map_err(|e| Failure::invalid(e.to_string()))?;
+            let mut cfg = ServerConfig::new(listen).with_insecure(insecure);
+            let key = handoff_actors::exposure::resolve_key(secret_file.as_deref())
+                .map_err(|e| Failure::invalid(e.to_string()))?;
+            if let Some(key) = key {
                 cfg = cfg.with_key(key);
             }
             if let Some(s) = expire_after_s {
@@ -957,9 +958,11 @@ impl BootstrapServer {
         let server = match started {
             Some(Ok(server)) => server,
             Some(Err(e)) => {
-                return Err(
-                    Failure::new("start_failed", format!("bootstrap server: {e}")).into_py(py),
-                )
+                let kind = match e {
+                    bootstrap::BootstrapError::Exposed(_) => "insecure",
+                    _ => "start_failed",
+                };
+                return Err(Failure::new(kind, format!("bootstrap server: {e}")).into_py(py));
             }
             None => {
                 return Err(

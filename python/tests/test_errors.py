@@ -120,3 +120,40 @@ def test_an_unreachable_bootstrap_server_fails_the_start_by_name():
             "prefill", "P", "tcp://127.0.0.1:9", [kv], transport="tcp", register_timeout_s=0.5
         )
     assert isinstance(e.value, handoff.StartError) and "127.0.0.1:9" in str(e.value)
+
+
+def test_off_loopback_without_a_secret_is_refused_until_one_is_set(monkeypatch, tmp_path):
+    monkeypatch.delenv("HANDOFF_SECRET", raising=False)
+    monkeypatch.delenv("HANDOFF_SECRET_FILE", raising=False)
+    with pytest.raises(handoff.InsecureRefused) as e:
+        handoff.BootstrapServer("tcp://0.0.0.0:0")
+    assert "HANDOFF_SECRET_FILE" in str(e.value) and isinstance(e.value, handoff.StartError)
+    kv = np.zeros((4, 64), np.uint8)
+    with pytest.raises(handoff.InsecureRefused) as e:
+        handoff.Runtime(
+            "prefill",
+            "P",
+            "tcp://127.0.0.1:9",
+            [kv],
+            transport="tcp",
+            control_listen="tcp://0.0.0.0:0",
+        )
+    assert "control listen" in str(e.value)
+    with handoff.BootstrapServer("tcp://0.0.0.0:0", insecure=True) as server:
+        assert ":0" not in server.address  # started, on a port of its own
+    secret = tmp_path / "secret"
+    secret.write_text("a-secret-of-at-least-16-bytes\n")
+    monkeypatch.setenv("HANDOFF_SECRET_FILE", str(secret))
+    with handoff.BootstrapServer("tcp://0.0.0.0:0") as server:
+        port = server.address.rsplit(":", 1)[1]
+        rt = handoff.Runtime(
+            "prefill",
+            "P",
+            f"tcp://127.0.0.1:{port}",
+            [kv],
+            transport="tcp",
+            control_listen="tcp://0.0.0.0:0",
+            data_listen="0.0.0.0:0",
+        )
+        assert not rt.control_address.startswith("tcp://0.0.0.0")
+        rt.shutdown()

@@ -36,7 +36,13 @@ pub const KEY_BYTES_MIN: usize = 16;
 pub struct Key {
     /// HMAC state with the key already absorbed; cloned per frame.
     mac: Hmac<Sha256>,
+    /// The Noise pre-shared key derived from the secret ([`crate::noise`]):
+    /// HMAC-SHA256(secret, [`PSK_LABEL`]), so the secret itself is never a Noise key.
+    psk: [u8; 32],
 }
+
+/// Label of the derivation of the Noise pre-shared key from the secret.
+pub const PSK_LABEL: &[u8] = b"handoff noise psk v1";
 
 impl Key {
     /// A key from a shared secret of at least [`KEY_BYTES_MIN`] bytes.
@@ -53,7 +59,15 @@ impl Key {
                 len: secret.len(),
                 min: KEY_BYTES_MIN,
             })?;
-        Ok(Key { mac })
+        let mut derive = mac.clone();
+        derive.update(PSK_LABEL);
+        let psk: [u8; 32] = derive.finalize().into_bytes().into();
+        Ok(Key { mac, psk })
+    }
+
+    /// The Noise pre-shared key derived from the secret.
+    pub fn psk(&self) -> &[u8; 32] {
+        &self.psk
     }
 
     /// The HMAC-SHA256 tag of `bytes`.

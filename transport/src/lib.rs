@@ -13,7 +13,8 @@
 //!   bounds-checked copies between layouts, layer pairing ([`region::BlockSlice`]).
 //! - [`wire`]: frames, control messages, limits and wire errors.
 //! - [`codec`]: the one place that touches bincode (payload bytes to messages and back).
-//! - [`auth`]: optional HMAC-SHA256 frame authentication with a shared key.
+//! - [`auth`]: the shared key: HMAC-SHA256 frame trailers, the Noise pre-shared key.
+//! - [`noise`]: Noise sessions (fresh keys per connection, sequence-bound frames).
 //! - [`zmtp`]: ZeroMQ's wire protocol (ZMTP 3.1), bounded: ROUTER and DEALER sockets.
 //! - [`ucx`]: our bindings to libucp (loaded at run time) and the batched RMA transfer.
 //! - [`data`]: the data plane's shared vocabulary ([`data::Grants`], [`data::DataError`]),
@@ -24,6 +25,7 @@ pub mod auth;
 pub mod codec;
 pub mod data;
 pub mod layout;
+pub mod noise;
 pub mod region;
 pub mod tcp;
 pub mod types;

@@ -591,3 +591,118 @@ async fn blocks_move_between_regions_of_different_layouts() {
     assert_eq!(after[..BLOCK_BYTES / 2], before[..BLOCK_BYTES / 2]);
     assert_eq!(after[BLOCK_BYTES / 2..], want[BLOCK_BYTES / 2..]);
 }
+
+/// A relay that records the bytes its one client sends to `upstream`.
+async fn recording_relay(
+    upstream: std::net::SocketAddr,
+) -> (String, Arc<std::sync::Mutex<Vec<u8>>>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let record = log.clone();
+    tokio::spawn(async move {
+        let Ok((client, _)) = listener.accept().await else {
+            return;
+        };
+        let Ok(server) = TcpStream::connect(upstream).await else {
+            return;
+        };
+        let (mut cr, mut cw) = client.into_split();
+        let (mut sr, mut sw) = server.into_split();
+        let up = async move {
+            let mut buf = vec![0u8; 1 << 16];
+            while let Ok(n) = cr.read(&mut buf).await {
+                if n == 0 {
+                    break;
+                }
+                record.lock().unwrap().extend_from_slice(&buf[..n]);
+                if sw.write_all(&buf[..n]).await.is_err() {
+                    break;
+                }
+            }
+        };
+        let down = async move {
+            let _ = tokio::io::copy(&mut sr, &mut cw).await;
+        };
+        tokio::join!(up, down);
+    });
+    (addr, log)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_captured_keyed_connection_replayed_writes_nothing() {
+    let key = Key::new(b"data-plane-secret-0123456789").unwrap();
+    let (server, remote) = server(
+        Arc::new(AllowAll),
+        Some(key.clone()),
+        ServerConfig::default(),
+    )
+    .await;
+    let (relay, log) = recording_relay(server.local_addr()).await;
+    let c = DataClient::connect(&relay, RankInfo::single("prefill"), Some(key), STEP)
+        .await
+        .unwrap();
+    let local = Region::new(BLOCKS, BLOCK_BYTES).unwrap();
+    fill(&local, 9);
+    c.write(
+        &RequestId::new("r"),
+        &local,
+        &ids(0..2),
+        &ids(20..22),
+        deadline(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        checksum(&remote, &ids(20..22)),
+        checksum(&local, &ids(0..2))
+    );
+    let writes = server.stats().writes;
+    // Clear the destination, then replay the whole capture on a new connection: the server
+    // answers its handshake with a fresh ephemeral, so the captured Hello and writes do not
+    // open, and nothing is written.
+    for b in ids(20..22) {
+        remote.write_block(b, &vec![0u8; BLOCK_BYTES]).unwrap();
+    }
+    let before = checksum(&remote, &ids(20..22));
+    let captured = log.lock().unwrap().clone();
+    let mut replay = TcpStream::connect(server.local_addr()).await.unwrap();
+    replay.write_all(&captured).await.unwrap();
+    let mut sink = Vec::new();
+    let _ = tokio::time::timeout(STEP, replay.read_to_end(&mut sink)).await;
+    assert_eq!(
+        server.stats().writes,
+        writes,
+        "a replayed write was performed"
+    );
+    assert_eq!(checksum(&remote, &ids(20..22)), before);
+    assert!(server.stats().dropped_connections >= 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strangers_that_never_say_hello_cannot_lock_a_peer_out() {
+    let config = ServerConfig {
+        connections_max: 4,
+        ..ServerConfig::default()
+    };
+    let (server, remote) = server(Arc::new(AllowAll), None, config).await;
+    let mut idle = Vec::new();
+    for _ in 0..10 {
+        idle.push(TcpStream::connect(server.local_addr()).await.unwrap());
+    }
+    // A peer's new connection gets through, evicting the oldest stranger.
+    let c = client(&server, None).await;
+    let local = Region::new(BLOCKS, BLOCK_BYTES).unwrap();
+    fill(&local, 3);
+    c.write(
+        &RequestId::new("r"),
+        &local,
+        &ids(0..2),
+        &ids(4..6),
+        deadline(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(checksum(&remote, &ids(4..6)), checksum(&local, &ids(0..2)));
+    assert!(server.stats().evicted >= 1, "{:?}", server.stats());
+}

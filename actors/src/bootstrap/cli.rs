@@ -49,9 +49,14 @@ pub struct ServeArgs {
     #[arg(long, value_name = "tcp://HOST:PORT", default_value = LISTEN_DEFAULT)]
     pub listen: String,
     /// File holding the shared secret (at least 16 bytes; one trailing newline is ignored).
-    /// With it, frames without a valid HMAC are refused.
+    /// With it, unauthenticated clients are refused. Without it, `HANDOFF_SECRET_FILE`,
+    /// then `HANDOFF_SECRET`, are read from the environment.
     #[arg(long, value_name = "PATH")]
     pub secret_file: Option<PathBuf>,
+    /// Serve unauthenticated clients on a non-loopback address (a trusted network only).
+    /// Without it, listening off loopback needs a secret.
+    #[arg(long)]
+    pub insecure: bool,
     /// Seconds a registered worker may stay silent before its record is removed (default:
     /// three client heartbeat intervals, `EXPIRE_AFTER_DEFAULT`).
     #[arg(long, value_name = "SECS", value_parser = parse_secs,
@@ -68,7 +73,8 @@ pub struct StatusArgs {
     /// Print JSON (shape in the `cli` module docs) instead of a table.
     #[arg(long)]
     pub json: bool,
-    /// File holding the shared secret, if the server requires one.
+    /// File holding the shared secret, if the server requires one (else
+    /// `HANDOFF_SECRET_FILE`, then `HANDOFF_SECRET`, from the environment).
     #[arg(long, value_name = "PATH")]
     pub secret_file: Option<PathBuf>,
     /// Seconds to wait for the server, connecting and retrying included
@@ -114,7 +120,7 @@ pub fn load_key(path: &Path) -> Result<Key, BootstrapError> {
 }
 
 fn load_optional_key(path: Option<&Path>) -> Result<Option<Key>, BootstrapError> {
-    path.map(load_key).transpose()
+    crate::exposure::resolve_key(path)
 }
 
 /// Runs `handoff bootstrap serve` until SIGINT or SIGTERM, then stops cleanly.
@@ -123,7 +129,9 @@ pub async fn run_serve(args: ServeArgs) -> ExitCode {
         Ok(key) => key,
         Err(e) => return fail("serve", &e),
     };
-    let mut cfg = ServerConfig::new(args.listen).with_expire_after(args.expire_after);
+    let mut cfg = ServerConfig::new(args.listen)
+        .with_expire_after(args.expire_after)
+        .with_insecure(args.insecure);
     cfg.key = key;
     let mut server = match serve(cfg).await {
         Ok(server) => server,

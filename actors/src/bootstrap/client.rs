@@ -580,11 +580,16 @@ impl Driver {
         if remaining.is_zero() {
             return Err(AttemptError::Transient("no time left to connect".into()));
         }
-        let dealer = Dealer::connect(&self.address, IDENTITY, remaining)
+        let dealer = Dealer::connect_with(&self.address, IDENTITY, remaining, self.key.clone())
             .await
             .map_err(|e| match e {
                 ZmtpError::BadAddress(_) => AttemptError::Final(BootstrapError::Invalid {
                     detail: format!("bootstrap address: {e}"),
+                }),
+                // Another secret than the server's: the same handshake fails again.
+                ZmtpError::Noise(_) => AttemptError::Final(BootstrapError::Refused {
+                    address: self.address.clone(),
+                    detail: e.to_string(),
                 }),
                 other => AttemptError::Transient(format!("connect: {other}")),
             })?;

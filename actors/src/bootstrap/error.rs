@@ -109,6 +109,9 @@ pub enum BootstrapError {
         /// What ractor said.
         detail: String,
     },
+    /// A non-loopback listen address without a shared secret or `insecure`.
+    #[error(transparent)]
+    Exposed(#[from] crate::exposure::Exposed),
 }
 
 impl BootstrapError {
@@ -138,7 +141,9 @@ impl BootstrapError {
             | BootstrapError::Refused { address, .. }
             | BootstrapError::BadReply { address, .. }
             | BootstrapError::Bind { address, .. } => unavailable(address, self.to_string()),
-            BootstrapError::Invalid { .. } | BootstrapError::Actor { .. } => {
+            BootstrapError::Invalid { .. }
+            | BootstrapError::Actor { .. }
+            | BootstrapError::Exposed(_) => {
                 handoff_transport::wire::bounded_reason(FailureReason::Internal {
                     detail: self.to_string(),
                 })

@@ -48,10 +48,12 @@ pub use server::{serve, BootstrapServer, ServerConfig};
 
 use std::time::Duration;
 
-/// Where `handoff bootstrap serve` listens unless told otherwise. Port 7400 rather than the
-/// 8998 that SGLang and vLLM's Mooncake bootstrap servers default to, so both can run on one
-/// host while a deployment migrates.
-pub const LISTEN_DEFAULT: &str = "tcp://0.0.0.0:7400";
+/// Where `handoff bootstrap serve` listens unless told otherwise: loopback, so that a server
+/// started without a secret is reachable from this host only (a network address needs a
+/// secret or `--insecure`, see [`crate::exposure`]). Port 7400 rather than the 8998 that
+/// SGLang and vLLM's Mooncake bootstrap servers default to, so both can run on one host
+/// while a deployment migrates.
+pub const LISTEN_DEFAULT: &str = "tcp://127.0.0.1:7400";
 
 /// Where `handoff bootstrap status` connects unless told otherwise.
 pub const CONNECT_DEFAULT: &str = "tcp://127.0.0.1:7400";

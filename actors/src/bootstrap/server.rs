@@ -53,6 +53,9 @@ pub struct ServerConfig {
     /// How long a registered worker may stay silent before its record is removed. Default
     /// [`EXPIRE_AFTER_DEFAULT`] (three client heartbeat intervals).
     pub expire_after: Duration,
+    /// Serve unauthenticated clients on a non-loopback address. Without it, and without
+    /// `key`, such an address refuses to start (see [`crate::exposure`]).
+    pub insecure: bool,
 }
 
 impl ServerConfig {
@@ -62,7 +65,14 @@ impl ServerConfig {
             listen: listen.into(),
             key: None,
             expire_after: EXPIRE_AFTER_DEFAULT,
+            insecure: false,
         }
+    }
+
+    /// The same configuration, serving unauthenticated clients off loopback.
+    pub fn with_insecure(mut self, insecure: bool) -> ServerConfig {
+        self.insecure = insecure;
+        self
     }
 
     /// The same configuration with a shared key.
@@ -89,12 +99,22 @@ pub async fn serve(cfg: ServerConfig) -> Result<BootstrapServer, BootstrapError>
             detail: "expire_after must be more than zero".into(),
         });
     }
-    let router = Router::bind(&cfg.listen)
-        .await
-        .map_err(|e| BootstrapError::Bind {
-            address: cfg.listen.clone(),
-            detail: e.to_string(),
-        })?;
+    crate::exposure::raise_open_files();
+    crate::exposure::check_exposure(
+        &[("bootstrap listen", cfg.listen.as_str())],
+        cfg.key.is_some(),
+        cfg.insecure,
+    )?;
+    let router = Router::bind_with(
+        &cfg.listen,
+        cfg.key.clone(),
+        handoff_transport::wire::unauthenticated_refusal(),
+    )
+    .await
+    .map_err(|e| BootstrapError::Bind {
+        address: cfg.listen.clone(),
+        detail: e.to_string(),
+    })?;
     let local = router.local_addr();
     let incarnation = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -225,6 +245,9 @@ pub(crate) enum ServerMsg {
 enum Outgoing {
     Send(ConnId, Vec<u8>),
     Disconnect(ConnId),
+    /// A worker registered on this connection: a known peer from now on (outside the
+    /// router's bounds on pending connections and their idle deadline).
+    Admit(ConnId),
 }
 
 struct ServerState {
@@ -350,6 +373,7 @@ async fn pump(
                     }
                 }
                 Some(Outgoing::Disconnect(conn)) => router.disconnect(conn),
+                Some(Outgoing::Admit(conn)) => router.admit(conn),
                 None => return,
             },
             (permit, event) = next_event => {
@@ -453,7 +477,14 @@ impl ServerState {
         });
         let (rank, role, incarnation) = (record.rank.clone(), record.role, record.incarnation);
         let control = record.control_address.clone();
-        match self.registry.register(record, origin, now) {
+        let outcome = self.registry.register(record, origin, now);
+        if matches!(
+            outcome,
+            RegisterOutcome::Added | RegisterOutcome::Refreshed | RegisterOutcome::Replaced { .. }
+        ) {
+            self.queue(Outgoing::Admit(origin.conn));
+        }
+        match outcome {
             RegisterOutcome::Added => {
                 info!(peer = %origin.peer, %rank, %role, incarnation, %control, "worker registered");
                 Some(ok)

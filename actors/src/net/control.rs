@@ -226,6 +226,8 @@ impl Control {
         ack.data_descriptor = self.data.data_descriptor();
         ack.layout = Some(self.descriptor.clone());
         let ack = wire::encode(&Message::HelloAck(ack), self.key())?;
+        // A peer that said a valid hello: outside the bounds on pending connections.
+        self.router.admit(conn);
         let _ = self.router.send(conn, vec![ack]);
         self.flush(&peer);
         Ok(())
@@ -678,9 +680,10 @@ impl DialJob {
                 .iter()
                 .find(|r| r.rank == self.peer)
                 .ok_or_else(|| format!("{} is not registered", self.peer))?;
-            let dealer = Dealer::connect(&record.control_address, b"", self.timeout)
-                .await
-                .map_err(|e| format!("{}: {e}", record.control_address))?;
+            let dealer =
+                Dealer::connect_with(&record.control_address, b"", self.timeout, self.key.clone())
+                    .await
+                    .map_err(|e| format!("{}: {e}", record.control_address))?;
             let (tx, mut rx) = dealer.split();
             let hello = wire::encode(&Message::Hello(self.hello.clone()), self.key.as_ref())
                 .map_err(|e| e.to_string())?;

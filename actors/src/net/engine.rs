@@ -22,6 +22,7 @@ use super::{
 };
 use crate::bootstrap::{BootstrapClient, ClientConfig};
 use crate::config::TransportChoice;
+use crate::exposure;
 use crate::machine::Timeouts;
 use crate::Runtime;
 
@@ -128,6 +129,10 @@ pub struct EngineOptions {
     pub admission: Option<usize>,
     /// Shared secret: frames are authenticated when set.
     pub key: Option<Key>,
+    /// Accept unauthenticated peers on non-loopback addresses (listen, bootstrap,
+    /// advertised). Without it, and without `key`, such an address refuses to start
+    /// ([`NetError::Exposed`]).
+    pub insecure: bool,
 }
 
 impl EngineOptions {
@@ -150,6 +155,7 @@ impl EngineOptions {
             mode: TransferMode::Push,
             admission: None,
             key: None,
+            insecure: false,
         }
     }
 }
@@ -176,9 +182,14 @@ pub struct EngineRuntime {
 /// [`NetError::DataPlane`] (no plane can serve the memory, or it failed to start),
 /// [`NetError::Bind`], [`NetError::Register`], [`NetError::Runtime`]; each names what failed.
 pub async fn start_engine_runtime(
-    opts: EngineOptions,
+    mut opts: EngineOptions,
     memory: WorkerMemory,
 ) -> Result<EngineRuntime, NetError> {
+    check_exposure(&opts)?;
+    exposure::raise_open_files();
+    let control_advertise = advertised_host(&opts, &opts.control_listen)?;
+    let data_advertise = advertised_host(&opts, &opts.data_listen)?;
+    opts.advertise_host = data_advertise;
     let (region, data, transport) = data_plane(&opts, memory).await?;
     let data_address = data.address();
     let directory = Arc::new(BootstrapClient::new(
@@ -188,7 +199,7 @@ pub async fn start_engine_runtime(
     ));
     let cfg = NetConfig {
         control_listen: opts.control_listen.clone(),
-        advertise_host: opts.advertise_host.clone(),
+        advertise_host: control_advertise,
         heartbeat_interval: opts
             .heartbeat_interval
             .clamp(HEARTBEAT_INTERVAL_MIN, HEARTBEAT_INTERVAL_MAX),
@@ -222,6 +233,49 @@ pub async fn start_engine_runtime(
         transport,
         incarnation,
     })
+}
+
+/// Refuses to start on a non-loopback address (listen, bootstrap, advertised) without a
+/// secret or `insecure` (see [`crate::exposure`]).
+fn check_exposure(opts: &EngineOptions) -> Result<(), NetError> {
+    let advertised = opts.advertise_host.as_deref().map(|h| format!("{h}:0"));
+    let mut addresses = vec![
+        ("control listen", opts.control_listen.as_str()),
+        ("data listen", opts.data_listen.as_str()),
+        ("bootstrap server", opts.bootstrap.as_str()),
+    ];
+    if let Some(host) = &advertised {
+        addresses.push(("advertised host", host.as_str()));
+    }
+    exposure::check_exposure(&addresses, opts.key.is_some(), opts.insecure)?;
+    Ok(())
+}
+
+/// The host peers dial for a listener on `listen`: the advertised host if one is given; none
+/// (the bound address) for a specific address; for every interface (`0.0.0.0`, `::`), the
+/// address of the interface that reaches the bootstrap server, or a named error: never
+/// `127.0.0.1` for peers on other hosts.
+fn advertised_host(opts: &EngineOptions, listen: &str) -> Result<Option<String>, NetError> {
+    if let Some(host) = &opts.advertise_host {
+        return Ok(Some(host.clone()));
+    }
+    if !exposure::is_unspecified(listen) {
+        return Ok(None);
+    }
+    match exposure::route_to(&opts.bootstrap) {
+        Some(ip) => {
+            tracing::info!(%listen, advertised = %ip, bootstrap = %opts.bootstrap,
+                "listening on every interface: advertising the one that reaches the bootstrap server");
+            Ok(Some(ip.to_string()))
+        }
+        None => Err(NetError::NoAdvertisedHost {
+            listen: listen.to_string(),
+            detail: format!(
+                "no interface reaches the bootstrap server {}",
+                opts.bootstrap
+            ),
+        }),
+    }
 }
 
 fn plane_error(what: &str, e: impl std::fmt::Display) -> NetError {

@@ -128,6 +128,19 @@ pub enum NetError {
     /// The runtime on top of the transport could not start.
     #[error(transparent)]
     Runtime(crate::Error),
+    /// A non-loopback address without a shared secret or an explicit `insecure` opt-out.
+    #[error(transparent)]
+    Exposed(#[from] crate::exposure::Exposed),
+    /// Listening on every interface (`0.0.0.0`, `::`) without an advertised host, and no
+    /// interface could be found that reaches the bootstrap server: peers would not know
+    /// where to dial.
+    #[error("no host to advertise for {listen}: {detail}; pass an advertised host (--advertise-host, advertise_host=)")]
+    NoAdvertisedHost {
+        /// The listen address.
+        listen: String,
+        /// Why none was found.
+        detail: String,
+    },
 }
 
 /// What a peer told us about its data plane in `Hello`/`HelloAck`: where its blocks are
@@ -188,20 +201,28 @@ impl NetTransport {
         directory: Arc<dyn Directory>,
         data: Arc<dyn DataPlane>,
     ) -> Result<NetTransport, NetError> {
-        let router = Router::bind(&cfg.control_listen)
-            .await
-            .map_err(|source| NetError::Bind {
-                addr: cfg.control_listen.clone(),
-                source,
-            })?;
+        let router = Router::bind_with(
+            &cfg.control_listen,
+            cfg.key.clone(),
+            handoff_transport::wire::unauthenticated_refusal(),
+        )
+        .await
+        .map_err(|source| NetError::Bind {
+            addr: cfg.control_listen.clone(),
+            source,
+        })?;
         let local = router.local_addr();
-        let host = cfg
-            .advertise_host
-            .clone()
-            .unwrap_or_else(|| match local.ip() {
-                ip if ip.is_unspecified() => "127.0.0.1".to_string(),
-                ip => ip.to_string(),
-            });
+        let host = match (&cfg.advertise_host, local.ip()) {
+            (Some(host), _) => host.clone(),
+            (None, ip) if ip.is_unspecified() => {
+                // Registering 127.0.0.1 would send peers on other hosts to themselves.
+                return Err(NetError::NoAdvertisedHost {
+                    listen: cfg.control_listen.clone(),
+                    detail: "listening on every interface".into(),
+                });
+            }
+            (None, ip) => ip.to_string(),
+        };
         let control_address = format!("tcp://{host}:{}", local.port());
         let incarnation = new_incarnation();
         let record = WorkerRecord {

@@ -58,12 +58,17 @@ impl TcpDataPlane {
         )
         .await?;
         let local = server.local_addr();
-        let host = advertise_host
-            .map(str::to_string)
-            .unwrap_or_else(|| match local.ip() {
-                ip if ip.is_unspecified() => "127.0.0.1".to_string(),
-                ip => ip.to_string(),
-            });
+        let host = match (advertise_host, local.ip()) {
+            (Some(host), _) => host.to_string(),
+            (None, ip) if ip.is_unspecified() => {
+                // Registering 127.0.0.1 would send peers on other hosts to themselves.
+                return Err(DataError::Bind {
+                    addr: listen.to_string(),
+                    detail: "listening on every interface needs an advertised host".into(),
+                });
+            }
+            (None, ip) => ip.to_string(),
+        };
         let address = format!("{host}:{}", local.port());
         Ok(TcpDataPlane {
             server,

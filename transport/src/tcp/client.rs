@@ -12,14 +12,15 @@ use tokio::net::TcpStream;
 use tokio::sync::Semaphore;
 use tokio::time::timeout_at;
 
-use super::frame::{self, Header, HelloOk, Op, Segment, NONCE_BYTES};
-use super::io::{io_error, read_exact_vectored, read_head, write_frame};
+use super::frame::{self, Header, HelloOk, Op, Segment};
+use super::io::{io_error, read_exact_vectored, read_head, session, write_frame};
 use super::{
     CLIENT_CONNECTIONS_MAX, OPS_INFLIGHT_MAX, OP_BYTES_MAX, POOL_IDLE_MAX, SEGMENTS_PER_OP_MAX,
 };
 use crate::auth::Key;
 use crate::data::plan::{self, Piece, Plan};
 use crate::data::{Access, DataError, RefusalCode};
+use crate::noise::{Opener, Sealer};
 use crate::region::{BlockSlice, Region};
 use crate::types::{BlockId, RankInfo, RequestId};
 
@@ -27,7 +28,9 @@ use crate::types::{BlockId, RankInfo, RequestId};
 struct Conn {
     r: OwnedReadHalf,
     w: OwnedWriteHalf,
-    nonce: [u8; NONCE_BYTES],
+    /// With a shared secret: this connection's Noise session, one half per direction.
+    sealer: Option<Sealer>,
+    opener: Option<Opener>,
     /// Sequence number of the next operation.
     seq: u32,
     meta: Vec<u8>,
@@ -361,7 +364,13 @@ async fn open(
             .set_nodelay(true)
             .map_err(|e| connect_error(e.to_string()))?;
         let (mut r, mut w) = stream.into_split();
-        let zero = [0u8; NONCE_BYTES];
+        let (mut sealer, mut opener) = match key {
+            Some(key) => {
+                let (s, o) = session(&mut r, &mut w, key, true, peer).await?;
+                (Some(s), Some(o))
+            }
+            None => (None, None),
+        };
         let hello = Header {
             op: Op::Hello,
             flags: 0,
@@ -369,11 +378,17 @@ async fn open(
             meta_len: 0,
             data_len: 0,
         };
-        write_frame(&mut w, hello, &frame::encode_hello(me), &[], key, &zero)
-            .await
-            .map_err(|e| connect_error(format!("sending Hello: {e}")))?;
+        write_frame(
+            &mut w,
+            hello,
+            &frame::encode_hello(me),
+            &[],
+            sealer.as_mut(),
+        )
+        .await
+        .map_err(|e| connect_error(format!("sending Hello: {e}")))?;
         let mut meta = Vec::new();
-        let head = read_head(&mut r, key, &zero, &mut meta, peer, "handshake").await?;
+        let head = read_head(&mut r, opener.as_mut(), &mut meta, peer, "handshake").await?;
         let server = match head.op {
             Op::HelloOk => frame::decode_hello_ok(&meta).map_err(|e| DataError::Protocol {
                 peer: peer.to_string(),
@@ -390,7 +405,8 @@ async fn open(
         let conn = Conn {
             r,
             w,
-            nonce: server.nonce,
+            sealer,
+            opener,
             seq: 1,
             meta: Vec::new(),
         };
@@ -437,11 +453,15 @@ impl Conn {
         let base = self.seq;
         self.seq = self.seq.wrapping_add(plan.ops.len() as u32);
         let window = Semaphore::new(OPS_INFLIGHT_MAX);
-        let (key, peer) = (inner.key.as_ref(), inner.peer.as_str());
+        let peer = inner.peer.as_str();
         let Conn {
-            r, w, nonce, meta, ..
+            r,
+            w,
+            sealer,
+            opener,
+            meta,
+            ..
         } = self;
-        let nonce = *nonce;
         let send = async {
             for (k, range) in plan.ops.iter().enumerate() {
                 window
@@ -474,7 +494,7 @@ impl Conn {
                     meta_len: 0,
                     data_len,
                 };
-                write_frame(w, header, meta, &data, key, &nonce)
+                write_frame(w, header, meta, &data, sealer.as_mut())
                     .await
                     .map_err(|e| io_error(peer, "sending", e))?;
             }
@@ -485,7 +505,7 @@ impl Conn {
             for (k, range) in plan.ops.iter().enumerate() {
                 let seq = base.wrapping_add(k as u32);
                 let head =
-                    read_head(r, key, &nonce, &mut answer, peer, "awaiting an answer").await?;
+                    read_head(r, opener.as_mut(), &mut answer, peer, "awaiting an answer").await?;
                 let bytes = plan.op_bytes(k);
                 match (head.op, access) {
                     (Op::Error, _) => return Err(refusal(peer, &answer)),

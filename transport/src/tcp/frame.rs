@@ -11,12 +11,15 @@
 //!          u16       u8   u8      u32     u32         u32         u32 = 0          32 bytes
 //! ```
 //!
-//! All integers little-endian. With a shared key the tag is HMAC-SHA256 over the
-//! connection's nonce (16 bytes, chosen by the server in `HelloOk`; zeros for `Hello` and
-//! `HelloOk` themselves), the header and the metadata: a frame cannot be altered,
-//! injected, or replayed on another connection. The bulk bytes are not covered (hashing
-//! them would cost more than moving them); TCP's checksum and the runtime's end-to-end
-//! checksums guard them.
+//! All integers little-endian. With a shared key, a connection opens with a Noise handshake
+//! (`crate::noise`, prologue `PROLOGUE_DATA`: fresh ephemerals from both ends), and every
+//! frame's header and metadata then travel as one Noise message (`u16` length, sealed
+//! bytes) under its direction's next sequence number, so a frame cannot be altered,
+//! injected, replayed, reordered or moved to another connection; each is refused by name.
+//! The bulk bytes follow in the clear, not covered (sealing them would cost more than
+//! moving them); TCP's checksum and the runtime's end-to-end checksums guard them. The
+//! HMAC tag (`FLAG_AUTH`, [`sign`], [`verify`]) is no longer sent; a tag on a bare frame is
+//! read and ignored. The server's `HelloOk` nonce is kept in the format, unused.
 
 use std::fmt;
 

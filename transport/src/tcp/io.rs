@@ -5,9 +5,10 @@ use std::io::{self, IoSlice};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
-use super::frame::{self, Header, FLAG_AUTH, HEADER_BYTES, NONCE_BYTES};
+use super::frame::{Header, HEADER_BYTES};
 use crate::auth::{Key, TAG_BYTES};
 use crate::data::DataError;
+use crate::noise::{self, Opener, Sealer};
 
 /// Most buffers passed to one `writev`: Linux's `IOV_MAX`.
 const IOV_PER_WRITE_MAX: usize = 1024;
@@ -29,70 +30,113 @@ pub(super) fn io_error(peer: &str, op: &'static str, e: io::Error) -> DataError 
     }
 }
 
-/// Reads one frame's header, metadata (into `meta`) and tag, and checks them: the header
-/// first, then (with a key) the tag. The data, if any, is left for the caller.
+/// Reads one frame's header and metadata (into `meta`) and checks them. The data, if any, is
+/// left for the caller.
+///
+/// With a session (a shared secret), the header and metadata arrive as one Noise message
+/// (`u16` length, then the sealed bytes, at most [`SEALED_HEAD_BYTES_MAX`]), opened under
+/// the next sequence number of the peer's direction: a replayed, reordered, forged or
+/// foreign frame is refused by name ([`DataError::Auth`]). Without one, a bare header and
+/// metadata (a tag, if a peer sends one, is read and ignored).
 pub(super) async fn read_head(
     r: &mut OwnedReadHalf,
-    key: Option<&Key>,
-    nonce: &[u8; NONCE_BYTES],
+    opener: Option<&mut Opener>,
     meta: &mut Vec<u8>,
     peer: &str,
     op: &'static str,
 ) -> Result<Header, DataError> {
+    let protocol = |detail: String| DataError::Protocol {
+        peer: peer.to_string(),
+        detail,
+    };
+    if let Some(opener) = opener {
+        let len = r.read_u16_le().await.map_err(|e| io_error(peer, op, e))? as usize;
+        if !(HEADER_BYTES + noise::TAG_BYTES..=SEALED_HEAD_BYTES_MAX).contains(&len) {
+            return Err(DataError::Auth {
+                peer: peer.to_string(),
+                detail: format!("sealed frame head of {len} bytes (not a frame of this session)"),
+            });
+        }
+        let mut sealed = vec![0u8; len];
+        r.read_exact(&mut sealed)
+            .await
+            .map_err(|e| io_error(peer, op, e))?;
+        meta.clear();
+        opener
+            .open_chunk(&sealed, meta)
+            .map_err(|e| DataError::Auth {
+                peer: peer.to_string(),
+                detail: e.to_string(),
+            })?;
+        let mut bytes = [0u8; HEADER_BYTES];
+        bytes.copy_from_slice(&meta[..HEADER_BYTES]);
+        let header = Header::check(&bytes).map_err(|e| protocol(e.to_string()))?;
+        meta.drain(..HEADER_BYTES);
+        if header.has_tag() || meta.len() != header.meta_len as usize {
+            return Err(protocol(format!(
+                "sealed head: {} metadata bytes, header says {}",
+                meta.len(),
+                header.meta_len
+            )));
+        }
+        return Ok(header);
+    }
     let mut bytes = [0u8; HEADER_BYTES];
     r.read_exact(&mut bytes)
         .await
         .map_err(|e| io_error(peer, op, e))?;
-    let header = Header::check(&bytes).map_err(|e| DataError::Protocol {
-        peer: peer.to_string(),
-        detail: e.to_string(),
-    })?;
+    let header = Header::check(&bytes).map_err(|e| protocol(e.to_string()))?;
     meta.resize(header.meta_len as usize, 0);
     r.read_exact(meta)
         .await
         .map_err(|e| io_error(peer, op, e))?;
-    let mut tag = [0u8; TAG_BYTES];
     if header.has_tag() {
+        let mut tag = [0u8; TAG_BYTES];
         r.read_exact(&mut tag)
             .await
             .map_err(|e| io_error(peer, op, e))?;
     }
-    if let Some(key) = key {
-        let auth = |detail: &str| DataError::Auth {
-            peer: peer.to_string(),
-            detail: detail.into(),
-        };
-        if !header.has_tag() {
-            return Err(auth("frame without an HMAC tag"));
-        }
-        if !frame::verify(key, nonce, &bytes, meta, &tag) {
-            return Err(auth("HMAC tag does not verify"));
-        }
-    }
     Ok(header)
 }
 
-/// Writes one frame: header (with the auth flag set when there is a key), metadata, tag,
-/// then `data` (borrowed slices, sent with vectored writes).
+/// Largest sealed head: a header, the largest metadata and the tag.
+pub const SEALED_HEAD_BYTES_MAX: usize = HEADER_BYTES + super::META_BYTES_MAX + noise::TAG_BYTES;
+
+const _: () = assert!(SEALED_HEAD_BYTES_MAX <= noise::NOISE_MESSAGE_BYTES_MAX);
+
+/// Writes one frame: header and metadata (sealed, with a session), then `data` (borrowed
+/// slices, sent with vectored writes; the bulk bytes are not sealed: see the module docs).
 pub(super) async fn write_frame(
     w: &mut OwnedWriteHalf,
     mut header: Header,
     meta: &[u8],
     data: &[IoSlice<'_>],
-    key: Option<&Key>,
-    nonce: &[u8; NONCE_BYTES],
+    sealer: Option<&mut Sealer>,
 ) -> io::Result<()> {
     header.meta_len = meta.len() as u32;
-    header.flags = if key.is_some() { FLAG_AUTH } else { 0 };
+    header.flags = 0;
     let head = header.encode();
-    let tag = key.map(|k| frame::sign(k, nonce, &head, meta));
     let mut bufs: Vec<IoSlice<'_>> = Vec::with_capacity(3 + data.len());
-    bufs.push(IoSlice::new(&head));
-    if !meta.is_empty() {
-        bufs.push(IoSlice::new(meta));
-    }
-    if let Some(tag) = &tag {
-        bufs.push(IoSlice::new(tag));
+    let sealed;
+    let len;
+    match sealer {
+        Some(sealer) => {
+            let mut plain = Vec::with_capacity(HEADER_BYTES + meta.len());
+            plain.extend_from_slice(&head);
+            plain.extend_from_slice(meta);
+            sealed = sealer
+                .seal(&plain)
+                .map_err(|e| io::Error::other(e.to_string()))?;
+            len = (sealed.len() as u16).to_le_bytes();
+            bufs.push(IoSlice::new(&len));
+            bufs.push(IoSlice::new(&sealed));
+        }
+        None => {
+            bufs.push(IoSlice::new(&head));
+            if !meta.is_empty() {
+                bufs.push(IoSlice::new(meta));
+            }
+        }
     }
     bufs.extend(
         data.iter()
@@ -100,6 +144,64 @@ pub(super) async fn write_frame(
             .map(|d| IoSlice::new(d)),
     );
     write_all_vectored(w, &mut bufs).await
+}
+
+/// The Noise handshake that opens a keyed connection ([`noise::PROLOGUE_DATA`]): the client
+/// initiates. Each message is a `u16` length and the bytes, the length checked against
+/// [`noise::HANDSHAKE_MESSAGE_BYTES_MAX`] before anything else is read.
+pub(super) async fn session(
+    r: &mut OwnedReadHalf,
+    w: &mut OwnedWriteHalf,
+    key: &Key,
+    client: bool,
+    peer: &str,
+) -> Result<(Sealer, Opener), DataError> {
+    let auth = |e: noise::NoiseError| DataError::Auth {
+        peer: peer.to_string(),
+        detail: e.to_string(),
+    };
+    let session = if client {
+        let mut initiator = noise::Initiator::new(key, noise::PROLOGUE_DATA).map_err(auth)?;
+        write_handshake(w, &initiator.hello().map_err(auth)?, peer).await?;
+        let answer = read_handshake(r, peer).await?;
+        initiator.finish(&answer).map_err(auth)?
+    } else {
+        let responder = noise::Responder::new(key, noise::PROLOGUE_DATA).map_err(auth)?;
+        let hello = read_handshake(r, peer).await?;
+        let (answer, session) = responder.answer(&hello).map_err(auth)?;
+        write_handshake(w, &answer, peer).await?;
+        session
+    };
+    Ok((session.sealer, session.opener))
+}
+
+async fn write_handshake(w: &mut OwnedWriteHalf, msg: &[u8], peer: &str) -> Result<(), DataError> {
+    let mut out = (msg.len() as u16).to_le_bytes().to_vec();
+    out.extend_from_slice(msg);
+    w.write_all(&out)
+        .await
+        .map_err(|e| io_error(peer, "handshake", e))
+}
+
+async fn read_handshake(r: &mut OwnedReadHalf, peer: &str) -> Result<Vec<u8>, DataError> {
+    let len = r
+        .read_u16_le()
+        .await
+        .map_err(|e| io_error(peer, "handshake", e))? as usize;
+    if len > noise::HANDSHAKE_MESSAGE_BYTES_MAX {
+        return Err(DataError::Auth {
+            peer: peer.to_string(),
+            detail: format!(
+                "not a handshake message ({len} bytes announced, at most {}): no secret, or not this protocol",
+                noise::HANDSHAKE_MESSAGE_BYTES_MAX
+            ),
+        });
+    }
+    let mut msg = vec![0u8; len];
+    r.read_exact(&mut msg)
+        .await
+        .map_err(|e| io_error(peer, "handshake", e))?;
+    Ok(msg)
 }
 
 /// `write_all` over many buffers, at most [`IOV_PER_WRITE_MAX`] per system call.

@@ -1,9 +1,10 @@
 //! [`DataServer`]: serves one region to peers, checking every operation against the
 //! runtime's grants.
 
+use std::collections::BTreeMap;
 use std::io::IoSlice;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,13 +15,14 @@ use tokio::task::JoinSet;
 use tokio::time::timeout;
 
 use super::frame::{self, FrameError, Header, HelloOk, Op, Segment, HEADER_BYTES, NONCE_BYTES};
-use super::io::{io_error, read_head, write_frame};
+use super::io::{io_error, read_head, session, write_frame};
 use super::{
     CONNECTION_IDLE_TIMEOUT_DEFAULT, FRAME_READ_TIMEOUT_DEFAULT, OP_BYTES_MAX,
     SERVER_CONNECTIONS_MAX,
 };
 use crate::auth::Key;
 use crate::data::{plan, Access, DataError, Grants, RefusalCode};
+use crate::noise::{Opener, Sealer};
 use crate::region::Region;
 use crate::types::{BlockId, RankInfo, RequestId};
 
@@ -61,6 +63,8 @@ pub struct ServerStats {
     pub dropped_connections: u64,
     /// Connections accepted (including ones answered `Busy`).
     pub connections: u64,
+    /// Connections that had not said hello, evicted at the connection limit for a newcomer.
+    pub evicted: u64,
 }
 
 #[derive(Default)]
@@ -71,6 +75,7 @@ struct Counters {
     dropped: AtomicU64,
     connections: AtomicU64,
     open: AtomicUsize,
+    evicted: AtomicU64,
 }
 
 struct Shared {
@@ -181,6 +186,7 @@ impl DataServer {
             refused: c.refused.load(Ordering::Relaxed),
             dropped_connections: c.dropped.load(Ordering::Relaxed),
             connections: c.connections.load(Ordering::Relaxed),
+            evicted: c.evicted.load(Ordering::Relaxed),
         }
     }
 }
@@ -199,24 +205,51 @@ fn nonce_seed() -> u64 {
     h.finish()
 }
 
+/// Counts a connection open while it lives (also when its task is aborted).
+struct OpenGuard(Arc<Shared>);
+
+impl Drop for OpenGuard {
+    fn drop(&mut self) {
+        self.0.counters.open.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     let mut connections = JoinSet::new();
+    // Connections that have not said hello yet, oldest first: at the limit the oldest is
+    // evicted for a newcomer, so strangers that connect and say nothing cannot lock out a
+    // peer's new connection (peers' established connections are never evicted).
+    let mut pending: BTreeMap<u64, (tokio::task::AbortHandle, Arc<AtomicBool>)> = BTreeMap::new();
+    let mut next = 0u64;
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, addr)) => {
                     shared.counters.connections.fetch_add(1, Ordering::Relaxed);
-                    let open = shared.counters.open.fetch_add(1, Ordering::AcqRel);
-                    let shared = Arc::clone(&shared);
-                    connections.spawn(async move {
-                        if open >= shared.config.connections_max {
-                            tracing::warn!(peer = %addr, max = shared.config.connections_max, "data server at its connection limit; refusing");
-                            refuse_connection(stream, RefusalCode::Busy, "server at its connection limit").await;
+                    pending.retain(|_, (task, hello)| !task.is_finished() && !hello.load(Ordering::Acquire));
+                    if shared.counters.open.load(Ordering::Acquire) >= shared.config.connections_max {
+                        if let Some((_, (task, _))) = pending.pop_first() {
+                            shared.counters.evicted.fetch_add(1, Ordering::Relaxed);
+                            tracing::warn!(peer = %addr, max = shared.config.connections_max, "data server at its connection limit; evicted the oldest connection that had not said hello");
+                            task.abort();
                         } else {
-                            serve_connection(stream, addr, &shared).await;
+                            tracing::warn!(peer = %addr, max = shared.config.connections_max, "data server at its connection limit; refusing");
+                            connections.spawn(async move {
+                                refuse_connection(stream, RefusalCode::Busy, "server at its connection limit").await;
+                            });
+                            continue;
                         }
-                        shared.counters.open.fetch_sub(1, Ordering::AcqRel);
+                    }
+                    shared.counters.open.fetch_add(1, Ordering::AcqRel);
+                    let guard = OpenGuard(Arc::clone(&shared));
+                    let hello = Arc::new(AtomicBool::new(false));
+                    let said = hello.clone();
+                    let task = connections.spawn(async move {
+                        let _open = guard;
+                        serve_connection(stream, addr, &_open.0, &said).await;
                     });
+                    next += 1;
+                    pending.insert(next, (task, hello));
                 }
                 Err(e) => {
                     // Out of file descriptors and the like: wait a little rather than spin.
@@ -241,7 +274,7 @@ async fn refuse_connection(stream: TcpStream, code: RefusalCode, detail: &str) {
     let meta = frame::encode_error(code.to_wire(), detail);
     let _ = timeout(
         ERROR_SEND_TIMEOUT,
-        write_frame(&mut w, header, &meta, &[], None, &[0; NONCE_BYTES]),
+        write_frame(&mut w, header, &meta, &[], None),
     )
     .await;
 }
@@ -252,6 +285,9 @@ struct Conn<'a> {
     r: OwnedReadHalf,
     w: OwnedWriteHalf,
     nonce: [u8; NONCE_BYTES],
+    /// With a shared secret: this connection's Noise session, one half per direction.
+    sealer: Option<Sealer>,
+    opener: Option<Opener>,
     /// `engine/rank@address` once the peer said hello, its address before.
     peer: String,
     rank: Option<RankInfo>,
@@ -270,7 +306,12 @@ enum End {
     Error(DataError, Option<RefusalCode>),
 }
 
-async fn serve_connection(stream: TcpStream, addr: SocketAddr, shared: &Shared) {
+async fn serve_connection(
+    stream: TcpStream,
+    addr: SocketAddr,
+    shared: &Shared,
+    hello: &AtomicBool,
+) {
     let _ = stream.set_nodelay(true);
     let (r, w) = stream.into_split();
     let id = shared.next_connection.fetch_add(1, Ordering::Relaxed);
@@ -282,6 +323,8 @@ async fn serve_connection(stream: TcpStream, addr: SocketAddr, shared: &Shared) 
         r,
         w,
         nonce,
+        sealer: None,
+        opener: None,
         peer: addr.to_string(),
         rank: None,
         meta: Vec::new(),
@@ -290,7 +333,10 @@ async fn serve_connection(stream: TcpStream, addr: SocketAddr, shared: &Shared) 
         staging: Vec::new(),
     };
     let end = match conn.handshake().await {
-        Ok(()) => conn.serve().await,
+        Ok(()) => {
+            hello.store(true, Ordering::Release);
+            conn.serve().await
+        }
         Err(end) => end,
     };
     if let End::Error(error, code) = end {
@@ -316,11 +362,32 @@ impl Conn<'_> {
 
     async fn handshake(&mut self) -> Result<(), End> {
         let limit = self.shared.config.frame_read_timeout;
-        let key = self.shared.key.as_ref();
-        let zero = [0u8; NONCE_BYTES];
-        let head = timeout(
-            limit,
-            read_head(&mut self.r, key, &zero, &mut self.meta, &self.peer, "hello"),
+        let deadline = tokio::time::Instant::now() + limit;
+        if let Some(key) = self.shared.key.as_ref() {
+            let (sealer, opener) = tokio::time::timeout_at(
+                deadline,
+                session(&mut self.r, &mut self.w, key, false, &self.peer),
+            )
+            .await
+            .map_err(|_| {
+                End::Error(
+                    self.protocol(format!("no handshake within {limit:?}")),
+                    None,
+                )
+            })?
+            .map_err(classify)?;
+            self.sealer = Some(sealer);
+            self.opener = Some(opener);
+        }
+        let head = tokio::time::timeout_at(
+            deadline,
+            read_head(
+                &mut self.r,
+                self.opener.as_mut(),
+                &mut self.meta,
+                &self.peer,
+                "hello",
+            ),
         )
         .await
         .map_err(|_| End::Error(self.protocol(format!("no Hello within {limit:?}")), None))?
@@ -349,7 +416,7 @@ impl Conn<'_> {
             data_len: 0,
         };
         let meta = frame::encode_hello_ok(&ok);
-        write_frame(&mut self.w, header, &meta, &[], key, &zero)
+        write_frame(&mut self.w, header, &meta, &[], self.sealer.as_mut())
             .await
             .map_err(|e| End::Error(io_error(&self.peer, "hello", e), None))
     }
@@ -384,11 +451,9 @@ impl Conn<'_> {
 
     /// Reads and answers one frame. `Err` ends the connection.
     async fn one_frame(&mut self) -> Result<(), End> {
-        let key = self.shared.key.as_ref();
         let head = read_head(
             &mut self.r,
-            key,
-            &self.nonce,
+            self.opener.as_mut(),
             &mut self.meta,
             &self.peer,
             "frame",
@@ -518,16 +583,9 @@ impl Conn<'_> {
                     meta_len: 0,
                     data_len: 0,
                 };
-                write_frame(
-                    &mut self.w,
-                    header,
-                    &[],
-                    &[],
-                    self.shared.key.as_ref(),
-                    &self.nonce,
-                )
-                .await
-                .map_err(|e| End::Error(io_error(&self.peer, "answering a write", e), None))
+                write_frame(&mut self.w, header, &[], &[], self.sealer.as_mut())
+                    .await
+                    .map_err(|e| End::Error(io_error(&self.peer, "answering a write", e), None))
             }
             (Ok(()), Ok(false)) => {
                 self.refuse(
@@ -589,16 +647,9 @@ impl Conn<'_> {
                     data_len: total as u32,
                 };
                 let data = [IoSlice::new(&self.staging)];
-                write_frame(
-                    &mut self.w,
-                    header,
-                    &[],
-                    &data,
-                    self.shared.key.as_ref(),
-                    &self.nonce,
-                )
-                .await
-                .map_err(|e| End::Error(io_error(&self.peer, "sending read data", e), None))
+                write_frame(&mut self.w, header, &[], &data, self.sealer.as_mut())
+                    .await
+                    .map_err(|e| End::Error(io_error(&self.peer, "sending read data", e), None))
             }
             (Ok(()), Ok(false)) => {
                 self.refuse(
@@ -654,21 +705,8 @@ impl Conn<'_> {
             data_len: 0,
         };
         let meta = frame::encode_error(code.to_wire(), detail);
-        // Before the handshake completed the peer knows no nonce: sign with zeros.
-        let nonce = if self.rank.is_some() {
-            self.nonce
-        } else {
-            [0; NONCE_BYTES]
-        };
-        write_frame(
-            &mut self.w,
-            header,
-            &meta,
-            &[],
-            self.shared.key.as_ref(),
-            &nonce,
-        )
-        .await
+        // A peer that failed the Noise handshake has no session: its refusal goes bare.
+        write_frame(&mut self.w, header, &meta, &[], self.sealer.as_mut()).await
     }
 }
 

@@ -45,3 +45,42 @@ fn assert_round_trips(msg: &Message, key: Option<&Key>) {
         Err(e) => panic!("a re-encoded message must decode: {e}; message: {msg:?}"),
     }
 }
+
+/// The other decoders a peer's bytes reach, under fuzzing (the `fuzz_decoders` target):
+/// the TCP data plane's header check and every metadata decoder
+/// ([`crate::tcp::frame`]), and a Noise session's opener ([`crate::noise`]) on bytes that
+/// are not the session's (every one must be refused, never panic). The bootstrap protocol's
+/// messages are wire frames: [`frame_decode`] covers them.
+///
+/// Returns how many of the inputs decoded (for the corpus test to see something happen).
+pub fn decoders(data: &[u8]) -> usize {
+    use crate::tcp::frame::{self, Header, HEADER_BYTES};
+    let mut decoded = 0;
+    if let Some(head) = data.first_chunk::<HEADER_BYTES>() {
+        decoded += usize::from(Header::check(head).is_ok());
+    }
+    decoded += usize::from(frame::decode_hello(data).is_ok());
+    decoded += usize::from(frame::decode_hello_ok(data).is_ok());
+    decoded += usize::from(frame::decode_error(data).is_ok());
+    let mut segments = Vec::new();
+    decoded += usize::from(frame::decode_op(data, &mut segments).is_ok());
+    if let Ok(key) = Key::new(FUZZ_KEY) {
+        let session =
+            crate::noise::Initiator::new(&key, crate::noise::PROLOGUE_DATA).and_then(|mut i| {
+                let hello = i.hello()?;
+                let (answer, theirs) =
+                    crate::noise::Responder::new(&key, crate::noise::PROLOGUE_DATA)?
+                        .answer(&hello)?;
+                Ok((i.finish(&answer)?, theirs))
+            });
+        if let Ok((_, mut theirs)) = session {
+            // Bytes the initiator never sealed: refused, whatever they are.
+            assert!(theirs.opener.open(data).is_err(), "forged bytes opened");
+        }
+        let responder = crate::noise::Responder::new(&key, crate::noise::PROLOGUE_ZMTP);
+        if let Ok(r) = responder {
+            decoded += usize::from(r.answer(data).is_ok());
+        }
+    }
+    decoded
+}

@@ -42,6 +42,20 @@ use crate::auth::{self, Key};
 use crate::codec;
 use frame::{Flags, Header};
 
+/// Detail of the refusal a peer with a shared secret sends, in the clear, to a peer that
+/// failed its Noise handshake (no secret, or another one).
+pub const UNAUTHENTICATED_DETAIL: &str = "not authenticated: this peer requires the shared \
+     secret (HANDOFF_SECRET_FILE, HANDOFF_SECRET or --secret-file) and its handshake";
+
+/// The frame of that refusal: a `ProtocolError`, unsigned, the same for every peer.
+pub fn unauthenticated_refusal() -> Option<Vec<u8>> {
+    encode(
+        &Message::ProtocolError(ProtocolError::new(UNAUTHENTICATED_DETAIL)),
+        None,
+    )
+    .ok()
+}
+
 /// Encodes `msg` as one frame, signed when `key` is given.
 ///
 /// Refuses a message that breaks a wire limit ([`Message::validate`]) or whose payload

@@ -1,13 +1,16 @@
 //! The ZMTP 3.1 greeting, the NULL-mechanism READY handshake, and frames.
 //!
 //! Reads are check-then-read: a frame's length is read and checked against the maximum
-//! before its body is allocated, and the body is then read exactly.
+//! before its body is allocated, and the body is then read exactly (growing with the bytes
+//! that arrive). With a shared secret, each message travels sealed as one frame
+//! ([`write_sealed`], [`read_sealed`]: `crate::noise`), opened chunk by chunk as it arrives.
 
 use std::fmt;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::{COMMAND_BYTES_MAX, FRAMES_PER_MESSAGE_MAX, IDENTITY_BYTES_MAX, ZMTP_FRAME_BYTES_MAX};
+use crate::noise;
 
 const GREETING_BYTES: usize = 64;
 const FLAG_MORE: u8 = 0x01;
@@ -63,6 +66,9 @@ pub enum ZmtpError {
         /// Theirs, as announced.
         theirs: String,
     },
+    /// A connection not admitted as a peer sent no whole message in time.
+    #[error("no whole message within {0:?} from a connection that is not a known peer")]
+    Idle(std::time::Duration),
     /// The handshake did not finish in time.
     #[error("handshake did not finish within {0:?}")]
     HandshakeTimeout(std::time::Duration),
@@ -78,6 +84,10 @@ pub enum ZmtpError {
     /// An address that is not `tcp://host:port` or `host:port`.
     #[error("bad address {0:?}: expected tcp://host:port")]
     BadAddress(String),
+    /// With a shared secret: the Noise handshake failed, or a frame did not open as the next
+    /// of this session (replayed, reordered, forged, from another connection).
+    #[error("authentication: {0}")]
+    Noise(#[from] crate::noise::NoiseError),
 }
 
 /// The ZeroMQ socket types this module implements.
@@ -244,11 +254,11 @@ async fn write_frame<S: AsyncWrite + Unpin>(
     Ok(())
 }
 
-/// Reads one frame: flags and length first, checked, then exactly the body.
-async fn read_frame<S: AsyncRead + Unpin>(
+/// Reads a frame's flags and length, checked against `max`.
+async fn read_frame_head<S: AsyncRead + Unpin>(
     io: &mut S,
     max: usize,
-) -> Result<(u8, Vec<u8>), ZmtpError> {
+) -> Result<(u8, usize), ZmtpError> {
     let flags = io.read_u8().await?;
     if flags & FLAGS_RESERVED != 0 {
         return Err(ZmtpError::ReservedFlags(flags));
@@ -261,9 +271,138 @@ async fn read_frame<S: AsyncRead + Unpin>(
     if announced > max as u64 {
         return Err(ZmtpError::FrameTooLarge { announced, max });
     }
-    let mut body = vec![0u8; announced as usize];
-    io.read_exact(&mut body).await?;
+    Ok((flags, announced as usize))
+}
+
+/// Reads one frame: flags and length first, checked, then the body, which grows with the
+/// bytes that actually arrive (a peer announcing a large frame and sending little makes us
+/// hold what it sent, not what it announced).
+async fn read_frame<S: AsyncRead + Unpin>(
+    io: &mut S,
+    max: usize,
+) -> Result<(u8, Vec<u8>), ZmtpError> {
+    let (flags, len) = read_frame_head(io, max).await?;
+    let mut body = Vec::with_capacity(len.min(READ_GROWTH_BYTES));
+    let got = (&mut *io).take(len as u64).read_to_end(&mut body).await?;
+    if got < len {
+        return Err(ZmtpError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+    }
     Ok((flags, body))
+}
+
+/// First allocation for a frame body; it grows as bytes arrive.
+const READ_GROWTH_BYTES: usize = 64 << 10;
+
+/// Writes one Noise handshake message as a frame.
+pub(crate) async fn write_handshake<S: AsyncWrite + Unpin>(
+    io: &mut S,
+    msg: &[u8],
+) -> Result<(), ZmtpError> {
+    write_frame(io, msg, 0).await?;
+    io.flush().await?;
+    Ok(())
+}
+
+/// Reads one Noise handshake message: at most [`noise::HANDSHAKE_MESSAGE_BYTES_MAX`] bytes,
+/// checked before anything is read (all a stranger can make us buffer).
+pub(crate) async fn read_handshake<S: AsyncRead + Unpin>(io: &mut S) -> Result<Vec<u8>, ZmtpError> {
+    let (flags, body) = read_frame(io, noise::HANDSHAKE_MESSAGE_BYTES_MAX)
+        .await
+        .map_err(|e| match e {
+            ZmtpError::Io(_) => e,
+            // Not a handshake message: a peer without the secret (or its refusal of ours).
+            other => ZmtpError::Noise(noise::NoiseError::Handshake(other.to_string())),
+        })?;
+    if flags & (FLAG_COMMAND | FLAG_MORE) != 0 {
+        return Err(ZmtpError::Noise(noise::NoiseError::Handshake(
+            "expected a handshake message".into(),
+        )));
+    }
+    Ok(body)
+}
+
+/// Writes one message sealed as one frame: its frames packed (count, then each length and
+/// bytes), sealed by `sealer`.
+pub(crate) async fn write_sealed<S: AsyncWrite + Unpin>(
+    io: &mut S,
+    sealer: &mut noise::Sealer,
+    frames: &[Vec<u8>],
+) -> Result<(), ZmtpError> {
+    let mut plain = Vec::with_capacity(1 + frames.iter().map(|f| 4 + f.len()).sum::<usize>());
+    plain.push(frames.len() as u8);
+    for f in frames {
+        plain.extend_from_slice(&(f.len() as u32).to_le_bytes());
+        plain.extend_from_slice(f);
+    }
+    let sealed = sealer.seal(&plain)?;
+    write_frame(io, &sealed, 0).await?;
+    io.flush().await?;
+    Ok(())
+}
+
+/// Reads one sealed message, opening each chunk as it arrives: a forged or replayed frame is
+/// refused after at most one chunk. Commands (PING) pass as they are.
+pub(crate) async fn read_sealed<S: AsyncRead + Unpin>(
+    io: &mut S,
+    opener: &mut noise::Opener,
+) -> Result<Incoming, ZmtpError> {
+    let max = noise::sealed_len(ZMTP_FRAME_BYTES_MAX);
+    let (flags, len) = read_frame_head(io, max).await?;
+    if flags & FLAG_COMMAND != 0 {
+        if len > COMMAND_BYTES_MAX {
+            return Err(ZmtpError::FrameTooLarge {
+                announced: len as u64,
+                max: COMMAND_BYTES_MAX,
+            });
+        }
+        let mut body = vec![0u8; len];
+        io.read_exact(&mut body).await?;
+        return Ok(Incoming::Command(body));
+    }
+    if flags & FLAG_MORE != 0 {
+        return Err(ZmtpError::BadCommand(
+            "a sealed message is one frame".into(),
+        ));
+    }
+    let mut plain = Vec::with_capacity(len.min(READ_GROWTH_BYTES));
+    let mut chunk = vec![0u8; len.min(noise::NOISE_MESSAGE_BYTES_MAX)];
+    let mut left = len;
+    while left > 0 {
+        let n = left.min(noise::NOISE_MESSAGE_BYTES_MAX);
+        io.read_exact(&mut chunk[..n]).await?;
+        opener.open_chunk(&chunk[..n], &mut plain)?;
+        left -= n;
+    }
+    if len == 0 {
+        return Err(noise::NoiseError::Malformed(0).into());
+    }
+    unpack(&plain).map(Incoming::Message)
+}
+
+/// The frames of a packed message (see [`write_sealed`]), every length checked.
+fn unpack(plain: &[u8]) -> Result<Vec<Vec<u8>>, ZmtpError> {
+    let bad = || ZmtpError::BadCommand("malformed sealed message".into());
+    let (&count, mut rest) = plain.split_first().ok_or_else(bad)?;
+    if count as usize > FRAMES_PER_MESSAGE_MAX {
+        return Err(ZmtpError::TooManyFrames {
+            max: FRAMES_PER_MESSAGE_MAX,
+        });
+    }
+    let mut frames = Vec::with_capacity(count as usize);
+    for _ in 0..count {
+        let (len, tail) = rest.split_first_chunk::<4>().ok_or_else(bad)?;
+        let len = u32::from_le_bytes(*len) as usize;
+        if len > tail.len() {
+            return Err(bad());
+        }
+        let (frame, tail) = tail.split_at(len);
+        frames.push(frame.to_vec());
+        rest = tail;
+    }
+    if !rest.is_empty() || frames.is_empty() {
+        return Err(bad());
+    }
+    Ok(frames)
 }
 
 /// Writes one message (its frames, MORE set on all but the last).

@@ -20,7 +20,7 @@ mod codec;
 mod socket;
 
 pub use codec::{SocketType, ZmtpError};
-pub use socket::{ConnId, Dealer, DealerReceiver, DealerSender, Router, RouterEvent};
+pub use socket::{ConnId, Dealer, DealerReceiver, DealerSender, Router, RouterEvent, RouterStats};
 
 use std::time::Duration;
 
@@ -42,15 +42,49 @@ pub const IDENTITY_BYTES_MAX: usize = 255;
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Connections one [`Router`] accepts at once: far more workers than one engine has, few
-/// enough that a flood of idle connections cannot exhaust file descriptors.
+/// enough that a flood of idle connections cannot exhaust file descriptors (the process
+/// raises its open-file soft limit to the hard limit at start; see
+/// `handoff_actors::exposure::raise_open_files`). Worst case per connection: its queues
+/// below, plus one frame being read (growing with the bytes that arrive).
 pub const CONNECTIONS_MAX: usize = 1024;
+
+/// Connections not yet admitted as peers ([`Router::admit`]: a valid hello, a
+/// registration), at most: the other `CONNECTIONS_MAX - PENDING_CONNECTIONS_MAX` (768) are
+/// reserved for known peers, which a flood of strangers therefore cannot lock out. At the
+/// bound the oldest pending connection is evicted (counted, logged), so a newcomer's short
+/// exchange (a `status`, a registration) still gets through a flood.
+/// Worst case while pending: one partial message each (with a secret: one 64 KiB chunk
+/// after a 128-byte handshake message), 256 × 64 KiB = 16 MiB.
+pub const PENDING_CONNECTIONS_MAX: usize = 256;
+
+/// Pending connections from one source address (past it, that source's oldest pending
+/// connection is evicted). On loopback every peer shares one address, so this bounds a
+/// local flood too (honest pending connections are brief).
+pub const PENDING_PER_SOURCE_MAX: usize = 64;
+
+/// How long a pending connection may go without sending a whole message: idle and
+/// trickling connections are dropped (counted, logged). Known peers have no idle bound
+/// (their heartbeats and leases govern them).
+pub const PENDING_IDLE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Messages of one connection waiting in the router's shared queue: a flood on one
+/// connection occupies at most this many places, so other peers' messages (heartbeats
+/// first of all) never queue behind more than this per flooding connection.
+pub const CONNECTION_INFLIGHT_MAX: usize = 32;
 
 /// Messages queued to send on one connection before `send` reports the peer as too slow.
 pub const SEND_QUEUE_MESSAGES_MAX: usize = 1024;
+
+/// Bytes queued to send on one connection: past it the peer does not read its replies and
+/// is dropped (counted, logged), not buffered. Worst case: 64 MiB per connection.
+pub const SEND_QUEUE_BYTES_MAX: usize = 64 << 20;
 
 /// Messages received and not yet taken by the owner of a socket; readers wait (TCP
 /// backpressure) when it is full.
 pub const RECV_QUEUE_MESSAGES_MAX: usize = 4096;
 
 const _: () = assert!(ZMTP_FRAME_BYTES_MAX >= crate::wire::FRAME_BYTES_MAX);
+const _: () = assert!(PENDING_PER_SOURCE_MAX <= PENDING_CONNECTIONS_MAX);
+const _: () = assert!(PENDING_CONNECTIONS_MAX < CONNECTIONS_MAX);
+const _: () = assert!(SEND_QUEUE_BYTES_MAX >= 2 * ZMTP_FRAME_BYTES_MAX);
 const _: () = assert!(COMMAND_BYTES_MAX > IDENTITY_BYTES_MAX + 64);

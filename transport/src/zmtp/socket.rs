@@ -7,17 +7,23 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::io::{AsyncRead, AsyncWrite, BufReader, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
 use super::codec::{self, Incoming, SocketType, ZmtpError};
-use super::{CONNECTIONS_MAX, HANDSHAKE_TIMEOUT, RECV_QUEUE_MESSAGES_MAX, SEND_QUEUE_MESSAGES_MAX};
+use super::{
+    CONNECTIONS_MAX, CONNECTION_INFLIGHT_MAX, HANDSHAKE_TIMEOUT, PENDING_CONNECTIONS_MAX,
+    PENDING_IDLE_TIMEOUT, PENDING_PER_SOURCE_MAX, RECV_QUEUE_MESSAGES_MAX, SEND_QUEUE_BYTES_MAX,
+    SEND_QUEUE_MESSAGES_MAX,
+};
+use crate::auth::Key;
+use crate::noise::{self, Session};
 
 /// One accepted connection of a [`Router`]; never reused within a process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -65,18 +71,67 @@ pub(crate) fn parse_addr(addr: &str) -> Result<String, ZmtpError> {
     Ok(hostport.to_string())
 }
 
-type Senders = Arc<Mutex<BTreeMap<ConnId, mpsc::Sender<Vec<Vec<u8>>>>>>;
+/// One accepted connection, as the [`Router`] keeps it.
+struct Slot {
+    tx: mpsc::Sender<Vec<Vec<u8>>>,
+    /// Bytes queued to it and not yet written (bounded by [`SEND_QUEUE_BYTES_MAX`]).
+    queued: Arc<AtomicUsize>,
+    /// Set by [`Router::admit`]: a known peer, exempt from the bounds on pending ones.
+    admitted: Arc<AtomicBool>,
+    /// Where it came from (for the per-source bound).
+    peer: SocketAddr,
+}
 
-fn lock(s: &Senders) -> std::sync::MutexGuard<'_, BTreeMap<ConnId, mpsc::Sender<Vec<Vec<u8>>>>> {
+type Senders = Arc<Mutex<BTreeMap<ConnId, Slot>>>;
+
+fn lock(s: &Senders) -> std::sync::MutexGuard<'_, BTreeMap<ConnId, Slot>> {
     s.lock().unwrap_or_else(|e| e.into_inner())
 }
+
+/// What one connection's writer drains, and the state the [`Router`] shares with it.
+struct Outbox {
+    rx: mpsc::Receiver<Vec<Vec<u8>>>,
+    queued: Arc<AtomicUsize>,
+    admitted: Arc<AtomicBool>,
+}
+
+/// Events handed up, each with the permit its connection took (released when taken).
+type Events = mpsc::Sender<(RouterEvent, Option<OwnedSemaphorePermit>)>;
 
 /// A bound ROUTER socket.
 pub struct Router {
     local: SocketAddr,
-    events: mpsc::Receiver<RouterEvent>,
+    events: mpsc::Receiver<(RouterEvent, Option<OwnedSemaphorePermit>)>,
     senders: Senders,
     accept: JoinHandle<()>,
+    stats: Arc<RouterCounters>,
+}
+
+/// Bounds a [`Router`] enforced, counted since it was bound (each also logged).
+#[derive(Default)]
+struct RouterCounters {
+    refused_full: AtomicU64,
+    refused_pending: AtomicU64,
+    refused_source: AtomicU64,
+    dropped_slow: AtomicU64,
+    dropped_idle: AtomicU64,
+}
+
+/// What a [`Router`] refused or dropped to stay within its bounds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RouterStats {
+    /// New connections that met [`CONNECTIONS_MAX`] (a pending one evicted, or refused).
+    pub refused_full: u64,
+    /// New connections that met [`PENDING_CONNECTIONS_MAX`] (the oldest pending evicted).
+    pub refused_pending: u64,
+    /// New connections that met [`PENDING_PER_SOURCE_MAX`] (that source's oldest pending
+    /// connection evicted).
+    pub refused_source: u64,
+    /// Connections dropped for not reading their replies ([`SEND_QUEUE_BYTES_MAX`]).
+    pub dropped_slow: u64,
+    /// Pending connections dropped for sending no whole message in
+    /// [`PENDING_IDLE_TIMEOUT`].
+    pub dropped_idle: u64,
 }
 
 impl Drop for Router {
@@ -92,16 +147,38 @@ static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
 impl Router {
     /// Binds `addr` (`tcp://host:port`; port 0 picks one) and starts accepting.
     pub async fn bind(addr: &str) -> Result<Router, ZmtpError> {
+        Router::bind_with(addr, None, None).await
+    }
+
+    /// Binds `addr` and starts accepting; with a key, every connection must complete a Noise
+    /// handshake ([`crate::noise`]) within [`HANDSHAKE_TIMEOUT`] before anything it sends
+    /// is read beyond the handshake, and every message is sealed. A peer whose handshake
+    /// fails is sent `refusal` (one plain frame, the same for everyone) before it is closed,
+    /// so a client configured without the secret can say why.
+    pub async fn bind_with(
+        addr: &str,
+        key: Option<Key>,
+        refusal: Option<Vec<u8>>,
+    ) -> Result<Router, ZmtpError> {
+        let sealing = key.map(|key| Arc::new(Sealing { key, refusal }));
         let listener = TcpListener::bind(parse_addr(addr)?).await?;
         let local = listener.local_addr()?;
         let (tx, events) = mpsc::channel(RECV_QUEUE_MESSAGES_MAX);
         let senders: Senders = Arc::default();
-        let accept = tokio::spawn(accept_loop(listener, tx, senders.clone()));
+        let stats = Arc::new(RouterCounters::default());
+        let accept = tokio::spawn(accept_loop(
+            listener,
+            tx,
+            senders.clone(),
+            sealing,
+            stats.clone(),
+        ));
         Ok(Router {
             local,
             events,
             senders,
             accept,
+            stats,
         })
     }
 
@@ -110,21 +187,58 @@ impl Router {
         self.local
     }
 
-    /// The next event; `None` only if the accept loop has ended.
+    /// The next event; `None` only if the accept loop has ended. Taking a message frees
+    /// one of its connection's [`CONNECTION_INFLIGHT_MAX`] places in the queue.
     pub async fn recv(&mut self) -> Option<RouterEvent> {
-        self.events.recv().await
+        self.events.recv().await.map(|(event, _permit)| event)
     }
 
-    /// Queues a message to one connection. Never waits: a full queue is `QueueFull`.
+    /// Marks `conn` as a known peer (it said a valid hello, or registered): exempt from the
+    /// pending bounds from now on (its capacity is the reserve below [`CONNECTIONS_MAX`]).
+    pub fn admit(&self, conn: ConnId) {
+        if let Some(slot) = lock(&self.senders).get(&conn) {
+            slot.admitted.store(true, Ordering::Release);
+        }
+    }
+
+    /// What the router refused or dropped so far.
+    pub fn stats(&self) -> RouterStats {
+        let c = &self.stats;
+        RouterStats {
+            refused_full: c.refused_full.load(Ordering::Relaxed),
+            refused_pending: c.refused_pending.load(Ordering::Relaxed),
+            refused_source: c.refused_source.load(Ordering::Relaxed),
+            dropped_slow: c.dropped_slow.load(Ordering::Relaxed),
+            dropped_idle: c.dropped_idle.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Queues a message to one connection. Never waits. A connection whose queue is full,
+    /// in messages or in bytes ([`SEND_QUEUE_BYTES_MAX`]), does not read what it is sent:
+    /// it is dropped (counted, logged) and `QueueFull` returned.
     pub fn send(&self, conn: ConnId, frames: Vec<Vec<u8>>) -> Result<(), ZmtpError> {
-        let tx = lock(&self.senders)
-            .get(&conn)
-            .cloned()
-            .ok_or(ZmtpError::Closed)?;
-        tx.try_send(frames).map_err(|e| match e {
-            mpsc::error::TrySendError::Full(_) => ZmtpError::QueueFull,
-            mpsc::error::TrySendError::Closed(_) => ZmtpError::Closed,
-        })
+        let bytes: usize = frames.iter().map(Vec::len).sum();
+        let mut slots = lock(&self.senders);
+        let slot = slots.get(&conn).ok_or(ZmtpError::Closed)?;
+        let queued = slot.queued.fetch_add(bytes, Ordering::AcqRel);
+        let sent = if queued + bytes > SEND_QUEUE_BYTES_MAX {
+            Err(ZmtpError::QueueFull)
+        } else {
+            slot.tx.try_send(frames).map_err(|e| match e {
+                mpsc::error::TrySendError::Full(_) => ZmtpError::QueueFull,
+                mpsc::error::TrySendError::Closed(_) => ZmtpError::Closed,
+            })
+        };
+        if sent.is_err() {
+            slot.queued.fetch_sub(bytes, Ordering::AcqRel);
+        }
+        if matches!(sent, Err(ZmtpError::QueueFull)) {
+            self.stats.dropped_slow.fetch_add(1, Ordering::Relaxed);
+            warn!(peer = %slot.peer, queued, max = SEND_QUEUE_BYTES_MAX,
+                "dropping a connection that does not read its replies");
+            slots.remove(&conn);
+        }
+        sent
     }
 
     /// Closes one connection.
@@ -138,7 +252,13 @@ impl Router {
     }
 }
 
-async fn accept_loop(listener: TcpListener, events: mpsc::Sender<RouterEvent>, senders: Senders) {
+async fn accept_loop(
+    listener: TcpListener,
+    events: Events,
+    senders: Senders,
+    sealing: Option<Arc<Sealing>>,
+    stats: Arc<RouterCounters>,
+) {
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(accepted) => accepted,
@@ -149,61 +269,155 @@ async fn accept_loop(listener: TcpListener, events: mpsc::Sender<RouterEvent>, s
                 continue;
             }
         };
-        if lock(&senders).len() >= CONNECTIONS_MAX {
-            warn!(%peer, max = CONNECTIONS_MAX, "refusing connection: too many connections");
-            continue; // dropping the stream closes it
+        {
+            let mut slots = lock(&senders);
+            let counter = |bound: &Bound| match bound {
+                Bound::Full => &stats.refused_full,
+                Bound::Pending => &stats.refused_pending,
+                Bound::Source => &stats.refused_source,
+            };
+            match admission(&slots, peer) {
+                Ok(None) => {}
+                Ok(Some((bound, evicted))) => {
+                    counter(&bound).fetch_add(1, Ordering::Relaxed);
+                    let old = slots.remove(&evicted).map(|s| s.peer);
+                    warn!(%peer, ?bound, evicted = ?old,
+                        "at a connection bound: evicted the oldest pending connection");
+                }
+                Err(bound) => {
+                    counter(&bound).fetch_add(1, Ordering::Relaxed);
+                    warn!(%peer, ?bound, "refusing connection: every place is a known peer's");
+                    continue; // dropping the stream closes it
+                }
+            }
         }
         let conn = ConnId(NEXT_CONN.fetch_add(1, Ordering::Relaxed));
         let (tx, rx) = mpsc::channel(SEND_QUEUE_MESSAGES_MAX);
-        lock(&senders).insert(conn, tx);
+        let outbox = Outbox {
+            rx,
+            queued: Arc::default(),
+            admitted: Arc::default(),
+        };
+        let slot = Slot {
+            tx,
+            queued: outbox.queued.clone(),
+            admitted: outbox.admitted.clone(),
+            peer,
+        };
+        lock(&senders).insert(conn, slot);
         tokio::spawn(serve(
             stream,
-            peer,
-            conn,
-            rx,
+            (peer, conn),
+            outbox,
             events.clone(),
             senders.clone(),
+            sealing.clone(),
+            stats.clone(),
         ));
     }
+}
+
+/// Which bound a new connection met.
+#[derive(Debug)]
+enum Bound {
+    Full,
+    Pending,
+    Source,
+}
+
+/// Whether a connection from `peer` fits: under [`CONNECTIONS_MAX`] in all, and, among
+/// connections not yet admitted as peers, under [`PENDING_CONNECTIONS_MAX`] and
+/// [`PENDING_PER_SOURCE_MAX`] from its address. At a bound, the oldest pending connection
+/// (of that source, for the per-source bound) is evicted to make room: strangers can only
+/// push each other out, an honest newcomer's short exchange gets through, and admitted
+/// peers always keep the reserve. `Err` when there is nothing to evict (all admitted).
+fn admission(
+    slots: &BTreeMap<ConnId, Slot>,
+    peer: SocketAddr,
+) -> Result<Option<(Bound, ConnId)>, Bound> {
+    let pending = || {
+        slots
+            .iter()
+            .filter(|(_, s)| !s.admitted.load(Ordering::Acquire))
+    };
+    let oldest = |same_source: bool| {
+        pending()
+            .find(|(_, s)| !same_source || s.peer.ip() == peer.ip())
+            .map(|(c, _)| *c)
+    };
+    if slots.len() >= CONNECTIONS_MAX {
+        return oldest(false)
+            .map(|c| Some((Bound::Full, c)))
+            .ok_or(Bound::Full);
+    }
+    let (mut all, mut same) = (0usize, 0usize);
+    for (_, slot) in pending() {
+        all += 1;
+        same += usize::from(slot.peer.ip() == peer.ip());
+    }
+    if same >= PENDING_PER_SOURCE_MAX {
+        return oldest(true)
+            .map(|c| Some((Bound::Source, c)))
+            .ok_or(Bound::Source);
+    }
+    if all >= PENDING_CONNECTIONS_MAX {
+        return oldest(false)
+            .map(|c| Some((Bound::Pending, c)))
+            .ok_or(Bound::Pending);
+    }
+    Ok(None)
 }
 
 /// One accepted connection: handshake, then read and write until either side ends.
 async fn serve(
     stream: TcpStream,
-    peer: SocketAddr,
-    conn: ConnId,
-    outbox: mpsc::Receiver<Vec<Vec<u8>>>,
-    events: mpsc::Sender<RouterEvent>,
+    (peer, conn): (SocketAddr, ConnId),
+    outbox: Outbox,
+    events: Events,
     senders: Senders,
+    sealing: Option<Arc<Sealing>>,
+    stats: Arc<RouterCounters>,
 ) {
     let _ = stream.set_nodelay(true);
+    // At most CONNECTION_INFLIGHT_MAX of this connection's messages wait in the shared
+    // queue: a flood on one connection cannot delay another's heartbeats behind it.
+    let fair = Arc::new(Semaphore::new(CONNECTION_INFLIGHT_MAX));
     let result = run_connection(
         stream,
         SocketType::Router,
         &[],
+        sealing.as_deref(),
         outbox,
         |frames| {
-            let events = events.clone();
+            let (events, fair) = (events.clone(), fair.clone());
             async move {
-                events
-                    .send(RouterEvent::Message { conn, peer, frames })
-                    .await
-                    .is_ok()
+                let Ok(permit) = fair.acquire_owned().await else {
+                    return false;
+                };
+                let event = RouterEvent::Message { conn, peer, frames };
+                events.send((event, Some(permit))).await.is_ok()
             }
         },
         || {
             let events = events.clone();
             async move {
-                let _ = events.send(RouterEvent::Connected { conn, peer }).await;
+                let _ = events
+                    .send((RouterEvent::Connected { conn, peer }, None))
+                    .await;
             }
         },
     )
     .await;
+    if matches!(result, Err(ZmtpError::Idle(_))) {
+        stats.dropped_idle.fetch_add(1, Ordering::Relaxed);
+    }
     lock(&senders).remove(&conn);
     let reason = match result {
         Ok(()) => "closed".to_string(),
         Err(e) => {
-            if !matches!(e, ZmtpError::Io(_) | ZmtpError::Closed) {
+            if matches!(e, ZmtpError::Noise(_)) {
+                warn!(%peer, error = %e, "refused a connection: not authenticated (not the same secret, replayed or forged)");
+            } else if !matches!(e, ZmtpError::Io(_) | ZmtpError::Closed) {
                 warn!(%peer, error = %e, "closing connection: protocol violation");
             }
             e.to_string()
@@ -211,7 +425,7 @@ async fn serve(
     };
     debug!(%peer, ?conn, %reason, "connection ended");
     let _ = events
-        .send(RouterEvent::Disconnected { conn, peer, reason })
+        .send((RouterEvent::Disconnected { conn, peer, reason }, None))
         .await;
 }
 
@@ -221,7 +435,8 @@ async fn run_connection<D, DF, C, CF>(
     stream: TcpStream,
     ours: SocketType,
     identity: &[u8],
-    mut outbox: mpsc::Receiver<Vec<Vec<u8>>>,
+    sealing: Option<&Sealing>,
+    outbox: Outbox,
     deliver: D,
     connected: C,
 ) -> Result<(), ZmtpError>
@@ -238,13 +453,39 @@ where
         r: &mut reader,
         w: &mut writer,
     };
-    tokio::time::timeout(
-        HANDSHAKE_TIMEOUT,
-        codec::handshake(&mut both, ours, identity),
-    )
-    .await
-    .map_err(|_| ZmtpError::HandshakeTimeout(HANDSHAKE_TIMEOUT))??;
+    let deadline = tokio::time::Instant::now() + HANDSHAKE_TIMEOUT;
+    let late = |_| ZmtpError::HandshakeTimeout(HANDSHAKE_TIMEOUT);
+    tokio::time::timeout_at(deadline, codec::handshake(&mut both, ours, identity))
+        .await
+        .map_err(late)??;
+    let session = match sealing {
+        None => None,
+        Some(Sealing { key, refusal }) => {
+            match tokio::time::timeout_at(deadline, noise_handshake(&mut both, ours, key)).await {
+                Ok(Ok(session)) => Some(session),
+                Ok(Err(e)) => {
+                    // A peer without the secret (or with another) is told so in the clear,
+                    // with a fixed message, before the connection closes.
+                    if let Some(refusal) = refusal {
+                        let write = codec::write_message(&mut both, std::slice::from_ref(refusal));
+                        let _ = tokio::time::timeout_at(deadline, write).await;
+                    }
+                    return Err(e);
+                }
+                Err(e) => return Err(late(e)),
+            }
+        }
+    };
+    let (mut sealer, mut opener) = match session {
+        Some(s) => (Some(s.sealer), Some(s.opener)),
+        None => (None, None),
+    };
     connected().await;
+    let Outbox {
+        rx: mut outbox,
+        queued,
+        admitted,
+    } = outbox;
     let (pong_tx, mut pong_rx) = mpsc::channel::<Vec<u8>>(4);
     let write_half = async move {
         loop {
@@ -254,16 +495,38 @@ where
                     Some(body) => codec::write_command(&mut writer, &body).await?,
                     None => return Ok::<(), ZmtpError>(()),
                 },
-                msg = outbox.recv() => match msg {
-                    Some(frames) => codec::write_message(&mut writer, &frames).await?,
-                    None => return Ok(()),
-                },
+                msg = outbox.recv() => {
+                    let bytes = msg.as_ref().map_or(0, |f| f.iter().map(Vec::len).sum());
+                    match (msg, sealer.as_mut()) {
+                        (Some(frames), None) => codec::write_message(&mut writer, &frames).await?,
+                        (Some(frames), Some(sealer)) => {
+                            codec::write_sealed(&mut writer, sealer, &frames).await?;
+                        }
+                        (None, _) => return Ok(()),
+                    }
+                    queued.fetch_sub(bytes, Ordering::AcqRel);
+                }
             }
         }
     };
     let read_half = async move {
         loop {
-            match codec::read_message(&mut reader).await? {
+            let read = async {
+                match opener.as_mut() {
+                    None => codec::read_message(&mut reader).await,
+                    Some(opener) => codec::read_sealed(&mut reader, opener).await,
+                }
+            };
+            // A connection not yet admitted as a peer must send a whole message within
+            // PENDING_IDLE_TIMEOUT (idle and trickling connections cannot hold a slot).
+            let incoming = if admitted.load(Ordering::Acquire) {
+                read.await?
+            } else {
+                tokio::time::timeout(PENDING_IDLE_TIMEOUT, read)
+                    .await
+                    .map_err(|_| ZmtpError::Idle(PENDING_IDLE_TIMEOUT))??
+            };
+            match incoming {
                 Incoming::Message(frames) => {
                     if !deliver(frames).await {
                         return Ok::<(), ZmtpError>(());
@@ -281,6 +544,31 @@ where
         biased;
         r = read_half => r,
         w = write_half => w,
+    }
+}
+
+/// A connection's secret, and what a ROUTER tells a peer that fails the handshake.
+struct Sealing {
+    key: Key,
+    refusal: Option<Vec<u8>>,
+}
+
+/// The Noise handshake after ZMTP's: the DEALER (the end that connected) initiates.
+async fn noise_handshake<S>(io: &mut S, ours: SocketType, key: &Key) -> Result<Session, ZmtpError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    if ours == SocketType::Dealer {
+        let mut initiator = noise::Initiator::new(key, noise::PROLOGUE_ZMTP)?;
+        codec::write_handshake(io, &initiator.hello()?).await?;
+        let answer = codec::read_handshake(io).await?;
+        Ok(initiator.finish(&answer)?)
+    } else {
+        let responder = noise::Responder::new(key, noise::PROLOGUE_ZMTP)?;
+        let hello = codec::read_handshake(io).await?;
+        let (answer, session) = responder.answer(&hello)?;
+        codec::write_handshake(io, &answer).await?;
+        Ok(session)
     }
 }
 
@@ -339,43 +627,70 @@ impl Dealer {
         identity: &[u8],
         timeout: std::time::Duration,
     ) -> Result<Dealer, ZmtpError> {
+        Dealer::connect_with(addr, identity, timeout, None).await
+    }
+
+    /// Connects to `addr` and completes the handshake (with a key, the Noise handshake too:
+    /// see [`Router::bind_with`]), all within `timeout`.
+    pub async fn connect_with(
+        addr: &str,
+        identity: &[u8],
+        timeout: std::time::Duration,
+        key: Option<Key>,
+    ) -> Result<Dealer, ZmtpError> {
         let hostport = parse_addr(addr)?;
         let stream = tokio::time::timeout(timeout, TcpStream::connect(&hostport))
             .await
             .map_err(|_| ZmtpError::HandshakeTimeout(timeout))??;
         let _ = stream.set_nodelay(true);
         let (outbox, out_rx) = mpsc::channel(SEND_QUEUE_MESSAGES_MAX);
+        let out_rx = Outbox {
+            rx: out_rx,
+            queued: Arc::default(),
+            // Our own connection to a server: no pending bounds apply.
+            admitted: Arc::new(AtomicBool::new(true)),
+        };
         let (in_tx, inbox) = mpsc::channel(RECV_QUEUE_MESSAGES_MAX);
-        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+        let sealing = key.map(|key| Sealing { key, refusal: None });
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<Result<(), ZmtpError>>();
+        // Told once: connected, or why the handshake failed (a refused secret, by name).
+        let ready = Arc::new(Mutex::new(Some(ready_tx)));
+        let tell = move |r: Result<(), ZmtpError>| {
+            if let Some(tx) = ready.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                let _ = tx.send(r);
+            }
+        };
         let identity = identity.to_vec();
         let peer = addr.to_string();
         let name = peer.clone();
         let task = tokio::spawn(async move {
+            let told = tell.clone();
             let result = run_connection(
                 stream,
                 SocketType::Dealer,
                 &identity,
+                sealing.as_ref(),
                 out_rx,
                 |frames| {
                     let in_tx = in_tx.clone();
                     async move { in_tx.send(frames).await.is_ok() }
                 },
-                || async move {
-                    let _ = ready_tx.send(());
-                },
+                || async move { told(Ok(())) },
             )
             .await;
             if let Err(e) = result {
                 debug!(peer = %name, error = %e, "dealer connection ended");
+                tell(Err(e));
             }
         });
         match tokio::time::timeout(timeout, ready_rx).await {
-            Ok(Ok(())) => Ok(Dealer {
+            Ok(Ok(Ok(()))) => Ok(Dealer {
                 peer,
                 outbox,
                 inbox,
                 task: Arc::new(AbortOnDrop(task.abort_handle())),
             }),
+            Ok(Ok(Err(e))) => Err(e),
             Ok(Err(_)) => Err(ZmtpError::Closed),
             Err(_) => {
                 task.abort();

@@ -84,7 +84,11 @@ def post_json(port: int, path: str, payload: dict, timeout: float):
     t = time.perf_counter()
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return time.perf_counter() - t, json.load(r), ""
+            raw = r.read()
+        try:
+            return time.perf_counter() - t, json.loads(raw), ""
+        except ValueError:
+            return time.perf_counter() - t, None, f"not JSON: {raw[:200]!r}"
     except urllib.error.HTTPError as e:
         return time.perf_counter() - t, None, f"HTTP {e.code}: {e.read()[:2000]!r}"
     except (urllib.error.URLError, OSError) as e:

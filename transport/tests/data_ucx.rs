@@ -219,3 +219,99 @@ async fn a_killed_peer_fails_transfers_promptly() {
     println!("UCX transfer failed {after:?} after the kill: {err}");
     assert!(after < Duration::from_secs(5), "{after:?}: {err}");
 }
+
+/// A decode that lies about its memory: descriptors whose addresses, lengths or keys do not
+/// match what its key really opens. Over shared memory UCX writes through a mapping of the
+/// peer's segment at `address - base` without a bound, so an unchecked lie is a write into
+/// our own address space (SIGSEGV, or worse, silent corruption of our heap). Every lie must
+/// end as a named error (or, where the lie stays inside memory the liar's key really
+/// opens, land there) with this process alive; the honest child's blocks never change
+/// under a lie; and honest transfers succeed after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_lies_about_its_memory_gets_a_named_error_and_we_live() {
+    let Some(plane) = plane_or_skip("ucx lying peer", "prefill") else {
+        return;
+    };
+    let (mut liar, honest_view) = spawn_child();
+    let (mut other, other_peer) = spawn_child();
+    assert_eq!(liar.ask("fill 4", STEP), "filled");
+    let all = format_ids(&ids(0..BLOCKS));
+    let before = liar.ask(&format!("checksum {all}"), STEP);
+    fill(plane.region(), 9);
+    let r = RequestId::new("lie");
+    let len = honest_view.region.len;
+    let base = honest_view.region.base;
+    let block = BLOCK_BYTES as u64;
+    let mut lies: Vec<(&str, UcxPeer)> = Vec::new();
+    let mut lie = |what, edit: &dyn Fn(&mut UcxPeer)| {
+        let mut p = honest_view.clone();
+        edit(&mut p);
+        lies.push((what, p));
+    };
+    lie("4 MiB below the real base", &|p| {
+        p.region.base = base - (4 << 20)
+    });
+    lie("one block past the end", &|p| p.region.base = base + block);
+    lie("far away", &|p| p.region.base = base.wrapping_add(1 << 40));
+    lie("below address zero", &|p| p.region.base = 4096);
+    lie("another peer's key", &|p| {
+        p.region.remote_key = other_peer.region.remote_key.clone();
+    });
+    lie("another peer's key and base", &|p| {
+        p.region.remote_key = other_peer.region.remote_key.clone();
+        p.region.base = other_peer.region.base - (1 << 20);
+    });
+    lie("zero length", &|p| p.region.len = 0);
+    lie("twice its length", &|p| p.region.len = 2 * len);
+    lie("a key of noise", &|p| {
+        p.region.remote_key = (0..p.region.remote_key.len()).map(|i| i as u8).collect();
+    });
+    let last = [BlockId(BLOCKS - 1)];
+    let first = [BlockId(0)];
+    let other_before = other.ask(&format!("checksum {all}"), STEP);
+    for (what, peer) in &lies {
+        for (dir, blocks) in [
+            ("write", &first),
+            ("write", &last),
+            ("read", &first),
+            ("read", &last),
+        ] {
+            let deadline = Instant::now() + STEP;
+            let result = if dir == "write" {
+                plane.write(&r, peer, &first, blocks, deadline).await
+            } else {
+                plane.read(&r, peer, blocks, &first, deadline).await
+            };
+            match result {
+                Err(e @ DataError::Protocol { .. }) => println!("{what}, {dir}: refused: {e}"),
+                // A key UCX cannot use at all reaches nothing: what it posts (emulated over
+                // the liar's own transport) lands in the liar's memory or fails there.
+                Err(e) if *what == "a key of noise" => println!("{what}, {dir}: failed: {e}"),
+                Ok(()) if *what == "a key of noise" => {
+                    println!("{what}, {dir}: reached nothing of ours")
+                }
+                other => panic!("{what}, {dir}: {other:?}"),
+            }
+        }
+        if *what != "a key of noise" {
+            // Refused before anything was posted: the liar's blocks are as they were.
+            let after = liar.ask(&format!("checksum {all}"), STEP);
+            assert_eq!(after, before, "{what}");
+        }
+    }
+    // The other child, whose key was borrowed, never saw a byte.
+    assert_eq!(other.ask(&format!("checksum {all}"), STEP), other_before);
+    // Honest transfers after the lies, to a fresh honest child, are whole.
+    let (mut honest, honest_peer) = spawn_child();
+    let src = ids(0..BLOCKS);
+    let dst = Rng::new(11).permutation(BLOCKS);
+    plane
+        .write(&r, &honest_peer, &src, &dst, Instant::now() + STEP)
+        .await
+        .unwrap();
+    let remote = honest.ask(&format!("checksum {}", format_ids(&dst)), STEP);
+    assert_eq!(
+        remote,
+        format!("checksum {}", checksum(plane.region(), &src))
+    );
+}

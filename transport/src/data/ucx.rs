@@ -35,7 +35,9 @@
 //! scope (only the ranges it registered), our checks before anything is posted (the peer's
 //! layout is well formed, every range's blocks lie inside the length it advertised for
 //! that range, every block is inside the layout: a violation is a protocol error naming
-//! the peer, and nothing is written), and the control plane's grant (the peer handed out
+//! the peer, and nothing is written), the key's own check when it is unpacked (on shared
+//! memory the advertised range, seen through the key, must lie in the segment the key
+//! maps: [`Endpoint::unpack_rkey`]), and the control plane's grant (the peer handed out
 //! these blocks for this request), as in NIXL and Mooncake Transfer Engine.
 //!
 //! Cancellation: dropping a call's future does not stop a job the thread has started; the
@@ -1359,7 +1361,7 @@ fn ucx_error(peer: &UcxPeer, error: UcxError, started: Instant) -> DataError {
             peer: peer.name.clone(),
             detail: error.to_string(),
         },
-        UcxError::OutOfRange { .. } => DataError::Protocol {
+        UcxError::OutOfRange { .. } | UcxError::UnverifiedKey { .. } => DataError::Protocol {
             peer: peer.name.clone(),
             detail: error.to_string(),
         },

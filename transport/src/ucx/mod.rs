@@ -48,6 +48,7 @@
 
 mod batch;
 mod context;
+mod maps;
 mod memory;
 pub mod sys;
 mod worker;
@@ -163,6 +164,18 @@ pub enum UcxError {
         len: u64,
         /// Size of the region in bytes.
         limit: u64,
+    },
+    /// A peer's key does not open the range the peer advertised for it: on the shared-memory
+    /// transports the range, seen through the key, is not inside the segment the key maps
+    /// (a lie, or a stale or foreign key). Nothing was posted with it.
+    #[error("remote key does not open [{base:#x}, +{len}): {detail}")]
+    UnverifiedKey {
+        /// The advertised start.
+        base: u64,
+        /// The advertised length.
+        len: u64,
+        /// What the check found.
+        detail: String,
     },
     /// An argument is unusable: zero length, oversized peer bytes, NUL in a config string.
     #[error("invalid argument: {what}")]

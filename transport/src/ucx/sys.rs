@@ -87,6 +87,8 @@ pub type ucp_rkey_h = *mut ucp_rkey;
 pub const UCS_OK: ucs_status_t = 0;
 /// `UCS_INPROGRESS`.
 pub const UCS_INPROGRESS: ucs_status_t = 1;
+/// `UCS_ERR_UNREACHABLE`: e.g. `ucp_rkey_ptr` for a key no shared-memory transport maps.
+pub const UCS_ERR_UNREACHABLE: ucs_status_t = -6;
 /// `UCS_ERR_CANCELED`.
 pub const UCS_ERR_CANCELED: ucs_status_t = -16;
 /// `UCS_ERR_LAST`: the most negative status; pointers in `[UCS_ERR_LAST, -1]` are errors.
@@ -409,6 +411,7 @@ pub struct Api {
     pub ucp_ep_rkey_unpack:
         unsafe extern "C" fn(ucp_ep_h, *const c_void, *mut ucp_rkey_h) -> ucs_status_t,
     pub ucp_rkey_destroy: unsafe extern "C" fn(ucp_rkey_h),
+    pub ucp_rkey_ptr: unsafe extern "C" fn(ucp_rkey_h, u64, *mut *mut c_void) -> ucs_status_t,
     pub ucp_put_nbx: unsafe extern "C" fn(
         ucp_ep_h,
         *const c_void,
@@ -643,6 +646,7 @@ fn resolve(
             ucp_rkey_buffer_release: sym(ucp, "ucp_rkey_buffer_release")?,
             ucp_ep_rkey_unpack: sym(ucp, "ucp_ep_rkey_unpack")?,
             ucp_rkey_destroy: sym(ucp, "ucp_rkey_destroy")?,
+            ucp_rkey_ptr: sym(ucp, "ucp_rkey_ptr")?,
             ucp_put_nbx: sym(ucp, "ucp_put_nbx")?,
             ucp_get_nbx: sym(ucp, "ucp_get_nbx")?,
             ucp_request_check_status: sym(ucp, "ucp_request_check_status")?,

@@ -6,6 +6,7 @@ use std::rc::{Rc, Weak};
 use std::time::Instant;
 
 use super::context::{Context, ContextInner};
+use super::maps;
 use super::sys::{self, Api};
 use super::{UcxError, ENDPOINT_CLOSE_TIMEOUT, RKEY_BYTES_MAX, WORKER_ADDRESS_BYTES_MAX};
 
@@ -386,6 +387,12 @@ impl Endpoint {
     /// Turns a peer's packed remote key (from its [`super::MemoryRegion::pack_rkey`]) into a
     /// [`RemoteKey`] for the peer's region `[base, base + len)`. Every operation through the
     /// key is checked against that range before it is posted.
+    ///
+    /// Where UCX reaches the key's memory by pointer (the shared-memory transports, whose
+    /// puts and gets are an unbounded `memcpy` into a mapping of the peer's segment), the
+    /// range must lie inside the mapping this unpacking made, else
+    /// [`UcxError::UnverifiedKey`] and the key is destroyed: a peer cannot make us touch
+    /// memory outside what it registered by advertising a range its key does not cover.
     pub fn unpack_rkey(&self, packed: &[u8], base: u64, len: u64) -> Result<RemoteKey, UcxError> {
         if packed.is_empty() || packed.len() > RKEY_BYTES_MAX {
             return Err(UcxError::InvalidArgument {
@@ -406,9 +413,20 @@ impl Endpoint {
         let ep = self.inner.live()?;
         let api = self.inner.worker.api;
         let mut handle = std::ptr::null_mut();
+        // Snapshot, unpack, snapshot, under one process-wide lock: the shared mappings new
+        // between the two are the ones this unpacking made (see `maps`).
+        let guard = maps::UNPACK.lock().unwrap_or_else(|e| e.into_inner());
+        let before = maps::shared();
         // SAFETY: live endpoint; `packed` outlives the call (UCX copies what it needs).
         let status = unsafe { (api.ucp_ep_rkey_unpack)(ep, packed.as_ptr().cast(), &mut handle) };
         api.check("ucp_ep_rkey_unpack", status)?;
+        let checked = verify_reach(api, handle, base, len, before);
+        drop(guard);
+        if let Err(detail) = checked {
+            // SAFETY: `handle` came from `ucp_ep_rkey_unpack` above and is destroyed once.
+            unsafe { (api.ucp_rkey_destroy)(handle) };
+            return Err(UcxError::UnverifiedKey { base, len, detail });
+        }
         let inner = Rc::new(RkeyInner {
             api,
             handle: Cell::new(handle),
@@ -530,4 +548,39 @@ impl RemoteKey {
     pub(crate) fn belongs_to(&self, ep: &Endpoint) -> bool {
         Rc::ptr_eq(&self.inner._ep, &ep.inner)
     }
+}
+
+/// Checks that a key just unpacked opens `[base, base + len)`, where UCX reaches it by
+/// pointer (the shared-memory transports, which put and get with `memcpy` at
+/// `mapping + address - segment base`, unchecked): the range, through the key, must lie in
+/// the mapping the unpacking made ([`maps::check_mapped`]). A key no transport reaches by
+/// pointer (`UCS_ERR_UNREACHABLE`: cma, TCP, verbs, where the kernel, the peer or the NIC
+/// checks the address) passes. `before` is the shared mappings before the unpacking.
+fn verify_reach(
+    api: &Api,
+    handle: sys::ucp_rkey_h,
+    base: u64,
+    len: u64,
+    before: std::io::Result<Vec<maps::Mapping>>,
+) -> Result<(), String> {
+    if len == 0 {
+        return Ok(());
+    }
+    let mut ptr: *mut std::ffi::c_void = std::ptr::null_mut();
+    // SAFETY: `handle` is a live key; `ucp_rkey_ptr` only computes an address (no access).
+    let status = unsafe { (api.ucp_rkey_ptr)(handle, base, &mut ptr) };
+    if status == sys::UCS_ERR_UNREACHABLE {
+        return Ok(());
+    }
+    if status != sys::UCS_OK {
+        return Err(format!("ucp_rkey_ptr: {}", api.status_string(status)));
+    }
+    let (Ok(old), Ok(new)) = (before, maps::shared()) else {
+        return Err(
+            "the key is reached through shared memory, and this process's \
+                    mappings (/proc/self/maps) cannot be read to check it"
+                .into(),
+        );
+    };
+    maps::check_mapped(&old, &new, base, ptr as u64, len)
 }

@@ -156,8 +156,10 @@ pub struct WorkerArgs {
     /// Decode: the prefill engine to receive from.
     #[arg(long)]
     pub prefill: Option<String>,
-    /// Decode: push (prefill writes) or pull (decode reads).
-    #[arg(long, value_enum, default_value_t = ModeArg::Push)]
+    /// Decode: pull (decode reads prefill's blocks: the safe default, since no write of a
+    /// frozen or cut-off peer can land in blocks decode gave back) or push (prefill writes;
+    /// over UCX a failed request's blocks stay fenced until prefill confirms).
+    #[arg(long, value_enum, default_value_t = ModeArg::Pull)]
     pub mode: ModeArg,
     /// Decode: reject new requests while this many wait for blocks (admission control).
     #[arg(long)]

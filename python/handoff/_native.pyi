@@ -63,7 +63,7 @@ class Runtime:
         pp_rank: int = 0,
         pp_size: int = 1,
         transport: str = "auto",
-        mode: str = "push",
+        mode: str = "pull",
         control_listen: str = "tcp://127.0.0.1:0",
         data_listen: str = "127.0.0.1:0",
         advertise_host: str | None = None,

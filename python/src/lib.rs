@@ -539,7 +539,7 @@ impl Runtime {
     #[pyo3(signature = (
         role, engine, bootstrap, ranges, num_blocks, *, device="cpu", layers=None,
         block_tokens=0, dtype_bytes=0, dp_rank=0, dp_size=1, tp_rank=0, tp_size=1, pp_rank=0,
-        pp_size=1, transport="auto", mode="push", control_listen="tcp://127.0.0.1:0",
+        pp_size=1, transport="auto", mode="pull", control_listen="tcp://127.0.0.1:0",
         data_listen="127.0.0.1:0", advertise_host=None, bootstrap_s=300.0, waiting_s=300.0,
         transfer_s=60.0, pull_ttl_s=480.0, register_timeout_s=30.0, heartbeat_ms=5000,
         heartbeats_missed=6, secret_file=None, admission=None, keep=None, insecure=false

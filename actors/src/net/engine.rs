@@ -123,7 +123,10 @@ pub struct EngineOptions {
     pub register_timeout: Duration,
     /// Deadlines of every lifecycle state.
     pub timeouts: Timeouts,
-    /// Decode: push or pull.
+    /// Decode: push or pull. Default: pull, the safe mode where the data plane is
+    /// one-sided (UCX): decode's reads land only in its own blocks, which it releases only
+    /// once no read of its own is in flight, so no late write from a frozen or partitioned
+    /// peer can reach a block the engine got back (ARCHITECTURE, Fences).
     pub mode: TransferMode,
     /// Decode: admission control (see [`crate::RuntimeBuilder::admission`]).
     pub admission: Option<usize>,
@@ -137,7 +140,7 @@ pub struct EngineOptions {
 
 impl EngineOptions {
     /// Defaults for everything but who the worker is and where the bootstrap server is:
-    /// loopback listeners on any port, `auto` transport, push, the default deadlines.
+    /// loopback listeners on any port, `auto` transport, pull, the default deadlines.
     pub fn new(role: Role, rank: RankInfo, bootstrap: impl Into<String>) -> EngineOptions {
         EngineOptions {
             role,
@@ -152,7 +155,7 @@ impl EngineOptions {
             heartbeats_missed_max: HEARTBEATS_MISSED_MAX_DEFAULT,
             register_timeout: REGISTER_TIMEOUT_DEFAULT,
             timeouts: Timeouts::default(),
-            mode: TransferMode::Push,
+            mode: TransferMode::Pull,
             admission: None,
             key: None,
             insecure: false,

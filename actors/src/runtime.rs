@@ -607,7 +607,12 @@ fn to_event(role: Role, from: Peer, msg: Outbound) -> MachineEvent {
         }),
         Role::Decode => MachineEvent::Receiver(match msg {
             Outbound::Done { aux } => ReceiverEvent::Done { from, aux },
-            Outbound::Ready { blocks, aux } => ReceiverEvent::Ready { from, blocks, aux },
+            Outbound::Ready { blocks, aux, hold } => ReceiverEvent::Ready {
+                from,
+                blocks,
+                aux,
+                hold,
+            },
             Outbound::Abort { reason } => ReceiverEvent::PeerAbort { from, reason },
             Outbound::AbortAck => ReceiverEvent::AbortAck { from },
             other => ReceiverEvent::Unexpected {

@@ -108,7 +108,8 @@ fn sender_given_blocks_before_transfer_info_goes_straight_to_transferring() {
                 to: d.clone(),
                 msg: Outbound::Ready {
                     blocks: b(&[1]),
-                    aux: vec![]
+                    aux: vec![],
+                    hold: Timeouts::default().pull_ttl,
                 }
             }
         ]
@@ -283,6 +284,7 @@ fn receiver_pull_reads_then_acknowledges_each_rank() {
             from: p0.clone(),
             blocks: b(&[9]),
             aux: vec![],
+            hold: Timeouts::default().pull_ttl,
         },
     );
     assert_eq!(
@@ -327,6 +329,7 @@ fn receiver_names_a_stranger_and_a_wrong_mode_as_protocol_errors() {
                 from: p0.clone(),
                 blocks: b(&[1]),
                 aux: vec![],
+                hold: Timeouts::default().pull_ttl,
             },
             "Ready in Push mode",
         ),
@@ -548,6 +551,7 @@ fn the_engines_payload_travels_with_done_or_ready_and_reaches_decode_before_done
             TransferMode::Pull => Outbound::Ready {
                 blocks: b(&[1]),
                 aux: aux.clone(),
+                hold: Timeouts::default().pull_ttl,
             },
         };
         assert_eq!(sent, vec![expected], "{mode:?}");
@@ -577,6 +581,7 @@ fn the_engines_payload_travels_with_done_or_ready_and_reaches_decode_before_done
                         from: p.clone(),
                         blocks: b(&[1]),
                         aux: aux.clone(),
+                        hold: Timeouts::default().pull_ttl,
                     },
                 );
                 r.handle(t, ReceiverEvent::ReadComplete { from: p.clone() });
@@ -590,6 +595,77 @@ fn the_engines_payload_travels_with_done_or_ready_and_reaches_decode_before_done
         assert!(
             matches!((at_aux, at_done), (Some(x), Some(y)) if x < y),
             "{mode:?}: {actions:?}"
+        );
+    }
+}
+
+/// Pull: a read that completes after prefill's stated hold, counted from when our transfer
+/// info went out (we were frozen, or the read stalled), may have read blocks prefill gave
+/// back and reused: it fails `TtlExpired` and never says `ReadDone` or `Done`; prefill is
+/// told and acknowledged so it can let go. A read just inside the hold is `Done`.
+#[test]
+fn a_pull_read_that_finishes_after_prefills_hold_fails_instead_of_done() {
+    let hold = Duration::from_secs(5);
+    for (late, expect_done) in [
+        (Duration::from_millis(4_900), true),
+        (Duration::from_millis(5_001), false),
+    ] {
+        let t = Instant::now();
+        let p0 = rank("P", 0);
+        let mut m = ReceiverMachine::new(t, Timeouts::default(), TransferMode::Pull);
+        m.handle(t, ReceiverEvent::Allocated { blocks: b(&[4]) });
+        m.handle(
+            t,
+            ReceiverEvent::PeersResolved {
+                peers: vec![p0.clone()],
+            },
+        );
+        drain_r(&mut m);
+        // Prefill's hold starts when it sends Ready, a second after our info left.
+        let ready_at = t + Duration::from_secs(1);
+        m.handle(
+            ready_at,
+            ReceiverEvent::Ready {
+                from: p0.clone(),
+                blocks: b(&[9]),
+                aux: vec![],
+                hold,
+            },
+        );
+        drain_r(&mut m);
+        m.handle(t + late, ReceiverEvent::ReadComplete { from: p0.clone() });
+        let actions = drain_r(&mut m);
+        let sent: Vec<&Outbound> = actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Send { msg, .. } => Some(msg),
+                _ => None,
+            })
+            .collect();
+        if expect_done {
+            assert_eq!(sent, vec![&Outbound::ReadDone], "{late:?}");
+            assert!(
+                actions.contains(&changed(State::Done)),
+                "{late:?}: {actions:?}"
+            );
+        } else {
+            assert!(
+                !sent.contains(&&Outbound::ReadDone),
+                "{late:?}: {actions:?}"
+            );
+            assert!(
+                sent.iter().any(|m| matches!(m, Outbound::Abort { .. })),
+                "{actions:?}"
+            );
+            assert!(sent.contains(&&Outbound::AbortAck), "{actions:?}");
+            assert!(
+                actions.contains(&changed(State::Failed(FailureReason::TtlExpired))),
+                "{late:?}: {actions:?}"
+            );
+        }
+        assert!(
+            actions.iter().any(|a| matches!(a, Action::Release { .. })),
+            "{late:?}: the blocks go back to the engine either way: {actions:?}"
         );
     }
 }

@@ -158,6 +158,7 @@ fn every_message() -> Vec<Message> {
             request_id: request(),
             blocks: vec![BlockId(0), BlockId(7)],
             aux: vec![],
+            hold_ms: 480_000,
         }),
         Message::Done(Done {
             request_id: request(),
@@ -1022,12 +1023,14 @@ fn any_peer_message() -> impl Strategy<Value = Message> {
         (
             any_request_id(),
             any_blocks(),
-            prop::collection::vec(any::<u8>(), 0..64)
+            prop::collection::vec(any::<u8>(), 0..64),
+            any::<u64>()
         )
-            .prop_map(|(request_id, blocks, aux)| Message::Ready(Ready {
+            .prop_map(|(request_id, blocks, aux, hold_ms)| Message::Ready(Ready {
                 request_id,
                 blocks,
-                aux
+                aux,
+                hold_ms
             })),
         (any_request_id(), prop::collection::vec(any::<u8>(), 0..64))
             .prop_map(|(request_id, aux)| Message::Done(Done { request_id, aux })),

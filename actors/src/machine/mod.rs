@@ -214,6 +214,8 @@ pub enum Outbound {
         blocks: Vec<BlockId>,
         /// The engine's per-request payload (empty if none).
         aux: Vec<u8>,
+        /// How long, at the least, prefill keeps the blocks from now (its pull TTL).
+        hold: Duration,
     },
     /// Prefill → decode (push): every block has been written.
     Done {

@@ -11,7 +11,7 @@
 //!       └───────────────── any state ───────────────▶ Failed(reason)
 //! ```
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use handoff_transport::{BlockId, FailureReason, TransferMode};
 
@@ -56,6 +56,8 @@ pub enum ReceiverEvent {
         blocks: Vec<BlockId>,
         /// Its engine's per-request payload (empty if none).
         aux: Vec<u8>,
+        /// How long, at the least, it keeps its blocks for our reads from sending `Ready`.
+        hold: Duration,
     },
     /// Push: a prefill rank confirms no write of its into our blocks can land any more
     /// (it answers our abort, or its own failure).
@@ -129,6 +131,13 @@ pub struct ReceiverMachine {
     fencing: bool,
     /// The one-sided write fence is part of `fencing`: granted prefill ranks must confirm.
     write_fence: bool,
+    /// When the transfer info went out: every prefill rank's hold on its blocks for our
+    /// reads started later than this.
+    info_sent_at: Option<Instant>,
+    /// Pull: until when each prefill rank surely holds its blocks for our reads (transfer
+    /// info sent + the hold its `Ready` states). A read that completes later may have
+    /// read blocks prefill already gave back: it fails `TtlExpired`, never `Done`.
+    leases: Vec<(Peer, Option<Instant>)>,
     /// Pull: reads we posted that have not reported back. A read's completion copies into
     /// our blocks, so they are not released while one is in flight.
     reads_outstanding: u32,
@@ -155,6 +164,8 @@ impl ReceiverMachine {
             info_sent: false,
             fencing: false,
             write_fence: false,
+            info_sent_at: None,
+            leases: Vec::new(),
             reads_outstanding: 0,
             acks_owed: Vec::new(),
             fence_writes: false,
@@ -242,7 +253,12 @@ impl ReceiverMachine {
             }
             ReceiverEvent::Allocated { blocks } => self.on_allocated(now, blocks),
             ReceiverEvent::Done { from, aux } => self.on_done(now, from, aux),
-            ReceiverEvent::Ready { from, blocks, aux } => self.on_ready(now, from, blocks, aux),
+            ReceiverEvent::Ready {
+                from,
+                blocks,
+                aux,
+                hold,
+            } => self.on_ready(now, from, blocks, aux, hold),
             ReceiverEvent::ReadComplete { from } => self.on_read_complete(from),
             ReceiverEvent::TransferFailed { detail } => {
                 self.reads_outstanding = self.reads_outstanding.saturating_sub(1);
@@ -336,6 +352,7 @@ impl ReceiverMachine {
             return;
         }
         self.info_sent = true;
+        self.info_sent_at.get_or_insert(now);
         for (peer, _) in self.peers.clone() {
             let msg = Outbound::TransferInfo {
                 mode: self.mode,
@@ -403,7 +420,14 @@ impl ReceiverMachine {
         }
     }
 
-    fn on_ready(&mut self, now: Instant, from: Peer, blocks: Vec<BlockId>, aux: Vec<u8>) {
+    fn on_ready(
+        &mut self,
+        now: Instant,
+        from: Peer,
+        blocks: Vec<BlockId>,
+        aux: Vec<u8>,
+        hold: Duration,
+    ) {
         let Some(i) = self.expect_input(&from, TransferMode::Pull, "Ready") else {
             return;
         };
@@ -419,6 +443,10 @@ impl ReceiverMachine {
             return self.fail(protocol(&from, detail), None);
         }
         self.peers[i].1 = Progress::Reading;
+        // The hold started when prefill sent `Ready`, after our transfer info reached it:
+        // counted from when we sent that info, the lease ends no later than the hold.
+        let lease = self.info_sent_at.and_then(|at| at.checked_add(hold));
+        self.leases.push((from.clone(), lease));
         self.reads_outstanding += 1;
         self.take_aux(from.clone(), aux);
         self.enter_transferring(now);
@@ -437,6 +465,14 @@ impl ReceiverMachine {
         };
         if self.peers[i].1 != Progress::Reading {
             return; // stale
+        }
+        let lease = self.leases.iter().find(|(p, _)| *p == from);
+        if let Some((_, Some(end))) = lease {
+            if self.now > *end {
+                // Prefill's hold may have ended before the read did (we were frozen, or the
+                // read stalled): what we read may be blocks it reused. Never `Done`.
+                return self.fail(FailureReason::TtlExpired, None);
+            }
         }
         self.peers[i].1 = Progress::Complete;
         self.core.send(&from, Outbound::ReadDone);

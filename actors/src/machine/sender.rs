@@ -318,7 +318,15 @@ impl SenderMachine {
                 let limit = self.core.timeouts.pull_ttl;
                 self.core.advance(now, State::Transferring, limit);
                 let aux = self.aux.clone();
-                self.core.send(&peer, Outbound::Ready { blocks: src, aux });
+                let hold = limit;
+                self.core.send(
+                    &peer,
+                    Outbound::Ready {
+                        blocks: src,
+                        aux,
+                        hold,
+                    },
+                );
             }
         }
     }

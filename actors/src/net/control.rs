@@ -294,6 +294,7 @@ impl Control {
                     Outbound::Ready {
                         blocks: r.blocks,
                         aux: r.aux,
+                        hold: Duration::from_millis(r.hold_ms),
                     },
                 )
             }
@@ -432,10 +433,11 @@ impl Control {
             }
             Outbound::Queued => Message::Queued(messages::Queued { request_id: id }),
             Outbound::Rejected { reason } => Message::Rejected(messages::Rejected::new(id, reason)),
-            Outbound::Ready { blocks, aux } => Message::Ready(messages::Ready {
+            Outbound::Ready { blocks, aux, hold } => Message::Ready(messages::Ready {
                 request_id: id,
                 blocks,
                 aux,
+                hold_ms: u64::try_from(hold.as_millis()).unwrap_or(u64::MAX),
             }),
             Outbound::Done { aux } => Message::Done(messages::Done {
                 request_id: id,

@@ -856,6 +856,11 @@ pub struct Ready {
     /// The engine's per-request payload beside the KV (empty if none), at most
     /// [`AUX_BYTES_MAX`]: opaque bytes, handed to decode's engine with the request.
     pub aux: Vec<u8>,
+    /// How long, at the least, prefill keeps these blocks for decode's reads from the
+    /// moment it sends this (its pull TTL), in milliseconds. Decode refuses a read that
+    /// finishes later than that after it sent its transfer info: by then prefill may have
+    /// given the blocks back and the engine reused them.
+    pub hold_ms: u64,
 }
 
 /// Payload of [`Message::Done`].

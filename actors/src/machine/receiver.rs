@@ -16,6 +16,7 @@ use std::time::Instant;
 use handoff_transport::{BlockId, FailureReason, TransferMode};
 
 use super::{protocol, Action, Core, Outbound, Peer, State, Timeouts};
+use crate::event::FenceEnd;
 
 /// What can happen to a receiver. Fed with [`ReceiverMachine::handle`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -215,7 +216,7 @@ impl ReceiverMachine {
                 // The fence's deadline: no acknowledgement came; every prefill rank's own
                 // deadlines have passed by now, so none can still write.
                 self.fencing = false;
-                return self.core.release_now();
+                return self.core.release_now(FenceEnd::Bound);
             }
         };
         self.fail(reason, None);
@@ -545,7 +546,7 @@ impl ReceiverMachine {
         }
         if self.fencing && self.fence_can_lift() {
             self.fencing = false;
-            self.core.release_now();
+            self.core.release_now(FenceEnd::Confirmed);
         }
     }
 }

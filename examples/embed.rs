@@ -62,7 +62,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
         // Drain: finished and failed requests, and blocks to free.
         for event in prefill.drain_events() {
-            if let Event::Released { id, blocks } = event {
+            if let Event::Released { id, blocks, .. } = event {
                 println!(
                     "step {step}: prefill {id}: {} blocks free again",
                     blocks.len()

@@ -187,9 +187,9 @@ impl Placement {
 fn print_event(ms: f64, who: &str, event: &Event) {
     match event {
         Event::State { id, state, .. } => println!("{ms:9.3} ms  {who}  {id:<8} {state}"),
-        Event::Released { id, blocks } => {
+        Event::Released { id, blocks, why } => {
             println!(
-                "{ms:9.3} ms  {who}  {id:<8} released {} blocks",
+                "{ms:9.3} ms  {who}  {id:<8} released {} blocks ({why})",
                 blocks.len()
             )
         }

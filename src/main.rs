@@ -64,7 +64,22 @@ enum Mode {
     Pull,
 }
 
+/// UCX's own log (libucs) goes to stdout unless `UCX_LOG_FILE` says otherwise, and stdout is
+/// where `handoff worker` prints its JSON events: send it to stderr, with every other log,
+/// unless the user chose a destination. libucs reads the variable when it is loaded (at run
+/// time, by the UCX data plane), so setting it here, before any thread starts (setting the
+/// environment while other threads may read it is unsound), is early enough. An empty value
+/// is UCX's default (stdout), so it counts as unset.
+fn ucx_logs_to_stderr() {
+    const VAR: &str = "UCX_LOG_FILE";
+    if std::env::var_os(VAR).is_none_or(|v| v.is_empty()) {
+        std::env::set_var(VAR, "stderr");
+    }
+}
+
 fn main() -> ExitCode {
+    // First, while this is the only thread.
+    ucx_logs_to_stderr();
     let cli = Cli::parse();
     // RUST_LOG overrides. The bootstrap server logs registrations at info; the simulator's
     // report is its output (injected faults would flood warnings); the rest warn.

@@ -6,8 +6,20 @@
 //! a pattern derived from the request id and the block's position, verifies every block on
 //! decode, and prints one JSON line per event on stdout:
 //! - `{"event":"ready", "role", "rank", "control", "data", "transport", "incarnation"}` once registered;
+//! - `{"event":"opened", "request", "blocks"}` per request opened, with the blocks it is
+//!   given (prefill hands them over after `--hold-ms`; a decode with `--no-alloc`, none);
 //! - `{"event":"end", "request", "state", "kind", "reason", "verified", "ms"}` per request;
+//! - `{"event":"released", "request", "blocks", "why", "kind", "fence"}` each time the
+//!   runtime lets blocks go (every block the worker handed over appears in exactly one):
+//!   `why` is `done` (delivered, or arrived), `failed` (`kind` names the failure; `fence`
+//!   is `confirmed` when the blocks were held until every peer confirmed it could no longer
+//!   touch them, `bound` when held until the fence bound passed, null when released at
+//!   once), `late` (handed over after the request ended) or `shutdown` (the runtime
+//!   stopped while holding them); releases after the last `end` (a fence still held, the
+//!   shutdown) are printed before the summary;
 //! - `{"event":"summary", "done", "failed", "corrupted", "by_kind"}` at the end.
+//!
+//! stdout holds nothing else: logs, UCX's included, go to stderr.
 //!
 //! It exits 0 when every request ended `Done` and verified (or, with `--serve`, when
 //! stopped by SIGINT/SIGTERM), 1 otherwise. Used by the multi-process tests and by hand.
@@ -22,7 +34,7 @@ use clap::ValueEnum;
 use handoff_actors::net::{start_engine_runtime, DataTransport, EngineOptions, WorkerMemory};
 use handoff_actors::{
     BlockId, EngineId, Event, KvLayout, KvShape, LayerSpan, RankInfo, ReceiverSpec, Region,
-    RequestId, Role, Runtime, State, Timeouts, TransferMode,
+    ReleaseReason, RequestId, Role, Runtime, State, Timeouts, TransferMode,
 };
 use handoff_gpu::checksum::{checksum64, fill_pattern};
 use handoff_gpu::DeviceBuffer;
@@ -358,8 +370,15 @@ async fn run_inner(a: WorkerArgs) -> Result<ExitCode, String> {
             ));
         }
     }
-    let code = drive(&a, &rt, role, plan).await;
+    let (code, summary) = drive(&a, &rt, role, plan).await;
     rt.shutdown().await;
+    // What the runtime let go after the last request ended: fences still held, shutdown.
+    for event in rt.drain_events() {
+        if let Event::Released { id, blocks, why } = event {
+            emit_released(&id, &blocks, &why);
+        }
+    }
+    emit(summary);
     Ok(code)
 }
 
@@ -398,9 +417,25 @@ fn memory(a: &WorkerArgs) -> Result<WorkerMemory, String> {
     }
 }
 
+/// A `released` line.
+fn emit_released(id: &RequestId, blocks: &[BlockId], why: &ReleaseReason) {
+    let blocks: Vec<u32> = blocks.iter().map(|b| b.0).collect();
+    emit(
+        json!({"event": "released", "request": id.as_str(), "blocks": blocks,
+        "why": why.as_str(), "kind": why.failure().map(|r| r.kind()),
+        "fence": why.fence().map(|f| f.as_str())}),
+    );
+}
+
 /// Opens the requests, then drains events until every one has ended (or, with `--serve`,
-/// until a signal), printing each end.
-async fn drive(a: &WorkerArgs, rt: &Runtime, role: Role, mut plan: Plan) -> ExitCode {
+/// until a signal), printing each end and each release. Returns the exit code and the
+/// summary line, printed once the runtime has stopped.
+async fn drive(
+    a: &WorkerArgs,
+    rt: &Runtime,
+    role: Role,
+    mut plan: Plan,
+) -> (ExitCode, serde_json::Value) {
     let total = plan.ids.len();
     let first_wave = a.requests as usize;
     let mut opened: BTreeMap<RequestId, (Instant, Vec<BlockId>)> = BTreeMap::new();
@@ -424,6 +459,13 @@ async fn drive(a: &WorkerArgs, rt: &Runtime, role: Role, mut plan: Plan) -> Exit
                 failed += 1;
                 continue;
             }
+            // The blocks this request is given (decode with --no-alloc gives none).
+            let given: Vec<u32> = if role == Role::Decode && a.no_alloc {
+                Vec::new()
+            } else {
+                blocks.iter().map(|b| b.0).collect()
+            };
+            emit(json!({"event": "opened", "request": id.as_str(), "blocks": given}));
             opened.insert(id, (Instant::now(), blocks));
         }
         for event in rt.drain_events() {
@@ -452,7 +494,10 @@ async fn drive(a: &WorkerArgs, rt: &Runtime, role: Role, mut plan: Plan) -> Exit
                         failed += 1;
                     }
                 }
-                Event::Released { blocks, .. } => plan.pool.extend(blocks),
+                Event::Released { id, blocks, why } => {
+                    emit_released(&id, &blocks, &why);
+                    plan.pool.extend(blocks);
+                }
                 Event::State { .. } => {}
             }
         }
@@ -466,14 +511,13 @@ async fn drive(a: &WorkerArgs, rt: &Runtime, role: Role, mut plan: Plan) -> Exit
             _ = tokio::time::sleep(Duration::from_millis(5)) => {}
         }
     }
-    emit(
-        json!({"event": "summary", "done": done, "failed": failed, "corrupted": corrupted, "by_kind": by_kind}),
-    );
-    if a.serve || (done as usize == total && corrupted == 0) {
+    let summary = json!({"event": "summary", "done": done, "failed": failed, "corrupted": corrupted, "by_kind": by_kind});
+    let code = if a.serve || (done as usize == total && corrupted == 0) {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
-    }
+    };
+    (code, summary)
 }
 
 fn open(
@@ -500,7 +544,11 @@ fn open(
                     }
                 }
                 if let Err(e) = sender.send(blocks) {
+                    // The request ended first: the blocks stay the worker's, never released.
                     tracing::warn!(request = %id, error = %e, "send refused");
+                    emit(
+                        json!({"event": "error", "request": id.as_str(), "error": format!("send refused: {e}")}),
+                    );
                 }
             });
         }

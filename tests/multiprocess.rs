@@ -24,9 +24,20 @@ struct Proc {
 
 impl Proc {
     fn spawn(name: &str, args: &[&str]) -> Proc {
-        let mut child = Command::new(common::handoff_bin())
-            .args(args)
-            .env("RUST_LOG", "warn")
+        Self::spawn_env(name, args, &[])
+    }
+
+    /// `spawn` with environment variables set (`Some`) or removed (`None`).
+    fn spawn_env(name: &str, args: &[&str], env: &[(&str, Option<&str>)]) -> Proc {
+        let mut command = Command::new(common::handoff_bin());
+        command.args(args).env("RUST_LOG", "warn");
+        for (k, v) in env {
+            match v {
+                Some(v) => command.env(k, v),
+                None => command.env_remove(k),
+            };
+        }
+        let mut child = command
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -98,6 +109,55 @@ impl Proc {
             }
             ends.push(v);
         }
+    }
+
+    /// Every stdout line until the process closes it (it exits), JSON or not.
+    fn rest(&self) -> Vec<String> {
+        let deadline = Instant::now() + T;
+        let mut lines = Vec::new();
+        loop {
+            match self
+                .lines
+                .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            {
+                Ok(line) => lines.push(line),
+                Err(mpsc::RecvTimeoutError::Disconnected) => return lines,
+                Err(mpsc::RecvTimeoutError::Timeout) => panic!(
+                    "{}: stdout still open after {T:?}; stderr:\n{}",
+                    self.name,
+                    self.stderr.lock().unwrap()
+                ),
+            }
+        }
+    }
+
+    /// Every stdout line (JSON or not) until the JSON lines seen so far satisfy `done`.
+    fn until(&self, what: &str, done: impl Fn(&[Value]) -> bool) -> Vec<String> {
+        let deadline = Instant::now() + T;
+        let (mut lines, mut seen) = (Vec::new(), Vec::new());
+        while !done(&seen) {
+            let Some(line) = self.line(deadline) else {
+                panic!(
+                    "{}: no {what} within {T:?}; stderr:\n{}",
+                    self.name,
+                    self.stderr.lock().unwrap()
+                );
+            };
+            if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                seen.push(v);
+            }
+            lines.push(line);
+        }
+        lines
+    }
+
+    /// SIGTERM: a `--serve` worker stops, prints what is left and its summary, exits.
+    fn terminate(&self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -TERM {}", self.name);
     }
 
     fn kill9(&mut self) {
@@ -646,5 +706,248 @@ fn layouts_that_do_not_pair_fail_requests_by_name_between_processes() {
             reason.contains("per layer differ") && reason.contains('P'),
             "{end}"
         );
+    }
+}
+
+/// Every stdout line of a worker as JSON; a line that is not JSON fails the test, naming it.
+fn json_lines(name: &str, lines: &[String]) -> Vec<Value> {
+    lines
+        .iter()
+        .map(|l| {
+            serde_json::from_str(l)
+                .unwrap_or_else(|e| panic!("{name}: stdout line is not JSON ({e}): {l:?}"))
+        })
+        .collect()
+}
+
+/// "Released exactly once", checked from outside on a worker's event stream: every block
+/// a request was given (its `opened` line) appears in exactly one `released` line of that
+/// request, no `released` line names a block the request was not given, and each release
+/// says why in a way that matches how the request ended (`done` for `Done`, `failed` with
+/// the same kind for `Failed`). Returns the `released` lines.
+fn releases_match_ends(name: &str, events: &[Value]) -> Vec<Value> {
+    use std::collections::BTreeMap;
+    let mut given: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    let mut ended: BTreeMap<String, Value> = BTreeMap::new();
+    let mut released: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    let mut lines = Vec::new();
+    let blocks = |v: &Value| -> Vec<u64> {
+        v["blocks"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{name}: no blocks in {v}"))
+            .iter()
+            .map(|b| b.as_u64().expect("block id"))
+            .collect()
+    };
+    for v in events {
+        let id = v["request"].as_str().unwrap_or_default().to_string();
+        match v["event"].as_str() {
+            Some("opened") => {
+                assert!(
+                    given.insert(id, blocks(v)).is_none(),
+                    "{name}: opened twice: {v}"
+                );
+            }
+            Some("end") => {
+                assert!(
+                    ended.insert(id, v.clone()).is_none(),
+                    "{name}: ended twice: {v}"
+                );
+            }
+            Some("released") => {
+                released.entry(id).or_default().extend(blocks(v));
+                lines.push(v.clone());
+            }
+            _ => {}
+        }
+    }
+    assert!(!given.is_empty(), "{name}: no request opened");
+    for (id, want) in &given {
+        let mut got = released.remove(id).unwrap_or_default();
+        got.sort_unstable();
+        let mut want = want.clone();
+        want.sort_unstable();
+        assert_eq!(
+            got, want,
+            "{name}: {id}: blocks released (each once) vs given"
+        );
+    }
+    assert!(
+        released.is_empty(),
+        "{name}: released but never opened: {released:?}"
+    );
+    for r in &lines {
+        let id = r["request"].as_str().expect("request");
+        let end = ended
+            .get(id)
+            .unwrap_or_else(|| panic!("{name}: {id} released but never ended: {r}"));
+        match end["state"].as_str() {
+            Some("Done") => {
+                assert_eq!(r["why"], "done", "{name}: {r} after {end}");
+                assert!(r["kind"].is_null() && r["fence"].is_null(), "{name}: {r}");
+            }
+            // Or `shutdown`: the blocks were still fenced when the runtime stopped.
+            Some("Failed") if r["why"] == "shutdown" => {}
+            Some("Failed") => {
+                assert_eq!(r["why"], "failed", "{name}: {r} after {end}");
+                assert_eq!(r["kind"], end["kind"], "{name}: {r} after {end}");
+            }
+            other => panic!("{name}: {id} ended {other:?}"),
+        }
+    }
+    lines
+}
+
+/// Eight requests handed over; both workers' streams, read to the end, account for every
+/// block: released once, `done`. The prefill worker (`--serve`) is stopped by SIGTERM.
+fn releases_are_reported_once_with_why(mode: &str, transport: &str) {
+    let (_boot, addr) = bootstrap();
+    let common = ["--requests", "8", "--transport", transport];
+    let p = worker(
+        "prefill",
+        "prefill",
+        "P",
+        &addr,
+        &[&common[..], &["--serve"]].concat(),
+    );
+    let d_args = [&common[..], &["--prefill", "P", "--mode", mode]].concat();
+    let d = worker("decode", "decode", "D", &addr, &d_args);
+    let d_events = json_lines("decode", &d.rest());
+    let summary = d_events.last().expect("decode printed something");
+    assert_eq!(summary["event"], "summary", "the summary comes last");
+    assert_eq!(summary["done"], 8, "{summary}");
+    let d_rel = releases_match_ends("decode", &d_events);
+    assert!(d_rel.iter().all(|r| r["why"] == "done"), "{d_rel:?}");
+    // Prefill ends all eight once decode has (its `Done`, or decode's `ReadDone`, came
+    // first), give or take a control message in flight: stop it only then.
+    let mut p_lines = p.until("eight ends", |seen| {
+        seen.iter().filter(|v| v["event"] == "end").count() == 8
+    });
+    p.terminate();
+    p_lines.extend(p.rest());
+    let p_events = json_lines("prefill", &p_lines);
+    assert_eq!(p_events.last().expect("summary")["event"], "summary");
+    let p_rel = releases_match_ends("prefill", &p_events);
+    assert!(p_rel.iter().all(|r| r["why"] == "done"), "{p_rel:?}");
+}
+
+#[test]
+fn every_release_is_reported_once_with_why_in_push_mode() {
+    releases_are_reported_once_with_why("push", "tcp");
+}
+
+#[test]
+fn every_release_is_reported_once_with_why_in_pull_mode_over_ucx() {
+    if ucx_available() {
+        releases_are_reported_once_with_why("pull", "ucx");
+    }
+}
+
+/// The failure path, from outside: prefill is killed while decode's requests wait for it;
+/// decode's requests end `peer_lost` and each block is released once, for `why`.
+fn releases_after_a_lost_prefill(transport: &str, why: Value) {
+    let (_boot, addr) = bootstrap();
+    let mut p = worker(
+        "prefill",
+        "prefill",
+        "P",
+        &addr,
+        &[
+            "--requests",
+            "4",
+            "--hold-ms",
+            "600000",
+            "--serve",
+            "--transport",
+            transport,
+        ],
+    );
+    let d_args = [
+        "--requests",
+        "4",
+        "--prefill",
+        "P",
+        "--transport",
+        transport,
+    ];
+    let d = worker("decode", "decode", "D", &addr, &d_args);
+    std::thread::sleep(Duration::from_millis(500)); // transfer info has reached prefill
+    p.kill9();
+    let d_events = json_lines("decode", &d.rest());
+    let summary = d_events.last().expect("decode printed something");
+    assert_eq!(summary["failed"], 4, "{summary}");
+    let rel = releases_match_ends("decode", &d_events);
+    assert!(kinds(&ends_of(&d_events)).iter().all(|k| k == "peer_lost"));
+    for r in &rel {
+        let got = serde_json::json!({"why": r["why"], "kind": r["kind"], "fence": r["fence"]});
+        assert_eq!(got, why, "{r}");
+    }
+}
+
+fn ends_of(events: &[Value]) -> Vec<Value> {
+    events
+        .iter()
+        .filter(|v| v["event"] == "end")
+        .cloned()
+        .collect()
+}
+
+/// Over TCP decode's server checks every write against its grant: the blocks go when the
+/// request fails.
+#[test]
+fn releases_after_a_lost_prefill_say_failed_peer_lost() {
+    let why = serde_json::json!({"why": "failed", "kind": "peer_lost", "fence": null});
+    releases_after_a_lost_prefill("tcp", why);
+}
+
+/// Over UCX (push) a lost prefill rank could still write (it may be frozen, not dead):
+/// decode fences the blocks past the failure, here until the worker stops.
+#[test]
+fn releases_after_a_lost_prefill_over_ucx_wait_behind_the_fence() {
+    if ucx_available() {
+        let why = serde_json::json!({"why": "shutdown", "kind": null, "fence": null});
+        releases_after_a_lost_prefill("ucx", why);
+    }
+}
+
+/// UCX's own log lines go to stderr, never among the JSON events on stdout (libucs logs to
+/// stdout unless `UCX_LOG_FILE` says otherwise; `handoff` sets it to stderr when unset).
+/// At `UCX_LOG_LEVEL=info` libucp prints its version and environment when a context is
+/// made: a UCX worker's stdout must still be JSON, line by line, and stderr must have them.
+#[test]
+fn ucx_log_lines_go_to_stderr_not_into_the_event_stream() {
+    if !ucx_available() {
+        return;
+    }
+    let (_boot, addr) = bootstrap();
+    let env = [("UCX_LOG_LEVEL", Some("info")), ("UCX_LOG_FILE", None)];
+    let args = [
+        "worker",
+        "--role",
+        "prefill",
+        "--engine",
+        "P",
+        "--bootstrap",
+        &addr,
+        "--transport",
+        "ucx",
+        "--requests",
+        "1",
+        "--bootstrap-timeout-s",
+        "0.5",
+    ];
+    let p = Proc::spawn_env("prefill", &args, &env);
+    let events = json_lines("prefill", &p.rest());
+    assert_eq!(events.first().expect("ready")["event"], "ready");
+    assert_eq!(events.first().expect("ready")["transport"], "ucx");
+    assert_eq!(events.last().expect("summary")["event"], "summary");
+    let deadline = Instant::now() + T;
+    while !p.stderr.lock().unwrap().contains("UCX  INFO") {
+        assert!(
+            Instant::now() < deadline,
+            "no UCX log line on stderr at UCX_LOG_LEVEL=info:\n{}",
+            p.stderr.lock().unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(20));
     }
 }

@@ -4,7 +4,9 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use handoff_transport::{BlockId, RequestId, Role};
+use std::fmt;
+
+use handoff_transport::{BlockId, FailureReason, RequestId, Role};
 
 use crate::machine::State;
 
@@ -28,7 +30,94 @@ pub enum Event {
         id: RequestId,
         /// The blocks.
         blocks: Vec<BlockId>,
+        /// Why the runtime let them go.
+        why: ReleaseReason,
     },
+}
+
+/// Why the runtime let blocks go (carried by [`Event::Released`]), so that a release can be
+/// checked from outside against the way its request ended.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum ReleaseReason {
+    /// The request ended `Done`: the blocks were delivered (prefill) or arrived (decode).
+    Done,
+    /// The request failed for `reason`. With `fence: None` the blocks went when it failed
+    /// (nothing could still touch them); otherwise they were held after the failure until
+    /// the fence ended as `fence` says (peers could still write or read them).
+    Failed {
+        /// Why the request failed.
+        reason: FailureReason,
+        /// How the fence ended, if the blocks were held behind one.
+        fence: Option<FenceEnd>,
+    },
+    /// Handed over after the request had ended (the API refuses that, but a race with the
+    /// end can let blocks in): never used, given back at once.
+    Late,
+    /// The runtime stopped while it held them (the request was live, or its fence was).
+    Shutdown,
+}
+
+/// How a fence on a failed request's blocks ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FenceEnd {
+    /// Every peer that could still write or read the blocks said it no longer can
+    /// (`AbortAck`, `Done`, `ReadDone`) or was declared lost, and no read of ours is in
+    /// flight.
+    Confirmed,
+    /// The fence bound ([`crate::Timeouts::fence_max`]) passed without that: no operation
+    /// started before the failure can still be running.
+    Bound,
+}
+
+impl FenceEnd {
+    /// A short, stable name: `confirmed` or `bound`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FenceEnd::Confirmed => "confirmed",
+            FenceEnd::Bound => "bound",
+        }
+    }
+}
+
+impl ReleaseReason {
+    /// A short, stable name: `done`, `failed`, `late` or `shutdown`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            ReleaseReason::Done => "done",
+            ReleaseReason::Failed { .. } => "failed",
+            ReleaseReason::Late => "late",
+            ReleaseReason::Shutdown => "shutdown",
+        }
+    }
+
+    /// The request's failure, for `Failed`.
+    pub fn failure(&self) -> Option<&FailureReason> {
+        match self {
+            ReleaseReason::Failed { reason, .. } => Some(reason),
+            _ => None,
+        }
+    }
+
+    /// How the fence ended, when the blocks were held behind one.
+    pub fn fence(&self) -> Option<FenceEnd> {
+        match self {
+            ReleaseReason::Failed { fence, .. } => *fence,
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for ReleaseReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())?;
+        if let Some(reason) = self.failure() {
+            write!(f, " ({})", reason.kind())?;
+        }
+        if let Some(fence) = self.fence() {
+            write!(f, " after the fence ({})", fence.as_str())?;
+        }
+        Ok(())
+    }
 }
 
 impl Event {

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use handoff_transport::{BlockId, FailureReason, RequestId, Role};
 use tokio::sync::watch;
 
-use crate::event::{Event, EventQueue};
+use crate::event::{Event, EventQueue, FenceEnd, ReleaseReason};
 use crate::machine::{Peer, State};
 use crate::Error;
 
@@ -137,19 +137,46 @@ impl Ledger {
         });
     }
 
-    /// Releases every block still held.
-    pub(crate) fn release_all(&self) {
-        self.cell.send_if_modified(|r| self.release_held(r, None));
+    /// Releases every block still held, for `why`.
+    pub(crate) fn release_all(&self, why: ReleaseReason) {
+        self.cell
+            .send_if_modified(|r| self.release_held(r, None, why.clone()));
     }
 
     /// Releases those of `blocks` that are still held (the rest were released already).
-    pub(crate) fn release(&self, blocks: &[BlockId]) {
+    pub(crate) fn release(&self, blocks: &[BlockId], why: ReleaseReason) {
         self.cell
-            .send_if_modified(|r| self.release_held(r, Some(blocks)));
+            .send_if_modified(|r| self.release_held(r, Some(blocks), why.clone()));
     }
 
-    /// Fails the request unless it has ended already; true if this call ended it.
+    /// Why blocks released now go, judged by how the request ended: `Done`, or
+    /// `Failed` (`fence`: how a fence on them ended, if one held them). A request still
+    /// live (which its callers rule out) counts as failed internally.
+    pub(crate) fn ended_why(&self, fence: Option<FenceEnd>) -> ReleaseReason {
+        match self.state() {
+            State::Done => ReleaseReason::Done,
+            State::Failed(reason) => ReleaseReason::Failed { reason, fence },
+            live => ReleaseReason::Failed {
+                reason: FailureReason::Internal {
+                    detail: format!("released while {live}"),
+                },
+                fence,
+            },
+        }
+    }
+
+    /// Fails the request unless it has ended already; true if this call ended it. Its
+    /// blocks go as `Failed { reason }`.
     pub(crate) fn fail_if_live(&self, reason: FailureReason) -> bool {
+        let why = ReleaseReason::Failed {
+            reason: reason.clone(),
+            fence: None,
+        };
+        self.fail_if_live_as(reason, why)
+    }
+
+    /// [`Ledger::fail_if_live`], its blocks going for `why` (e.g. the runtime stopping).
+    pub(crate) fn fail_if_live_as(&self, reason: FailureReason, why: ReleaseReason) -> bool {
         let mut ended = false;
         self.cell.send_if_modified(|r| {
             if r.state.is_terminal() {
@@ -162,14 +189,14 @@ impl Ledger {
                 role: self.role,
                 state: r.state.clone(),
             });
-            self.release_held(r, None);
+            self.release_held(r, None, why.clone());
             true
         });
         ended
     }
 
     /// Removes `which` (or everything) from `held` and reports what was removed.
-    fn release_held(&self, r: &mut Record, which: Option<&[BlockId]>) -> bool {
+    fn release_held(&self, r: &mut Record, which: Option<&[BlockId]>, why: ReleaseReason) -> bool {
         let released: Vec<BlockId> = match which {
             None => std::mem::take(&mut r.held),
             Some(blocks) => {
@@ -188,6 +215,7 @@ impl Ledger {
         self.events.push(Event::Released {
             id: self.id.clone(),
             blocks: released,
+            why,
         });
         true
     }

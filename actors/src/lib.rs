@@ -34,7 +34,7 @@ pub mod runtime;
 
 pub use config::{RuntimeConfig, TransportChoice};
 pub use error::Error;
-pub use event::Event;
+pub use event::{Event, FenceEnd, ReleaseReason};
 pub use handoff_transport::{
     BlockId, BlockSlice, EngineId, FailureReason, KvLayout, KvMemory, KvRange, KvShape, LayerSpan,
     PairSide, PairingError, RankInfo, Region, RegionError, RequestId, Role, TransferMode,

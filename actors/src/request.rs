@@ -319,7 +319,7 @@ impl RequestState {
                 };
                 self.spawn_transfer(myself, fut, move |r| MachineEvent::Receiver(done(r)));
             }
-            Action::Release { blocks } => self.ledger.release(&blocks),
+            Action::Release { blocks, why } => self.ledger.release(&blocks, why),
             Action::Aux { from, bytes } => self.ledger.add_aux(from, bytes),
             Action::StateChanged(state) => {
                 debug!(request = %id, role = %self.ledger.role, %state, "state changed");

@@ -30,7 +30,7 @@ use crate::config::{
     RuntimeConfig, TransportChoice, PENDING_MESSAGES_PER_REQUEST_MAX, PENDING_REQUESTS_MAX,
     REQUESTS_OPEN_MAX_DEFAULT, TOMBSTONES_MAX,
 };
-use crate::event::{Event, EventQueue};
+use crate::event::{Event, EventQueue, FenceEnd, ReleaseReason};
 use crate::ledger::{Ledger, Record};
 use crate::link::{Attach, Inbox, Link};
 use crate::machine::{Outbound, Peer, ReceiverEvent, SenderEvent, State, Timeouts};
@@ -139,12 +139,11 @@ impl Shared {
     fn fail_all(&self, why: &str) {
         let open = std::mem::take(&mut *self.open());
         for ledger in open.values() {
-            ledger.fail_if_live(FailureReason::Internal {
-                detail: why.to_string(),
-            });
+            let detail = why.to_string();
+            ledger.fail_if_live_as(FailureReason::Internal { detail }, ReleaseReason::Shutdown);
             // Requests that ended but still held blocks (a fence) give them back too: the
             // runtime is going away, and nothing it started can land after this.
-            ledger.release_all();
+            ledger.release_all(ReleaseReason::Shutdown);
         }
     }
 }
@@ -240,7 +239,7 @@ impl Actor for RootActor {
             RootMsg::ExpirePending => state.expire_pending(now()),
             RootMsg::ReleaseOrphan { id } => {
                 if let Some(ledger) = state.orphans.remove(&id) {
-                    ledger.release_all();
+                    ledger.release_all(ledger.ended_why(Some(FenceEnd::Bound)));
                     // Whatever the dead actor left in flight has ended by now.
                     for peer in ledger.peers() {
                         let _ = state.link.send(&peer, &id, Outbound::AbortAck);
@@ -290,7 +289,7 @@ impl Actor for RootActor {
             state.link.request_ended(id);
         }
         for (_, ledger) in std::mem::take(&mut state.orphans) {
-            ledger.release_all();
+            ledger.release_all(ReleaseReason::Shutdown);
         }
         state.shared.fail_all("runtime stopped");
         for (_, entry) in std::mem::take(&mut state.requests) {
@@ -494,7 +493,7 @@ impl RootState {
         self.by_actor.remove(&entry.actor.get_id());
         entry.actor.stop(None);
         // Blocks handed over while the request was ending, never seen by its machine.
-        entry.ledger.release_all();
+        entry.ledger.release_all(ReleaseReason::Late);
         self.bury(&entry.ledger);
     }
 
@@ -565,7 +564,7 @@ impl RootState {
             let orphan_id = id.clone();
             myself.send_after(wait, move || RootMsg::ReleaseOrphan { id: orphan_id });
         } else {
-            entry.ledger.release_all();
+            entry.ledger.release_all(entry.ledger.ended_why(None));
         }
         self.bury(&entry.ledger);
     }
@@ -791,9 +790,12 @@ impl Runtime {
             .is_err()
         {
             self.shared.open().remove(&id);
-            ledger.fail_if_live(FailureReason::Internal {
-                detail: "runtime stopped".into(),
-            });
+            ledger.fail_if_live_as(
+                FailureReason::Internal {
+                    detail: "runtime stopped".into(),
+                },
+                ReleaseReason::Shutdown,
+            );
             return Err(Error::Stopped);
         }
         Ok(ledger)
@@ -900,9 +902,12 @@ impl Handle {
             .cast(RootMsg::HandedOver { id, blocks, aux })
             .is_err()
         {
-            self.ledger.fail_if_live(FailureReason::Internal {
-                detail: "runtime stopped".into(),
-            });
+            self.ledger.fail_if_live_as(
+                FailureReason::Internal {
+                    detail: "runtime stopped".into(),
+                },
+                ReleaseReason::Shutdown,
+            );
         }
         Ok(())
     }

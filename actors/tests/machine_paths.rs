@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use handoff_actors::machine::{
     Action, Outbound, ReceiverEvent, ReceiverMachine, SenderEvent, SenderMachine, State, Timeouts,
 };
+use handoff_actors::{FenceEnd, ReleaseReason};
 use handoff_transport::{BlockId, FailureReason, RankInfo, TransferMode};
 
 fn b(ids: &[u32]) -> Vec<BlockId> {
@@ -29,6 +30,17 @@ fn drain_r(m: &mut ReceiverMachine) -> Vec<Action> {
 
 fn changed(s: State) -> Action {
     Action::StateChanged(s)
+}
+
+fn released(ids: &[u32], why: ReleaseReason) -> Action {
+    Action::Release {
+        blocks: b(ids),
+        why,
+    }
+}
+
+fn failed(reason: FailureReason, fence: Option<FenceEnd>) -> ReleaseReason {
+    ReleaseReason::Failed { reason, fence }
 }
 
 #[test]
@@ -72,7 +84,7 @@ fn sender_push_writes_then_says_done_then_releases() {
                 msg: Outbound::Done { aux: vec![] }
             },
             changed(State::Done),
-            Action::Release { blocks: b(&[1, 2]) }
+            released(&[1, 2], ReleaseReason::Done)
         ]
     );
     assert_eq!(m.poll_timeout(), None);
@@ -119,7 +131,7 @@ fn sender_given_blocks_before_transfer_info_goes_straight_to_transferring() {
     m.handle(t, SenderEvent::ReadDone { from: d });
     assert_eq!(
         drain_s(&mut m),
-        vec![changed(State::Done), Action::Release { blocks: b(&[1]) }]
+        vec![changed(State::Done), released(&[1], ReleaseReason::Done)]
     );
 }
 
@@ -154,7 +166,11 @@ fn sender_refuses_a_block_count_mismatch_and_tells_decode() {
             ..
         }
     )));
-    assert!(actions.contains(&Action::Release { blocks: b(&[1, 2]) }));
+    assert!(actions.iter().any(|a| matches!(
+        a,
+        Action::Release { blocks, why: ReleaseReason::Failed { reason: FailureReason::Protocol { .. }, fence: None } }
+            if *blocks == b(&[1, 2])
+    )));
     // No write was started, so decode's fence can lift at once.
     assert_eq!(
         actions.last(),
@@ -186,8 +202,8 @@ fn sender_that_was_told_queued_aborts_that_decode_when_bootstrap_times_out() {
                     reason: reason.clone()
                 }
             },
-            changed(State::Failed(reason)),
-            Action::Release { blocks: vec![] }
+            changed(State::Failed(reason.clone())),
+            released(&[], failed(reason, None))
         ]
     );
 }
@@ -261,7 +277,7 @@ fn receiver_push_waits_for_done_from_every_pipeline_rank() {
     );
     assert_eq!(
         drain_r(&mut m),
-        vec![changed(State::Done), Action::Release { blocks: b(&[4, 5]) }]
+        vec![changed(State::Done), released(&[4, 5], ReleaseReason::Done)]
     );
 }
 
@@ -307,7 +323,7 @@ fn receiver_pull_reads_then_acknowledges_each_rank() {
                 msg: Outbound::ReadDone
             },
             changed(State::Done),
-            Action::Release { blocks: b(&[4]) }
+            released(&[4], ReleaseReason::Done)
         ]
     );
 }
@@ -395,7 +411,10 @@ fn a_failed_push_receiver_holds_its_blocks_until_prefill_acknowledges() {
     m.handle(t, ReceiverEvent::AbortAck { from: p0 });
     assert_eq!(
         drain_r(&mut m),
-        vec![Action::Release { blocks: b(&[4, 5]) }]
+        vec![released(
+            &[4, 5],
+            failed(FailureReason::TransferTimeout, Some(FenceEnd::Confirmed))
+        )]
     );
     assert!(m.is_settled());
     assert_eq!(m.poll_timeout(), None);
@@ -420,7 +439,13 @@ fn a_fence_without_acknowledgement_lifts_at_its_deadline() {
     m.handle_timeout(t + timeouts.fence_max() - Duration::from_millis(1));
     assert_eq!(drain_r(&mut m), vec![]);
     m.handle_timeout(t + timeouts.fence_max());
-    assert_eq!(drain_r(&mut m), vec![Action::Release { blocks: b(&[4]) }]);
+    assert_eq!(
+        drain_r(&mut m),
+        vec![released(
+            &[4],
+            failed(FailureReason::AbortedByEngine, Some(FenceEnd::Bound))
+        )]
+    );
     assert!(m.is_settled());
 }
 

@@ -16,6 +16,7 @@ use handoff_actors::machine::{
     merge, merge_all, Action, Phase, ReceiverEvent, ReceiverMachine, SenderEvent, SenderMachine,
     State, Timeouts,
 };
+use handoff_actors::ReleaseReason;
 use handoff_transport::{BlockId, FailureReason, RankInfo, TransferMode};
 use proptest::prelude::*;
 
@@ -177,7 +178,16 @@ impl Ledger {
         let mut last_change = None;
         for action in actions {
             match action {
-                Action::Release { blocks } => {
+                Action::Release { blocks, why } => {
+                    // Why agrees with the end: the state the machine is in after this step
+                    // (releases happen only at or after the end).
+                    match (&why, state) {
+                        (ReleaseReason::Done, State::Done) | (ReleaseReason::Late, _) => {}
+                        (ReleaseReason::Failed { reason, .. }, State::Failed(r)) => {
+                            assert_eq!(reason, r, "released for another failure")
+                        }
+                        _ => panic!("released for {why} in {state}"),
+                    }
                     for b in blocks {
                         let n = self.released.entry(b).or_default();
                         *n += 1;

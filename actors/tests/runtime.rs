@@ -91,7 +91,7 @@ impl Outcomes {
                     }
                     self.last.insert(id, state);
                 }
-                Event::Released { id, blocks } => {
+                Event::Released { id, blocks, .. } => {
                     let all = self.released.entry(id).or_default();
                     for b in blocks {
                         assert!(!all.contains(&b), "block {b} released twice");

@@ -31,6 +31,12 @@ class Event(NamedTuple):
     failure when it is ``"Failed"``) or ``"released"`` (the runtime no longer holds
     ``blocks``: on prefill the engine may free them; on decode after ``Done`` they hold the
     KV cache). Every block handed to the runtime appears in exactly one ``released`` event.
+
+    A ``released`` event says why in ``why``: ``"done"`` (delivered, or arrived),
+    ``"failed"`` (``reason``/``detail`` name the failure; ``fence`` is ``"confirmed"`` when
+    the blocks were held until every peer confirmed it could no longer touch them,
+    ``"bound"`` when held until the fence bound passed, ``None`` when released at once),
+    ``"late"`` (handed over after the request ended) or ``"shutdown"`` (the runtime stopped).
     """
 
     request_id: str
@@ -39,6 +45,8 @@ class Event(NamedTuple):
     reason: str | None
     blocks: list[int]
     detail: str | None = None
+    why: str | None = None
+    fence: str | None = None
 
 
 def _str(name: str, v: Any) -> str:

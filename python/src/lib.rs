@@ -756,7 +756,10 @@ impl Runtime {
     }
 
     /// Every event since the last call, oldest first, as tuples
-    /// `(request_id, kind, state, reason, blocks, detail)`. Never blocks.
+    /// `(request_id, kind, state, reason, blocks, detail, why, fence)`. Never blocks.
+    /// A `released` event's `why` is why the runtime let the blocks go (`done`, `failed`,
+    /// `late`, `shutdown`); when `failed`, `reason` is the failure's kind and `detail` its
+    /// text, and `fence` says how a fence that held them ended (`confirmed`, `bound`).
     fn drain_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let events = self.events.drain_events();
         let list = PyList::empty(py);
@@ -775,18 +778,23 @@ impl Runtime {
                         reason,
                         blocks,
                         detail,
+                        None::<&str>,
+                        None::<&str>,
                     )
                         .into_pyobject(py)?
                 }
-                Event::Released { id, blocks } => {
+                Event::Released { id, blocks, why } => {
                     let blocks: Vec<u32> = blocks.iter().map(|b| b.0).collect();
+                    let failure = why.failure();
                     (
                         id.as_str().to_string(),
                         "released",
                         None::<&str>,
-                        None::<&str>,
+                        failure.map(|r| r.kind()),
                         blocks,
-                        None::<String>,
+                        failure.map(|r| r.to_string()),
+                        Some(why.as_str()),
+                        why.fence().map(|f| f.as_str()),
                     )
                         .into_pyobject(py)?
                 }

@@ -28,6 +28,8 @@ use std::time::{Duration, Instant};
 
 use handoff_transport::{BlockId, FailureReason, RankInfo, TransferMode};
 
+use crate::event::{FenceEnd, ReleaseReason};
+
 /// Default time a request may spend in `Bootstrapping`: SGLang's
 /// `SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT` default, 300 s. With admission control a
 /// saturated decode answers `Rejected(Busy)` at once, so this is the bound for a peer that is
@@ -275,6 +277,8 @@ pub enum Action {
     Release {
         /// The blocks.
         blocks: Vec<BlockId>,
+        /// Why they go.
+        why: ReleaseReason,
     },
     /// Decode: a prefill rank's per-request payload arrived (non-empty only); the engine
     /// reads it with the request's blocks once the request is `Done`.
@@ -335,11 +339,23 @@ impl Core {
         self.actions.push_back(Action::StateChanged(end));
     }
 
-    /// Ends a fence: releases every held block.
-    fn release_now(&mut self) {
+    /// Ends a fence (as `how` says): releases every held block.
+    fn release_now(&mut self, how: FenceEnd) {
         self.deadline = None;
         let blocks = std::mem::take(&mut self.held);
-        self.actions.push_back(Action::Release { blocks });
+        let why = self.ended_why(Some(how));
+        self.actions.push_back(Action::Release { blocks, why });
+    }
+
+    /// Why blocks go now that the machine is terminal (`fence`: how a fence ended).
+    fn ended_why(&self, fence: Option<FenceEnd>) -> ReleaseReason {
+        match &self.state {
+            State::Failed(reason) => ReleaseReason::Failed {
+                reason: reason.clone(),
+                fence,
+            },
+            _ => ReleaseReason::Done,
+        }
     }
 
     /// Moves to `Done` or `Failed`, disarms the deadline and releases every held block.
@@ -352,13 +368,17 @@ impl Core {
         self.deadline = None;
         self.actions.push_back(Action::StateChanged(end));
         let blocks = std::mem::take(&mut self.held);
-        self.actions.push_back(Action::Release { blocks });
+        let why = self.ended_why(None);
+        self.actions.push_back(Action::Release { blocks, why });
     }
 
     /// Takes blocks that arrive after the end: they are released at once.
     fn release_late(&mut self, blocks: Vec<BlockId>) {
         if !blocks.is_empty() {
-            self.actions.push_back(Action::Release { blocks });
+            self.actions.push_back(Action::Release {
+                blocks,
+                why: ReleaseReason::Late,
+            });
         }
     }
 

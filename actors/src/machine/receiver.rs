@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use handoff_transport::{BlockId, FailureReason, TransferMode};
 
 use super::{protocol, Action, Core, Outbound, Peer, State, Timeouts};
+use crate::event::FenceEnd;
 
 /// What can happen to a receiver. Fed with [`ReceiverMachine::handle`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -226,7 +227,7 @@ impl ReceiverMachine {
                 // The fence's deadline: no acknowledgement came; every prefill rank's own
                 // deadlines have passed by now, so none can still write.
                 self.fencing = false;
-                return self.core.release_now();
+                return self.core.release_now(FenceEnd::Bound);
             }
         };
         self.fail(reason, None);
@@ -581,7 +582,7 @@ impl ReceiverMachine {
         }
         if self.fencing && self.fence_can_lift() {
             self.fencing = false;
-            self.core.release_now();
+            self.core.release_now(FenceEnd::Confirmed);
         }
     }
 }

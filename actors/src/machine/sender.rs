@@ -14,6 +14,7 @@ use std::time::Instant;
 use handoff_transport::{BlockId, FailureReason, TransferMode};
 
 use super::{protocol, Action, Core, Outbound, Peer, State, Timeouts};
+use crate::event::FenceEnd;
 
 /// What can happen to a sender. Fed with [`SenderMachine::handle`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -192,7 +193,7 @@ impl SenderMachine {
             (State::Done | State::Failed(_), _) => {
                 // The read fence's deadline: decode's reads have all ended by now.
                 self.fencing = false;
-                return self.core.release_now();
+                return self.core.release_now(FenceEnd::Bound);
             }
         };
         self.fail(reason, None);
@@ -376,7 +377,7 @@ impl SenderMachine {
                 if self.fencing && self.peer.as_ref() == Some(&from) =>
             {
                 self.fencing = false;
-                self.core.release_now();
+                self.core.release_now(FenceEnd::Confirmed);
             }
             _ => {}
         }

@@ -845,7 +845,7 @@ fn every_release_is_reported_once_with_why_in_pull_mode_over_ucx() {
 
 /// The failure path, from outside: prefill is killed while decode's requests wait for it;
 /// decode's requests end `peer_lost` and each block is released once, for `why`.
-fn releases_after_a_lost_prefill(transport: &str, why: Value) {
+fn releases_after_a_lost_prefill(transport: &str, mode: &str, why: Value) {
     let (_boot, addr) = bootstrap();
     let mut p = worker(
         "prefill",
@@ -869,6 +869,8 @@ fn releases_after_a_lost_prefill(transport: &str, why: Value) {
         "P",
         "--transport",
         transport,
+        "--mode",
+        mode,
     ];
     let d = worker("decode", "decode", "D", &addr, &d_args);
     std::thread::sleep(Duration::from_millis(500)); // transfer info has reached prefill
@@ -897,7 +899,17 @@ fn ends_of(events: &[Value]) -> Vec<Value> {
 #[test]
 fn releases_after_a_lost_prefill_say_failed_peer_lost() {
     let why = serde_json::json!({"why": "failed", "kind": "peer_lost", "fence": null});
-    releases_after_a_lost_prefill("tcp", why);
+    releases_after_a_lost_prefill("tcp", "push", why);
+}
+
+/// Over UCX in pull mode (the default) only decode's own reads write its blocks, and none
+/// was in flight: the blocks go when the request fails, as over TCP.
+#[test]
+fn releases_after_a_lost_prefill_over_ucx_in_pull_mode_go_at_once() {
+    if ucx_available() {
+        let why = serde_json::json!({"why": "failed", "kind": "peer_lost", "fence": null});
+        releases_after_a_lost_prefill("ucx", "pull", why);
+    }
 }
 
 /// Over UCX (push) a lost prefill rank could still write (it may be frozen, not dead):
@@ -906,7 +918,7 @@ fn releases_after_a_lost_prefill_say_failed_peer_lost() {
 fn releases_after_a_lost_prefill_over_ucx_wait_behind_the_fence() {
     if ucx_available() {
         let why = serde_json::json!({"why": "shutdown", "kind": null, "fence": null});
-        releases_after_a_lost_prefill("ucx", why);
+        releases_after_a_lost_prefill("ucx", "push", why);
     }
 }
 

@@ -124,6 +124,8 @@ mod tests {
         let msg = Message::Heartbeat(Heartbeat {
             incarnation: 7,
             seq: 300,
+            echo: 0,
+            lease_ms: 0,
         });
         let mut out = Vec::new();
         encode_payload(&msg, &mut out).unwrap_or_else(|e| panic!("{e}"));

@@ -25,6 +25,7 @@ pub mod auth;
 pub mod codec;
 pub mod data;
 pub mod layout;
+pub mod lease;
 pub mod noise;
 pub mod region;
 pub mod tcp;

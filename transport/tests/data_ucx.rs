@@ -315,3 +315,56 @@ async fn a_peer_that_lies_about_its_memory_gets_a_named_error_and_we_live() {
         format!("checksum {}", checksum(plane.region(), &src))
     );
 }
+
+/// A writer fences itself: a write under a lease that has ended (or was revoked, the peer
+/// lost) posts nothing and fails by name; under a lease that holds, it lands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_under_an_ended_lease_posts_nothing() {
+    use handoff_transport::lease::Lease;
+    use std::sync::Arc;
+    let Some(plane) = plane_or_skip("ucx lease", "prefill") else {
+        return;
+    };
+    let (mut child, peer) = spawn_child();
+    assert_eq!(child.ask("fill 5", STEP), "filled");
+    let all = format_ids(&ids(0..BLOCKS));
+    let before = child.ask(&format!("checksum {all}"), STEP);
+    fill(plane.region(), 13);
+    let r = RequestId::new("leased");
+    let blocks = ids(0..BLOCKS);
+    let deadline = || Instant::now() + STEP;
+
+    let ended = Arc::new(Lease::new());
+    ended.extend_to(Instant::now() - Duration::from_millis(1));
+    let revoked = Arc::new(Lease::new());
+    revoked.extend_to(Instant::now() + STEP);
+    revoked.revoke();
+    for (what, lease) in [("ended", ended), ("revoked", revoked)] {
+        let err = plane
+            .write_leased(&r, &peer, &blocks, &blocks, None, deadline(), lease)
+            .await
+            .unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("lease") && text.contains("decode-child"),
+            "{what}: {text}"
+        );
+        assert_eq!(
+            child.ask(&format!("checksum {all}"), STEP),
+            before,
+            "{what}"
+        );
+    }
+
+    let holds = Arc::new(Lease::new());
+    holds.extend_to(Instant::now() + STEP);
+    plane
+        .write_leased(&r, &peer, &blocks, &blocks, None, deadline(), holds)
+        .await
+        .unwrap();
+    let remote = child.ask(&format!("checksum {all}"), STEP);
+    assert_eq!(
+        remote,
+        format!("checksum {}", checksum(plane.region(), &blocks))
+    );
+}

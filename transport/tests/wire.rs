@@ -102,6 +102,8 @@ fn every_message() -> Vec<Message> {
         Message::Heartbeat(Heartbeat {
             incarnation: 7,
             seq: 1_000_000,
+            echo: 0,
+            lease_ms: 0,
         }),
         Message::ProtocolError(ProtocolError {
             detail: "bad magic".into(),
@@ -188,6 +190,8 @@ fn heartbeat_frame() -> Vec<u8> {
     encoded(&Message::Heartbeat(Heartbeat {
         incarnation: 1,
         seq: 2,
+        echo: 0,
+        lease_ms: 0,
     }))
 }
 
@@ -393,6 +397,8 @@ fn hello_with_another_version_is_refused_naming_both() {
     let first = Message::Heartbeat(Heartbeat {
         incarnation: 1,
         seq: 0,
+        echo: 0,
+        lease_ms: 0,
     });
     assert_eq!(
         check_hello(&first),
@@ -459,6 +465,8 @@ fn trailing_bytes_inside_a_payload_are_refused() {
     let mut payload = raw_payload(&Heartbeat {
         incarnation: 1,
         seq: 2,
+        echo: 0,
+        lease_ms: 0,
     });
     payload.push(0);
     assert_eq!(
@@ -552,6 +560,8 @@ fn heartbeat_message() -> Message {
     Message::Heartbeat(Heartbeat {
         incarnation: 3,
         seq: 4,
+        echo: 0,
+        lease_ms: 0,
     })
 }
 
@@ -969,10 +979,17 @@ fn any_connection_message() -> impl Strategy<Value = Message> {
                     incarnation,
                     data_descriptor: vec![7; (incarnation % 40) as usize],
                     layout,
+                    lease_ms: incarnation / 3,
                 })
             }),
-        (any::<u64>(), any::<u64>())
-            .prop_map(|(incarnation, seq)| Message::Heartbeat(Heartbeat { incarnation, seq })),
+        (any::<u64>(), any::<u64>(), any::<u64>(), any::<u64>()).prop_map(
+            |(incarnation, seq, echo, lease_ms)| Message::Heartbeat(Heartbeat {
+                incarnation,
+                seq,
+                echo,
+                lease_ms
+            })
+        ),
         text(100).prop_map(|detail| Message::ProtocolError(ProtocolError { detail })),
     ]
 }

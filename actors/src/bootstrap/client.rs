@@ -563,6 +563,8 @@ impl Driver {
         let beat = Message::Heartbeat(Heartbeat {
             incarnation,
             seq: self.seq,
+            echo: 0,
+            lease_ms: 0,
         });
         self.seq = self.seq.wrapping_add(1);
         if let Err(e) = self.attempt(&beat, deadline).await {

@@ -430,6 +430,8 @@ impl ServerState {
             Message::Heartbeat(hb) => Message::Heartbeat(Heartbeat {
                 incarnation: self.incarnation,
                 seq: hb.seq,
+                echo: hb.seq,
+                lease_ms: 0,
             }),
             Message::Register(record) => match self.register(origin, record, now) {
                 Some(reply) => reply,

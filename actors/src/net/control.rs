@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use handoff_transport::auth::Key;
+use handoff_transport::lease::Lease;
 use handoff_transport::wire::messages::{
     self, Heartbeat, Hello, HelloAck, LayoutDescriptor, Message, ProtocolError,
 };
@@ -67,7 +68,15 @@ struct Dialed {
     incarnation: u64,
     data_descriptor: Vec<u8>,
     layout: Option<LayoutDescriptor>,
+    /// When our `Hello` went out: the peer heard us no earlier.
+    hello_sent: std::time::Instant,
+    /// The peer's loss timeout from its `HelloAck`.
+    lease_ms: u64,
 }
+
+/// Our heartbeats remembered per peer, to turn an echo into the time we sent it: at one
+/// heartbeat per interval, far more than an echo can lag behind.
+const BEATS_REMEMBERED: usize = 64;
 
 #[derive(Default)]
 struct PeerState {
@@ -84,7 +93,13 @@ struct PeerState {
     last_heard: Option<Instant>,
     dialing: Option<u64>,
     queue: VecDeque<Vec<u8>>,
-    seq: u64,
+    /// Our heartbeats to it not yet echoed: `(seq, when sent)`, oldest first, at most
+    /// [`BEATS_REMEMBERED`].
+    beats: VecDeque<(u64, std::time::Instant)>,
+    /// The latest heartbeat seq it sent us: echoed in ours.
+    heard_seq: u64,
+    /// Our writer's lease with it (shared with the data plane through `PeerInfo`).
+    lease: Option<Arc<Lease>>,
 }
 
 impl PeerState {
@@ -109,6 +124,8 @@ struct Control {
     conns: BTreeMap<ConnId, Peer>,
     reports: mpsc::Sender<Report>,
     generation: u64,
+    /// Heartbeat seqs, process-wide, so an echo never matches a beat of another connection.
+    beat_seq: u64,
 }
 
 pub(crate) fn spawn(setup: Setup) -> tokio::task::JoinHandle<()> {
@@ -143,6 +160,7 @@ pub(crate) fn spawn(setup: Setup) -> tokio::task::JoinHandle<()> {
         conns: BTreeMap::new(),
         reports,
         generation: 0,
+        beat_seq: 0,
     };
     tokio::spawn(control.run(cmds, report_rx))
 }
@@ -216,15 +234,19 @@ impl Control {
     fn on_hello(&mut self, conn: ConnId, hello: Hello) -> Result<(), WireError> {
         let peer = hello.rank.clone();
         self.note_incarnation(&peer, hello.incarnation);
-        self.remember_data(&peer, hello.data_descriptor, hello.layout)?;
+        let lease = self.remember_data(&peer, hello.data_descriptor, hello.layout)?;
+        // The peer hears us (our ack) no earlier than now.
+        lease.extend_to(std::time::Instant::now() + self.peer_lease(hello.lease_ms));
         self.conns.insert(conn, peer.clone());
         let state = self.peers.entry(peer.clone()).or_default();
         state.inbound = Some(conn);
         state.last_heard = Some(Instant::now());
+        state.lease = Some(lease);
         debug!(%peer, role = %hello.role, "peer connected");
         let mut ack = HelloAck::new(self.incarnation);
         ack.data_descriptor = self.data.data_descriptor();
         ack.layout = Some(self.descriptor.clone());
+        ack.lease_ms = self.loss_timeout_ms();
         let ack = wire::encode(&Message::HelloAck(ack), self.key())?;
         // A peer that said a valid hello: outside the bounds on pending connections.
         self.router.admit(conn);
@@ -255,8 +277,14 @@ impl Control {
             state.last_heard = Some(Instant::now());
         }
         let (id, outbound) = match msg {
-            Message::Heartbeat(Heartbeat { incarnation, .. }) => {
+            Message::Heartbeat(Heartbeat {
+                incarnation,
+                seq,
+                echo,
+                lease_ms,
+            }) => {
                 self.note_incarnation(peer, incarnation);
+                self.on_echo(peer, seq, echo, lease_ms);
                 return Ok(());
             }
             Message::HelloAck(_) | Message::ProtocolError(_) => return Ok(()),
@@ -351,7 +379,7 @@ impl Control {
         peer: &Peer,
         data_descriptor: Vec<u8>,
         layout: Option<LayoutDescriptor>,
-    ) -> Result<(), WireError> {
+    ) -> Result<Arc<Lease>, WireError> {
         let layout = match layout {
             Some(descriptor) => {
                 let checked = descriptor.to_layout()?;
@@ -360,14 +388,84 @@ impl Control {
             None => None,
         };
         let mut map = self.peer_data.lock().unwrap_or_else(|e| e.into_inner());
-        map.insert(
+        // A new connection's lease: the old one's proofs were about the old connection.
+        let lease = Arc::new(Lease::new());
+        let old = map.insert(
             peer.clone(),
             PeerInfo {
                 data_descriptor,
                 layout,
+                lease: lease.clone(),
             },
         );
-        Ok(())
+        if let Some(old) = old {
+            old.lease.revoke();
+        }
+        Ok(lease)
+    }
+
+    /// How long we wait, after last hearing from a peer, before we take it as lost.
+    fn loss_timeout(&self) -> Duration {
+        self.cfg.heartbeat_interval * self.cfg.heartbeats_missed_max
+    }
+
+    fn loss_timeout_ms(&self) -> u64 {
+        u64::try_from(self.loss_timeout().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// A peer's loss timeout as it stated it (in `Hello`, `HelloAck`, heartbeats); ours
+    /// where it said nothing.
+    fn peer_lease(&self, lease_ms: u64) -> Duration {
+        if lease_ms == 0 {
+            self.loss_timeout()
+        } else {
+            Duration::from_millis(lease_ms)
+        }
+    }
+
+    /// A peer's heartbeat: remember its seq (echoed in ours), and if it echoes one of
+    /// ours, the peer heard us no earlier than we sent that one, so it will not take us as
+    /// lost before then plus its loss timeout: extend our writer's lease to that.
+    fn on_echo(&mut self, peer: &Peer, seq: u64, echo: u64, lease_ms: u64) {
+        let lease_for = self.peer_lease(lease_ms);
+        let incarnation = self.incarnation;
+        let lease_ms_ours = self.loss_timeout_ms();
+        let key = self.cfg.key.clone();
+        let Some(state) = self.peers.get_mut(peer) else {
+            return;
+        };
+        if seq != 0 {
+            // A beat of its tick: answer at once (seq 0: an answer, not answered in turn),
+            // so its proof that we heard it lags by a round trip, not by an interval.
+            state.heard_seq = seq;
+            let answer = Message::Heartbeat(Heartbeat {
+                incarnation,
+                seq: 0,
+                echo: seq,
+                lease_ms: lease_ms_ours,
+            });
+            if let Ok(bytes) = wire::encode(&answer, key.as_ref()) {
+                state.queue.push_back(bytes);
+                self.flush(peer);
+            }
+        }
+        let Some(state) = self.peers.get_mut(peer) else {
+            return;
+        };
+        if echo == 0 {
+            return;
+        }
+        while state.beats.front().is_some_and(|(s, _)| *s < echo) {
+            state.beats.pop_front();
+        }
+        if let Some((s, sent)) = state.beats.front().copied() {
+            if s == echo {
+                state.beats.pop_front();
+                if let Some(lease) = &state.lease {
+                    lease.extend_to(sent + lease_for);
+                }
+            }
+        }
     }
 
     fn on_report(&mut self, report: Report) {
@@ -507,6 +605,7 @@ impl Control {
             hello: Hello {
                 data_descriptor: self.data.data_descriptor(),
                 layout: Some(self.descriptor.clone()),
+                lease_ms: self.loss_timeout_ms(),
                 ..Hello::new(self.role, self.me.clone(), self.incarnation)
             },
             key: self.cfg.key.clone(),
@@ -542,16 +641,24 @@ impl Control {
                 incarnation,
                 data_descriptor,
                 layout,
+                hello_sent,
+                lease_ms,
             }) => {
-                if let Err(e) = self.remember_data(&peer, data_descriptor, layout) {
-                    warn!(%peer, error = %e, "peer's hello answer describes bad memory");
-                    return self.lose(&peer, &e.to_string());
-                }
+                let lease = match self.remember_data(&peer, data_descriptor, layout) {
+                    Ok(lease) => lease,
+                    Err(e) => {
+                        warn!(%peer, error = %e, "peer's hello answer describes bad memory");
+                        return self.lose(&peer, &e.to_string());
+                    }
+                };
+                // The peer heard us (our hello) no earlier than when we sent it.
+                lease.extend_to(hello_sent + self.peer_lease(lease_ms));
                 let Some(state) = self.peers.get_mut(&peer) else {
                     return;
                 };
                 state.out = Some((tx, generation));
                 state.last_heard = Some(Instant::now());
+                state.lease = Some(lease);
                 self.note_incarnation(&peer, incarnation);
                 let reports = self.reports.clone();
                 let who = peer.clone();
@@ -604,14 +711,22 @@ impl Control {
             .filter(|(_, s)| s.connected())
             .map(|(p, _)| p.clone())
             .collect();
+        let lease_ms = self.loss_timeout_ms();
         for peer in peers {
             let Some(state) = self.peers.get_mut(&peer) else {
                 continue;
             };
-            state.seq += 1;
+            self.beat_seq += 1;
+            let seq = self.beat_seq;
+            if state.beats.len() >= BEATS_REMEMBERED {
+                state.beats.pop_front();
+            }
+            state.beats.push_back((seq, std::time::Instant::now()));
             let beat = Message::Heartbeat(Heartbeat {
                 incarnation: self.incarnation,
-                seq: state.seq,
+                seq,
+                echo: state.heard_seq,
+                lease_ms,
             });
             if let Ok(bytes) = wire::encode(&beat, self.cfg.key.as_ref()) {
                 state.queue.push_back(bytes);
@@ -635,6 +750,10 @@ impl Control {
         let Some(state) = self.peers.remove(peer) else {
             return;
         };
+        // First of all: no write of ours into its memory is posted from now on.
+        if let Some(lease) = &state.lease {
+            lease.revoke();
+        }
         if let Some(conn) = state.inbound {
             self.conns.remove(&conn);
             self.router.disconnect(conn);
@@ -689,6 +808,7 @@ impl DialJob {
             let (tx, mut rx) = dealer.split();
             let hello = wire::encode(&Message::Hello(self.hello.clone()), self.key.as_ref())
                 .map_err(|e| e.to_string())?;
+            let hello_sent = std::time::Instant::now();
             tx.send(vec![hello]).map_err(|e| e.to_string())?;
             let frames = rx.recv().await.ok_or_else(|| {
                 format!(
@@ -719,6 +839,8 @@ impl DialJob {
                 incarnation: ack.incarnation,
                 data_descriptor: ack.data_descriptor.clone(),
                 layout: ack.layout.clone(),
+                hello_sent,
+                lease_ms: ack.lease_ms,
             })
         };
         match tokio::time::timeout(self.timeout, work).await {

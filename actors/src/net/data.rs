@@ -10,6 +10,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
+use handoff_transport::lease::Lease;
 use handoff_transport::wire::messages::LayoutDescriptor;
 use handoff_transport::{BlockId, BlockSlice, RankInfo, RequestId};
 
@@ -68,6 +69,9 @@ pub struct PlaneTransfer<'a> {
     /// The logical bytes of each block moved when the two sides hold different layers
     /// ([`BlockSlice::for_ranks`]); `None` moves whole blocks of equal size.
     pub slice: Option<BlockSlice>,
+    /// The writer's lease with the peer ([`Lease`]): a one-sided plane posts a write only
+    /// while it holds. Planes that check a grant per operation at the target ignore it.
+    pub lease: Option<Arc<Lease>>,
 }
 
 /// One request's grants: a request has one peer per pipeline rank of the other side

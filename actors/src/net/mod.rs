@@ -40,6 +40,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use handoff_transport::auth::Key;
+use handoff_transport::lease::Lease;
 use handoff_transport::wire::messages::{LayoutDescriptor, WorkerRecord};
 use handoff_transport::zmtp::{Router, ZmtpError};
 use handoff_transport::{
@@ -152,6 +153,10 @@ pub(crate) struct PeerInfo {
     /// Its layout as it sent it, and as checked ([`LayoutDescriptor::to_layout`]); `None`
     /// when it sent none (a request with it then fails by name before a byte moves).
     pub(crate) layout: Option<(LayoutDescriptor, KvLayout)>,
+    /// Our writer's lease with it on this connection (one-sided writes are posted only
+    /// while it holds): extended by the control loop when the peer proves it heard us,
+    /// revoked when we lose it.
+    pub(crate) lease: Arc<Lease>,
 }
 
 /// Peers' [`PeerInfo`], learned at connect; replaced when a peer reconnects.
@@ -379,6 +384,7 @@ impl NetLink {
         let Some(PeerInfo {
             data_descriptor,
             layout: Some((descriptor, theirs)),
+            lease,
         }) = known
         else {
             let detail = format!("{peer} described no KV layout when it connected");
@@ -400,6 +406,7 @@ impl NetLink {
                 src,
                 dst,
                 slice,
+                lease: Some(lease),
             };
             let fut = if write { data.write(t) } else { data.read(t) };
             fut.await

@@ -113,18 +113,27 @@ impl UcxPlane {
         // The peer's layout from its hello: one remote key per range, checked by the
         // plane (once per peer layout) before anything is posted.
         let peer = UcxPeer::from_layout(t.peer.to_string(), t.peer_data.to_vec(), t.peer_layout);
-        let (src, dst, slice, id) = (t.src, t.dst, t.slice, t.id);
+        let (src, dst, slice, id, lease) = (t.src, t.dst, t.slice, t.id, t.lease);
         let (plane, id) = (self.plane.clone(), id.clone());
         Box::pin(async move {
             let deadline = std::time::Instant::now() + UCX_CALL_TIMEOUT;
-            let result = if write {
-                plane
-                    .write_slice(&id, &peer, &src, &dst, slice, deadline)
-                    .await
-            } else {
-                plane
-                    .read_slice(&id, &peer, &src, &dst, slice, deadline)
-                    .await
+            let result = match (write, lease) {
+                // A one-sided write into the peer's memory: fenced by our lease with it.
+                (true, Some(lease)) => {
+                    plane
+                        .write_leased(&id, &peer, &src, &dst, slice, deadline, lease)
+                        .await
+                }
+                (true, None) => {
+                    plane
+                        .write_slice(&id, &peer, &src, &dst, slice, deadline)
+                        .await
+                }
+                (false, _) => {
+                    plane
+                        .read_slice(&id, &peer, &src, &dst, slice, deadline)
+                        .await
+                }
             };
             result.map_err(|e| e.to_string())
         })

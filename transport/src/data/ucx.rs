@@ -57,6 +57,7 @@ use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 use super::plan;
 use super::DataError;
 use crate::layout::{pair_segments, KvLayout, KvMemory, KvRange, LayerSpan, Segment, RANGES_MAX};
+use crate::lease::Lease;
 use crate::region::{BlockSlice, Region};
 use crate::types::{BlockId, RankInfo, RequestId};
 use crate::ucx::{
@@ -252,6 +253,8 @@ struct Job {
     /// The slice of every block moved (`None`: whole blocks).
     slice: Option<BlockSlice>,
     deadline: Instant,
+    /// A writer's lease with the peer, checked before every post (`None`: unfenced).
+    lease: Option<Arc<Lease>>,
     reply: oneshot::Sender<Result<(), DataError>>,
     /// The job's queue slot, released when the thread is done with it.
     _slot: OwnedSemaphorePermit,
@@ -591,8 +594,17 @@ impl UcxDataPlane {
         dst: &[BlockId],
         deadline: Instant,
     ) -> Result<(), DataError> {
-        self.submit(Direction::Put, request, peer, src, dst, None, deadline)
-            .await
+        self.submit(
+            Direction::Put,
+            request,
+            peer,
+            src,
+            dst,
+            None,
+            deadline,
+            None,
+        )
+        .await
     }
     /// [`UcxDataPlane::write`] of one slice of every block (`None`: whole blocks of equal
     /// size on both sides), for pipeline ranks that hold different parts of a block.
@@ -605,8 +617,46 @@ impl UcxDataPlane {
         slice: Option<BlockSlice>,
         deadline: Instant,
     ) -> Result<(), DataError> {
-        self.submit(Direction::Put, request, peer, src, dst, slice, deadline)
-            .await
+        self.submit(
+            Direction::Put,
+            request,
+            peer,
+            src,
+            dst,
+            slice,
+            deadline,
+            None,
+        )
+        .await
+    }
+
+    /// [`UcxDataPlane::write_slice`] fenced by the writer's [`Lease`] with the peer: the
+    /// lease is checked before the job starts and immediately before every operation is
+    /// posted; once it has ended nothing more is posted and the call fails
+    /// [`DataError::Io`] naming the peer and the lease. A writer frozen or cut off past its
+    /// lease therefore cannot land a write in blocks the peer has given back since.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn write_leased(
+        &self,
+        request: &RequestId,
+        peer: &UcxPeer,
+        src: &[BlockId],
+        dst: &[BlockId],
+        slice: Option<BlockSlice>,
+        deadline: Instant,
+        lease: Arc<Lease>,
+    ) -> Result<(), DataError> {
+        self.submit(
+            Direction::Put,
+            request,
+            peer,
+            src,
+            dst,
+            slice,
+            deadline,
+            Some(lease),
+        )
+        .await
     }
 
     /// Pull: reads `peer`'s `src` blocks into our `dst` blocks (`src[i]` → `dst[i]`)
@@ -619,8 +669,17 @@ impl UcxDataPlane {
         dst: &[BlockId],
         deadline: Instant,
     ) -> Result<(), DataError> {
-        self.submit(Direction::Get, request, peer, dst, src, None, deadline)
-            .await
+        self.submit(
+            Direction::Get,
+            request,
+            peer,
+            dst,
+            src,
+            None,
+            deadline,
+            None,
+        )
+        .await
     }
 
     /// [`UcxDataPlane::read`] of one slice of every block (`None`: whole blocks).
@@ -633,8 +692,17 @@ impl UcxDataPlane {
         slice: Option<BlockSlice>,
         deadline: Instant,
     ) -> Result<(), DataError> {
-        self.submit(Direction::Get, request, peer, dst, src, slice, deadline)
-            .await
+        self.submit(
+            Direction::Get,
+            request,
+            peer,
+            dst,
+            src,
+            slice,
+            deadline,
+            None,
+        )
+        .await
     }
 
     // One private funnel for the four public calls: its arguments are theirs.
@@ -648,6 +716,7 @@ impl UcxDataPlane {
         remote: &[BlockId],
         slice: Option<BlockSlice>,
         deadline: Instant,
+        lease: Option<Arc<Lease>>,
     ) -> Result<(), DataError> {
         let started = Instant::now();
         plan::check_lists(local, remote)?;
@@ -677,6 +746,7 @@ impl UcxDataPlane {
             remote: remote.to_vec(),
             slice,
             deadline,
+            lease,
             reply,
             _slot: slot,
         };
@@ -1104,6 +1174,16 @@ impl State {
                 after: Duration::ZERO,
             });
         }
+        if let Some(ago) = job.lease.as_ref().and_then(|l| l.expired_for(started)) {
+            return Err(ucx_error(
+                peer,
+                UcxError::LeaseExpired {
+                    posted: 0,
+                    ago: (ago != Duration::MAX).then_some(ago),
+                },
+                started,
+            ));
+        }
         // Checked again on this side of the queue: nothing unchecked is ever posted.
         let block_bytes = self.layout.block_bytes();
         let at = check_peer(peer, &job.remote, block_bytes, job.slice, job.direction)?;
@@ -1338,13 +1418,27 @@ fn post_rounds(
             });
         }
         if segments.len() >= UCX_SEGMENTS_PER_ROUND {
-            ep.transfer_ranges(job.direction, locals, &remotes, &segments, job.deadline)?;
+            ep.transfer_ranges_leased(
+                job.direction,
+                locals,
+                &remotes,
+                &segments,
+                job.deadline,
+                job.lease.as_deref(),
+            )?;
             segments.clear();
         }
     }
     runs.finish(&mut segments);
     if !segments.is_empty() {
-        ep.transfer_ranges(job.direction, locals, &remotes, &segments, job.deadline)?;
+        ep.transfer_ranges_leased(
+            job.direction,
+            locals,
+            &remotes,
+            &segments,
+            job.deadline,
+            job.lease.as_deref(),
+        )?;
     }
     Ok(())
 }

@@ -4,12 +4,13 @@
 //! flushed, all within one deadline.
 
 use std::ffi::c_void;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::memory::MemoryRegion;
 use super::sys;
 use super::worker::{Endpoint, EndpointInner, RemoteKey};
 use super::{UcxError, OPS_INFLIGHT_MAX, SEGMENTS_PER_BATCH_MAX};
+use crate::lease::Lease;
 
 /// Operations posted between two looks at the clock while posting (waiting for
 /// completions looks every round): a look costs tens of nanoseconds, as much as posting a
@@ -369,6 +370,23 @@ impl Endpoint {
         segments: &[RangeSegment],
         deadline: Instant,
     ) -> Result<TransferStats, UcxError> {
+        self.transfer_ranges_leased(direction, locals, remotes, segments, deadline, None)
+    }
+
+    /// [`Endpoint::transfer_ranges`] under a writer's [`Lease`] with the peer: the lease is
+    /// checked immediately before every operation is posted, and once it has ended nothing
+    /// more is posted ([`UcxError::LeaseExpired`]; the endpoint is force-closed, cancelling
+    /// what UCX still had queued). At most [`OPS_INFLIGHT_MAX`] operations were posted
+    /// under an earlier check.
+    pub fn transfer_ranges_leased(
+        &self,
+        direction: Direction,
+        locals: &[&MemoryRegion],
+        remotes: &[&RemoteKey],
+        segments: &[RangeSegment],
+        deadline: Instant,
+        lease: Option<&Lease>,
+    ) -> Result<TransferStats, UcxError> {
         if locals
             .iter()
             .any(|l| !std::rc::Rc::ptr_eq(l.context(), &self.inner.worker.ctx))
@@ -399,7 +417,7 @@ impl Endpoint {
                     })?,
             );
         }
-        let result = self.post_all(direction, locals, ep, &rkeys, &ops, deadline);
+        let result = self.post_all(direction, locals, ep, &rkeys, &ops, deadline, lease);
         if let Err(error) = &result {
             self.inner.fail(error.clone());
         }
@@ -424,6 +442,7 @@ impl Endpoint {
         rkeys: &[sys::ucp_rkey_h],
         ops: &[RangeSegment],
         deadline: Instant,
+        lease: Option<&Lease>,
     ) -> Result<(), UcxError> {
         let worker = &self.inner.worker;
         let api = worker.api;
@@ -468,6 +487,15 @@ impl Endpoint {
                 });
             };
             let buffer = local.range_ptr(seg.local_offset, seg.len)?;
+            if let Some(lease) = lease {
+                // The writer's fence: checked immediately before each post.
+                if let Some(ago) = lease.expired_for(Instant::now()) {
+                    return Err(UcxError::LeaseExpired {
+                        posted: i,
+                        ago: (ago != Duration::MAX).then_some(ago),
+                    });
+                }
+            }
             // SAFETY: live endpoint and rkey of this endpoint; `buffer..+len` lies in the
             // registered local region (validated), which outlives the operation: we wait
             // for it here, or force-close the endpoint (cancelling it) before returning.

@@ -177,6 +177,15 @@ pub enum UcxError {
         /// What the check found.
         detail: String,
     },
+    /// A writer's lease with the peer ended (or was revoked: the peer was lost) before
+    /// every operation was posted: nothing more was, and the endpoint was force-closed.
+    #[error("write lease with the peer {}, after {posted} operations were posted: the peer may have given our grant's blocks back", match .ago { Some(ago) => format!("ended {ago:?} ago"), None => "was revoked (the peer was lost)".to_string() })]
+    LeaseExpired {
+        /// Operations posted before the check failed.
+        posted: usize,
+        /// How long ago the lease ended; `None` when it was revoked.
+        ago: Option<std::time::Duration>,
+    },
     /// An argument is unusable: zero length, oversized peer bytes, NUL in a config string.
     #[error("invalid argument: {what}")]
     InvalidArgument {

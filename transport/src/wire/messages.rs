@@ -311,6 +311,10 @@ pub struct Hello {
     /// server): exchanged once per connection, so per-request messages carry only block
     /// ids, and checked against ours when a request's transfer info or `Ready` arrives.
     pub layout: Option<LayoutDescriptor>,
+    /// How long the sender waits, after it last heard from a peer, before it takes the
+    /// peer as lost, in milliseconds (0: it does not say). A writer's lease with the
+    /// sender ([`crate::lease::Lease`]) is counted in it.
+    pub lease_ms: u64,
 }
 
 impl Hello {
@@ -323,6 +327,7 @@ impl Hello {
             incarnation,
             data_descriptor: Vec::new(),
             layout: None,
+            lease_ms: 0,
         }
     }
 }
@@ -338,6 +343,8 @@ pub struct HelloAck {
     pub data_descriptor: Vec<u8>,
     /// The acceptor's KV memory, as in [`Hello::layout`].
     pub layout: Option<LayoutDescriptor>,
+    /// The acceptor's loss timeout, as in [`Hello::lease_ms`].
+    pub lease_ms: u64,
 }
 
 impl HelloAck {
@@ -348,6 +355,7 @@ impl HelloAck {
             incarnation,
             data_descriptor: Vec::new(),
             layout: None,
+            lease_ms: 0,
         }
     }
 }
@@ -357,8 +365,15 @@ impl HelloAck {
 pub struct Heartbeat {
     /// The sender's incarnation; a change means the peer restarted.
     pub incarnation: u64,
-    /// Counts up from 0 on each connection; a gap shows lost heartbeats.
+    /// Counts up; never repeats within one sender's process. 0: an answer to the beat
+    /// named in `echo`, sent at once and not answered in turn.
     pub seq: u64,
+    /// The latest `seq` the sender received from the recipient (0: none yet): proof that
+    /// the sender heard the recipient at or after the time it sent that heartbeat.
+    pub echo: u64,
+    /// How long the sender waits, after it last heard from the recipient, before it takes
+    /// the recipient as lost, in milliseconds (0: it does not say).
+    pub lease_ms: u64,
 }
 
 /// Payload of [`Message::ProtocolError`].

@@ -8,6 +8,8 @@
 //! - `{"event":"ready", "role", "rank", "control", "data", "transport", "incarnation"}` once registered;
 //! - `{"event":"opened", "request", "blocks"}` per request opened, with the blocks it is
 //!   given (prefill hands them over after `--hold-ms`; a decode with `--no-alloc`, none);
+//! - `{"event":"state", "request", "state"}` as a request moves (`Bootstrapping`,
+//!   `WaitingForInput`: on prefill, decode's transfer info has arrived; `Transferring`);
 //! - `{"event":"end", "request", "state", "kind", "reason", "verified", "ms"}` per request;
 //! - `{"event":"released", "request", "blocks", "why", "kind", "fence"}` each time the
 //!   runtime lets blocks go (every block the worker handed over appears in exactly one):
@@ -17,7 +19,9 @@
 //!   once), `late` (handed over after the request ended) or `shutdown` (the runtime
 //!   stopped while holding them); releases after the last `end` (a fence still held, the
 //!   shutdown) are printed before the summary;
-//! - `{"event":"summary", "done", "failed", "corrupted", "by_kind"}` at the end.
+//! - with `--keep-done` (decode), `{"event":"recheck", "request", "verified"}` per request
+//!   that arrived, its blocks checked again when the worker stops;
+//! - `{"event":"summary", "done", "failed", "corrupted", "recheck_bad", "by_kind"}` at the end.
 //!
 //! stdout holds nothing else: logs, UCX's included, go to stderr.
 //!
@@ -220,6 +224,12 @@ pub struct WorkerArgs {
     /// Stay up until SIGINT/SIGTERM instead of exiting when the requests end.
     #[arg(long)]
     pub serve: bool,
+    /// Decode: keep the blocks of requests that arrived (as an engine decoding from them
+    /// would) instead of reusing them, and check them again when the worker stops: a
+    /// `recheck` line per request, and `recheck_bad` in the summary. A late write from a
+    /// frozen or cut-off prefill into blocks handed out since shows up here.
+    #[arg(long)]
+    pub keep_done: bool,
 }
 
 fn parse_layout(s: &str) -> Result<KvShape, String> {
@@ -302,8 +312,9 @@ async fn run_inner(a: WorkerArgs) -> Result<ExitCode, String> {
     let rank = rank_of(&a);
     let key = handoff_actors::exposure::resolve_key(a.secret_file.as_deref())
         .map_err(|e| e.to_string())?;
-    let waves = if a.then_prefill.is_some() { 2 } else { 1 };
-    let needed = a.requests as u64 * a.blocks_per_request as u64 * waves;
+    // One wave must fit; the second (`--then-prefill`) waits for blocks the first gives
+    // back, as an engine waits for free blocks.
+    let needed = a.requests as u64 * a.blocks_per_request as u64;
     if needed > a.pool_blocks as u64 {
         return Err(format!(
             "{needed} blocks needed ({} requests × {} blocks), pool has {}",
@@ -443,11 +454,14 @@ async fn drive(
     let mut next = 0usize;
     let (mut done, mut failed, mut corrupted) = (0u32, 0u32, 0u32);
     let mut by_kind: BTreeMap<String, u32> = BTreeMap::new();
+    // `--keep-done`: the requests whose blocks arrived, kept out of the pool.
+    let mut kept: Vec<(RequestId, Vec<BlockId>)> = Vec::new();
     let mut stop = Box::pin(shutdown_signal());
     loop {
         // Open what is due: the first wave at once, the second after `then_after_ms`.
         while next < total
             && (next < first_wave || started.elapsed() >= Duration::from_millis(a.then_after_ms))
+            && plan.pool.len() >= a.blocks_per_request as usize
         {
             let (id, prefill) = plan.ids[next].clone();
             next += 1;
@@ -496,9 +510,17 @@ async fn drive(
                 }
                 Event::Released { id, blocks, why } => {
                     emit_released(&id, &blocks, &why);
-                    plan.pool.extend(blocks);
+                    if a.keep_done && role == Role::Decode && why == ReleaseReason::Done {
+                        kept.push((id, blocks));
+                    } else {
+                        plan.pool.extend(blocks);
+                    }
                 }
-                Event::State { .. } => {}
+                Event::State { id, state, .. } => {
+                    emit(
+                        json!({"event": "state", "request": id.as_str(), "state": state_name(&state)}),
+                    );
+                }
             }
         }
         let all_ended = next == total && (done + failed) as usize >= total;
@@ -511,8 +533,17 @@ async fn drive(
             _ = tokio::time::sleep(Duration::from_millis(5)) => {}
         }
     }
-    let summary = json!({"event": "summary", "done": done, "failed": failed, "corrupted": corrupted, "by_kind": by_kind});
-    let code = if a.serve || (done as usize == total && corrupted == 0) {
+    // `--keep-done`: the blocks that arrived, checked again now.
+    let mut recheck_bad = 0u32;
+    for (id, blocks) in &kept {
+        let verified = verify(rt, a.pp_rank, id, blocks);
+        emit(json!({"event": "recheck", "request": id.as_str(), "verified": verified}));
+        if !verified {
+            recheck_bad += 1;
+        }
+    }
+    let summary = json!({"event": "summary", "done": done, "failed": failed, "corrupted": corrupted, "recheck_bad": recheck_bad, "by_kind": by_kind});
+    let code = if a.serve || (done as usize == total && corrupted == 0 && recheck_bad == 0) {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
@@ -583,5 +614,16 @@ async fn shutdown_signal() {
         biased;
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}
+    }
+}
+
+/// A state's name in the event stream (`Bootstrapping`, `WaitingForInput`, ...).
+fn state_name(state: &State) -> &'static str {
+    match state {
+        State::Bootstrapping => "Bootstrapping",
+        State::WaitingForInput => "WaitingForInput",
+        State::Transferring => "Transferring",
+        State::Done => "Done",
+        State::Failed(_) => "Failed",
     }
 }

@@ -2,6 +2,7 @@
 //! `handoff` binary), talking over the ZMTP control plane and the TCP data plane. Each
 //! test reads the processes' JSON lines; every wait has a deadline.
 
+use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -961,5 +962,167 @@ fn ucx_log_lines_go_to_stderr_not_into_the_event_stream() {
             p.stderr.lock().unwrap()
         );
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Sends `signal` (`STOP`, `CONT`) to a worker.
+fn signal(p: &Proc, signal: &str) {
+    let status = Command::new("kill")
+        .args([&format!("-{signal}"), &p.child.id().to_string()])
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill -{signal} {}", p.name);
+}
+
+/// A frozen writer: prefill is stopped (SIGSTOP) and kept stopped while decode fails its
+/// requests, gives their blocks back and hands the very same blocks to a second prefill's
+/// requests, which arrive verified; then it is resumed. It must not land a byte in those
+/// blocks (decode keeps them and checks them again when it stops), and its own requests
+/// must end failed, by name.
+/// - Push: prefill is stopped in the middle of its first write (big requests, so a
+///   transfer takes a while), with the other writes queued behind it. Over TCP decode's
+///   server refuses a lost peer's writes; over UCX the resumed writer's lease with decode
+///   has ended, so it posts nothing more.
+/// - Pull: prefill is stopped once decode's transfer info reached it, with its hand-over
+///   due at once when it resumes; nothing writes decode's blocks but decode's own reads.
+fn a_frozen_writer_never_lands_in_reused_blocks(transport: &str, mode: &str) {
+    let (_boot, addr) = bootstrap();
+    // 4 requests of 256 blocks over 32 layers held as an engine holds them: a transfer is
+    // thousands of operations, so a stop lands in the middle of one.
+    let common = [
+        "--blocks-per-request",
+        "256",
+        "--pool-blocks",
+        "1024",
+        "--layers",
+        "32",
+        "--transport",
+        transport,
+    ];
+    let hold = if mode == "push" { "0" } else { "1500" };
+    let mut p1_args = vec!["--requests", "4", "--hold-ms", hold];
+    p1_args.extend_from_slice(&common);
+    let p1 = worker("frozen prefill", "prefill", "P1", &addr, &p1_args);
+    let mut p2_args = vec!["--requests", "4", "--request-prefix", "req-then", "--serve"];
+    p2_args.extend_from_slice(&common);
+    let _p2 = worker("second prefill", "prefill", "P2", &addr, &p2_args);
+    // A pool of exactly one wave: the second wave gets the blocks the first gave back.
+    let mut d_args = vec![
+        "--requests",
+        "4",
+        "--prefill",
+        "P1",
+        "--then-prefill",
+        "P2",
+        "--then-after-ms",
+        "0",
+        "--mode",
+        mode,
+        "--keep-done",
+        "--serve",
+        "--bootstrap-timeout-s",
+        "2",
+        "--waiting-timeout-s",
+        "5",
+        "--transfer-timeout-s",
+        "2",
+        "--pull-ttl-s",
+        "2",
+    ];
+    d_args.extend_from_slice(&common);
+    let d = worker("decode", "decode", "D", &addr, &d_args);
+    let state = |v: &Value, s: &str| v["event"] == "state" && v["state"] == s;
+    if mode == "push" {
+        p1.until("a write under way", |seen| {
+            seen.iter().any(|v| state(v, "Transferring"))
+        });
+    } else {
+        p1.until("transfer info for every request", |seen| {
+            seen.iter().filter(|v| state(v, "WaitingForInput")).count() == 4
+        });
+    }
+    signal(&p1, "STOP");
+    // Decode loses P1, fails its requests, lets their blocks go (over UCX in push mode
+    // after its fence), and P2's requests arrive in them, verified.
+    let d_lines = d.until("the second wave, verified", |seen| {
+        seen.iter()
+            .filter(|v| {
+                v["event"] == "end" && v["request"].as_str().is_some_and(|r| r.contains("then"))
+            })
+            .count()
+            == 4
+    });
+    let d_seen = json_lines("decode", &d_lines);
+    let blocks_of = |second: bool| -> BTreeSet<u64> {
+        d_seen
+            .iter()
+            .filter(|v| {
+                v["event"] == "opened"
+                    && v["request"].as_str().unwrap_or("").contains("then") == second
+            })
+            .flat_map(|v| v["blocks"].as_array().cloned().unwrap_or_default())
+            .filter_map(|b| b.as_u64())
+            .collect()
+    };
+    assert_eq!(
+        blocks_of(false),
+        blocks_of(true),
+        "the second wave reuses the first's blocks"
+    );
+    for end in ends_of(&d_seen) {
+        if end["request"].as_str().unwrap_or("").contains("then") {
+            assert_eq!(end["verified"], true, "{end}");
+        } else {
+            assert_eq!(end["state"], "Failed", "{end}");
+        }
+    }
+    // Resume the frozen prefill: its write goes on where it stopped (push), or its
+    // hand-over, overdue, is tried at once (pull).
+    signal(&p1, "CONT");
+    let (p1_ends, _) = p1.ends();
+    assert_eq!(p1_ends.len(), 4, "{p1_ends:?}");
+    for end in &p1_ends {
+        assert_eq!(end["state"], "Failed", "a late write went through: {end}");
+    }
+    println!(
+        "{transport} {mode}: the frozen prefill's requests ended {:?}",
+        p1_ends
+            .iter()
+            .map(|e| e["reason"].clone())
+            .collect::<Vec<_>>()
+    );
+    d.terminate();
+    let rest = json_lines("decode", &d.rest());
+    let rechecks: Vec<&Value> = rest.iter().filter(|v| v["event"] == "recheck").collect();
+    assert_eq!(rechecks.len(), 4, "{rest:?}");
+    assert!(
+        rechecks.iter().all(|v| v["verified"] == true),
+        "a late write landed in reused blocks: {rechecks:?}"
+    );
+    let summary = rest.last().expect("summary");
+    assert_eq!(summary["recheck_bad"], 0, "{summary}");
+}
+
+#[test]
+fn a_frozen_writer_never_lands_in_reused_blocks_over_tcp_push() {
+    a_frozen_writer_never_lands_in_reused_blocks("tcp", "push");
+}
+
+#[test]
+fn a_frozen_writer_never_lands_in_reused_blocks_over_tcp_pull() {
+    a_frozen_writer_never_lands_in_reused_blocks("tcp", "pull");
+}
+
+#[test]
+fn a_frozen_writer_never_lands_in_reused_blocks_over_ucx_push() {
+    if ucx_available() {
+        a_frozen_writer_never_lands_in_reused_blocks("ucx", "push");
+    }
+}
+
+#[test]
+fn a_frozen_writer_never_lands_in_reused_blocks_over_ucx_pull() {
+    if ucx_available() {
+        a_frozen_writer_never_lands_in_reused_blocks("ucx", "pull");
     }
 }

@@ -35,6 +35,7 @@ use handoff_gpu::{Checksum64, DeviceBuffer, GpuError};
 use handoff_transport::data::{
     AllowAll, DataError, UcxDataPlane, UcxPeer, UcxPlaneOptions, UcxRange,
 };
+use handoff_transport::lease::Lease;
 use handoff_transport::tcp::{DataClient, DataServer};
 use handoff_transport::wire::{RegionDescriptor, TransportKind};
 use handoff_transport::{
@@ -809,6 +810,9 @@ enum Link {
         plane: UcxDataPlane,
         remote: UcxPeer,
         peer: PeerProcess,
+        /// Writes are fenced by a lease, as the runtime's are (it holds for the whole run:
+        /// what is measured is the check before every put).
+        lease: Arc<Lease>,
     },
 }
 
@@ -862,10 +866,13 @@ impl Link {
                     ranges,
                     plan.registered,
                 )?;
+                let lease = Arc::new(Lease::new());
+                lease.extend_to(Instant::now() + Duration::from_secs(24 * 3600));
                 Ok(Link::Ucx {
                     plane,
                     remote,
                     peer,
+                    lease,
                 })
             }
         }
@@ -891,8 +898,15 @@ impl Link {
             Link::Tcp { local, client, .. } => {
                 client.write(&request, local, src, dst, deadline).await
             }
-            Link::Ucx { plane, remote, .. } => {
-                plane.write(&request, remote, src, dst, deadline).await
+            Link::Ucx {
+                plane,
+                remote,
+                lease,
+                ..
+            } => {
+                plane
+                    .write_leased(&request, remote, src, dst, None, deadline, lease.clone())
+                    .await
             }
         }
     }

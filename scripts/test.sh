@@ -15,10 +15,17 @@ cd "$(dirname "$0")/.."
 skip=",${HANDOFF_SKIP:-},"
 skipped=()
 
-if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && ! ldconfig -p | grep -q libucp.so; then
-  # UCX for the data-plane tests.
-  apt-get update -qq && apt-get install -y -qq libucx0 ucx-utils >/dev/null \
-    || echo "test: could not install libucx0; UCX tests will say they skip"
+if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  # UCX for the data-plane tests; nftables (and iproute2) for the partition tests, which cut
+  # one plane between network namespaces.
+  want=()
+  ldconfig -p | grep -q libucp.so || want+=(libucx0 ucx-utils)
+  command -v nft >/dev/null 2>&1 || want+=(nftables)
+  command -v ip >/dev/null 2>&1 || want+=(iproute2)
+  if [ ${#want[@]} -gt 0 ]; then
+    apt-get update -qq && apt-get install -y -qq "${want[@]}" >/dev/null \
+      || echo "test: could not install ${want[*]}; the tests that need them will say they skip"
+  fi
 fi
 # libzmq through pyzmq, for the ZeroMQ interop test.
 python3 -c "import zmq" 2>/dev/null || python3 -m pip install -q pyzmq >/dev/null 2>&1 \

@@ -31,13 +31,20 @@ impl Proc {
     /// `spawn` with environment variables set (`Some`) or removed (`None`).
     fn spawn_env(name: &str, args: &[&str], env: &[(&str, Option<&str>)]) -> Proc {
         let mut command = Command::new(common::handoff_bin());
-        command.args(args).env("RUST_LOG", "warn");
+        command.args(args);
         for (k, v) in env {
             match v {
                 Some(v) => command.env(k, v),
                 None => command.env_remove(k),
             };
         }
+        Self::spawn_command(name, command)
+    }
+
+    /// `handoff` run by `command` (e.g. inside a network namespace), its stdout read line
+    /// by line and its stderr kept.
+    fn spawn_command(name: &str, mut command: Command) -> Proc {
+        command.env("RUST_LOG", "warn");
         let mut child = command
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -1124,5 +1131,394 @@ fn a_frozen_writer_never_lands_in_reused_blocks_over_ucx_push() {
 fn a_frozen_writer_never_lands_in_reused_blocks_over_ucx_pull() {
     if ucx_available() {
         a_frozen_writer_never_lands_in_reused_blocks("ucx", "pull");
+    }
+}
+
+// ---------------------------------------------------------------- partitions
+
+/// Hosts as network namespaces on one bridge, made by the test and removed when dropped:
+/// `10.77.<n>.1` is the bridge (the bootstrap server runs there, in the test's own
+/// namespace), and each named host gets the next address on its own veth.
+struct Hosts {
+    tag: String,
+    subnet: String,
+    names: Vec<String>,
+}
+
+impl Hosts {
+    /// The hosts, or `None` after saying why they cannot be made here (needs root, `ip` and
+    /// `nft`): the caller then skips, by name.
+    fn make(test: &str, names: &[&str]) -> Option<Hosts> {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let have = |tool: &str| {
+            Command::new(tool)
+                .arg("--version")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        // SAFETY: geteuid has no preconditions.
+        let root = unsafe { libc_geteuid() } == 0;
+        if !root || !have("nft") || Command::new("ip").arg("-V").output().is_err() {
+            let line = format!(
+                "SKIP {test}: partitions need root, `ip` and `nft` (nftables) to make network namespaces and cut them\n"
+            );
+            let _ = std::io::stderr().write_all(line.as_bytes());
+            return None;
+        }
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let id = (std::process::id() % 200) * 8 + n % 8;
+        let tag = format!("ho{id}");
+        let subnet = format!("10.77.{}", id % 250);
+        let hosts = Hosts {
+            tag: tag.clone(),
+            subnet: subnet.clone(),
+            names: names.iter().map(|s| s.to_string()).collect(),
+        };
+        let bridge = format!("{tag}br");
+        sh(&["ip", "link", "add", &bridge, "type", "bridge"]);
+        sh(&[
+            "ip",
+            "addr",
+            "add",
+            &format!("{subnet}.1/24"),
+            "dev",
+            &bridge,
+        ]);
+        sh(&["ip", "link", "set", &bridge, "up"]);
+        for (i, name) in names.iter().enumerate() {
+            let ns = hosts.ns(name);
+            let (outer, inner) = (format!("{tag}{name}0"), format!("{tag}{name}1"));
+            sh(&["ip", "netns", "add", &ns]);
+            sh(&[
+                "ip", "link", "add", &outer, "type", "veth", "peer", "name", &inner,
+            ]);
+            sh(&["ip", "link", "set", &inner, "netns", &ns]);
+            sh(&["ip", "link", "set", &outer, "master", &bridge, "up"]);
+            let addr = format!("{subnet}.{}/24", i + 2);
+            sh(&["ip", "-n", &ns, "addr", "add", &addr, "dev", &inner]);
+            sh(&["ip", "-n", &ns, "link", "set", &inner, "up"]);
+            sh(&["ip", "-n", &ns, "link", "set", "lo", "up"]);
+        }
+        Some(hosts)
+    }
+
+    fn ns(&self, name: &str) -> String {
+        format!("{}-{name}", self.tag)
+    }
+
+    fn addr(&self, name: &str) -> String {
+        let i = self
+            .names
+            .iter()
+            .position(|n| n == name)
+            .expect("a host of the test");
+        format!("{}.{}", self.subnet, i + 2)
+    }
+
+    /// `handoff` args run inside host `name`'s namespace.
+    fn command(&self, name: &str, args: &[&str]) -> Command {
+        let mut command = Command::new("ip");
+        command
+            .args(["netns", "exec", &self.ns(name)])
+            .arg(common::handoff_bin())
+            .args(args);
+        command
+    }
+
+    /// Cuts traffic between host `a` and host `b`, on `a`'s side, both directions: every
+    /// packet (`ports: None`), or only TCP to or from `ports` (`except: false`), or
+    /// everything but TCP to or from `ports` (`except: true`).
+    fn cut(&self, a: &str, b: &str, ports: Option<&[u16]>, except: bool) {
+        let ns = self.ns(a);
+        let peer = self.addr(b);
+        let nft = |rule: &str| sh(&["ip", "netns", "exec", &ns, "nft", rule]);
+        nft("add table inet cut");
+        nft("add chain inet cut in { type filter hook input priority 0; }");
+        nft("add chain inet cut out { type filter hook output priority 0; }");
+        let (from, to) = (format!("ip saddr {peer}"), format!("ip daddr {peer}"));
+        match ports {
+            None => {
+                nft(&format!("add rule inet cut in {from} drop"));
+                nft(&format!("add rule inet cut out {to} drop"));
+            }
+            Some(ports) => {
+                let set = ports
+                    .iter()
+                    .map(u16::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                let verdict = if except { "accept" } else { "drop" };
+                for (chain, who) in [("in", &from), ("out", &to)] {
+                    for dir in ["sport", "dport"] {
+                        nft(&format!(
+                            "add rule inet cut {chain} {who} tcp {dir} {{ {set} }} {verdict}"
+                        ));
+                    }
+                    if except {
+                        nft(&format!("add rule inet cut {chain} {who} drop"));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Ends every cut of host `a`.
+    fn heal(&self, a: &str) {
+        sh(&[
+            "ip",
+            "netns",
+            "exec",
+            &self.ns(a),
+            "nft",
+            "delete table inet cut",
+        ]);
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for name in &self.names {
+            let _ = Command::new("ip")
+                .args(["netns", "del", &self.ns(name)])
+                .status();
+        }
+        let _ = Command::new("ip")
+            .args(["link", "del", &format!("{}br", self.tag)])
+            .status();
+    }
+}
+
+extern "C" {
+    #[link_name = "geteuid"]
+    fn libc_geteuid() -> u32;
+}
+
+/// Runs a setup command; a failure is the test's.
+fn sh(args: &[&str]) {
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .expect("run");
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The port of a `ready` line's `tcp://HOST:PORT` or `HOST:PORT` address.
+fn port_of(address: &Value) -> u16 {
+    let text = address.as_str().unwrap_or("");
+    text.rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no port in {address}"))
+}
+
+/// Prefill P (host `p`) and decode D (host `d`) are cut apart once D's transfer info has
+/// reached P (`cut`: `full`, `control` or `data`), while P's engine still computes. D
+/// lets the blocks of what it failed go to a second prefill Q (host `q`), keeps what
+/// arrived and checks it again at the end; then the cut heals and P hands over. Every
+/// request ends on both sides, by name; where the two sides disagree, no byte of P's may
+/// have landed in blocks D gave back (every block D kept still verifies).
+fn partitioned(cut: &str, transport: &str, mode: &str) {
+    let test = format!("partition {cut} {transport} {mode}");
+    let Some(hosts) = Hosts::make(&test, &["p", "q", "d"]) else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("{}-secret", hosts.tag));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let secret = dir.join("secret");
+    std::fs::write(&secret, "a secret of the partition test, long enough").expect("secret");
+    let secret = secret.to_string_lossy().to_string();
+    let env = |mut c: Command| {
+        c.env("HANDOFF_SECRET_FILE", &secret);
+        c
+    };
+    let boot_listen = format!("tcp://{}.1:0", hosts.subnet);
+    let mut boot_cmd = Command::new(common::handoff_bin());
+    boot_cmd.args(["bootstrap", "--listen", &boot_listen, "--expire-after", "3"]);
+    let boot = Proc::spawn_command("bootstrap", env(boot_cmd));
+    let line = boot.line(Instant::now() + T).expect("bootstrap address");
+    let addr = line.rsplit(' ').next().expect("address").to_string();
+    let start = |name: &str, host: &str, engine: &str, role: &str, extra: &[&str]| {
+        let ip = hosts.addr(host);
+        let (control, data) = (format!("tcp://{ip}:0"), format!("{ip}:0"));
+        let mut args = vec![
+            "worker",
+            "--role",
+            role,
+            "--engine",
+            engine,
+            "--bootstrap",
+            &addr,
+            "--control-listen",
+            &control,
+            "--data-listen",
+            &data,
+            "--advertise-host",
+            &ip,
+            "--heartbeat-ms",
+            "100",
+            "--heartbeats-missed",
+            "3",
+            "--transport",
+            transport,
+            "--blocks-per-request",
+            "8",
+        ];
+        args.extend_from_slice(extra);
+        let p = Proc::spawn_command(name, env(hosts.command(host, &args)));
+        let ready = p.expect("ready", |v| v["event"] == "ready");
+        (p, ready)
+    };
+    let (p, p_ready) = start(
+        "prefill P",
+        "p",
+        "P",
+        "prefill",
+        &["--requests", "4", "--hold-ms", "1500"],
+    );
+    let (_q, _) = start(
+        "prefill Q",
+        "q",
+        "Q",
+        "prefill",
+        &["--requests", "4", "--request-prefix", "req-then", "--serve"],
+    );
+    let (d, d_ready) = start(
+        "decode D",
+        "d",
+        "D",
+        "decode",
+        &[
+            "--requests",
+            "4",
+            "--pool-blocks",
+            "32",
+            "--prefill",
+            "P",
+            "--then-prefill",
+            "Q",
+            "--then-after-ms",
+            "0",
+            "--mode",
+            mode,
+            "--keep-done",
+            "--serve",
+            "--bootstrap-timeout-s",
+            "2",
+            "--waiting-timeout-s",
+            "5",
+            "--transfer-timeout-s",
+            "2",
+            "--pull-ttl-s",
+            "2",
+        ],
+    );
+    p.until("transfer info for every request", |seen| {
+        seen.iter()
+            .filter(|v| v["event"] == "state" && v["state"] == "WaitingForInput")
+            .count()
+            == 4
+    });
+    let controls = [port_of(&p_ready["control"]), port_of(&d_ready["control"])];
+    match cut {
+        "full" => hosts.cut("p", "d", None, false),
+        "control" => hosts.cut("p", "d", Some(&controls), false),
+        _ => hosts.cut("p", "d", Some(&controls), true),
+    }
+    // D ends the first wave (by name), and what it gave back goes to Q's requests.
+    let first = |v: &Value| !v["request"].as_str().unwrap_or("").contains("then");
+    let lines = d.until("the first wave's ends", |seen| {
+        seen.iter()
+            .filter(|v| v["event"] == "end" && first(v))
+            .count()
+            == 4
+    });
+    let mut d_seen = json_lines("decode D", &lines);
+    let failed = ends_of(&d_seen)
+        .iter()
+        .filter(|e| e["state"] == "Failed")
+        .count();
+    let more = d.until("the second wave's ends", |seen| {
+        seen.iter()
+            .filter(|v| v["event"] == "end" && !first(v))
+            .count()
+            == failed
+    });
+    d_seen.extend(json_lines("decode D", &more));
+    hosts.heal("p");
+    let (p_ends, _) = p.ends();
+    assert_eq!(p_ends.len(), 4, "{test}: {p_ends:?}");
+    d.terminate();
+    d_seen.extend(json_lines("decode D", &d.rest()));
+    let d_ends = ends_of(&d_seen);
+    for end in &d_ends {
+        assert!(
+            end["state"] == "Failed" || end["verified"] == true,
+            "{test}: {end}"
+        );
+    }
+    let rechecks: Vec<&Value> = d_seen.iter().filter(|v| v["event"] == "recheck").collect();
+    assert!(
+        rechecks.iter().all(|v| v["verified"] == true),
+        "{test}: a byte landed in blocks decode had given back: {rechecks:?}"
+    );
+    let state_of = |ends: &[Value], id: &str| {
+        ends.iter()
+            .find(|e| e["request"] == id)
+            .map(|e| e["state"].clone())
+    };
+    let agree = (0..4)
+        .filter(|i| {
+            let id = format!("req-{i}");
+            state_of(&p_ends, &id) == state_of(&d_ends, &id)
+        })
+        .count();
+    println!(
+        "{test}: decode {:?}, prefill {:?}; {agree} of 4 agree; {} kept blocks rechecked",
+        kinds(
+            &d_ends
+                .iter()
+                .filter(|e| first(e))
+                .cloned()
+                .collect::<Vec<_>>()
+        ),
+        kinds(&p_ends),
+        rechecks.len()
+    );
+}
+
+#[test]
+fn a_full_partition_between_prefill_and_decode_ends_every_request_without_a_late_byte() {
+    for (transport, mode) in [("tcp", "push"), ("ucx", "push"), ("ucx", "pull")] {
+        if transport == "ucx" && !ucx_available() {
+            continue;
+        }
+        partitioned("full", transport, mode);
+    }
+}
+
+#[test]
+fn a_control_plane_cut_between_prefill_and_decode_ends_every_request_without_a_late_byte() {
+    for (transport, mode) in [("tcp", "push"), ("ucx", "push"), ("ucx", "pull")] {
+        if transport == "ucx" && !ucx_available() {
+            continue;
+        }
+        partitioned("control", transport, mode);
+    }
+}
+
+#[test]
+fn a_data_plane_cut_between_prefill_and_decode_ends_every_request_without_a_late_byte() {
+    for (transport, mode) in [("tcp", "push"), ("tcp", "pull"), ("ucx", "push")] {
+        if transport == "ucx" && !ucx_available() {
+            continue;
+        }
+        partitioned("data", transport, mode);
     }
 }

@@ -10,9 +10,7 @@ ENGINE_ID_BYTES_MAX: int
 AUX_BYTES_MAX: int
 
 StateName = Literal["Bootstrapping", "WaitingForInput", "Transferring", "Done", "Failed"]
-EventTuple = tuple[
-    str, str, str | None, str | None, list[int], str | None, str | None, str | None
-]
+EventTuple = tuple[str, str, str | None, str | None, list[int], str | None, str | None, str | None]
 
 class SenderHandle:
     """The engine's handle on one prefill request."""

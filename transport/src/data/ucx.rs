@@ -40,6 +40,10 @@
 //! maps: [`Endpoint::unpack_rkey`]), and the control plane's grant (the peer handed out
 //! these blocks for this request), as in NIXL and Mooncake Transfer Engine.
 //!
+//! Fencing the writer: [`UcxDataPlane::write_leased`] posts each put only while the writer's
+//! [`Lease`] with the peer holds, checked immediately before each operation, so a writer
+//! stopped or cut off past its lease posts nothing more when it resumes.
+//!
 //! Cancellation: dropping a call's future does not stop a job the thread has started; the
 //! job ends by its deadline (the endpoint is force-closed then, cancelling what UCX had in
 //! flight). Do not hand the blocks to another request before the call returned or its

@@ -517,9 +517,7 @@ async fn drive(
                     }
                 }
                 Event::State { id, state, .. } => {
-                    emit(
-                        json!({"event": "state", "request": id.as_str(), "state": state_name(&state)}),
-                    );
+                    emit(json!({"event": "state", "request": id.as_str(), "state": state.name()}));
                 }
             }
         }
@@ -614,16 +612,5 @@ async fn shutdown_signal() {
         biased;
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}
-    }
-}
-
-/// A state's name in the event stream (`Bootstrapping`, `WaitingForInput`, ...).
-fn state_name(state: &State) -> &'static str {
-    match state {
-        State::Bootstrapping => "Bootstrapping",
-        State::WaitingForInput => "WaitingForInput",
-        State::Transferring => "Transferring",
-        State::Done => "Done",
-        State::Failed(_) => "Failed",
     }
 }

@@ -981,6 +981,24 @@ fn signal(p: &Proc, signal: &str) {
     assert!(status.success(), "kill -{signal} {}", p.name);
 }
 
+/// A decode whose second wave (`--then-prefill`) opens as soon as the first gives blocks
+/// back, that keeps what arrived and checks it again when it stops, with short deadlines
+/// (its one-sided fence, their sum, is 9 s).
+const REUSING_DECODE: &[&str] = &[
+    "--then-after-ms",
+    "0",
+    "--keep-done",
+    "--serve",
+    "--bootstrap-timeout-s",
+    "2",
+    "--waiting-timeout-s",
+    "5",
+    "--transfer-timeout-s",
+    "2",
+    "--pull-ttl-s",
+    "2",
+];
+
 /// A frozen writer: prefill is stopped (SIGSTOP) and kept stopped while decode fails its
 /// requests, gives their blocks back and hands the very same blocks to a second prefill's
 /// requests, which arrive verified; then it is resumed. It must not land a byte in those
@@ -1021,21 +1039,10 @@ fn a_frozen_writer_never_lands_in_reused_blocks(transport: &str, mode: &str) {
         "P1",
         "--then-prefill",
         "P2",
-        "--then-after-ms",
-        "0",
         "--mode",
         mode,
-        "--keep-done",
-        "--serve",
-        "--bootstrap-timeout-s",
-        "2",
-        "--waiting-timeout-s",
-        "5",
-        "--transfer-timeout-s",
-        "2",
-        "--pull-ttl-s",
-        "2",
     ];
+    d_args.extend_from_slice(REUSING_DECODE);
     d_args.extend_from_slice(&common);
     let d = worker("decode", "decode", "D", &addr, &d_args);
     let state = |v: &Value, s: &str| v["event"] == "state" && v["state"] == s;
@@ -1395,29 +1402,21 @@ fn partitioned(cut: &str, transport: &str, mode: &str) {
         "D",
         "decode",
         &[
-            "--requests",
-            "4",
-            "--pool-blocks",
-            "32",
-            "--prefill",
-            "P",
-            "--then-prefill",
-            "Q",
-            "--then-after-ms",
-            "0",
-            "--mode",
-            mode,
-            "--keep-done",
-            "--serve",
-            "--bootstrap-timeout-s",
-            "2",
-            "--waiting-timeout-s",
-            "5",
-            "--transfer-timeout-s",
-            "2",
-            "--pull-ttl-s",
-            "2",
-        ],
+            &[
+                "--requests",
+                "4",
+                "--pool-blocks",
+                "32",
+                "--prefill",
+                "P",
+                "--then-prefill",
+                "Q",
+                "--mode",
+                mode,
+            ],
+            REUSING_DECODE,
+        ]
+        .concat(),
     );
     p.until("transfer info for every request", |seen| {
         seen.iter()
@@ -1493,32 +1492,31 @@ fn partitioned(cut: &str, transport: &str, mode: &str) {
     );
 }
 
-#[test]
-fn a_full_partition_between_prefill_and_decode_ends_every_request_without_a_late_byte() {
-    for (transport, mode) in [("tcp", "push"), ("ucx", "push"), ("ucx", "pull")] {
-        if transport == "ucx" && !ucx_available() {
+/// The partition of `cut` over each (transport, mode); UCX ones where libucp loads.
+fn partitioned_each(cut: &str, cases: &[(&str, &str)]) {
+    for (transport, mode) in cases {
+        if *transport == "ucx" && !ucx_available() {
             continue;
         }
-        partitioned("full", transport, mode);
+        partitioned(cut, transport, mode);
     }
+}
+
+#[test]
+fn a_full_partition_between_prefill_and_decode_ends_every_request_without_a_late_byte() {
+    partitioned_each("full", &[("tcp", "push"), ("ucx", "push"), ("ucx", "pull")]);
 }
 
 #[test]
 fn a_control_plane_cut_between_prefill_and_decode_ends_every_request_without_a_late_byte() {
-    for (transport, mode) in [("tcp", "push"), ("ucx", "push"), ("ucx", "pull")] {
-        if transport == "ucx" && !ucx_available() {
-            continue;
-        }
-        partitioned("control", transport, mode);
-    }
+    partitioned_each(
+        "control",
+        &[("tcp", "push"), ("ucx", "push"), ("ucx", "pull")],
+    );
 }
 
+/// Over UCX the namespaces share memory: the data-plane cut leaves UCX running.
 #[test]
 fn a_data_plane_cut_between_prefill_and_decode_ends_every_request_without_a_late_byte() {
-    for (transport, mode) in [("tcp", "push"), ("tcp", "pull"), ("ucx", "push")] {
-        if transport == "ucx" && !ucx_available() {
-            continue;
-        }
-        partitioned("data", transport, mode);
-    }
+    partitioned_each("data", &[("tcp", "push"), ("tcp", "pull"), ("ucx", "push")]);
 }

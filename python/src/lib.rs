@@ -190,16 +190,6 @@ fn type_name(obj: &Bound<'_, PyAny>) -> String {
         .unwrap_or_else(|_| "?".into())
 }
 
-fn state_name(state: &State) -> &'static str {
-    match state {
-        State::Bootstrapping => "Bootstrapping",
-        State::WaitingForInput => "WaitingForInput",
-        State::Transferring => "Transferring",
-        State::Done => "Done",
-        State::Failed(_) => "Failed",
-    }
-}
-
 /// How often a blocking call comes back for the GIL to let Python handle signals
 /// (Ctrl-C), so no wait is uninterruptible for longer than this.
 const SIGNAL_CHECK_INTERVAL: Duration = Duration::from_millis(100);
@@ -244,7 +234,7 @@ struct HandleCore {
 fn finished(state: &State) -> NativeResult<&'static str> {
     match state {
         State::Failed(reason) => Err(Failure::from_reason(reason)),
-        other => Ok(state_name(other)),
+        other => Ok(other.name()),
     }
 }
 
@@ -263,7 +253,7 @@ macro_rules! handle_methods {
             /// The state now: `Bootstrapping`, `WaitingForInput`, `Transferring`, `Done`
             /// or `Failed`. Never blocks.
             fn poll(&self) -> &'static str {
-                state_name(&self.inner.poll())
+                self.inner.poll().name()
             }
 
             /// The failure's reason name (e.g. `peer_lost`) once `Failed`, else `None`.
@@ -305,7 +295,7 @@ macro_rules! handle_methods {
                         format!(
                             "request {} still {} after {timeout_s} s",
                             self.core.id,
-                            state_name(&self.inner.poll())
+                            self.inner.poll().name()
                         ),
                     )
                     .into_py(py)),
@@ -317,7 +307,7 @@ macro_rules! handle_methods {
                     "<{} {:?} {}>",
                     stringify!($ty),
                     self.core.id.as_str(),
-                    state_name(&self.inner.poll())
+                    self.inner.poll().name()
                 )
             }
         }
@@ -774,7 +764,7 @@ impl Runtime {
                     (
                         id.as_str().to_string(),
                         "state",
-                        Some(state_name(&state)),
+                        Some(state.name()),
                         reason,
                         blocks,
                         detail,
@@ -849,7 +839,7 @@ impl Runtime {
                 let state = fut.await;
                 sink.lock()
                     .unwrap_or_else(|e| e.into_inner())
-                    .push((id.as_str().to_string(), state_name(&state)));
+                    .push((id.as_str().to_string(), state.name()));
             }
         };
         let ended = block_on(py, &self.tokio, timeout, all)?.is_some();

@@ -123,6 +123,18 @@ pub enum Phase {
 }
 
 impl State {
+    /// The state's name without its reason (`Bootstrapping`, ..., `Failed`), as event
+    /// streams print it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            State::Bootstrapping => "Bootstrapping",
+            State::WaitingForInput => "WaitingForInput",
+            State::Transferring => "Transferring",
+            State::Done => "Done",
+            State::Failed(_) => "Failed",
+        }
+    }
+
     /// The state's phase.
     pub fn phase(&self) -> Phase {
         match self {

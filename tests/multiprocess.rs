@@ -1175,16 +1175,24 @@ impl Hosts {
             let _ = std::io::stderr().write_all(line.as_bytes());
             return None;
         }
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let id = (std::process::id() % 200) * 8 + n % 8;
-        let tag = format!("ho{id}");
-        let subnet = format!("10.77.{}", id % 250);
+        // Unique per make in this process (names and subnet), and apart from other test
+        // processes by their pid.
+        let n = NEXT.fetch_add(1, Ordering::Relaxed) % 250;
+        let pid = std::process::id() % 1000;
+        let tag = format!("ho{pid}x{n}");
+        let subnet = format!("10.{}.{n}", 100 + pid % 100);
         let hosts = Hosts {
             tag: tag.clone(),
             subnet: subnet.clone(),
             names: names.iter().map(|s| s.to_string()).collect(),
         };
         let bridge = format!("{tag}br");
+        // Leftovers of a run that was killed before it could clean up.
+        drop(Hosts {
+            tag: tag.clone(),
+            subnet: subnet.clone(),
+            names: hosts.names.clone(),
+        });
         sh(&["ip", "link", "add", &bridge, "type", "bridge"]);
         sh(&[
             "ip",
@@ -1287,14 +1295,13 @@ impl Hosts {
 
 impl Drop for Hosts {
     fn drop(&mut self) {
+        // Quietly: some of these may not exist (leftovers checked before a run).
+        let ip = |args: &[&str]| Command::new("ip").args(args).output();
         for name in &self.names {
-            let _ = Command::new("ip")
-                .args(["netns", "del", &self.ns(name)])
-                .status();
+            let _ = ip(&["netns", "del", &self.ns(name)]);
+            let _ = ip(&["link", "del", &format!("{}{name}0", self.tag)]);
         }
-        let _ = Command::new("ip")
-            .args(["link", "del", &format!("{}br", self.tag)])
-            .status();
+        let _ = ip(&["link", "del", &format!("{}br", self.tag)]);
     }
 }
 
@@ -1494,6 +1501,9 @@ fn partitioned(cut: &str, transport: &str, mode: &str) {
 
 /// The partition of `cut` over each (transport, mode); UCX ones where libucp loads.
 fn partitioned_each(cut: &str, cases: &[(&str, &str)]) {
+    // One partition at a time: each runs four processes on their own network.
+    static ONE: Mutex<()> = Mutex::new(());
+    let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
     for (transport, mode) in cases {
         if *transport == "ucx" && !ucx_available() {
             continue;

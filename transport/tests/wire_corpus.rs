@@ -176,7 +176,7 @@ fn seeds() -> Vec<(&'static str, Vec<u8>, Expect)> {
         ),
         (
             "err_trailing_payload_bytes",
-            raw_frame(MessageType::Heartbeat, &[1, 2, 3]),
+            raw_frame(MessageType::Heartbeat, &[1, 2, 3, 4, 5]),
             |r| matches!(r, Err(WireError::TrailingPayloadBytes { extra: 1, .. })),
         ),
         (

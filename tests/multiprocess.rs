@@ -417,7 +417,12 @@ fn killing_prefill_mid_request_fails_decodes_requests_with_peer_lost_promptly() 
         &addr,
         &["--requests", "4", "--prefill", "P"],
     );
-    std::thread::sleep(Duration::from_millis(500)); // transfer info has reached prefill
+    p.until("transfer info for every request", |seen| {
+        seen.iter()
+            .filter(|v| v["event"] == "state" && v["state"] == "WaitingForInput")
+            .count()
+            == 4
+    });
     let t0 = Instant::now();
     p.kill9();
     let (ends, summary) = d.ends();
@@ -881,7 +886,12 @@ fn releases_after_a_lost_prefill(transport: &str, mode: &str, why: Value) {
         mode,
     ];
     let d = worker("decode", "decode", "D", &addr, &d_args);
-    std::thread::sleep(Duration::from_millis(500)); // transfer info has reached prefill
+    p.until("transfer info for every request", |seen| {
+        seen.iter()
+            .filter(|v| v["event"] == "state" && v["state"] == "WaitingForInput")
+            .count()
+            == 4
+    });
     p.kill9();
     let d_events = json_lines("decode", &d.rest());
     let summary = d_events.last().expect("decode printed something");

@@ -165,6 +165,11 @@ pub struct BenchArgs {
     /// block sizes whose segments are 128 KiB and 512 KiB. UCX only.
     #[arg(long)]
     pub layers: Option<u32>,
+    /// UCX: also measure writes without the writer's lease (the fence checked before every
+    /// put, as the runtime posts them), in turns with the leased ones, pass by pass, and
+    /// print the leased/unleased ratio of each write point.
+    #[arg(long)]
+    pub lease_cost: bool,
     /// How UCX gets host regions: `allocated` by UCX (same-host peers map it through shared
     /// memory), or heap memory `registered` by address, as an engine's tensors are (UCX
     /// 1.13 emulates RMA into it with active messages the peer's UCX thread serves).
@@ -305,6 +310,8 @@ struct Plan {
     layered_ranges: Option<usize>,
     /// Whether UCX host regions are heap memory registered by address.
     registered: bool,
+    /// `--lease-cost`: UCX writes also measured without the lease.
+    lease_cost: bool,
 }
 
 impl Plan {
@@ -335,6 +342,7 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
         block_sizes: Vec::new(),
         layered_ranges: None,
         registered: args.host_memory == HostMemory::Registered,
+        lease_cost: args.lease_cost,
     };
     let mut plan = plan;
     if let Some(layers) = args.layers {
@@ -811,8 +819,9 @@ enum Link {
         remote: UcxPeer,
         peer: PeerProcess,
         /// Writes are fenced by a lease, as the runtime's are (it holds for the whole run:
-        /// what is measured is the check before every put).
-        lease: Arc<Lease>,
+        /// what is measured is the check before every put); `None` for `--lease-cost`'s
+        /// unleased reference.
+        lease: Option<Arc<Lease>>,
     },
 }
 
@@ -872,7 +881,7 @@ impl Link {
                     plane,
                     remote,
                     peer,
-                    lease,
+                    lease: Some(lease),
                 })
             }
         }
@@ -901,13 +910,19 @@ impl Link {
             Link::Ucx {
                 plane,
                 remote,
-                lease,
+                lease: Some(lease),
                 ..
             } => {
                 plane
                     .write_leased(&request, remote, src, dst, None, deadline, lease.clone())
                     .await
             }
+            Link::Ucx {
+                plane,
+                remote,
+                lease: None,
+                ..
+            } => plane.write(&request, remote, src, dst, deadline).await,
         }
     }
 
@@ -1117,6 +1132,15 @@ async fn transport_points(
     if let Some(ranges) = layered {
         links.push((ranges, Link::open(t, plan, n, block, ranges).await?));
     }
+    // `--lease-cost`: the one-range link again, its writes unfenced, measured in turns.
+    let unleased = plan.lease_cost && t == BenchTransport::Ucx;
+    if unleased {
+        let mut link = Link::open(t, plan, n, block, 1).await?;
+        if let Link::Ucx { lease, .. } = &mut link {
+            *lease = None;
+        }
+        links.push((1, link));
+    }
     let src = all(n);
     let perm_seed = plan.seed ^ (block as u64).rotate_left(17);
     let perm = permutation(perm_seed, n);
@@ -1141,10 +1165,34 @@ async fn transport_points(
     for (_, link) in links {
         link.close().await;
     }
+    if unleased {
+        lease_ratios(&mut points);
+    }
     with_one_range_ratios(&mut points);
     // One-range rows first, then the layered ones.
     points.sort_by_key(|p| p.ranges);
     Ok(points)
+}
+
+/// `--lease-cost`: the points come per operation in link order, the unleased reference
+/// last. Notes each leased write's ratio to the unleased one and drops the reference (its
+/// number is in the ratio), so the table keeps one row per point.
+fn lease_ratios(points: &mut Vec<Point>) {
+    let per_op = points.len() / 2;
+    if per_op < 2 {
+        return;
+    }
+    let (write, read) = points.split_at(per_op);
+    let (leased, unleased) = (&write[0], &write[per_op - 1]);
+    let ratio = leased.gbps() / unleased.gbps().max(f64::MIN_POSITIVE);
+    let note = format!(
+        "leased/unleased {ratio:.3} ({:.2} GB/s without the lease, in turns)",
+        unleased.gbps()
+    );
+    let mut kept: Vec<Point> = write[..per_op - 1].to_vec();
+    kept[0].note = note;
+    kept.extend_from_slice(&read[..per_op - 1]);
+    *points = kept;
 }
 
 /// Sets the ratio of layered `points` to `one`, the one-range point they repeat.

@@ -108,6 +108,7 @@ fn layered_bench_repeats_every_ucx_point_over_per_layer_ranges_with_its_ratio() 
             "2",
             "--block-kib",
             "16,256",
+            "--lease-cost",
         ],
         &json,
     );
@@ -135,6 +136,12 @@ fn layered_bench_repeats_every_ucx_point_over_per_layer_ranges_with_its_ratio() 
             assert_eq!(rows[1]["segment_bytes"], block / 4, "{log}");
             assert!(rows[1]["vs_one_range"].as_f64().is_some(), "{}", rows[1]);
             assert!(rows[0]["vs_one_range"].is_null(), "{}", rows[0]);
+            // --lease-cost: each one-range write names its ratio to the same writes
+            // without the lease, measured in turns (the reference row is not listed).
+            if (transport, op) == ("ucx", "write") {
+                let note = rows[0]["note"].as_str().unwrap_or("");
+                assert!(note.starts_with("leased/unleased "), "{}", rows[0]);
+            }
         }
     }
     assert!(log.contains("vs 1-range"), "{log}");

@@ -75,7 +75,7 @@ pub enum MemoryArg {
 }
 
 /// Push or pull.
-#[derive(Clone, Copy, Debug, ValueEnum)]
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 pub enum ModeArg {
     /// Prefill writes into decode's blocks.
     Push,
@@ -174,7 +174,8 @@ pub struct WorkerArgs {
     pub prefill: Option<String>,
     /// Decode: pull (decode reads prefill's blocks: the safe default, since no write of a
     /// frozen or cut-off peer can land in blocks decode gave back) or push (prefill writes;
-    /// over UCX a failed request's blocks stay fenced until prefill confirms).
+    /// over UCX a failed request's blocks stay fenced until prefill confirms). With
+    /// `--memory cuda`, push is far faster: UCX 1.22 emulates reads of device memory.
     #[arg(long, value_enum, default_value_t = ModeArg::Pull)]
     pub mode: ModeArg,
     /// Decode: reject new requests while this many wait for blocks (admission control).
@@ -349,6 +350,15 @@ async fn run_inner(a: WorkerArgs) -> Result<ExitCode, String> {
         insecure: a.insecure,
         ..EngineOptions::new(role, rank.clone(), a.bootstrap.clone())
     };
+    if a.memory == MemoryArg::Cuda && a.mode == ModeArg::Pull {
+        // Measured on an H200 with UCX 1.22 (ARCHITECTURE.md, open problems): `cuda_ipc`
+        // serves puts (hundreds of GB/s) but reads of a peer's device memory are emulated.
+        tracing::warn!(
+            "--memory cuda in pull mode: UCX reads of a peer's device memory are emulated \
+             (under 1 GB/s on an H200 with UCX 1.22, against hundreds of GB/s for writes); \
+             --mode push is the fast mode on GPUs"
+        );
+    }
     let engine = start_engine_runtime(opts, memory(&a)?)
         .await
         .map_err(|e| e.to_string())?;

@@ -337,3 +337,46 @@ impl KvBuffer for DeviceBuffer {
         self.write_at(offset, src)
     }
 }
+
+/// The device allocation that holds `addr`, as `(start, len)`, when the driver knows
+/// `addr` as device memory in this process (its own allocations, and those another
+/// process's allocation mapped here by CUDA IPC); `Ok(None)` when it does not (host memory,
+/// an unmapped address). A remote key reached by pointer into device memory is checked
+/// against this, as a shared mapping is for host memory.
+///
+/// # Errors
+/// The probe errors ([`GpuError::NoDriver`], [`GpuError::NoDevice`]) and
+/// [`GpuError::Driver`] for a failure other than "not a device pointer".
+pub fn device_allocation(addr: u64) -> Result<Option<(u64, u64)>, GpuError> {
+    use cudarc::driver::sys;
+    init_driver()?;
+    let attribute = |attribute: sys::CUpointer_attribute| -> Result<Option<u64>, GpuError> {
+        let mut value: u64 = 0;
+        let result = guarded("cuPointerGetAttribute", || {
+            // SAFETY: the attributes asked for here write at most 8 bytes (a
+            // `CUmemorytype`, a `CUdeviceptr`, a `size_t`) into `value`, which has 8.
+            let code =
+                unsafe { sys::cuPointerGetAttribute((&raw mut value).cast(), attribute, addr) };
+            Ok(code)
+        })?;
+        match result {
+            sys::CUresult::CUDA_SUCCESS => Ok(Some(value)),
+            // Memory the driver does not know: not a device pointer.
+            sys::CUresult::CUDA_ERROR_INVALID_VALUE => Ok(None),
+            code => Err(GpuError::Driver {
+                call: "cuPointerGetAttribute",
+                code: code as u32,
+                name: format!("{code:?}"),
+            }),
+        }
+    };
+    let Some(kind) = attribute(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE)? else {
+        return Ok(None);
+    };
+    if kind != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u64 {
+        return Ok(None);
+    }
+    let start = attribute(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR)?;
+    let len = attribute(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE)?;
+    Ok(start.zip(len))
+}

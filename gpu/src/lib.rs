@@ -48,7 +48,8 @@ pub mod probe;
 pub use buffer::{HostBuffer, KvBuffer, HOST_ALIGN_BYTES, STAGING_BYTES_MAX};
 pub use checksum::{checksum64, Checksum64};
 pub use device::{
-    bind_device_to_thread, DeviceBuffer, DeviceContext, DeviceCopier, COPIES_PER_CALL_MAX,
+    bind_device_to_thread, device_allocation, DeviceBuffer, DeviceContext, DeviceCopier,
+    COPIES_PER_CALL_MAX,
 };
 pub use error::GpuError;
 pub use probe::{

@@ -242,3 +242,24 @@ fn a_thread_binds_a_devices_context_and_an_unknown_device_is_named() {
         })
     );
 }
+
+#[test]
+fn the_allocation_of_a_device_pointer_is_found_and_a_host_pointer_has_none() {
+    if gpu().is_none() {
+        return;
+    }
+    let buffer = device(3 << 20);
+    let base = buffer.addr();
+    for inside in [base, base + 4096, base + (3 << 20) - 1] {
+        let (start, len) = handoff_gpu::device_allocation(inside)
+            .unwrap_or_else(|e| panic!("device_allocation({inside:#x}): {e}"))
+            .unwrap_or_else(|| panic!("{inside:#x} is device memory"));
+        assert_eq!(start, base);
+        assert!(len >= 3 << 20, "{len}");
+    }
+    let on_host = vec![0u8; 4096];
+    assert_eq!(
+        handoff_gpu::device_allocation(on_host.as_ptr() as u64).unwrap(),
+        None
+    );
+}

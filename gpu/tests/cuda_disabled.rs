@@ -23,6 +23,10 @@ fn cuda_disable_env_makes_probe_and_allocation_report_no_driver() {
         handoff_gpu::bind_device_to_thread(0),
         Err(GpuError::NoDriver { .. })
     ));
+    assert!(matches!(
+        handoff_gpu::device_allocation(0x7f00_0000_0000),
+        Err(GpuError::NoDriver { .. })
+    ));
 
     std::env::set_var(CUDA_DISABLE_ENV, "0");
     assert!(!handoff_gpu::cuda_disabled_by_env(), "0 means enabled");

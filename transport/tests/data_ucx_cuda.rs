@@ -19,7 +19,7 @@ use data_common::{
     ChildPeer, Rng,
 };
 use handoff_gpu::{DeviceBuffer, GpuError, KvBuffer, MemoryKind};
-use handoff_transport::data::{DataError, UcxDataPlane, UcxPeer, UcxPlaneOptions};
+use handoff_transport::data::{DataError, UcxDataPlane, UcxPeer, UcxPlaneOptions, UcxRange};
 use handoff_transport::region::RegionError;
 use handoff_transport::{
     BlockId, KvLayout, KvMemory, KvRange, LayerSpan, RankInfo, Region, RequestId,
@@ -235,6 +235,55 @@ async fn per_layer_device_ranges_between_two_processes() {
     let (mut layered_child, layered_peer) = spawn_child("cuda-layers");
     assert_eq!(layered_peer.range_list().len(), 2 * LAYERS);
     round_trip(&on_host, &mut layered_child, &layered_peer, 16).await;
+}
+
+/// A peer whose descriptor lies about its device memory: `cuda_ipc` maps its allocation
+/// into our context and copies with the driver, unchecked, so a range past that allocation
+/// would write our own device memory or poison the context with an illegal address. Every
+/// lie must be a named error before anything is posted, the liar's blocks unchanged, and
+/// an honest transfer must still work after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_lies_about_its_device_memory_gets_a_named_error() {
+    let Some(device) = gpu() else { return };
+    let local = device_plane("prefill-gpu", device);
+    let (mut liar, honest) = spawn_child("cuda");
+    let all = format_ids(&ids(0..BLOCKS));
+    let before = liar.ask(&format!("checksum {all}"), STEP);
+    fill(local.region(), 21);
+    let request = RequestId::new("lie");
+    let ranges = honest.range_list();
+    let (addr, len) = (ranges[0].addr, ranges[0].len);
+    let block = BLOCK_BYTES as u64;
+    type Lie<'a> = (&'a str, &'a dyn Fn(&mut UcxRange));
+    let lies: [Lie; 4] = [
+        ("4 MiB below the real base", &|r| r.addr = addr - (4 << 20)),
+        ("one block past the end", &|r| r.addr = addr + block),
+        ("far away", &|r| r.addr = addr.wrapping_add(1 << 40)),
+        ("twice its length", &|r| r.len = 2 * len),
+    ];
+    let (first, last) = ([BlockId(0)], [BlockId(BLOCKS - 1)]);
+    for (what, edit) in lies {
+        let mut lied = ranges.clone();
+        edit(&mut lied[0]);
+        let peer = UcxPeer {
+            ranges: lied.into(),
+            ..honest.clone()
+        };
+        for (dir, blocks) in [("write", &first), ("write", &last), ("read", &last)] {
+            let deadline = Instant::now() + STEP;
+            let result = if dir == "write" {
+                local.write(&request, &peer, &first, blocks, deadline).await
+            } else {
+                local.read(&request, &peer, blocks, &first, deadline).await
+            };
+            match result {
+                Err(e @ DataError::Protocol { .. }) => eprintln!("{what}, {dir}: refused: {e}"),
+                other => panic!("{what}, {dir}: {other:?}"),
+            }
+        }
+        assert_eq!(liar.ask(&format!("checksum {all}"), STEP), before, "{what}");
+    }
+    round_trip(&local, &mut liar, &honest, 22).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -52,7 +52,7 @@
 use std::collections::HashMap;
 use std::mem::ManuallyDrop;
 use std::sync::mpsc;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use handoff_gpu::{bind_device_to_thread, DeviceBuffer, DeviceContext, KvBuffer};
@@ -273,11 +273,29 @@ enum Cmd {
 struct PlaneThread {
     tx: mpsc::Sender<Cmd>,
     slots: Arc<Semaphore>,
+    /// Disconnects when the thread has torn UCX down (its sender is the thread's last
+    /// value to drop).
+    done: Mutex<mpsc::Receiver<()>>,
+    id: std::thread::ThreadId,
 }
 
+/// How long dropping a plane waits for its thread to tear UCX down (endpoints closed,
+/// memory deregistered, worker and context destroyed) before it gives up on it.
+const STOP_WAIT: Duration = Duration::from_secs(10);
+
 impl Drop for PlaneThread {
+    /// Stops the thread and waits (at most [`STOP_WAIT`]) for UCX to be torn down: a
+    /// process that exits while the thread still tears down races UCX's and CUDA's exit
+    /// handlers (seen on a GPU: heap corruption at a peer's exit, `malloc_consolidate`).
     fn drop(&mut self) {
         let _ = self.tx.send(Cmd::Stop);
+        if std::thread::current().id() == self.id {
+            return;
+        }
+        let done = self.done.lock().unwrap_or_else(|e| e.into_inner());
+        if let Err(mpsc::RecvTimeoutError::Timeout) = done.recv_timeout(STOP_WAIT) {
+            tracing::warn!(wait = ?STOP_WAIT, "UCX thread still tearing down; not waiting longer");
+        }
     }
 }
 
@@ -482,6 +500,7 @@ impl UcxDataPlane {
         let cuda_device = device.or(options.cuda_device);
         let (ready_tx, ready_rx) = mpsc::sync_channel(1);
         let (tx, rx) = mpsc::channel();
+        let (done_tx, done) = mpsc::channel::<()>();
         let context = options.context.clone();
         let name = format!("handoff-ucx-{me}");
         let spawned = std::thread::Builder::new()
@@ -493,16 +512,22 @@ impl UcxDataPlane {
                     cuda_device,
                     options: context,
                 };
-                thread_main(setup, ready_tx, rx)
+                thread_main(setup, ready_tx, rx);
+                drop(done_tx);
             });
-        if let Err(e) = spawned {
-            return Err(DataError::PlaneStopped {
-                detail: format!("cannot spawn the UCX thread: {e}"),
-            });
-        }
+        let id = match spawned {
+            Ok(handle) => handle.thread().id(),
+            Err(e) => {
+                return Err(DataError::PlaneStopped {
+                    detail: format!("cannot spawn the UCX thread: {e}"),
+                })
+            }
+        };
         let thread = Arc::new(PlaneThread {
             tx,
             slots: Arc::new(Semaphore::new(UCX_JOBS_QUEUED_MAX)),
+            done: Mutex::new(done),
+            id,
         });
         let ready = match ready_rx.recv_timeout(options.start_timeout) {
             Ok(result) => result?,

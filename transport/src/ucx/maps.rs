@@ -82,6 +82,29 @@ pub(crate) fn check_mapped(
     ))
 }
 
+/// Checks `[ptr, ptr + len)`, the peer's range `[addr, addr + len)` as seen through its
+/// key, against the device allocation `[start, start + size)` that holds `ptr`.
+pub(crate) fn check_device(
+    start: u64,
+    size: u64,
+    addr: u64,
+    ptr: u64,
+    len: u64,
+) -> Result<(), String> {
+    let inside = ptr >= start
+        && ptr
+            .checked_add(len)
+            .zip(start.checked_add(size))
+            .is_some_and(|(end, limit)| end <= limit);
+    if inside {
+        return Ok(());
+    }
+    Err(format!(
+        "the key maps [{addr:#x}, +{len}) to device memory at {ptr:#x}, past the end of the \
+         device allocation [{start:#x}, +{size}) it points into"
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -126,5 +149,15 @@ garbage line
         // A peer in this process: its own address, in an existing shared mapping.
         assert!(check_mapped(&old, &new, 0x2000, 0x2000, 0x100).is_ok());
         assert!(check_mapped(&old, &new, 0x2000, 0x2000, 0x8000).is_err());
+    }
+
+    #[test]
+    fn a_device_range_must_fit_the_allocation_it_points_into() {
+        assert!(check_device(0x1000, 0x1000, 0x9000, 0x1000, 0x1000).is_ok());
+        assert!(check_device(0x1000, 0x1000, 0x9000, 0x1800, 0x800).is_ok());
+        assert!(check_device(0x1000, 0x1000, 0x9000, 0x1800, 0x801).is_err());
+        assert!(check_device(0x1000, 0x1000, 0x9000, 0xfff, 0x10).is_err());
+        assert!(check_device(0x1000, 0x1000, 0x9000, u64::MAX - 1, 0x10).is_err());
+        assert!(check_device(u64::MAX - 1, 0x10, 0x9000, u64::MAX - 1, 0x1).is_err());
     }
 }

@@ -582,5 +582,17 @@ fn verify_reach(
                 .into(),
         );
     };
-    maps::check_mapped(&old, &new, base, ptr as u64, len)
+    let host = maps::check_mapped(&old, &new, base, ptr as u64, len);
+    if host.is_err() {
+        // Device memory (`cuda_ipc` maps the peer's allocation into our context and copies
+        // with the driver): the range must lie inside the one device allocation the key
+        // points into, so a lie cannot reach past it (an illegal address would poison the
+        // whole context). Which allocation that is, the driver does not say: a lie that
+        // lands wholly inside another allocation of ours is not caught here
+        // (ARCHITECTURE.md, open problems).
+        if let Ok(Some((start, size))) = handoff_gpu::device_allocation(ptr as u64) {
+            return maps::check_device(start, size, base, ptr as u64, len);
+        }
+    }
+    host
 }

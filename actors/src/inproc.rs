@@ -7,6 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use handoff_transport::{BlockId, BlockSlice, EngineId, RankInfo, Region, RequestId, Role};
 
@@ -251,7 +252,11 @@ impl Link for InProcessLink {
         to: &Peer,
         src: Vec<BlockId>,
         dst: Vec<BlockId>,
+        deadline: Instant,
     ) -> TransferFuture {
+        if let Some(late) = past(deadline) {
+            return late;
+        }
         let target = self.fabric.region_of(to);
         let (local, me, id, to) = (self.region.clone(), self.me.clone(), id.clone(), to.clone());
         Box::pin(async move {
@@ -274,7 +279,11 @@ impl Link for InProcessLink {
         from: &Peer,
         src: Vec<BlockId>,
         dst: Vec<BlockId>,
+        deadline: Instant,
     ) -> TransferFuture {
+        if let Some(late) = past(deadline) {
+            return late;
+        }
         let source = self.fabric.region_of(from);
         let (local, me, id, from) = (
             self.region.clone(),
@@ -316,4 +325,11 @@ impl Attach for Arc<Fabric> {
     ) -> Result<Arc<dyn Link>, Error> {
         Ok(self.attach_node(rank, role, inbox, region)?)
     }
+}
+
+/// A transfer asked for after its deadline is refused (the copy itself is immediate).
+fn past(deadline: Instant) -> Option<TransferFuture> {
+    (tokio::time::Instant::now().into_std() >= deadline).then(|| -> TransferFuture {
+        Box::pin(async { Err("the transfer's deadline passed before it started".to_string()) })
+    })
 }

@@ -8,6 +8,7 @@ use std::future::Future;
 use std::pin::Pin;
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use handoff_transport::{BlockId, EngineId, FailureReason, RankInfo, Region, RequestId, Role};
 use ractor::ActorRef;
@@ -15,6 +16,8 @@ use ractor::ActorRef;
 use crate::machine::{Outbound, Peer};
 use crate::runtime::RootMsg;
 use crate::Error;
+
+pub use crate::machine::PLANE_ANSWER_GRACE;
 
 /// The outcome of a data transfer: `Err` carries what the data plane said.
 pub type TransferFuture = Pin<Box<dyn Future<Output = Result<(), String>> + Send>>;
@@ -60,21 +63,30 @@ pub trait Link: Send + Sync + 'static {
 
     /// Writes local `src` blocks into `to`'s `dst` blocks, for request `id` (the peer
     /// checks it granted those blocks for that request).
+    ///
+    /// `deadline` is the transfer's one deadline, decided by the request's machine. The
+    /// data plane posts nothing after it and answers by it, give or take its bounded
+    /// teardown ([`PLANE_ANSWER_GRACE`]); once the future has answered, no byte of this
+    /// transfer can land. The machines rely on that: a failed request's blocks (push: the
+    /// peer's, held until our `AbortAck`; pull: ours) go back only after the answer.
     fn write(
         &self,
         id: &RequestId,
         to: &Peer,
         src: Vec<BlockId>,
         dst: Vec<BlockId>,
+        deadline: Instant,
     ) -> TransferFuture;
 
-    /// Reads `from`'s `src` blocks into local `dst` blocks, for request `id`.
+    /// Reads `from`'s `src` blocks into local `dst` blocks, for request `id`, by `deadline`
+    /// (as [`Link::write`]).
     fn read(
         &self,
         id: &RequestId,
         from: &Peer,
         src: Vec<BlockId>,
         dst: Vec<BlockId>,
+        deadline: Instant,
     ) -> TransferFuture;
 
     /// True when this link's data plane moves bytes one-sidedly (RDMA put and get): the

@@ -15,7 +15,7 @@ use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
 use crate::ledger::Ledger;
-use crate::link::{Link, ResolveError};
+use crate::link::{Link, ResolveError, PLANE_ANSWER_GRACE};
 use crate::machine::{
     Action, ReceiverEvent, ReceiverMachine, SenderEvent, SenderMachine, State, Timeouts,
 };
@@ -29,10 +29,6 @@ pub const RESOLVE_BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// How long a decode request that failed before resolving its prefill ranks may spend
 /// looking them up to tell them.
 pub const ABORT_LOOKUP_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// Extra time a transfer task may outlive the transfer deadline before it is dropped:
-/// the machine fails the request at the deadline; this only bounds the task's lifetime.
-const TRANSFER_TASK_GRACE: Duration = Duration::from_secs(1);
 
 /// An event for either machine.
 #[derive(Debug)]
@@ -86,7 +82,6 @@ pub(crate) struct RequestState {
     link: Arc<dyn Link>,
     root: ActorRef<RootMsg>,
     machine: Machine,
-    timeouts: Timeouts,
     timer: Option<(Instant, TimerHandle)>,
     tasks: Vec<JoinHandle<()>>,
     ended: bool,
@@ -125,7 +120,6 @@ impl Actor for RequestActor {
             link: args.link,
             root: args.root,
             machine,
-            timeouts: args.timeouts,
             timer: None,
             tasks: Vec::new(),
             ended: false,
@@ -302,22 +296,36 @@ impl RequestState {
                     let _ = myself.cast(RequestMsg::Event(event));
                 }
             }
-            Action::Write { to, src, dst } => {
+            Action::Write {
+                to,
+                src,
+                dst,
+                deadline,
+            } => {
                 self.ledger.add_peer(&to);
-                let fut = self.link.write(id, &to, src, dst);
+                let fut = self.link.write(id, &to, src, dst, deadline);
                 let done = |r: Result<(), String>| match r {
                     Ok(()) => SenderEvent::TransferComplete,
                     Err(detail) => SenderEvent::TransferFailed { detail },
                 };
-                self.spawn_transfer(myself, fut, move |r| MachineEvent::Sender(done(r)));
+                self.spawn_transfer(myself, fut, deadline, move |r| {
+                    MachineEvent::Sender(done(r))
+                });
             }
-            Action::Read { from, src, dst } => {
-                let fut = self.link.read(id, &from, src, dst);
+            Action::Read {
+                from,
+                src,
+                dst,
+                deadline,
+            } => {
+                let fut = self.link.read(id, &from, src, dst, deadline);
                 let done = move |r: Result<(), String>| match r {
                     Ok(()) => ReceiverEvent::ReadComplete { from },
                     Err(detail) => ReceiverEvent::TransferFailed { detail },
                 };
-                self.spawn_transfer(myself, fut, move |r| MachineEvent::Receiver(done(r)));
+                self.spawn_transfer(myself, fut, deadline, move |r| {
+                    MachineEvent::Receiver(done(r))
+                });
             }
             Action::Release { blocks, why } => self.ledger.release(&blocks, why),
             Action::Aux { from, bytes } => self.ledger.add_aux(from, bytes),
@@ -332,19 +340,29 @@ impl RequestState {
         }
     }
 
+    /// Runs a transfer and reports its outcome to the machine. The plane answers by the
+    /// transfer's deadline (`Link::write`); this waits [`PLANE_ANSWER_GRACE`] past it
+    /// before reporting a failure itself, which only a stuck plane makes it do.
     fn spawn_transfer(
         &mut self,
         myself: &ActorRef<RequestMsg>,
         fut: crate::link::TransferFuture,
+        deadline: Instant,
         report: impl FnOnce(Result<(), String>) -> MachineEvent + Send + 'static,
     ) {
         let me = myself.clone();
-        let limit = self.timeouts.transfer.max(self.timeouts.pull_ttl) + TRANSFER_TASK_GRACE;
+        let id = self.ledger.id.clone();
+        let until = tokio::time::Instant::from_std(deadline) + PLANE_ANSWER_GRACE;
         self.tasks.retain(|t| !t.is_finished());
         self.tasks.push(tokio::spawn(async move {
-            let result = match tokio::time::timeout(limit, fut).await {
+            let result = match tokio::time::timeout_at(until, fut).await {
                 Ok(r) => r,
-                Err(_) => Err(format!("transfer did not finish in {limit:?}")),
+                Err(_) => {
+                    warn!(request = %id, grace = ?PLANE_ANSWER_GRACE, "the data plane did not answer by the transfer's deadline");
+                    Err(format!(
+                        "the data plane did not answer within {PLANE_ANSWER_GRACE:?} of the transfer's deadline"
+                    ))
+                }
             };
             let _ = me.cast(RequestMsg::Event(report(result)));
         }));

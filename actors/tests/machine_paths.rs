@@ -71,7 +71,9 @@ fn sender_push_writes_then_says_done_then_releases() {
             Action::Write {
                 to: d.clone(),
                 src: b(&[1, 2]),
-                dst: b(&[7, 8])
+                dst: b(&[7, 8]),
+                // The state's deadline, decided by the machine, is the write's.
+                deadline: t + Timeouts::default().transfer,
             }
         ]
     );
@@ -310,7 +312,9 @@ fn receiver_pull_reads_then_acknowledges_each_rank() {
             Action::Read {
                 from: p0.clone(),
                 src: b(&[9]),
-                dst: b(&[4])
+                dst: b(&[4]),
+                // The transfer deadline comes before the end of prefill's hold.
+                deadline: t + Timeouts::default().transfer,
             }
         ]
     );
@@ -693,4 +697,91 @@ fn a_pull_read_that_finishes_after_prefills_hold_fails_instead_of_done() {
             "{late:?}: the blocks go back to the engine either way: {actions:?}"
         );
     }
+}
+
+/// One deadline per transfer, decided by the machine: a read's is the end of prefill's
+/// hold (counted from when our transfer info went out) when that comes before the
+/// request's transfer deadline, so the plane posts no read past the hold.
+#[test]
+fn a_reads_deadline_is_the_end_of_prefills_hold_when_that_comes_first() {
+    let t = Instant::now();
+    let p0 = rank("P", 0);
+    for (hold, expect) in [
+        (Duration::from_secs(5), t + Duration::from_secs(5)),
+        (
+            Duration::from_secs(600),
+            t + Duration::from_secs(1) + Timeouts::default().transfer,
+        ),
+    ] {
+        let mut m = ReceiverMachine::new(t, Timeouts::default(), TransferMode::Pull);
+        m.handle(t, ReceiverEvent::Allocated { blocks: b(&[4]) });
+        m.handle(
+            t,
+            ReceiverEvent::PeersResolved {
+                peers: vec![p0.clone()],
+            },
+        );
+        drain_r(&mut m);
+        m.handle(
+            t + Duration::from_secs(1),
+            ReceiverEvent::Ready {
+                from: p0.clone(),
+                blocks: b(&[9]),
+                aux: vec![],
+                hold,
+            },
+        );
+        let deadline = drain_r(&mut m).into_iter().find_map(|a| match a {
+            Action::Read { deadline, .. } => Some(deadline),
+            _ => None,
+        });
+        assert_eq!(deadline, Some(expect), "hold {hold:?}");
+    }
+}
+
+/// A `Ready` that arrives after prefill's hold has already run out (counted from our
+/// transfer info) posts no read: the request fails `TtlExpired` and prefill is told and
+/// acknowledged, so it can let its blocks go.
+#[test]
+fn a_ready_that_arrives_after_its_hold_posts_no_read() {
+    let t = Instant::now();
+    let p0 = rank("P", 0);
+    let mut m = ReceiverMachine::new(t, Timeouts::default(), TransferMode::Pull);
+    m.handle(t, ReceiverEvent::Allocated { blocks: b(&[4]) });
+    m.handle(
+        t,
+        ReceiverEvent::PeersResolved {
+            peers: vec![p0.clone()],
+        },
+    );
+    drain_r(&mut m);
+    m.handle(
+        t + Duration::from_secs(6),
+        ReceiverEvent::Ready {
+            from: p0.clone(),
+            blocks: b(&[9]),
+            aux: vec![],
+            hold: Duration::from_secs(5),
+        },
+    );
+    let actions = drain_r(&mut m);
+    assert!(
+        !actions.iter().any(|a| matches!(a, Action::Read { .. })),
+        "{actions:?}"
+    );
+    assert!(
+        actions.contains(&changed(State::Failed(FailureReason::TtlExpired))),
+        "{actions:?}"
+    );
+    assert!(
+        actions.contains(&Action::Send {
+            to: p0.clone(),
+            msg: Outbound::AbortAck
+        }),
+        "{actions:?}"
+    );
+    assert!(
+        actions.iter().any(|a| matches!(a, Action::Release { .. })),
+        "{actions:?}"
+    );
 }

@@ -12,6 +12,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use handoff_actors::link::PLANE_ANSWER_GRACE;
 use handoff_actors::machine::{
     merge, merge_all, Action, Phase, ReceiverEvent, ReceiverMachine, SenderEvent, SenderMachine,
     State, Timeouts,
@@ -207,8 +208,32 @@ impl Ledger {
                     self.phase = s.phase();
                     last_change = Some(s);
                 }
-                Action::Write { src, dst, .. } | Action::Read { src, dst, .. } => {
+                Action::Write {
+                    src,
+                    dst,
+                    deadline: by,
+                    ..
+                }
+                | Action::Read {
+                    src,
+                    dst,
+                    deadline: by,
+                    ..
+                } => {
                     assert_eq!(src.len(), dst.len(), "transfer with mismatched block lists");
+                    // One deadline per transfer, decided here: in the future, no later than
+                    // the state's own, and early enough that the plane's answer (by `by`
+                    // plus its grace) comes before any fence this request could put up
+                    // lifts by its bound.
+                    assert!(by > now, "a transfer with no time left");
+                    assert!(
+                        deadline.is_some_and(|d| by <= d),
+                        "a transfer deadline past the state's"
+                    );
+                    assert!(
+                        by + PLANE_ANSWER_GRACE <= now + self.fence_max,
+                        "a fence could lift before the plane answers"
+                    );
                 }
                 Action::Send { .. } => {}
                 Action::Aux { from, bytes } => {

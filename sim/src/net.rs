@@ -20,7 +20,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use handoff_actors::link::{
     Attach, Inbox, Link, LinkError, ResolveError, ResolveFuture, TransferFuture,
@@ -140,6 +140,12 @@ enum NetEvent {
         src_blocks: Vec<BlockId>,
         dst_blocks: Vec<BlockId>,
         owner: Option<RequestId>,
+        reply: oneshot::Sender<Result<(), String>>,
+    },
+    /// A transfer that would end past its deadline: the plane answers at the deadline,
+    /// having landed nothing (a one-sided plane force-closes the endpoint then).
+    Expire {
+        req: Option<u64>,
         reply: oneshot::Sender<Result<(), String>>,
     },
     Query {
@@ -442,6 +448,15 @@ impl SimNet {
             } => {
                 let r = st.land(t, src, dst, &src_blocks, &dst_blocks, owner.as_ref());
                 let _ = reply.send(r);
+            }
+            NetEvent::Expire { req, reply } => {
+                st.stats.transfers_failed += 1;
+                st.note(
+                    t,
+                    req,
+                    "transfer ended at its deadline, nothing landed".into(),
+                );
+                let _ = reply.send(Err("the transfer's deadline passed".into()));
             }
             NetEvent::Query {
                 who,
@@ -904,10 +919,16 @@ impl SimLink {
         dst_node: &Peer,
         src: Vec<BlockId>,
         dst: Vec<BlockId>,
-        owner_blocks: &[BlockId],
+        deadline: Instant,
     ) -> TransferFuture {
+        // The blocks of this worker's own request: its source when it writes, its
+        // destination when it reads.
+        let owner_blocks = if *src_node == self.me { &src } else { &dst }.clone();
         let net = &self.net;
         let (tx, rx) = oneshot::channel();
+        let deadline_ms = deadline
+            .saturating_duration_since(net.start.into_std())
+            .as_millis() as u64;
         let refused = {
             let mut guard = net.lock();
             let st = &mut *guard;
@@ -948,9 +969,15 @@ impl SimLink {
                             .range(st.faults.slow_factor.0, st.faults.slow_factor.1)
                             .max(1);
                     }
-                    net.push(
-                        st,
-                        now + ms.max(1),
+                    let lands = now + ms.max(1);
+                    let event = if lands > deadline_ms {
+                        // The plane's promise (`Link::write`): nothing posted past the
+                        // deadline, an answer by it.
+                        NetEvent::Expire {
+                            req: owner.as_ref().and_then(req_index),
+                            reply: tx,
+                        }
+                    } else {
                         NetEvent::Land {
                             src: s,
                             dst: d,
@@ -958,8 +985,9 @@ impl SimLink {
                             dst_blocks: dst,
                             owner,
                             reply: tx,
-                        },
-                    );
+                        }
+                    };
+                    net.push(st, lands.min(deadline_ms.max(now)), event);
                     None
                 }
                 _ => {
@@ -1093,9 +1121,9 @@ impl Link for SimLink {
         to: &Peer,
         src: Vec<BlockId>,
         dst: Vec<BlockId>,
+        deadline: Instant,
     ) -> TransferFuture {
-        let owner_blocks = src.clone();
-        self.transfer(id, &self.me.clone(), to, src, dst, &owner_blocks)
+        self.transfer(id, &self.me.clone(), to, src, dst, deadline)
     }
 
     fn read(
@@ -1104,9 +1132,9 @@ impl Link for SimLink {
         from: &Peer,
         src: Vec<BlockId>,
         dst: Vec<BlockId>,
+        deadline: Instant,
     ) -> TransferFuture {
-        let owner_blocks = dst.clone();
-        self.transfer(id, from, &self.me.clone(), src, dst, &owner_blocks)
+        self.transfer(id, from, &self.me.clone(), src, dst, deadline)
     }
 
     fn request_ended(&self, id: &RequestId) {

@@ -1489,10 +1489,11 @@ impl World {
     }
 
     /// Requests that neither progress nor hit a deadline (a rank ended but never released
-    /// its blocks, say) would keep the run going forever: past one lifetime without any
-    /// event, whatever is left is reported.
+    /// its blocks, say) would keep the run going forever: past the longest a request may
+    /// go quiet (a fence waiting out its bound) without any event, whatever is left is
+    /// reported.
     fn stuck_check(&mut self, now: u64) {
-        let limit = self.cfg.timing.timeouts.lifetime_max().as_millis() as u64 + HANG_SLACK_MS;
+        let limit = self.cfg.timing.timeouts.fence_max().as_millis() as u64 + HANG_SLACK_MS;
         if self.reqs.is_empty() || now < self.last_progress_ms + limit {
             return;
         }

@@ -422,3 +422,36 @@ fn layers_that_do_not_fit_the_blocks_or_the_stages_are_refused() {
         assert!(err.contains(name), "{err}");
     }
 }
+
+// ----- one transfer deadline -----
+
+/// Every transfer still in flight on a one-sided plane when its request's deadline
+/// passes: each takes 30 to 60 times its deadline. The plane answers at the deadline with
+/// nothing landed (`Link::write`), the machines hold the blocks until it has, and no write
+/// or read lands in a block its engine got back. A plane that broke that promise (landing
+/// late, answering late) is caught here as a use after release: the request actor stops
+/// waiting for it `PLANE_ANSWER_GRACE` (5 s) past the deadline, before these land.
+#[test]
+fn transfers_past_their_deadline_land_nothing_in_released_blocks() {
+    for mode in [ModeChoice::Push, ModeChoice::Pull] {
+        for seed in 0..6u64 {
+            let mut cfg = base(seed);
+            cfg.shape.mode = mode;
+            cfg.data_plane = DataPlane::Rdma;
+            cfg.faults.slow_ppm = 1_000_000;
+            cfg.faults.slow_factor = (2_000, 4_000);
+            cfg.workload.requests = 12;
+            cfg.workload.liveness_requests = 0;
+            let report = run(&cfg);
+            assert_eq!(
+                report.safety.done, 0,
+                "seed {seed}: every transfer is too slow"
+            );
+            let timed_out = report.safety.failed.get("transfer_timeout").copied();
+            assert!(
+                timed_out.unwrap_or(0) > 0 && report.net.transfers_failed > 0,
+                "seed {seed} {mode:?}: no request hit its transfer deadline\n{report}"
+            );
+        }
+    }
+}

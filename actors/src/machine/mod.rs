@@ -50,6 +50,12 @@ pub const TRANSFER_TIMEOUT_DEFAULT: Duration = Duration::from_secs(60);
 /// `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`, 480 s (seed 002).
 pub const PULL_TTL_DEFAULT: Duration = Duration::from_secs(480);
 
+/// How long past a transfer's deadline a data plane may take to answer: its teardown
+/// (UCX force-closes the endpoint, cancelling what it had in flight) and the answer's way
+/// back. The request actor waits this long before it reports the transfer failed itself,
+/// which only a stuck plane makes it do (and says so in the log); every fence outlasts it.
+pub const PLANE_ANSWER_GRACE: Duration = Duration::from_secs(5);
+
 /// The deadlines of every non-terminal state. Each is measured from entering the state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Timeouts {
@@ -85,10 +91,11 @@ impl Timeouts {
     /// prefill ranks to confirm that no write of theirs can still land (`AbortAck`). A
     /// prefill rank that got the transfer info can start a write no later than its waiting
     /// deadline and finish it within its transfer deadline; the info itself may still be in
-    /// flight for up to a bootstrap timeout. Normally the acknowledgement comes in one
-    /// round trip; this bound only matters when it is lost.
+    /// flight for up to a bootstrap timeout, and its plane answers within
+    /// [`PLANE_ANSWER_GRACE`] of the transfer's deadline. Normally the acknowledgement
+    /// comes in one round trip; this bound only matters when it is lost.
     pub fn fence_max(&self) -> Duration {
-        self.lifetime_max()
+        self.lifetime_max() + PLANE_ANSWER_GRACE
     }
 }
 
@@ -273,6 +280,9 @@ pub enum Action {
         src: Vec<BlockId>,
         /// The peer's blocks, in order; same length as `src`.
         dst: Vec<BlockId>,
+        /// The transfer's one deadline, decided here: the data plane posts nothing after
+        /// it and answers by it (`Link::write`).
+        deadline: Instant,
     },
     /// Decode, pull mode: read the peer's `src` blocks into local `dst` blocks, then report
     /// `ReadComplete` or `TransferFailed`.
@@ -283,6 +293,9 @@ pub enum Action {
         src: Vec<BlockId>,
         /// Local blocks, in order; same length as `src`.
         dst: Vec<BlockId>,
+        /// The transfer's one deadline: the earlier of the request's transfer deadline and
+        /// the end of the peer's hold on `src` (`Link::read`).
+        deadline: Instant,
     },
     /// The machine no longer holds these blocks: the engine may free or reuse them.
     /// Emitted exactly once for every block the machine was given.

@@ -145,6 +145,9 @@ pub struct ReceiverMachine {
     /// Pull: prefill ranks owed an `AbortAck` (they hold their blocks for our reads) once
     /// no read of ours is in flight.
     acks_owed: Vec<Peer>,
+    /// Push: prefill ranks that said `AbortAck` before we failed (it overtook their
+    /// `Abort`): they promised no write of theirs can land, so no fence waits for them.
+    acked_early: Vec<Peer>,
     /// The data plane's writes are one-sided (RDMA): our side cannot refuse a late one, so a
     /// failed push request fences its blocks. Off for planes that check a grant per write.
     fence_writes: bool,
@@ -169,6 +172,7 @@ impl ReceiverMachine {
             leases: Vec::new(),
             reads_outstanding: 0,
             acks_owed: Vec::new(),
+            acked_early: Vec::new(),
             fence_writes: false,
             now,
         }
@@ -273,7 +277,13 @@ impl ReceiverMachine {
                 let peer = from.to_string();
                 self.fail(FailureReason::AbortedByPeer { peer, cause }, Some(&from));
             }
-            ReceiverEvent::AbortAck { .. } => {} // only meaningful once failed
+            // An acknowledgement that overtook its `Abort` (control messages may be
+            // reordered): remembered, so the failure it announces fences nothing for it.
+            ReceiverEvent::AbortAck { from } => {
+                if self.index(&from).is_some() && !self.acked_early.contains(&from) {
+                    self.acked_early.push(from);
+                }
+            }
             ReceiverEvent::PeerLost { peer } => {
                 if let Some(i) = self.index(&peer) {
                     self.peers[i].1 = Progress::Gone;
@@ -448,14 +458,27 @@ impl ReceiverMachine {
         // counted from when we sent that info, the lease ends no later than the hold.
         let lease = self.info_sent_at.and_then(|at| at.checked_add(hold));
         self.leases.push((from.clone(), lease));
+        if lease.is_some_and(|end| end <= now) {
+            // The hold is over before we could read: prefill may have let the blocks go.
+            // Nothing is read; prefill is told, and acknowledged so it can let go.
+            return self.fail(FailureReason::TtlExpired, None);
+        }
         self.reads_outstanding += 1;
         self.take_aux(from.clone(), aux);
         self.enter_transferring(now);
         let dst = self.core.held.clone();
+        // One deadline for the read, decided here: the state's, or the end of prefill's
+        // hold on its blocks if that comes first (no read is posted past it).
+        let state_deadline = self
+            .core
+            .deadline
+            .unwrap_or(now + self.core.timeouts.transfer);
+        let deadline = lease.map_or(state_deadline, |l| l.min(state_deadline));
         self.core.actions.push_back(Action::Read {
             from,
             src: blocks,
             dst,
+            deadline,
         });
     }
 
@@ -548,9 +571,9 @@ impl ReceiverMachine {
 
     /// Push: prefill ranks that may still write into our blocks (a lost one may too).
     fn writers_left(&self) -> bool {
-        self.peers
-            .iter()
-            .any(|(_, p)| matches!(p, Progress::Waiting | Progress::Gone))
+        self.peers.iter().any(|(peer, p)| {
+            matches!(p, Progress::Waiting | Progress::Gone) && !self.acked_early.contains(peer)
+        })
     }
 
     /// After the end: blocks handed over are released at once; while fencing, each

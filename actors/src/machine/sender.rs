@@ -117,6 +117,9 @@ pub struct SenderMachine {
     fence_reads: bool,
     /// Failed, with the source blocks held until decode confirms (pull, one-sided).
     fencing: bool,
+    /// Pull: decode said `AbortAck` before we failed (it overtook decode's `Abort`): no
+    /// read of its can land, so our failure fences nothing.
+    acked_early: bool,
     /// The latest instant the driver gave, for deadlines set inside.
     now: Instant,
 }
@@ -135,6 +138,7 @@ impl SenderMachine {
             ack_owed: false,
             fence_reads: false,
             fencing: false,
+            acked_early: false,
             now,
         }
     }
@@ -224,7 +228,13 @@ impl SenderMachine {
                 }
             }
             SenderEvent::ReadDone { from } => self.on_read_done(from),
-            SenderEvent::AbortAck { .. } => {} // only meaningful once failed
+            // An acknowledgement that overtook decode's `Abort` (control messages may be
+            // reordered): remembered, so the failure it announces fences nothing.
+            SenderEvent::AbortAck { from } => {
+                if self.peer.as_ref() == Some(&from) {
+                    self.acked_early = true;
+                }
+            }
             SenderEvent::Abort => self.fail(FailureReason::AbortedByEngine, None),
             SenderEvent::PeerAbort { from, reason } => {
                 let cause = reason.to_string();
@@ -311,9 +321,14 @@ impl SenderMachine {
                 let limit = self.core.timeouts.transfer;
                 self.core.advance(now, State::Transferring, limit);
                 self.write_outstanding = true;
-                self.core
-                    .actions
-                    .push_back(Action::Write { to: peer, src, dst });
+                // The state's deadline is the write's: one deadline, decided here.
+                let deadline = self.core.deadline.unwrap_or(now + limit);
+                self.core.actions.push_back(Action::Write {
+                    to: peer,
+                    src,
+                    dst,
+                    deadline,
+                });
             }
             TransferMode::Pull => {
                 let limit = self.core.timeouts.pull_ttl;
@@ -421,7 +436,8 @@ impl SenderMachine {
         }
         let readable = self.fence_reads
             && self.mode == TransferMode::Pull
-            && self.core.state == State::Transferring;
+            && self.core.state == State::Transferring
+            && !self.acked_early;
         if readable {
             // Decode may be reading our blocks one-sidedly: hold them until it confirms.
             self.fencing = true;

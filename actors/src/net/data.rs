@@ -72,6 +72,9 @@ pub struct PlaneTransfer<'a> {
     /// The writer's lease with the peer ([`Lease`]): a one-sided plane posts a write only
     /// while it holds. Planes that check a grant per operation at the target ignore it.
     pub lease: Option<Arc<Lease>>,
+    /// The transfer's one deadline, from the request's machine: the plane posts nothing
+    /// after it and answers by it (`Link::write`).
+    pub deadline: std::time::Instant,
 }
 
 /// One request's grants: a request has one peer per pipeline rank of the other side

@@ -374,6 +374,7 @@ impl NetLink {
         src: Vec<BlockId>,
         dst: Vec<BlockId>,
         write: bool,
+        deadline: std::time::Instant,
     ) -> TransferFuture {
         let known = self
             .peer_data
@@ -407,6 +408,7 @@ impl NetLink {
                 dst,
                 slice,
                 lease: Some(lease),
+                deadline,
             };
             let fut = if write { data.write(t) } else { data.read(t) };
             fut.await
@@ -463,8 +465,9 @@ impl Link for NetLink {
         to: &Peer,
         src: Vec<BlockId>,
         dst: Vec<BlockId>,
+        deadline: std::time::Instant,
     ) -> TransferFuture {
-        self.transfer(id, to, src, dst, true)
+        self.transfer(id, to, src, dst, true, deadline)
     }
 
     fn read(
@@ -473,8 +476,9 @@ impl Link for NetLink {
         from: &Peer,
         src: Vec<BlockId>,
         dst: Vec<BlockId>,
+        deadline: std::time::Instant,
     ) -> TransferFuture {
-        self.transfer(id, from, src, dst, false)
+        self.transfer(id, from, src, dst, false, deadline)
     }
 
     fn one_sided(&self) -> bool {

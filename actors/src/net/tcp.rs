@@ -14,11 +14,6 @@ use handoff_transport::{RankInfo, Region};
 use super::data::{DataPlane, GrantTable, PlaneTransfer};
 use crate::link::TransferFuture;
 
-/// Longest one write or read may take inside the data plane. The request's own transfer
-/// deadline (`Timeouts::transfer`, default 60 s) normally ends it first; this bounds the
-/// call should the caller not.
-pub const TRANSFER_CALL_TIMEOUT: Duration = Duration::from_secs(300);
-
 /// Longest a connection to a peer's data server may take to open.
 pub const DATA_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -94,6 +89,7 @@ impl TcpDataPlane {
             src,
             dst,
             slice,
+            deadline,
             ..
         } = t;
         if peer_layout.transport != TransportKind::Tcp {
@@ -106,17 +102,18 @@ impl TcpDataPlane {
         let (id, addr, local) = (id.clone(), peer_layout.address.clone(), self.region.clone());
         let (clients, me, key) = (self.clients.clone(), self.me.clone(), self.key.clone());
         Box::pin(async move {
-            let client = client_for(&clients, &addr, me, key)
+            let until = tokio::time::Instant::from_std(deadline);
+            let client = tokio::time::timeout_at(until, client_for(&clients, &addr, me, key))
                 .await
+                .map_err(|_| format!("no data connection to {addr} by the transfer's deadline"))?
                 .map_err(|e| e.to_string())?;
-            let deadline = tokio::time::Instant::now() + TRANSFER_CALL_TIMEOUT;
             let result = if write {
                 client
-                    .write_slice(&id, &local, &src, &dst, slice, deadline.into())
+                    .write_slice(&id, &local, &src, &dst, slice, deadline)
                     .await
             } else {
                 client
-                    .read_slice(&id, &local, &src, &dst, slice, deadline.into())
+                    .read_slice(&id, &local, &src, &dst, slice, deadline)
                     .await
             };
             if result.is_err() {

@@ -9,7 +9,6 @@
 //! descriptor before anything is posted, and the remote key's scope.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use handoff_gpu::DeviceBuffer;
 use handoff_transport::data::{DataError, UcxDataPlane, UcxPeer, UcxPlaneOptions};
@@ -18,10 +17,6 @@ use handoff_transport::{RankInfo, Region};
 
 use super::data::{DataPlane, GrantTable, PlaneTransfer};
 use crate::link::TransferFuture;
-
-/// Longest one write or read may take inside the plane (the request's own transfer
-/// deadline normally ends it first).
-pub const UCX_CALL_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// Moves blocks with UCX.
 pub struct UcxPlane {
@@ -114,9 +109,8 @@ impl UcxPlane {
         // plane (once per peer layout) before anything is posted.
         let peer = UcxPeer::from_layout(t.peer.to_string(), t.peer_data.to_vec(), t.peer_layout);
         let (src, dst, slice, id, lease) = (t.src, t.dst, t.slice, t.id, t.lease);
-        let (plane, id) = (self.plane.clone(), id.clone());
+        let (plane, id, deadline) = (self.plane.clone(), id.clone(), t.deadline);
         Box::pin(async move {
-            let deadline = std::time::Instant::now() + UCX_CALL_TIMEOUT;
             let result = match (write, lease) {
                 // A one-sided write into the peer's memory: fenced by our lease with it.
                 (true, Some(lease)) => {

@@ -436,6 +436,64 @@ fn killing_prefill_mid_request_fails_decodes_requests_with_peer_lost_promptly() 
     eprintln!("decode's 4 requests failed peer_lost {took:?} after kill -9");
 }
 
+/// Prefill frozen (SIGSTOP) past the heartbeat window while its engine still computes,
+/// then resumed: decode has failed its requests `peer_lost`; prefill, on waking, hears
+/// nothing from decode, takes it as lost and must fail its own requests for it at once,
+/// `peer_lost`, with their blocks released, not hold them until its engine hands the
+/// blocks over (10 minutes here) and then fail on a refused transfer (issue 11's liveness
+/// bug: a request that had only received from a peer never learned of its loss).
+fn a_resumed_prefill_fails_its_requests_for_a_lost_decode_at_once(mode: &str) {
+    let (_boot, addr) = bootstrap();
+    let p = worker(
+        "prefill",
+        "prefill",
+        "P",
+        &addr,
+        &["--requests", "3", "--hold-ms", "600000"],
+    );
+    let d = worker(
+        "decode",
+        "decode",
+        "D",
+        &addr,
+        &["--requests", "3", "--prefill", "P", "--mode", mode, "--serve"],
+    );
+    p.until("transfer info for every request", |seen| {
+        seen.iter()
+            .filter(|v| v["event"] == "state" && v["state"] == "WaitingForInput")
+            .count()
+            == 3
+    });
+    signal(&p, "STOP");
+    // Decode stays up (it serves on), so prefill finds it alive but silent towards it.
+    let d_lines = d.until("decode's requests ended", |seen| {
+        seen.iter().filter(|v| v["event"] == "end").count() == 3
+    });
+    let d_ends = ends_of(&json_lines("decode", &d_lines));
+    assert!(kinds(&d_ends).iter().all(|k| k == "peer_lost"), "{d_ends:?}");
+    let t0 = Instant::now();
+    signal(&p, "CONT");
+    let (p_ends, summary) = p.ends();
+    let took = t0.elapsed();
+    assert_eq!(summary["failed"], 3, "{p_ends:?}");
+    assert!(kinds(&p_ends).iter().all(|k| k == "peer_lost"), "{p_ends:?}");
+    assert!(
+        took < Duration::from_secs(10),
+        "prefill failed its requests {took:?} after it resumed"
+    );
+    eprintln!("{mode}: the resumed prefill failed its 3 requests peer_lost in {took:?}");
+}
+
+#[test]
+fn a_resumed_prefill_fails_its_requests_for_a_lost_decode_at_once_in_pull_mode() {
+    a_resumed_prefill_fails_its_requests_for_a_lost_decode_at_once("pull");
+}
+
+#[test]
+fn a_resumed_prefill_fails_its_requests_for_a_lost_decode_at_once_in_push_mode() {
+    a_resumed_prefill_fails_its_requests_for_a_lost_decode_at_once("push");
+}
+
 /// The bootstrap server stops: requests already resolved finish (peers are cached); new
 /// requests that need a lookup fail with a named error (the address and the last error).
 #[test]

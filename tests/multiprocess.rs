@@ -456,7 +456,15 @@ fn a_resumed_prefill_fails_its_requests_for_a_lost_decode_at_once(mode: &str) {
         "decode",
         "D",
         &addr,
-        &["--requests", "3", "--prefill", "P", "--mode", mode, "--serve"],
+        &[
+            "--requests",
+            "3",
+            "--prefill",
+            "P",
+            "--mode",
+            mode,
+            "--serve",
+        ],
     );
     p.until("transfer info for every request", |seen| {
         seen.iter()
@@ -470,13 +478,19 @@ fn a_resumed_prefill_fails_its_requests_for_a_lost_decode_at_once(mode: &str) {
         seen.iter().filter(|v| v["event"] == "end").count() == 3
     });
     let d_ends = ends_of(&json_lines("decode", &d_lines));
-    assert!(kinds(&d_ends).iter().all(|k| k == "peer_lost"), "{d_ends:?}");
+    assert!(
+        kinds(&d_ends).iter().all(|k| k == "peer_lost"),
+        "{d_ends:?}"
+    );
     let t0 = Instant::now();
     signal(&p, "CONT");
     let (p_ends, summary) = p.ends();
     let took = t0.elapsed();
     assert_eq!(summary["failed"], 3, "{p_ends:?}");
-    assert!(kinds(&p_ends).iter().all(|k| k == "peer_lost"), "{p_ends:?}");
+    assert!(
+        kinds(&p_ends).iter().all(|k| k == "peer_lost"),
+        "{p_ends:?}"
+    );
     assert!(
         took < Duration::from_secs(10),
         "prefill failed its requests {took:?} after it resumed"

@@ -184,16 +184,22 @@ impl Actor for RequestActor {
 impl RequestState {
     fn feed(&mut self, now: Instant, event: MachineEvent) {
         match (&mut self.machine, event) {
+            // The peers the machine depends on (prefill: its decode rank once paired, from
+            // transfer info or `Queued`; decode: every prefill rank once resolved) are
+            // known to the runtime from then on, before this side sends them anything:
+            // their loss must fail the request at once, not at a deadline.
             (Machine::Sender(m), MachineEvent::Sender(e)) => {
                 m.handle(now, e);
-                // The decode rank it is paired with (from transfer info or `Queued`) is a peer
-                // this request depends on from then on, before prefill sends it anything:
-                // its loss must fail the request at once, not at the waiting deadline.
-                if let Some(peer) = m.peer() {
+                for peer in m.depends_on() {
                     self.ledger.add_peer(peer);
                 }
             }
-            (Machine::Receiver(m), MachineEvent::Receiver(e)) => m.handle(now, e),
+            (Machine::Receiver(m), MachineEvent::Receiver(e)) => {
+                m.handle(now, e);
+                for peer in m.depends_on() {
+                    self.ledger.add_peer(peer);
+                }
+            }
             (_, event) => {
                 warn!(request = %self.ledger.id, ?event, "event for the other side dropped")
             }

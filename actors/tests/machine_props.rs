@@ -315,6 +315,20 @@ macro_rules! fire_due {
     };
 }
 
+/// A request that depends on a peer (the runtime routes that peer's loss to it), in any
+/// state before its end, fails `PeerLost` naming it at once when the peer is lost.
+fn assert_lost_fails(before: &State, after: &State, peer: &RankInfo) {
+    if before.is_terminal() {
+        return;
+    }
+    match after {
+        State::Failed(FailureReason::PeerLost { peer: named }) => {
+            assert_eq!(named, &peer.to_string(), "failed for another peer")
+        }
+        other => panic!("{peer} lost in {before}: the request went to {other}"),
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(2000))]
 
@@ -345,6 +359,11 @@ proptest! {
             m.handle(now, event);
             let actions = drain_sender(&mut m);
             ledger.check(now, m.state(), m.poll_timeout(), actions);
+            for p in m.depends_on().cloned().collect::<Vec<_>>() {
+                let mut lost = m.clone();
+                lost.handle(now, SenderEvent::PeerLost { peer: p.clone() });
+                assert_lost_fails(m.state(), lost.state(), &p);
+            }
         }
         // With no more input, the deadlines alone must end it.
         fire_due!(m, ledger, drain_sender, start + t.lifetime_max() + t.fence_max() + Duration::from_secs(1));
@@ -384,6 +403,11 @@ proptest! {
             m.handle(now, event);
             let actions = drain_receiver(&mut m);
             ledger.check(now, m.state(), m.poll_timeout(), actions);
+            for p in m.depends_on().cloned().collect::<Vec<_>>() {
+                let mut lost = m.clone();
+                lost.handle(now, ReceiverEvent::PeerLost { peer: p.clone() });
+                assert_lost_fails(m.state(), lost.state(), &p);
+            }
         }
         // The deadlines alone end it, and a fence lifts by its own deadline at the latest.
         fire_due!(m, ledger, drain_receiver, start + t.lifetime_max() + t.fence_max() + Duration::from_secs(1));

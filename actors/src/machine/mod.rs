@@ -319,7 +319,7 @@ pub enum Action {
 
 /// The part shared by both machines: the state, its deadline, the held blocks, the queue
 /// of actions, and the one way to move to a new state.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Core {
     state: State,
     deadline: Option<Instant>,

@@ -115,7 +115,7 @@ enum Progress {
 }
 
 /// One request's lifecycle on one decode rank. See the [module docs](super).
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct ReceiverMachine {
     core: Core,
     mode: TransferMode,
@@ -200,6 +200,11 @@ impl ReceiverMachine {
     /// The prefill ranks this request receives from, once resolved.
     pub fn peers(&self) -> impl Iterator<Item = &Peer> {
         self.peers.iter().map(|(p, _)| p)
+    }
+
+    /// The peers whose loss fails this request at once: every prefill rank, once resolved.
+    pub fn depends_on(&self) -> impl Iterator<Item = &Peer> {
+        self.peers()
     }
 
     /// Blocks the machine holds now (released on the terminal state).

@@ -95,7 +95,7 @@ pub enum SenderEvent {
 }
 
 /// One request's lifecycle on one prefill rank. See the [module docs](super).
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct SenderMachine {
     core: Core,
     /// The decode rank, once it has said `Queued` or sent its transfer info: the one to
@@ -166,6 +166,11 @@ impl SenderMachine {
     /// The decode rank this request is paired with, once known (from `Queued` or transfer info).
     pub fn peer(&self) -> Option<&Peer> {
         self.peer.as_ref()
+    }
+
+    /// The peers whose loss fails this request at once (its decode rank, once paired).
+    pub fn depends_on(&self) -> impl Iterator<Item = &Peer> {
+        self.peer.iter()
     }
 
     /// Blocks the machine holds now (released on the terminal state).

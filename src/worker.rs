@@ -193,8 +193,9 @@ pub struct WorkerArgs {
     /// Heartbeat interval on peer connections.
     #[arg(long, default_value_t = 1000)]
     pub heartbeat_ms: u64,
-    /// Heartbeats a peer may miss before it is lost.
-    #[arg(long, default_value_t = 3)]
+    /// Heartbeats a peer may miss before it is lost (at least 2: the writer's lease over
+    /// UCX runs from the last heartbeat the peer echoed).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(2..))]
     pub heartbeats_missed: u32,
     /// Bootstrapping deadline, seconds.
     #[arg(long, default_value_t = 300.0)]

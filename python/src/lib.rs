@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use handoff_actors::bootstrap::{self, ServerConfig};
 use handoff_actors::net::engine::{
-    HEARTBEATS_MISSED_MAX, HEARTBEAT_INTERVAL_MAX, HEARTBEAT_INTERVAL_MIN,
+    HEARTBEATS_MISSED_MAX, HEARTBEATS_MISSED_MIN, HEARTBEAT_INTERVAL_MAX, HEARTBEAT_INTERVAL_MIN,
 };
 use handoff_actors::net::{start_engine_runtime, DataTransport, EngineOptions};
 use handoff_actors::{
@@ -475,9 +475,10 @@ fn settings(
             HEARTBEAT_INTERVAL_MAX.as_millis()
         )));
     }
-    if !(1..=HEARTBEATS_MISSED_MAX).contains(&heartbeats_missed) {
+    if !(HEARTBEATS_MISSED_MIN..=HEARTBEATS_MISSED_MAX).contains(&heartbeats_missed) {
         return Err(Failure::invalid(format!(
-            "heartbeats_missed must be in 1..={HEARTBEATS_MISSED_MAX}, not {heartbeats_missed}"
+            "heartbeats_missed must be in {HEARTBEATS_MISSED_MIN}..={HEARTBEATS_MISSED_MAX}, \
+             not {heartbeats_missed} (the writer's lease needs two)"
         )));
     }
     let register_timeout = deadline("register_timeout_s", register_s)?;

@@ -43,7 +43,12 @@ def test_numpy_block_ids_are_ints(prefill):
 
 def test_heartbeats_are_bounded(bootstrap):
     kv = np.zeros((4, 64), np.uint8)
-    for kw in ({"heartbeat_ms": 2**62}, {"heartbeat_ms": 1}, {"heartbeats_missed": 0}):
+    for kw in (
+        {"heartbeat_ms": 2**62},
+        {"heartbeat_ms": 1},
+        {"heartbeats_missed": 0},
+        {"heartbeats_missed": 1},
+    ):
         with pytest.raises(handoff.InvalidInput):
             handoff.Runtime("prefill", "P", bootstrap.address, [kv], transport="tcp", **kw)
 

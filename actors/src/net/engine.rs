@@ -36,6 +36,12 @@ pub const HEARTBEAT_INTERVAL_MAX: Duration = Duration::from_secs(3600);
 /// Most heartbeats a peer may miss: with the longest interval, still a bounded lease.
 pub const HEARTBEATS_MISSED_MAX: u32 = 1000;
 
+/// The fewest heartbeats a peer may miss before it is lost. A writer's lease with a peer
+/// runs for the peer's loss timeout from the last heartbeat the peer echoed, and the echo
+/// comes a round trip after the beat: with one missed beat allowed the lease would lapse
+/// before every next echo, and writes would fail between beats.
+pub const HEARTBEATS_MISSED_MIN: u32 = 2;
+
 /// Which data plane moves the blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DataTransport {
@@ -116,8 +122,8 @@ pub struct EngineOptions {
     /// Heartbeat interval on peer connections (clamped to [`HEARTBEAT_INTERVAL_MIN`] ..
     /// [`HEARTBEAT_INTERVAL_MAX`]).
     pub heartbeat_interval: Duration,
-    /// Heartbeats a peer may miss before it is lost (clamped to 1 ..
-    /// [`HEARTBEATS_MISSED_MAX`]).
+    /// Heartbeats a peer may miss before it is lost (clamped to [`HEARTBEATS_MISSED_MIN`]
+    /// .. [`HEARTBEATS_MISSED_MAX`]).
     pub heartbeats_missed_max: u32,
     /// Time to get registered with the bootstrap server at start.
     pub register_timeout: Duration,
@@ -206,7 +212,7 @@ pub async fn start_engine_runtime(
         heartbeat_interval: opts
             .heartbeat_interval
             .clamp(HEARTBEAT_INTERVAL_MIN, HEARTBEAT_INTERVAL_MAX),
-        heartbeats_missed_max: opts.heartbeats_missed_max.clamp(1, HEARTBEATS_MISSED_MAX),
+        heartbeats_missed_max: heartbeats_missed(opts.heartbeats_missed_max),
         register_timeout: opts.register_timeout,
         key: opts.key.clone(),
         ..NetConfig::default()
@@ -366,4 +372,19 @@ async fn data_plane(
     .await
     .map_err(|e| plane_error("TCP data plane", e))?;
     Ok((region, Arc::new(data), "tcp"))
+}
+
+/// The heartbeats a peer may miss, within [`HEARTBEATS_MISSED_MIN`]..=[`HEARTBEATS_MISSED_MAX`]
+/// (said in the log when the asked-for count is outside).
+fn heartbeats_missed(asked: u32) -> u32 {
+    let used = asked.clamp(HEARTBEATS_MISSED_MIN, HEARTBEATS_MISSED_MAX);
+    if used != asked {
+        tracing::warn!(
+            asked,
+            used,
+            "heartbeats missed before a peer is lost must be in \
+             {HEARTBEATS_MISSED_MIN}..={HEARTBEATS_MISSED_MAX} (the writer's lease needs two)"
+        );
+    }
+    used
 }

@@ -21,11 +21,17 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
+use super::peers::{Incarnation, PeerTable};
 use super::{
     layer_slice, Cmd, DataPlane, Directory, NetConfig, PeerData, PeerInfo, DIAL_QUEUE_MESSAGES_MAX,
 };
 use crate::link::Inbox;
 use crate::machine::{Outbound, Peer};
+
+/// The time the peer table is given: the runtime's clock (real outside tests).
+fn now() -> std::time::Instant {
+    Instant::now().into_std()
+}
 
 pub(crate) struct Setup {
     pub(crate) cfg: NetConfig,
@@ -74,32 +80,15 @@ struct Dialed {
     lease_ms: u64,
 }
 
-/// Our heartbeats remembered per peer, to turn an echo into the time we sent it: at one
-/// heartbeat per interval, far more than an echo can lag behind.
-const BEATS_REMEMBERED: usize = 64;
-
+/// A peer's connections (its liveness is in the [`PeerTable`]).
 #[derive(Default)]
 struct PeerState {
     /// Our connection to the peer's ROUTER, with its generation.
     out: Option<(DealerSender, u64)>,
     /// The peer's connection to our ROUTER.
     inbound: Option<ConnId>,
-    /// The incarnation the peer announced.
-    incarnation: Option<u64>,
-    /// This incarnation was lost and its requests failed: the state is kept only so that
-    /// its late messages are known stale. A new incarnation replaces it without failing
-    /// anything (what depended on the old one already failed).
-    lost: bool,
-    last_heard: Option<Instant>,
     dialing: Option<u64>,
     queue: VecDeque<Vec<u8>>,
-    /// Our heartbeats to it not yet echoed: `(seq, when sent)`, oldest first, at most
-    /// [`BEATS_REMEMBERED`].
-    beats: VecDeque<(u64, std::time::Instant)>,
-    /// The latest heartbeat seq it sent us: echoed in ours.
-    heard_seq: u64,
-    /// Our writer's lease with it (shared with the data plane through `PeerInfo`).
-    lease: Option<Arc<Lease>>,
 }
 
 impl PeerState {
@@ -121,11 +110,11 @@ struct Control {
     layout: KvLayout,
     peer_data: PeerData,
     peers: BTreeMap<Peer, PeerState>,
+    /// Every peer's liveness: incarnations, last heard, heartbeats, leases.
+    table: PeerTable,
     conns: BTreeMap<ConnId, Peer>,
     reports: mpsc::Sender<Report>,
     generation: u64,
-    /// Heartbeat seqs, process-wide, so an echo never matches a beat of another connection.
-    beat_seq: u64,
 }
 
 pub(crate) fn spawn(setup: Setup) -> tokio::task::JoinHandle<()> {
@@ -144,6 +133,7 @@ pub(crate) fn spawn(setup: Setup) -> tokio::task::JoinHandle<()> {
         peer_data,
         cmds,
     } = setup;
+    let table = PeerTable::new(cfg.heartbeat_interval * cfg.heartbeats_missed_max);
     let control = Control {
         cfg,
         me,
@@ -157,10 +147,10 @@ pub(crate) fn spawn(setup: Setup) -> tokio::task::JoinHandle<()> {
         layout,
         peer_data,
         peers: BTreeMap::new(),
+        table,
         conns: BTreeMap::new(),
         reports,
         generation: 0,
-        beat_seq: 0,
     };
     tokio::spawn(control.run(cmds, report_rx))
 }
@@ -240,8 +230,7 @@ impl Control {
         self.conns.insert(conn, peer.clone());
         let state = self.peers.entry(peer.clone()).or_default();
         state.inbound = Some(conn);
-        state.last_heard = Some(Instant::now());
-        state.lease = Some(lease);
+        self.table.connected(&peer, now(), lease);
         debug!(%peer, role = %hello.role, "peer connected");
         let mut ack = HelloAck::new(self.incarnation);
         ack.data_descriptor = self.data.data_descriptor();
@@ -257,25 +246,21 @@ impl Control {
 
     /// A new incarnation of a known peer means the old one is gone: its requests fail now.
     fn note_incarnation(&mut self, peer: &Peer, incarnation: u64) {
-        let known = self.peers.get(peer).and_then(|s| s.incarnation);
-        let already_lost = self.peers.get(peer).is_some_and(|s| s.lost);
-        if let Some(old) = known.filter(|old| *old != incarnation) {
-            if already_lost {
+        match self.table.incarnation(peer, incarnation) {
+            Incarnation::First | Incarnation::Unchanged => {}
+            Incarnation::Back { old } => {
                 info!(%peer, old, new = incarnation, "peer back with a new incarnation");
-            } else {
+            }
+            Incarnation::Restarted { old } => {
                 info!(%peer, old, new = incarnation, "peer restarted: failing requests of its old incarnation");
                 self.lose(peer, "it restarted with a new incarnation");
             }
         }
-        let state = self.peers.entry(peer.clone()).or_default();
-        state.lost = false;
-        state.incarnation = Some(incarnation);
+        self.table.adopt(peer, incarnation);
     }
 
     fn on_peer_message(&mut self, peer: &Peer, msg: Message) -> Result<(), WireError> {
-        if let Some(state) = self.peers.get_mut(peer) {
-            state.last_heard = Some(Instant::now());
-        }
+        self.table.heard(peer, now());
         let (id, outbound) = match msg {
             Message::Heartbeat(Heartbeat {
                 incarnation,
@@ -345,8 +330,8 @@ impl Control {
 
     /// False (and logged) for a message stamped with an incarnation the peer no longer has.
     fn current(&self, peer: &Peer, incarnation: u64) -> bool {
-        let known = self.peers.get(peer).and_then(|s| s.incarnation);
-        if known.is_some_and(|k| k != incarnation) {
+        if !self.table.current(peer, incarnation) {
+            let known = self.table.known_incarnation(peer);
             warn!(%peer, stale = incarnation, current = ?known, "dropping a message from an old incarnation");
             return false;
         }
@@ -425,45 +410,23 @@ impl Control {
 
     /// A peer's heartbeat: remember its seq (echoed in ours), and if it echoes one of
     /// ours, the peer heard us no earlier than we sent that one, so it will not take us as
-    /// lost before then plus its loss timeout: extend our writer's lease to that.
+    /// lost before then plus its loss timeout: extend our writer's lease to that
+    /// ([`PeerTable::heartbeat`]). A beat of its tick is answered at once.
     fn on_echo(&mut self, peer: &Peer, seq: u64, echo: u64, lease_ms: u64) {
         let lease_for = self.peer_lease(lease_ms);
-        let incarnation = self.incarnation;
-        let lease_ms_ours = self.loss_timeout_ms();
-        let key = self.cfg.key.clone();
-        let Some(state) = self.peers.get_mut(peer) else {
+        let Some(answer) = self.table.heartbeat(peer, seq, echo, lease_for) else {
             return;
         };
-        if seq != 0 {
-            // A beat of its tick: answer at once (seq 0: an answer, not answered in turn),
-            // so its proof that we heard it lags by a round trip, not by an interval.
-            state.heard_seq = seq;
-            let answer = Message::Heartbeat(Heartbeat {
-                incarnation,
-                seq: 0,
-                echo: seq,
-                lease_ms: lease_ms_ours,
-            });
-            if let Ok(bytes) = wire::encode(&answer, key.as_ref()) {
+        let answer = Message::Heartbeat(Heartbeat {
+            incarnation: self.incarnation,
+            seq: 0,
+            echo: answer,
+            lease_ms: self.loss_timeout_ms(),
+        });
+        if let Ok(bytes) = wire::encode(&answer, self.key()) {
+            if let Some(state) = self.peers.get_mut(peer) {
                 state.queue.push_back(bytes);
                 self.flush(peer);
-            }
-        }
-        let Some(state) = self.peers.get_mut(peer) else {
-            return;
-        };
-        if echo == 0 {
-            return;
-        }
-        while state.beats.front().is_some_and(|(s, _)| *s < echo) {
-            state.beats.pop_front();
-        }
-        if let Some((s, sent)) = state.beats.front().copied() {
-            if s == echo {
-                state.beats.pop_front();
-                if let Some(lease) = &state.lease {
-                    lease.extend_to(sent + lease_for);
-                }
             }
         }
     }
@@ -657,8 +620,7 @@ impl Control {
                     return;
                 };
                 state.out = Some((tx, generation));
-                state.last_heard = Some(Instant::now());
-                state.lease = Some(lease);
+                self.table.connected(&peer, now(), lease);
                 self.note_incarnation(&peer, incarnation);
                 let reports = self.reports.clone();
                 let who = peer.clone();
@@ -692,18 +654,12 @@ impl Control {
     // ---- liveness ----
 
     fn heartbeat(&mut self) {
-        let now = Instant::now();
-        let lease = self.cfg.heartbeat_interval * self.cfg.heartbeats_missed_max;
-        let silent: Vec<Peer> = self
-            .peers
-            .iter()
-            .filter(|(_, s)| {
-                s.connected() && s.last_heard.is_some_and(|t| now.duration_since(t) > lease)
-            })
-            .map(|(p, _)| p.clone())
-            .collect();
-        for peer in silent {
-            self.lose(&peer, &format!("no heartbeat for {lease:?}"));
+        let now = now();
+        let timeout = self.table.loss_timeout();
+        for peer in self.table.silent(now) {
+            if self.peers.get(&peer).is_some_and(|s| s.connected()) {
+                self.lose(&peer, &format!("no heartbeat for {timeout:?}"));
+            }
         }
         let peers: Vec<Peer> = self
             .peers
@@ -713,24 +669,18 @@ impl Control {
             .collect();
         let lease_ms = self.loss_timeout_ms();
         for peer in peers {
-            let Some(state) = self.peers.get_mut(&peer) else {
-                continue;
-            };
-            self.beat_seq += 1;
-            let seq = self.beat_seq;
-            if state.beats.len() >= BEATS_REMEMBERED {
-                state.beats.pop_front();
-            }
-            state.beats.push_back((seq, std::time::Instant::now()));
+            let (seq, echo) = self.table.beat(&peer, std::time::Instant::now());
             let beat = Message::Heartbeat(Heartbeat {
                 incarnation: self.incarnation,
                 seq,
-                echo: state.heard_seq,
+                echo,
                 lease_ms,
             });
             if let Ok(bytes) = wire::encode(&beat, self.cfg.key.as_ref()) {
-                state.queue.push_back(bytes);
-                self.flush(&peer);
+                if let Some(state) = self.peers.get_mut(&peer) {
+                    state.queue.push_back(bytes);
+                    self.flush(&peer);
+                }
             }
         }
     }
@@ -747,34 +697,24 @@ impl Control {
 
     /// Forgets a peer and fails every request that depends on it, at once.
     fn lose(&mut self, peer: &Peer, why: &str) {
-        let Some(state) = self.peers.remove(peer) else {
+        // First of all: no write of ours into its memory is posted from now on (the
+        // table revokes our lease), and only its incarnation is kept, marked lost, so a
+        // late message of the old incarnation is still stale.
+        let known = self.table.lose(peer);
+        let state = self.peers.remove(peer);
+        if state.is_none() && !known {
             return;
-        };
-        // First of all: no write of ours into its memory is posted from now on.
-        if let Some(lease) = &state.lease {
-            lease.revoke();
         }
-        if let Some(conn) = state.inbound {
+        if let Some(conn) = state.and_then(|s| s.inbound) {
             self.conns.remove(&conn);
             self.router.disconnect(conn);
         }
         warn!(%peer, %why, "peer lost");
-        match state.incarnation {
+        match self.table.known_incarnation(peer) {
             Some(incarnation) => self.directory.lost(peer, incarnation),
             None => self.directory.invalidate(&peer.engine_id),
         }
         self.inbox.peer_lost(peer.clone());
-        // Keep the incarnation, so a late message of the old incarnation is still stale.
-        if let Some(incarnation) = state.incarnation {
-            self.peers.insert(
-                peer.clone(),
-                PeerState {
-                    incarnation: Some(incarnation),
-                    lost: true,
-                    ..PeerState::default()
-                },
-            );
-        }
     }
 }
 

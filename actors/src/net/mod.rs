@@ -32,6 +32,7 @@ mod control;
 pub mod data;
 pub mod directory;
 pub mod engine;
+pub mod peers;
 pub mod tcp;
 pub mod ucx;
 

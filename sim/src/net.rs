@@ -23,7 +23,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use handoff_actors::link::{
-    Attach, Inbox, Link, LinkError, ResolveError, ResolveFuture, TransferFuture,
+    select_prefill_peers, Attach, Inbox, Link, LinkError, ResolveError, ResolveFuture,
+    TransferFuture,
 };
 use handoff_actors::machine::{Outbound, Peer};
 use handoff_actors::{
@@ -701,40 +702,17 @@ impl NetState {
             }));
         }
         let me = self.ranks[who.0].clone();
-        let ranks: Vec<&RankInfo> = self
+        let registered: Vec<&RankInfo> = self
             .registry
             .get(prefill)
             .map(|r| r.iter().collect())
             .unwrap_or_default();
-        let Some(first) = ranks.first() else {
-            return failed(
-                self,
-                format!("no prefill rank of engine {prefill} registered"),
-            );
-        };
-        if first.tp_size != me.tp_size {
-            return Err(ResolveError::Fatal(FailureReason::Protocol {
-                detail: format!(
-                    "prefill {prefill} has tp_size {}, decode has {}",
-                    first.tp_size, me.tp_size
-                ),
-            }));
+        // The runtime's own choice of prefill ranks, as the real bootstrap client makes it.
+        let ranks = registered.into_iter().map(|r| (r, Role::Prefill));
+        match select_prefill_peers(&me, prefill, dp, ranks) {
+            Err(ResolveError::NotReady { detail }) => failed(self, detail),
+            other => other,
         }
-        let pp_size = first.pp_size as usize;
-        let dp = dp.unwrap_or_else(|| ranks.iter().map(|r| r.dp_rank).min().unwrap_or(0));
-        let peers: Vec<Peer> = ranks
-            .iter()
-            .filter(|r| r.dp_rank == dp && r.tp_rank == me.tp_rank)
-            .map(|r| (*r).clone())
-            .collect();
-        if peers.len() < pp_size {
-            let detail = format!(
-                "{} of {pp_size} pipeline ranks of {prefill} dp{dp} registered",
-                peers.len()
-            );
-            return failed(self, detail);
-        }
-        Ok(peers)
     }
 
     /// One registration attempt; `Some(wait)` to try again after `wait` ms.

@@ -119,6 +119,17 @@ impl Proc {
         }
     }
 
+    /// Waits until `n` requests said they are in `WaitingForInput` (prefill: decode's
+    /// transfer info reached it).
+    fn until_waiting_for_input(&self, n: usize) {
+        self.until("transfer info for every request", |seen| {
+            seen.iter()
+                .filter(|v| v["event"] == "state" && v["state"] == "WaitingForInput")
+                .count()
+                == n
+        });
+    }
+
     /// Every stdout line until the process closes it (it exits), JSON or not.
     fn rest(&self) -> Vec<String> {
         let deadline = Instant::now() + T;
@@ -417,12 +428,7 @@ fn killing_prefill_mid_request_fails_decodes_requests_with_peer_lost_promptly() 
         &addr,
         &["--requests", "4", "--prefill", "P"],
     );
-    p.until("transfer info for every request", |seen| {
-        seen.iter()
-            .filter(|v| v["event"] == "state" && v["state"] == "WaitingForInput")
-            .count()
-            == 4
-    });
+    p.until_waiting_for_input(4);
     let t0 = Instant::now();
     p.kill9();
     let (ends, summary) = d.ends();
@@ -466,12 +472,7 @@ fn a_resumed_prefill_fails_its_requests_for_a_lost_decode_at_once(mode: &str) {
             "--serve",
         ],
     );
-    p.until("transfer info for every request", |seen| {
-        seen.iter()
-            .filter(|v| v["event"] == "state" && v["state"] == "WaitingForInput")
-            .count()
-            == 3
-    });
+    p.until_waiting_for_input(3);
     signal(&p, "STOP");
     // Decode stays up (it serves on), so prefill finds it alive but silent towards it.
     let d_lines = d.until("decode's requests ended", |seen| {
@@ -958,12 +959,7 @@ fn releases_after_a_lost_prefill(transport: &str, mode: &str, why: Value) {
         mode,
     ];
     let d = worker("decode", "decode", "D", &addr, &d_args);
-    p.until("transfer info for every request", |seen| {
-        seen.iter()
-            .filter(|v| v["event"] == "state" && v["state"] == "WaitingForInput")
-            .count()
-            == 4
-    });
+    p.until_waiting_for_input(4);
     p.kill9();
     let d_events = json_lines("decode", &d.rest());
     let summary = d_events.last().expect("decode printed something");
@@ -1507,12 +1503,7 @@ fn partitioned(cut: &str, transport: &str, mode: &str) {
         ]
         .concat(),
     );
-    p.until("transfer info for every request", |seen| {
-        seen.iter()
-            .filter(|v| v["event"] == "state" && v["state"] == "WaitingForInput")
-            .count()
-            == 4
-    });
+    p.until_waiting_for_input(4);
     let controls = [port_of(&p_ready["control"]), port_of(&d_ready["control"])];
     match cut {
         "full" => hosts.cut("p", "d", None, false),

@@ -713,28 +713,12 @@ fn a_reads_deadline_is_the_end_of_prefills_hold_when_that_comes_first() {
             t + Duration::from_secs(1) + Timeouts::default().transfer,
         ),
     ] {
-        let mut m = ReceiverMachine::new(t, Timeouts::default(), TransferMode::Pull);
-        m.handle(t, ReceiverEvent::Allocated { blocks: b(&[4]) });
-        m.handle(
-            t,
-            ReceiverEvent::PeersResolved {
-                peers: vec![p0.clone()],
-            },
-        );
-        drain_r(&mut m);
-        m.handle(
-            t + Duration::from_secs(1),
-            ReceiverEvent::Ready {
-                from: p0.clone(),
-                blocks: b(&[9]),
-                aux: vec![],
-                hold,
-            },
-        );
-        let deadline = drain_r(&mut m).into_iter().find_map(|a| match a {
-            Action::Read { deadline, .. } => Some(deadline),
-            _ => None,
-        });
+        let deadline = ready_after(t, &p0, Duration::from_secs(1), hold)
+            .into_iter()
+            .find_map(|a| match a {
+                Action::Read { deadline, .. } => Some(deadline),
+                _ => None,
+            });
         assert_eq!(deadline, Some(expect), "hold {hold:?}");
     }
 }
@@ -746,25 +730,7 @@ fn a_reads_deadline_is_the_end_of_prefills_hold_when_that_comes_first() {
 fn a_ready_that_arrives_after_its_hold_posts_no_read() {
     let t = Instant::now();
     let p0 = rank("P", 0);
-    let mut m = ReceiverMachine::new(t, Timeouts::default(), TransferMode::Pull);
-    m.handle(t, ReceiverEvent::Allocated { blocks: b(&[4]) });
-    m.handle(
-        t,
-        ReceiverEvent::PeersResolved {
-            peers: vec![p0.clone()],
-        },
-    );
-    drain_r(&mut m);
-    m.handle(
-        t + Duration::from_secs(6),
-        ReceiverEvent::Ready {
-            from: p0.clone(),
-            blocks: b(&[9]),
-            aux: vec![],
-            hold: Duration::from_secs(5),
-        },
-    );
-    let actions = drain_r(&mut m);
+    let actions = ready_after(t, &p0, Duration::from_secs(6), Duration::from_secs(5));
     assert!(
         !actions.iter().any(|a| matches!(a, Action::Read { .. })),
         "{actions:?}"
@@ -784,4 +750,28 @@ fn a_ready_that_arrives_after_its_hold_posts_no_read() {
         actions.iter().any(|a| matches!(a, Action::Release { .. })),
         "{actions:?}"
     );
+}
+
+/// A pull receiver created at `t` with block 4, its transfer info sent to `p0` at `t`, and
+/// `p0`'s `Ready` for block 9 with `hold` arriving `after` later: the actions it took then.
+fn ready_after(t: Instant, p0: &RankInfo, after: Duration, hold: Duration) -> Vec<Action> {
+    let mut m = ReceiverMachine::new(t, Timeouts::default(), TransferMode::Pull);
+    m.handle(t, ReceiverEvent::Allocated { blocks: b(&[4]) });
+    m.handle(
+        t,
+        ReceiverEvent::PeersResolved {
+            peers: vec![p0.clone()],
+        },
+    );
+    drain_r(&mut m);
+    m.handle(
+        t + after,
+        ReceiverEvent::Ready {
+            from: p0.clone(),
+            blocks: b(&[9]),
+            aux: vec![],
+            hold,
+        },
+    );
+    drain_r(&mut m)
 }

@@ -1,12 +1,14 @@
 //! The swarm: a few hundred seeds, each with its own mix of faults and rates, on small
 //! clusters with scaled-down timeouts. `HANDOFF_SIM_SEED=<n>` runs only that seed.
 
+use handoff_sim::config::DataPlane;
 use handoff_sim::{simulate, FaultPlan, Faults, ModeChoice, Report, SimConfig};
 
 /// Seeds the swarm runs inside `cargo test`; the CLI sweeps more (`--seeds 0..10000`).
 const SWARM_SEEDS: u64 = 300;
 
-/// A small cluster whose shape also varies with the seed: tp, pp, sparse dp ranks, mode.
+/// A small cluster whose shape also varies with the seed: tp, pp, sparse dp ranks, mode,
+/// and the data plane (half the seeds on the RDMA plane, where a late transfer lands).
 fn config(seed: u64) -> SimConfig {
     let mut cfg = SimConfig::new(seed);
     cfg.shape.tp = 1 + (seed % 2) as u32;
@@ -18,6 +20,11 @@ fn config(seed: u64) -> SimConfig {
         0 => ModeChoice::Push,
         1 => ModeChoice::Pull,
         _ => ModeChoice::Mixed,
+    };
+    cfg.data_plane = if seed / 3 % 2 == 0 {
+        DataPlane::Fenced
+    } else {
+        DataPlane::Rdma
     };
     cfg.workload.requests = 24;
     cfg.workload.liveness_requests = 4;

@@ -239,6 +239,7 @@ impl Actor for RootActor {
             RootMsg::ExpirePending => state.expire_pending(now()),
             RootMsg::ReleaseOrphan { id } => {
                 if let Some(ledger) = state.orphans.remove(&id) {
+                    state.link.request_ended(&id);
                     ledger.release_all(ledger.ended_why(Some(FenceEnd::Bound)));
                     // Whatever the dead actor left in flight has ended by now.
                     for peer in ledger.peers() {
@@ -539,6 +540,13 @@ impl RootState {
         // prefill rank (or by a read of ours in flight), and the fence that tracked it died
         // with the actor: hold them for the whole fence bound instead of releasing now.
         let orphan = self.link.one_sided();
+        if !orphan {
+            // Planes that check a grant per operation: revoke this request's grants before
+            // its blocks go, as its actor would have (found by the simulator running the
+            // real grant table: a late write passed the dead request's grant and landed in
+            // blocks the engine had reused).
+            self.link.request_ended(&id);
+        }
         let live = !entry.ledger.state().is_terminal();
         if live {
             warn!(request = %id, %why, "request failed with its actor");

@@ -27,6 +27,7 @@ use handoff_actors::link::{
     TransferFuture,
 };
 use handoff_actors::machine::{Outbound, Peer};
+use handoff_actors::net::data::{Access, GrantTable};
 use handoff_actors::{
     BlockId, BlockSlice, EngineId, Error as ActorError, FailureReason, RankInfo, Region, RequestId,
     Role,
@@ -60,6 +61,9 @@ struct Node {
     inbox: Option<Inbox>,
     region: Option<Arc<Region>>,
     pool: Option<Arc<Mutex<Pool>>>,
+    /// The runtime's own grant table, as the TCP plane keeps it: on the fenced plane every
+    /// transfer is checked against it where it lands. Fresh for every incarnation.
+    grants: Arc<GrantTable>,
 }
 
 struct Partition {
@@ -126,6 +130,14 @@ pub struct NetFinding {
     pub detail: String,
 }
 
+/// The two ends of a transfer and their blocks.
+struct Ends<'a> {
+    src: (usize, u32),
+    dst: (usize, u32),
+    src_blocks: &'a [BlockId],
+    dst_blocks: &'a [BlockId],
+}
+
 enum NetEvent {
     Deliver {
         from: usize,
@@ -140,6 +152,10 @@ enum NetEvent {
         dst: (usize, u32),
         src_blocks: Vec<BlockId>,
         dst_blocks: Vec<BlockId>,
+        /// The request the transfer is for, and whether the source side writes (push) or
+        /// the destination side reads (pull): where the grant is checked.
+        id: RequestId,
+        write: bool,
         owner: Option<RequestId>,
         reply: oneshot::Sender<Result<(), String>>,
     },
@@ -237,6 +253,7 @@ impl SimNet {
                 inbox: None,
                 region: None,
                 pool: None,
+                grants: Arc::default(),
             };
             nodes.insert(rank.clone(), node);
         }
@@ -444,10 +461,18 @@ impl SimNet {
                 dst,
                 src_blocks,
                 dst_blocks,
+                id,
+                write,
                 owner,
                 reply,
             } => {
-                let r = st.land(t, src, dst, &src_blocks, &dst_blocks, owner.as_ref());
+                let ends = Ends {
+                    src,
+                    dst,
+                    src_blocks: &src_blocks,
+                    dst_blocks: &dst_blocks,
+                };
+                let r = st.land(t, ends, &id, write, owner.as_ref());
                 let _ = reply.send(r);
             }
             NetEvent::Expire { req, reply } => {
@@ -573,16 +598,20 @@ impl NetState {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn land(
         &mut self,
         t: u64,
-        src: (usize, u32),
-        dst: (usize, u32),
-        src_blocks: &[BlockId],
-        dst_blocks: &[BlockId],
+        ends: Ends<'_>,
+        id: &RequestId,
+        write: bool,
         owner: Option<&RequestId>,
     ) -> Result<(), String> {
+        let Ends {
+            src,
+            dst,
+            src_blocks,
+            dst_blocks,
+        } = ends;
         let req = owner.and_then(req_index);
         let fail = |st: &mut Self, why: String| {
             st.stats.transfers_failed += 1;
@@ -610,6 +639,20 @@ impl NetState {
         ) else {
             return fail(self, "worker has no memory".into());
         };
+        // The fenced plane checks the transfer where it lands, against the runtime's own
+        // grant table: a push against decode's write grant on its blocks, a pull against
+        // prefill's read grant on its blocks (revoked when the request ended there).
+        let (target, asker, access, granted) = if write {
+            (&d.grants, &self.ranks[src.0], Access::Write, dst_blocks)
+        } else {
+            (&s.grants, &self.ranks[dst.0], Access::Read, src_blocks)
+        };
+        let checked = (self.data_plane == DataPlane::Fenced)
+            .then(|| target.check_and_copy(asker, id, access, granted, &mut || {}));
+        if let Some(Err(why)) = checked {
+            self.stats.fenced += 1;
+            return fail(self, format!("{why} (fenced)"));
+        }
         if let Some(owner) = owner {
             let dst_ok = dp
                 .lock()
@@ -619,14 +662,6 @@ impl NetState {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .owns_all(src_blocks, owner);
-            if self.data_plane == DataPlane::Fenced && !(dst_ok && src_ok) {
-                self.stats.fenced += 1;
-                let side = if dst_ok { "source" } else { "destination" };
-                return fail(
-                    self,
-                    format!("{side} blocks of {owner} were revoked (fenced)"),
-                );
-            }
             if !dst_ok {
                 self.findings.push(NetFinding {
                     t_ms: t,
@@ -858,6 +893,7 @@ impl Attach for SimAttach {
         }
         node.up = true;
         node.inbox = Some(inbox);
+        node.grants = Arc::default();
         let (idx, inc) = (node.idx, node.inc);
         // A new incarnation: nobody holds the old one as lost any more.
         st.lost.retain(|(_, peer), _| *peer != idx);
@@ -901,7 +937,8 @@ impl SimLink {
     ) -> TransferFuture {
         // The blocks of this worker's own request: its source when it writes, its
         // destination when it reads.
-        let owner_blocks = if *src_node == self.me { &src } else { &dst }.clone();
+        let write = *src_node == self.me;
+        let owner_blocks = if write { &src } else { &dst }.clone();
         let net = &self.net;
         let (tx, rx) = oneshot::channel();
         let deadline_ms = deadline
@@ -961,6 +998,8 @@ impl SimLink {
                             dst: d,
                             src_blocks: src,
                             dst_blocks: dst,
+                            id: id.clone(),
+                            write,
                             owner,
                             reply: tx,
                         }
@@ -1001,6 +1040,17 @@ impl Link for SimLink {
         let net = &self.net;
         let mut guard = net.lock();
         let st = &mut *guard;
+        // Grant before the message leaves, as the network link does.
+        let grant = match &msg {
+            Outbound::TransferInfo { blocks, .. } => Some((Access::Write, blocks)),
+            Outbound::Ready { blocks, .. } => Some((Access::Read, blocks)),
+            _ => None,
+        };
+        if let (Some((access, blocks)), Some(node)) = (grant, st.node_at(self.idx)) {
+            if node.inc == self.inc {
+                node.grants.grant(to, id, access, blocks);
+            }
+        }
         let now = net.now_ms();
         st.stats.sent += 1;
         let Some(dest) = st.nodes.get(to).map(|n| (n.idx, n.inc)) else {
@@ -1116,7 +1166,11 @@ impl Link for SimLink {
     }
 
     fn request_ended(&self, id: &RequestId) {
-        self.net.lock().rkeys.remove(&(self.idx, id.clone()));
+        let mut st = self.net.lock();
+        st.rkeys.remove(&(self.idx, id.clone()));
+        if let Some(node) = st.node_at(self.idx).filter(|n| n.inc == self.inc) {
+            node.grants.revoke(id);
+        }
     }
 
     fn detach(&self) {

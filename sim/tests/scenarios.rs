@@ -455,3 +455,31 @@ fn transfers_past_their_deadline_land_nothing_in_released_blocks() {
         }
     }
 }
+
+/// Found by running the runtime's own grant table under the simulator's faults: a request
+/// whose actor dies (an injected panic) had its blocks released by the root without its
+/// grants revoked, so on a plane that checks grants (TCP) a late push passed the dead
+/// request's grant and landed in blocks the engine had reused. The root now revokes them
+/// first.
+#[test]
+fn a_request_whose_actor_dies_revokes_its_grants_before_its_blocks_go() {
+    for seed in 0..40u64 {
+        let mut cfg = base(seed);
+        cfg.shape.mode = ModeChoice::Push;
+        cfg.data_plane = DataPlane::Fenced;
+        cfg.faults.panic_ppm = 300_000;
+        cfg.faults.slow_ppm = 500_000;
+        cfg.faults.slow_factor = (5, 60);
+        cfg.workload.liveness_requests = 0;
+        let report = simulate(&cfg).expect("runs");
+        let landed: Vec<_> = report
+            .violations
+            .iter()
+            .filter(|v| v.detail.contains("use after release"))
+            .collect();
+        assert!(
+            landed.is_empty(),
+            "seed {seed}: {landed:?}\nreplay: HANDOFF_SIM_SEED={seed}"
+        );
+    }
+}

@@ -239,7 +239,6 @@ impl Actor for RootActor {
             RootMsg::ExpirePending => state.expire_pending(now()),
             RootMsg::ReleaseOrphan { id } => {
                 if let Some(ledger) = state.orphans.remove(&id) {
-                    state.link.request_ended(&id);
                     ledger.release_all(ledger.ended_why(Some(FenceEnd::Bound)));
                     // Whatever the dead actor left in flight has ended by now.
                     for peer in ledger.peers() {
@@ -537,16 +536,16 @@ impl RootState {
             detail: why.to_string(),
         };
         // With one-sided writes, a decode request's blocks may still be written into by a
-        // prefill rank (or by a read of ours in flight), and the fence that tracked it died
-        // with the actor: hold them for the whole fence bound instead of releasing now.
-        let orphan = self.link.one_sided();
-        if !orphan {
-            // Planes that check a grant per operation: revoke this request's grants before
-            // its blocks go, as its actor would have (found by the simulator running the
-            // real grant table: a late write passed the dead request's grant and landed in
-            // blocks the engine had reused).
-            self.link.request_ended(&id);
-        }
+        // prefill rank, and on any plane a pull decode's own read in flight copies into
+        // them; the fence that tracked either died with the actor: hold them for the whole
+        // fence bound instead of releasing now (found by the simulator: a dead pull
+        // request's read landed in blocks the engine had reused).
+        let orphan = self.link.one_sided()
+            || (self.cfg.role == Role::Decode && self.cfg.mode == TransferMode::Pull);
+        // Revoke this request's grants before its blocks go, as its actor would have (found
+        // by the simulator running the real grant table: a late write passed the dead
+        // request's grant and landed in blocks the engine had reused).
+        self.link.request_ended(&id);
         let live = !entry.ledger.state().is_terminal();
         if live {
             warn!(request = %id, %why, "request failed with its actor");

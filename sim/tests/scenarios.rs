@@ -3,7 +3,7 @@
 
 use handoff_sim::config::{DataPlane, MessageKind, Scripted, Target};
 use handoff_sim::report::RequestOutcome;
-use handoff_sim::{simulate, ModeChoice, Report, SimConfig};
+use handoff_sim::{simulate, FaultPlan, Faults, ModeChoice, Report, SimConfig};
 
 fn base(seed: u64) -> SimConfig {
     let mut cfg = SimConfig::new(seed);
@@ -457,15 +457,19 @@ fn transfers_past_their_deadline_land_nothing_in_released_blocks() {
 }
 
 /// Found by running the runtime's own grant table under the simulator's faults: a request
-/// whose actor dies (an injected panic) had its blocks released by the root without its
-/// grants revoked, so on a plane that checks grants (TCP) a late push passed the dead
-/// request's grant and landed in blocks the engine had reused. The root now revokes them
-/// first.
+/// whose actor dies (an injected panic) had its blocks released by the root at once. On a
+/// plane that checks grants (TCP), in push mode, its grants were still live and a late
+/// write passed them into blocks the engine had reused; in pull mode its own read in
+/// flight landed there. The root now revokes the grants first, and holds a dead pull
+/// decode request's blocks for the fence bound, as it does on one-sided planes.
 #[test]
-fn a_request_whose_actor_dies_revokes_its_grants_before_its_blocks_go() {
-    for seed in 0..40u64 {
+fn a_request_whose_actor_dies_lands_nothing_in_its_reused_blocks() {
+    for (mode, seed) in [ModeChoice::Push, ModeChoice::Pull]
+        .into_iter()
+        .flat_map(|m| (0..40u64).map(move |s| (m, s)))
+    {
         let mut cfg = base(seed);
-        cfg.shape.mode = ModeChoice::Push;
+        cfg.shape.mode = mode;
         cfg.data_plane = DataPlane::Fenced;
         cfg.faults.panic_ppm = 300_000;
         cfg.faults.slow_ppm = 500_000;
@@ -479,7 +483,26 @@ fn a_request_whose_actor_dies_revokes_its_grants_before_its_blocks_go() {
             .collect();
         assert!(
             landed.is_empty(),
-            "seed {seed}: {landed:?}\nreplay: HANDOFF_SIM_SEED={seed}"
+            "{mode:?} seed {seed}: {landed:?}\nreplay: HANDOFF_SIM_SEED={seed}"
         );
+    }
+}
+
+/// The sweep seeds (`handoff sim --seeds 30000..32000 --faults swarm --data-plane fenced`)
+/// where a dead pull decode request's own read landed in blocks its engine had reused.
+#[test]
+fn the_sweep_seeds_where_a_dead_pull_request_read_into_reused_blocks() {
+    for (seed, mode) in [
+        (30748, ModeChoice::Pull),
+        (30866, ModeChoice::Pull),
+        (30427, ModeChoice::Mixed),
+        (31267, ModeChoice::Mixed),
+    ] {
+        let mut cfg = SimConfig::new(seed);
+        cfg.shape.mode = mode;
+        cfg.data_plane = DataPlane::Fenced;
+        cfg.faults = Faults::from_plan(&FaultPlan::Swarm, seed);
+        let report = simulate(&cfg).expect("runs");
+        assert!(report.ok(), "{cfg}{report}");
     }
 }

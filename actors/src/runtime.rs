@@ -304,6 +304,18 @@ impl Actor for RootActor {
 impl RootState {
     async fn open(&mut self, myself: &ActorRef<RootMsg>, ledger: Ledger, kind: OpenKind) {
         let id = ledger.id.clone();
+        if let Some(ended) = self.tombstones.get(&id) {
+            // Ended here already (or, on prefill, never opened before its bootstrap deadline,
+            // with decode told that nothing of ours would be written): it fails at once,
+            // rather than act on messages that would break that promise.
+            let reason = ended.failure().cloned().unwrap_or(FailureReason::Protocol {
+                detail: format!("request {id} already ended here ({ended})"),
+            });
+            warn!(request = %id, %reason, "request opened after it ended here");
+            ledger.fail_if_live(reason);
+            self.shared.open().remove(&id);
+            return;
+        }
         let backlog = self
             .pending
             .remove(&id)
@@ -464,6 +476,13 @@ impl RootState {
             }
             if let Some(p) = self.pending.remove(&id) {
                 warn!(request = %id, peers = ?p.from, "request never opened here before its bootstrap deadline");
+                if self.cfg.role == Role::Prefill {
+                    // We tell decode nothing of ours will be written: keep that true if the
+                    // engine opens the request after all, or its messages come late
+                    // (found by the simulator: a late transfer info re-buffered, the engine
+                    // opened the request, and prefill wrote into blocks decode had reused).
+                    self.entomb(id.clone(), State::Failed(FailureReason::BootstrapTimeout));
+                }
                 for peer in p.from {
                     if self.cfg.role == Role::Prefill {
                         // Never opened here: nothing of ours was written (after the abort).
@@ -514,14 +533,20 @@ impl RootState {
             }
         }
         debug!(request = %ledger.id, %state, "request ended");
-        self.tombstones.insert(ledger.id.clone(), state);
-        self.tombstone_order.push_back(ledger.id.clone());
+        self.entomb(ledger.id.clone(), state);
+        self.shared.open().remove(&ledger.id);
+    }
+
+    /// Remembers how a request ended here (at most [`TOMBSTONES_MAX`], oldest forgotten).
+    fn entomb(&mut self, id: RequestId, state: State) {
+        if self.tombstones.insert(id.clone(), state).is_none() {
+            self.tombstone_order.push_back(id);
+        }
         while self.tombstone_order.len() > TOMBSTONES_MAX {
             if let Some(old) = self.tombstone_order.pop_front() {
                 self.tombstones.remove(&old);
             }
         }
-        self.shared.open().remove(&ledger.id);
     }
 
     /// A request actor died: its request fails (if it had not ended), its peers are told.

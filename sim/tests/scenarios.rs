@@ -1,9 +1,11 @@
 //! The three seed documents as simulations, plus behaviours around them. Each test runs
 //! the real runtimes in virtual time and asserts on how every rank ended.
 
+use clap::Parser;
+use handoff_sim::cli::SimArgs;
 use handoff_sim::config::{DataPlane, MessageKind, Scripted, Target};
 use handoff_sim::report::RequestOutcome;
-use handoff_sim::{simulate, FaultPlan, Faults, ModeChoice, Report, SimConfig};
+use handoff_sim::{simulate, ModeChoice, Report, SimConfig};
 
 fn base(seed: u64) -> SimConfig {
     let mut cfg = SimConfig::new(seed);
@@ -493,16 +495,39 @@ fn a_request_whose_actor_dies_lands_nothing_in_its_reused_blocks() {
 #[test]
 fn the_sweep_seeds_where_a_dead_pull_request_read_into_reused_blocks() {
     for (seed, mode) in [
-        (30748, ModeChoice::Pull),
-        (30866, ModeChoice::Pull),
-        (30427, ModeChoice::Mixed),
-        (31267, ModeChoice::Mixed),
+        (30748, "pull"),
+        (30866, "pull"),
+        (30427, "mixed"),
+        (31267, "mixed"),
     ] {
-        let mut cfg = SimConfig::new(seed);
-        cfg.shape.mode = mode;
-        cfg.data_plane = DataPlane::Fenced;
-        cfg.faults = Faults::from_plan(&FaultPlan::Swarm, seed);
+        let cfg = as_the_cli_makes_it(seed, &["--data-plane", "fenced", "--mode", mode]);
         let report = simulate(&cfg).expect("runs");
         assert!(report.ok(), "{cfg}{report}");
     }
+}
+
+/// The configuration `handoff sim --seed <seed> --faults swarm <args>` runs.
+fn as_the_cli_makes_it(seed: u64, args: &[&str]) -> SimConfig {
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        sim: SimArgs,
+    }
+    let seed_arg = seed.to_string();
+    let mut argv = vec!["sim", "--seed", &seed_arg, "--faults", "swarm"];
+    argv.extend_from_slice(args);
+    let cli = Cli::parse_from(argv);
+    handoff_sim::cli::config(&cli.sim, seed).expect("a valid configuration")
+}
+
+/// A sweep seed (`--seeds 40000..42000 --data-plane rdma --mode push`): prefill's root let a
+/// request it never opened expire (telling decode `Abort` and `AbortAck`: nothing of ours
+/// will be written), then a late transfer info was buffered again and the engine opened
+/// the request, and prefill wrote into blocks decode had reused. The expired id is now
+/// remembered, so the late open fails at once and the late message is answered `Abort`.
+#[test]
+fn a_request_prefill_let_expire_is_never_written_after() {
+    let cfg = as_the_cli_makes_it(40978, &["--data-plane", "rdma", "--mode", "push"]);
+    let report = simulate(&cfg).expect("runs");
+    assert!(report.ok(), "{cfg}{report}");
 }

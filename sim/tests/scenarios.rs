@@ -5,7 +5,7 @@ use clap::Parser;
 use handoff_sim::cli::SimArgs;
 use handoff_sim::config::{DataPlane, MessageKind, Scripted, Target};
 use handoff_sim::report::RequestOutcome;
-use handoff_sim::{simulate, ModeChoice, Report, SimConfig};
+use handoff_sim::{simulate, ModeChoice, Report, SimConfig, Violation};
 
 fn base(seed: u64) -> SimConfig {
     let mut cfg = SimConfig::new(seed);
@@ -23,6 +23,15 @@ fn run(cfg: &SimConfig) -> Report {
 
 fn ranks(report: &Report, key: &str) -> u64 {
     report.safety.ranks.get(key).copied().unwrap_or(0)
+}
+
+/// The integrity violations where a transfer landed in blocks already given back.
+fn landed_after_release(report: &Report) -> Vec<&Violation> {
+    report
+        .violations
+        .iter()
+        .filter(|v| v.detail.contains("use after release"))
+        .collect()
 }
 
 fn safety(report: &Report) -> impl Iterator<Item = &RequestOutcome> {
@@ -236,11 +245,7 @@ fn late_prefill(seed: u64, plane: DataPlane) -> SimConfig {
 fn push_writes_never_land_in_blocks_decode_released_under_rdma() {
     for seed in 0..20u64 {
         let report = simulate(&late_prefill(seed, DataPlane::Rdma)).expect("runs");
-        let landed: Vec<_> = report
-            .violations
-            .iter()
-            .filter(|v| v.detail.contains("use after release"))
-            .collect();
+        let landed = landed_after_release(&report);
         assert!(
             landed.is_empty(),
             "seed {seed}: {landed:?}\nreplay: HANDOFF_SIM_SEED={seed}"
@@ -478,11 +483,7 @@ fn a_request_whose_actor_dies_lands_nothing_in_its_reused_blocks() {
         cfg.faults.slow_factor = (5, 60);
         cfg.workload.liveness_requests = 0;
         let report = simulate(&cfg).expect("runs");
-        let landed: Vec<_> = report
-            .violations
-            .iter()
-            .filter(|v| v.detail.contains("use after release"))
-            .collect();
+        let landed = landed_after_release(&report);
         assert!(
             landed.is_empty(),
             "{mode:?} seed {seed}: {landed:?}\nreplay: HANDOFF_SIM_SEED={seed}"

@@ -315,6 +315,12 @@ struct Plan {
 }
 
 impl Plan {
+    /// Whether UCX transfers here are same-host copies, as the runtime makes them between
+    /// host memory on one host (unless `HANDOFF_SAME_HOST_COPIES=0`).
+    fn same_host(&self) -> bool {
+        !self.uses_cuda() && handoff_actors::net::same_host_copies_enabled()
+    }
+
     fn uses_cuda(&self) -> bool {
         self.memory == BenchMemory::Cuda || self.peer_memory == BenchMemory::Cuda
     }
@@ -420,9 +426,16 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
                 .extend(transport_points(t, &plan, block, layered).await?);
         }
     }
+    if transports.contains(&BenchTransport::Ucx) {
+        report.notes.push(if plan.same_host() {
+            format!("ucx rows between host memory are same-host copies (kernel cross-memory attach, process_vm_readv/writev), as the runtime makes them with a verified peer on its host; {}=0 measures UCX's own operations", handoff_actors::net::SAME_HOST_ENV)
+        } else {
+            "ucx rows are UCX operations (same-host copies off, or device memory)".into()
+        });
+    }
     if plan.registered {
         report.notes.push(
-            "UCX host regions are heap memory registered by address, range by range, as an engine's tensors (--host-memory registered). UCX 1.13 has no cma lane under peer-failure handling, so it emulates RMA into them with active messages over shared memory that the peer's UCX thread serves".into(),
+            "UCX host regions are heap memory registered by address, range by range, as an engine's tensors (--host-memory registered). Without same-host copies, UCX (1.13 through 1.2x) has no cma lane for RMA under peer-failure handling, so it emulates RMA into them with active messages over shared memory that the peer's UCX thread serves".into(),
         );
     }
     if let Some(ranges) = plan.layered_ranges {
@@ -865,7 +878,15 @@ impl Link {
                 );
                 let mut peer = PeerProcess::spawn(&spec).await?;
                 let ready = peer.expect().await?;
-                let remote = parse_ucx_ready(&ready)?;
+                let mut remote = parse_ucx_ready(&ready)?;
+                if plan.same_host() {
+                    // The runtime verifies its peer by the control connection; the bench
+                    // started this one itself.
+                    let pid = peer.child.id().ok_or("the peer process has exited")?;
+                    let process = handoff_transport::same_host::PeerProcess::vouched(pid)
+                        .map_err(|e| e.to_string())?;
+                    remote = remote.with_process(Some(Arc::new(process)));
+                }
                 let plane = bench_plane(
                     plan.memory,
                     plan.peer_memory,
@@ -1012,6 +1033,7 @@ fn parse_ucx_ready(ready: &str) -> Result<UcxPeer, String> {
         });
     }
     Ok(UcxPeer {
+        process: None,
         name: "bench-peer".into(),
         worker_address: unhex(address).ok_or_else(|| bad("worker address"))?,
         region: RegionDescriptor {

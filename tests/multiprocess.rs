@@ -44,7 +44,9 @@ impl Proc {
     /// `handoff` run by `command` (e.g. inside a network namespace), its stdout read line
     /// by line and its stderr kept.
     fn spawn_command(name: &str, mut command: Command) -> Proc {
-        command.env("RUST_LOG", "warn");
+        if !command.get_envs().any(|(k, _)| k == "RUST_LOG") {
+            command.env("RUST_LOG", "warn");
+        }
         let mut child = command
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -1047,6 +1049,77 @@ fn ucx_log_lines_go_to_stderr_not_into_the_event_stream() {
             p.stderr.lock().unwrap()
         );
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Two UCX workers on one host, host memory: each verifies the other by the kernel (it
+/// holds the other end of their control connection) and moves blocks by same-host copies,
+/// push and pull, every block verified; with `HANDOFF_SAME_HOST_COPIES=0` neither offers
+/// its pid and UCX moves them, verified just the same.
+#[test]
+fn same_host_workers_copy_directly_and_can_be_told_not_to() {
+    if !ucx_available() {
+        return;
+    }
+    const SAID: &str = "same-host copies with this peer";
+    for (copies, mode) in [("1", "pull"), ("1", "push"), ("0", "pull")] {
+        let env = [
+            ("RUST_LOG", Some("warn,handoff_actors::net::control=info")),
+            ("HANDOFF_SAME_HOST_COPIES", Some(copies)),
+        ];
+        let (_boot, addr) = bootstrap();
+        let p_args = [
+            "worker",
+            "--role",
+            "prefill",
+            "--engine",
+            "P",
+            "--bootstrap",
+            &addr,
+            "--heartbeat-ms",
+            "100",
+            "--transport",
+            "ucx",
+            "--requests",
+            "8",
+            "--serve",
+        ];
+        let p = Proc::spawn_env("prefill", &p_args, &env);
+        p.expect("ready", |v| v["event"] == "ready");
+        let d_args = [
+            "worker",
+            "--role",
+            "decode",
+            "--engine",
+            "D",
+            "--bootstrap",
+            &addr,
+            "--heartbeat-ms",
+            "100",
+            "--transport",
+            "ucx",
+            "--requests",
+            "8",
+            "--prefill",
+            "P",
+            "--mode",
+            mode,
+        ];
+        let d = Proc::spawn_env("decode", &d_args, &env);
+        let (ends, summary) = d.ends();
+        assert_eq!(summary["done"], 8, "{copies} {mode}: {ends:?}");
+        assert_eq!(summary["corrupted"], 0);
+        assert!(ends.iter().all(|e| e["verified"] == true), "{ends:?}");
+        for w in [&p, &d] {
+            let said = w.stderr.lock().unwrap().contains(SAID);
+            assert_eq!(
+                said,
+                copies == "1",
+                "{} ({mode}, copies {copies}): stderr:\n{}",
+                w.name,
+                w.stderr.lock().unwrap()
+            );
+        }
     }
 }
 

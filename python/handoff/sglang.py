@@ -69,6 +69,9 @@ Options, as environment variables of both servers (SGLang has no per-backend con
 ``HANDOFF_CONTROL_LISTEN``, ``HANDOFF_DATA_LISTEN``, ``HANDOFF_ADVERTISE_HOST``
     Where each scheduler process listens (defaults ``tcp://127.0.0.1:0``, ``127.0.0.1:0``)
     and the host peers dial when it listens on all interfaces.
+``HANDOFF_LOG``
+    The runtime's own log filter (``RUST_LOG`` syntax, to stderr; default ``warn``). Every
+    line names its request id; ``handoff_actors=debug`` shows each request's states.
 ``HANDOFF_SECRET_FILE`` (or ``HANDOFF_SECRET``)
     A file holding a shared secret (or the secret): every connection is then
     authenticated. Needed when the bootstrap server or a worker listens on, or dials, an
@@ -386,6 +389,7 @@ class HandoffKVManager(BaseKVManager):
         # Reentrant: a request may conclude (and forget itself) from an event in pump().
         self.lock = threading.RLock()
         self.requests: dict[str, HandoffKVSender | HandoffKVReceiver] = {}
+        handoff.init_logging(os.environ.get("HANDOFF_LOG", "warn"))
         self.runtime = handoff.Runtime(
             role=self.role,
             engine=self.engine_id,

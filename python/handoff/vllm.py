@@ -63,6 +63,10 @@ Options (``kv_connector_extra_config``), every one optional but ``bootstrap``:
     Decode: refuse new transfers while this many wait for blocks.
 ``engine_id``
     The name this instance registers under (default: vLLM's ``kv_transfer_config.engine_id``).
+``log``
+    The runtime's own log filter (``RUST_LOG`` syntax, to stderr; default the
+    ``HANDOFF_LOG`` environment variable, else ``warn``). Every line names its request
+    id; ``handoff_actors=debug`` shows each request's states with timestamps.
 ``send_delay_ms``
     Fault injection for tests: prefill hands its blocks to handoff this long after decode
     asked for them, as a slow prefill would.
@@ -72,6 +76,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -423,6 +428,7 @@ class _WorkerSide:
         x = self.extra
         device = "cpu" if first.device.type == "cpu" else f"cuda:{first.device.index or 0}"
         decode = self.role == "decode"
+        handoff.init_logging(str(x.get("log", os.environ.get("HANDOFF_LOG", "warn"))))
         self.runtime = handoff.Runtime(
             role=self.role,
             engine=self.engine_id,

@@ -28,6 +28,7 @@ pub mod layout;
 pub mod lease;
 pub mod noise;
 pub mod region;
+pub mod same_host;
 pub mod tcp;
 pub mod types;
 pub mod ucx;
@@ -43,4 +44,4 @@ pub use types::{BlockId, EngineId, FailureReason, Rank, RankInfo, RequestId, Rol
 
 /// The version of the wire protocol this build speaks. A peer on another version is
 /// refused at connect time with an error that names both versions.
-pub const PROTOCOL_VERSION: u16 = 4;
+pub const PROTOCOL_VERSION: u16 = 5;

@@ -267,6 +267,7 @@ async fn a_peer_that_lies_about_its_device_memory_gets_a_named_error() {
         edit(&mut lied[0]);
         let peer = UcxPeer {
             ranges: lied.into(),
+            process: None,
             ..honest.clone()
         };
         for (dir, blocks) in [("write", &first), ("write", &last), ("read", &last)] {

@@ -980,6 +980,7 @@ fn any_connection_message() -> impl Strategy<Value = Message> {
                     data_descriptor: vec![7; (incarnation % 40) as usize],
                     layout,
                     lease_ms: incarnation / 3,
+                    pid: (incarnation % 65_536) as u32,
                 })
             }),
         (any::<u64>(), any::<u64>(), any::<u64>(), any::<u64>()).prop_map(

@@ -393,7 +393,7 @@ async fn pump(
 impl ServerState {
     fn on_router(&mut self, event: RouterEvent) {
         match event {
-            RouterEvent::Connected { conn, peer } => {
+            RouterEvent::Connected { conn, peer, .. } => {
                 debug!(%peer, ?conn, "bootstrap client connected");
                 self.conns.insert(conn, peer);
             }

@@ -6,11 +6,13 @@
 //! across an await and no two tasks disagree about a peer.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use handoff_transport::auth::Key;
 use handoff_transport::lease::Lease;
+use handoff_transport::same_host::PeerProcess;
 use handoff_transport::wire::messages::{
     self, Heartbeat, Hello, HelloAck, LayoutDescriptor, Message, ProtocolError,
 };
@@ -55,7 +57,7 @@ enum Report {
     Dialed {
         peer: Peer,
         generation: u64,
-        result: Result<Dialed, String>,
+        result: Result<Box<Dialed>, String>,
     },
     FromDealer {
         peer: Peer,
@@ -78,6 +80,10 @@ struct Dialed {
     hello_sent: std::time::Instant,
     /// The peer's loss timeout from its `HelloAck`.
     lease_ms: u64,
+    /// The pid the peer offered for same-host copies (0: none).
+    pid: u32,
+    /// Our connection's two ends (ours, the peer's).
+    addrs: Option<(SocketAddr, SocketAddr)>,
 }
 
 /// A peer's connections (its liveness is in the [`PeerTable`]).
@@ -113,6 +119,8 @@ struct Control {
     /// Every peer's liveness: incarnations, last heard, heartbeats, leases.
     table: PeerTable,
     conns: BTreeMap<ConnId, Peer>,
+    /// Each inbound connection's two ends (ours, the peer's), from its `Connected`.
+    conn_addrs: BTreeMap<ConnId, (SocketAddr, SocketAddr)>,
     reports: mpsc::Sender<Report>,
     generation: u64,
 }
@@ -149,6 +157,7 @@ pub(crate) fn spawn(setup: Setup) -> tokio::task::JoinHandle<()> {
         peers: BTreeMap::new(),
         table,
         conns: BTreeMap::new(),
+        conn_addrs: BTreeMap::new(),
         reports,
         generation: 0,
     };
@@ -184,7 +193,11 @@ impl Control {
 
     fn on_router(&mut self, event: RouterEvent) {
         match event {
-            RouterEvent::Connected { .. } => {}
+            RouterEvent::Connected { conn, peer, local } => {
+                if let Some(local) = local {
+                    self.conn_addrs.insert(conn, (local, peer));
+                }
+            }
             RouterEvent::Message { conn, peer, frames } => {
                 if let Err(e) = self.on_conn_message(conn, &frames) {
                     warn!(peer = %peer, error = %e, "refusing malformed control message");
@@ -196,6 +209,7 @@ impl Control {
                 }
             }
             RouterEvent::Disconnected { conn, .. } => {
+                self.conn_addrs.remove(&conn);
                 if let Some(peer) = self.conns.remove(&conn) {
                     if let Some(state) = self.peers.get_mut(&peer) {
                         state.inbound = state.inbound.filter(|c| *c != conn);
@@ -224,7 +238,8 @@ impl Control {
     fn on_hello(&mut self, conn: ConnId, hello: Hello) -> Result<(), WireError> {
         let peer = hello.rank.clone();
         self.note_incarnation(&peer, hello.incarnation);
-        let lease = self.remember_data(&peer, hello.data_descriptor, hello.layout)?;
+        let process = (hello.pid, self.conn_addrs.get(&conn).copied());
+        let lease = self.remember_data(&peer, hello.data_descriptor, hello.layout, process)?;
         // The peer hears us (our ack) no earlier than now.
         lease.extend_to(std::time::Instant::now() + self.peer_lease(hello.lease_ms));
         self.conns.insert(conn, peer.clone());
@@ -236,6 +251,7 @@ impl Control {
         ack.data_descriptor = self.data.data_descriptor();
         ack.layout = Some(self.descriptor.clone());
         ack.lease_ms = self.loss_timeout_ms();
+        ack.pid = self.offered_pid();
         let ack = wire::encode(&Message::HelloAck(ack), self.key())?;
         // A peer that said a valid hello: outside the bounds on pending connections.
         self.router.admit(conn);
@@ -364,6 +380,7 @@ impl Control {
         peer: &Peer,
         data_descriptor: Vec<u8>,
         layout: Option<LayoutDescriptor>,
+        (pid, addrs): (u32, Option<(SocketAddr, SocketAddr)>),
     ) -> Result<Arc<Lease>, WireError> {
         let layout = match layout {
             Some(descriptor) => {
@@ -371,6 +388,15 @@ impl Control {
                 Some((descriptor, checked))
             }
             None => None,
+        };
+        let host = layout
+            .as_ref()
+            .is_some_and(|(d, _)| d.cuda_device.is_none());
+        let process = match addrs {
+            Some((ours, theirs)) if pid != 0 && host && self.data.same_host_copies() => {
+                same_host_process(peer, pid, ours, theirs)
+            }
+            _ => None,
         };
         let mut map = self.peer_data.lock().unwrap_or_else(|e| e.into_inner());
         // A new connection's lease: the old one's proofs were about the old connection.
@@ -381,12 +407,22 @@ impl Control {
                 data_descriptor,
                 layout,
                 lease: lease.clone(),
+                process,
             },
         );
         if let Some(old) = old {
             old.lease.revoke();
         }
         Ok(lease)
+    }
+
+    /// Our pid in `Hello`/`HelloAck` when our plane copies with same-host peers directly.
+    fn offered_pid(&self) -> u32 {
+        if self.data.same_host_copies() {
+            std::process::id()
+        } else {
+            0
+        }
     }
 
     /// How long we wait, after last hearing from a peer, before we take it as lost.
@@ -569,6 +605,7 @@ impl Control {
                 data_descriptor: self.data.data_descriptor(),
                 layout: Some(self.descriptor.clone()),
                 lease_ms: self.loss_timeout_ms(),
+                pid: self.offered_pid(),
                 ..Hello::new(self.role, self.me.clone(), self.incarnation)
             },
             key: self.cfg.key.clone(),
@@ -578,7 +615,7 @@ impl Control {
         let reports = self.reports.clone();
         let peer = peer.clone();
         tokio::spawn(async move {
-            let result = job.run().await;
+            let result = job.run().await.map(Box::new);
             let _ = reports
                 .send(Report::Dialed {
                     peer,
@@ -589,7 +626,7 @@ impl Control {
         });
     }
 
-    fn on_dialed(&mut self, peer: Peer, generation: u64, result: Result<Dialed, String>) {
+    fn on_dialed(&mut self, peer: Peer, generation: u64, result: Result<Box<Dialed>, String>) {
         let Some(state) = self.peers.get_mut(&peer) else {
             return;
         };
@@ -597,7 +634,7 @@ impl Control {
             return;
         }
         state.dialing = None;
-        match result {
+        match result.map(|d| *d) {
             Ok(Dialed {
                 tx,
                 mut rx,
@@ -606,8 +643,10 @@ impl Control {
                 layout,
                 hello_sent,
                 lease_ms,
+                pid,
+                addrs,
             }) => {
-                let lease = match self.remember_data(&peer, data_descriptor, layout) {
+                let lease = match self.remember_data(&peer, data_descriptor, layout, (pid, addrs)) {
                     Ok(lease) => lease,
                     Err(e) => {
                         warn!(%peer, error = %e, "peer's hello answer describes bad memory");
@@ -718,6 +757,27 @@ impl Control {
     }
 }
 
+/// The peer's process if the kernel shows that `pid` holds the other end of our connection
+/// from `ours` to `theirs` ([`PeerProcess::verify`]); a peer on another host, in another
+/// namespace or under another user is simply reached by the plane's other lanes.
+fn same_host_process(
+    peer: &Peer,
+    pid: u32,
+    ours: SocketAddr,
+    theirs: SocketAddr,
+) -> Option<Arc<PeerProcess>> {
+    match PeerProcess::verify(pid, ours, theirs) {
+        Ok(process) => {
+            info!(%peer, pid, "same-host copies with this peer (kernel cross-memory attach)");
+            Some(Arc::new(process))
+        }
+        Err(e) => {
+            debug!(%peer, error = %e, "no same-host copies with this peer");
+            None
+        }
+    }
+}
+
 /// Everything a dial needs, moved into its task.
 struct DialJob {
     directory: Arc<dyn Directory>,
@@ -745,6 +805,7 @@ impl DialJob {
                 Dealer::connect_with(&record.control_address, b"", self.timeout, self.key.clone())
                     .await
                     .map_err(|e| format!("{}: {e}", record.control_address))?;
+            let addrs = dealer.socket_addrs();
             let (tx, mut rx) = dealer.split();
             let hello = wire::encode(&Message::Hello(self.hello.clone()), self.key.as_ref())
                 .map_err(|e| e.to_string())?;
@@ -781,6 +842,8 @@ impl DialJob {
                 layout: ack.layout.clone(),
                 hello_sent,
                 lease_ms: ack.lease_ms,
+                pid: ack.pid,
+                addrs,
             })
         };
         match tokio::time::timeout(self.timeout, work).await {

@@ -11,6 +11,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
 use handoff_transport::lease::Lease;
+use handoff_transport::same_host::PeerProcess;
 use handoff_transport::wire::messages::LayoutDescriptor;
 use handoff_transport::{BlockId, BlockSlice, RankInfo, RequestId};
 
@@ -38,6 +39,13 @@ pub trait DataPlane: Send + Sync + 'static {
     /// is enough.
     fn data_descriptor(&self) -> Vec<u8> {
         Vec::new()
+    }
+
+    /// True when the plane copies between host memory directly with a peer process on
+    /// this host ([`handoff_transport::same_host`]) once the control plane verified it
+    /// (`PlaneTransfer::process`): the control plane then offers our pid in `Hello`.
+    fn same_host_copies(&self) -> bool {
+        false
     }
 
     /// The grants this plane enforces.
@@ -75,6 +83,9 @@ pub struct PlaneTransfer<'a> {
     /// The transfer's one deadline, from the request's machine: the plane posts nothing
     /// after it and answers by it (`Link::write`).
     pub deadline: std::time::Instant,
+    /// The peer's process, verified at connect to hold the other end of our control
+    /// connection on this host (only for a plane with [`DataPlane::same_host_copies`]).
+    pub process: Option<Arc<PeerProcess>>,
 }
 
 /// One request's grants: a request has one peer per pipeline rank of the other side

@@ -42,6 +42,7 @@ use std::time::Duration;
 
 use handoff_transport::auth::Key;
 use handoff_transport::lease::Lease;
+use handoff_transport::same_host::PeerProcess;
 use handoff_transport::wire::messages::{LayoutDescriptor, WorkerRecord};
 use handoff_transport::zmtp::{Router, ZmtpError};
 use handoff_transport::{
@@ -52,6 +53,7 @@ use tokio::sync::mpsc;
 pub use data::{Access, DataPlane, GrantTable, PlaneTransfer};
 pub use directory::{Directory, StaticDirectory};
 pub use engine::{start_engine_runtime, DataTransport, EngineOptions, EngineRuntime, WorkerMemory};
+pub use ucx::{same_host_copies_enabled, SAME_HOST_ENV};
 
 use crate::link::{Attach, Inbox, Link, LinkError, ResolveError, ResolveFuture, TransferFuture};
 use crate::machine::{Outbound, Peer};
@@ -158,6 +160,10 @@ pub(crate) struct PeerInfo {
     /// while it holds): extended by the control loop when the peer proves it heard us,
     /// revoked when we lose it.
     pub(crate) lease: Arc<Lease>,
+    /// Its process, when the kernel shows it holds the other end of this connection on
+    /// this host and our plane copies between host memory directly
+    /// ([`DataPlane::same_host_copies`]).
+    pub(crate) process: Option<Arc<PeerProcess>>,
 }
 
 /// Peers' [`PeerInfo`], learned at connect; replaced when a peer reconnects.
@@ -387,6 +393,7 @@ impl NetLink {
             data_descriptor,
             layout: Some((descriptor, theirs)),
             lease,
+            process,
         }) = known
         else {
             let detail = format!("{peer} described no KV layout when it connected");
@@ -410,6 +417,7 @@ impl NetLink {
                 slice,
                 lease: Some(lease),
                 deadline,
+                process,
             };
             let fut = if write { data.write(t) } else { data.read(t) };
             fut.await

@@ -22,6 +22,32 @@ use crate::link::TransferFuture;
 pub struct UcxPlane {
     plane: Arc<UcxDataPlane>,
     grants: Arc<GrantTable>,
+    /// Same-host copies between host memory ([`DataPlane::same_host_copies`]): on unless
+    /// [`SAME_HOST_ENV`] says `0`/`off`, and only over host memory.
+    same_host: bool,
+}
+
+/// Environment variable that turns same-host copies off (`0`, `off`, `false`, `no`): UCX
+/// then moves every transfer (for comparisons, or a host whose kernel refuses them).
+pub const SAME_HOST_ENV: &str = "HANDOFF_SAME_HOST_COPIES";
+
+/// Whether [`SAME_HOST_ENV`] leaves same-host copies on.
+pub fn same_host_copies_enabled() -> bool {
+    !matches!(
+        std::env::var(SAME_HOST_ENV).map(|v| v.trim().to_ascii_lowercase()),
+        Ok(v) if matches!(v.as_str(), "0" | "off" | "false" | "no")
+    )
+}
+
+impl UcxPlane {
+    fn with_plane(plane: UcxDataPlane) -> UcxPlane {
+        let host = plane.region().memory_kind() == handoff_gpu::MemoryKind::Host;
+        UcxPlane {
+            plane: Arc::new(plane),
+            grants: Arc::default(),
+            same_host: host && same_host_copies_enabled(),
+        }
+    }
 }
 
 impl UcxPlane {
@@ -45,10 +71,7 @@ impl UcxPlane {
             ..UcxPlaneOptions::default()
         };
         let plane = UcxDataPlane::start(blocks, block_bytes, me, options)?;
-        Ok(UcxPlane {
-            plane: Arc::new(plane),
-            grants: Arc::default(),
-        })
+        Ok(UcxPlane::with_plane(plane))
     }
 
     /// Starts the UCX thread over the first `blocks` × `block_bytes` bytes of a CUDA
@@ -67,10 +90,7 @@ impl UcxPlane {
             me,
             UcxPlaneOptions::default(),
         )?;
-        Ok(UcxPlane {
-            plane: Arc::new(plane),
-            grants: Arc::default(),
-        })
+        Ok(UcxPlane::with_plane(plane))
     }
 
     /// Starts the UCX thread over an engine's KV memory as it is: every range of
@@ -87,10 +107,7 @@ impl UcxPlane {
             ..UcxPlaneOptions::default()
         };
         let plane = UcxDataPlane::start_on_region(region, me, options)?;
-        Ok(UcxPlane {
-            plane: Arc::new(plane),
-            grants: Arc::default(),
-        })
+        Ok(UcxPlane::with_plane(plane))
     }
 
     /// The region (UCX-allocated host memory, or the registered device buffer): give it
@@ -107,7 +124,8 @@ impl UcxPlane {
     fn transfer(&self, t: PlaneTransfer<'_>, write: bool) -> TransferFuture {
         // The peer's layout from its hello: one remote key per range, checked by the
         // plane (once per peer layout) before anything is posted.
-        let peer = UcxPeer::from_layout(t.peer.to_string(), t.peer_data.to_vec(), t.peer_layout);
+        let peer = UcxPeer::from_layout(t.peer.to_string(), t.peer_data.to_vec(), t.peer_layout)
+            .with_process(t.process.filter(|_| self.same_host));
         let (src, dst, slice, id, lease) = (t.src, t.dst, t.slice, t.id, t.lease);
         let (plane, id, deadline) = (self.plane.clone(), id.clone(), t.deadline);
         Box::pin(async move {
@@ -149,6 +167,10 @@ impl DataPlane for UcxPlane {
 
     fn one_sided(&self) -> bool {
         true
+    }
+
+    fn same_host_copies(&self) -> bool {
+        self.same_host
     }
 
     fn grants(&self) -> &Arc<GrantTable> {

@@ -265,6 +265,14 @@ pub enum DataError {
     /// A UCX call failed.
     #[error("UCX: {0}")]
     Ucx(#[from] UcxError),
+    /// A same-host copy ([`crate::same_host`]) with a data peer failed.
+    #[error("data peer {peer}: same-host copy: {error}")]
+    SameHost {
+        /// The peer.
+        peer: String,
+        /// What failed.
+        error: crate::same_host::SameHostError,
+    },
     /// A CUDA driver call failed, or there is no usable GPU (e.g. binding a device's context
     /// to the UCX thread).
     #[error("GPU: {0}")]

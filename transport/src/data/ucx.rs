@@ -63,6 +63,7 @@ use super::DataError;
 use crate::layout::{pair_segments, KvLayout, KvMemory, KvRange, LayerSpan, Segment, RANGES_MAX};
 use crate::lease::Lease;
 use crate::region::{BlockSlice, Region};
+use crate::same_host::{self, PeerProcess, Way};
 use crate::types::{BlockId, RankInfo, RequestId};
 use crate::ucx::{
     Context, ContextOptions, Direction, Endpoint, MemoryRegion, MemoryType, RangeCoalescer,
@@ -105,6 +106,11 @@ pub const UCX_IDLE_PROGRESS_INTERVAL_REGISTERED_HOST: Duration = Duration::from_
 /// this side's progress), the thread polls without sleeping this long: back-to-back small
 /// transfers then cost no thread wake-up (microseconds each on a busy host).
 pub const UCX_BUSY_POLL: Duration = Duration::from_micros(200);
+
+/// Bytes a same-host copy moves on the calling task's thread as it is (about 0.1–0.3 ms);
+/// a larger one first hands the thread's other tasks to the runtime
+/// (`tokio::task::block_in_place`, on a multi-thread runtime).
+pub const SAME_HOST_INLINE_BYTES_MAX: u64 = 1 << 20;
 
 /// How long a caller polls for the thread's answer before it parks: a one-block transfer
 /// over shared memory takes a few microseconds, a parked task's wake-up as long again.
@@ -175,6 +181,11 @@ pub struct UcxPeer {
     /// layer 0 V, layer 1 K, ...), each with its own key; empty for one range, which
     /// `region` then describes.
     pub ranges: Arc<[UcxRange]>,
+    /// The peer's process, verified to be at the other end of our control connection on
+    /// this host ([`PeerProcess::verify`]), when its memory is host memory: transfers with
+    /// it between host memory on both sides are then same-host copies
+    /// ([`crate::same_host`]) instead of UCX operations. `None`: UCX only.
+    pub process: Option<Arc<PeerProcess>>,
 }
 
 impl UcxPeer {
@@ -185,6 +196,7 @@ impl UcxPeer {
             worker_address,
             region,
             ranges: Arc::from(Vec::new()),
+            process: None,
         }
     }
 
@@ -219,7 +231,15 @@ impl UcxPeer {
                 block_bytes,
             },
             ranges: ranges.into(),
+            process: None,
         }
+    }
+
+    /// The same peer, reached by same-host copies through `process` (see
+    /// [`UcxPeer::process`]).
+    pub fn with_process(mut self, process: Option<Arc<PeerProcess>>) -> Self {
+        self.process = process;
+        self
     }
 
     /// The peer's ranges (one, from `region`, when `ranges` is empty).
@@ -572,6 +592,7 @@ impl UcxDataPlane {
                 block_bytes,
             },
             ranges,
+            process: None,
         };
         tracing::debug!(name = %me.name, version = %ready.version, ranges = me.ranges.len().max(1), "UCX data plane started");
         UcxDataPlane {
@@ -750,9 +771,40 @@ impl UcxDataPlane {
         let started = Instant::now();
         plan::check_lists(local, remote)?;
         self.region.check_blocks(local)?;
-        check_peer(peer, remote, self.region.block_bytes(), slice, direction)?;
+        let at = check_peer(peer, remote, self.region.block_bytes(), slice, direction)?;
         if local.is_empty() {
             return Ok(());
+        }
+        if let Some(process) = peer
+            .process
+            .as_ref()
+            .filter(|_| self.region.memory_kind() == handoff_gpu::MemoryKind::Host)
+        {
+            // Same-host copies run here, on the caller's thread: no hop to the UCX thread
+            // and back (each a thread wake-up, milliseconds on a host whose cores an
+            // engine loop keeps busy). A large one lets the runtime move this worker's
+            // other tasks elsewhere first.
+            let run = || {
+                copy_same_host(
+                    self.region.layout(),
+                    peer,
+                    process,
+                    direction,
+                    local,
+                    remote,
+                    &at,
+                    deadline,
+                    lease.as_deref(),
+                )
+            };
+            let bytes = (local.len() as u64).saturating_mul(at.len as u64);
+            let multi_thread = tokio::runtime::Handle::try_current()
+                .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+            return if bytes > SAME_HOST_INLINE_BYTES_MAX && multi_thread {
+                tokio::task::block_in_place(run)
+            } else {
+                run()
+            };
         }
         let timed_out = |op: &'static str| DataError::Timeout {
             peer: peer.name.clone(),
@@ -1411,16 +1463,8 @@ fn post_rounds(
         what: e.to_string(),
     };
     for (l, r) in job.local.iter().zip(&job.remote) {
-        mine.clear();
-        other.clear();
-        ours.segments_into(l.0, at.local_offset, at.len, &mut mine)
-            .map_err(layout_error)?;
-        let remote_offset = usize::try_from(at.remote_offset).unwrap_or(usize::MAX);
-        theirs
-            .segments_into(r.0, remote_offset, at.len, &mut other)
-            .map_err(layout_error)?;
         let mut outside = None;
-        pair_segments(&mine, &other, |m: Segment, o: Segment| {
+        pair_block(ours, theirs, *l, *r, at, &mut mine, &mut other, |m, o| {
             let start = ours.ranges.get(m.range as usize).map(|k| k.addr);
             let Some(local_offset) = start
                 .and_then(|a| m.addr.checked_sub(a))
@@ -1470,6 +1514,99 @@ fn post_rounds(
         )?;
     }
     Ok(())
+}
+
+/// A transfer with a peer process on this host between host memory on both sides: kernel
+/// copies ([`same_host::copy`]) of the same pieces UCX would have moved, in rounds of at
+/// most [`UCX_SEGMENTS_PER_ROUND`], no UCX endpoint or thread involved. The peer's ranges
+/// are checked as for UCX ([`peer_layout`]) before the first copy; `local` and `remote`
+/// were checked against both layouts by the caller.
+#[allow(clippy::too_many_arguments)]
+fn copy_same_host(
+    ours: &KvLayout,
+    peer: &UcxPeer,
+    process: &PeerProcess,
+    direction: Direction,
+    local: &[BlockId],
+    remote: &[BlockId],
+    at: &plan::Sliced,
+    deadline: Instant,
+    lease: Option<&Lease>,
+) -> Result<(), DataError> {
+    let theirs = peer_layout(peer, &peer.range_list())?;
+    let way = match direction {
+        Direction::Put => Way::Write,
+        Direction::Get => Way::Read,
+    };
+    let copy = |pieces: &[same_host::Piece]| {
+        // SAFETY: every local piece lies in a block of our layout (checked by the caller,
+        // mapped by `pair_block`), memory the plane keeps alive while it runs; the peer's
+        // addresses need no promise (a bad one is `EFAULT`).
+        unsafe { same_host::copy(process, way, pieces, deadline, lease) }.map_err(|error| {
+            DataError::SameHost {
+                peer: peer.name.clone(),
+                error,
+            }
+        })
+    };
+    let mut pieces: Vec<same_host::Piece> =
+        Vec::with_capacity(UCX_SEGMENTS_PER_ROUND.min(local.len().saturating_mul(2)));
+    let (mut mine, mut other) = (Vec::new(), Vec::new());
+    for (l, r) in local.iter().zip(remote) {
+        pair_block(ours, &theirs, *l, *r, at, &mut mine, &mut other, |m, o| {
+            if let Some(last) = pieces.last_mut() {
+                let len = last.len as u64;
+                if last.local + len == m.addr && last.remote + len == o.addr {
+                    last.len += m.len;
+                    return;
+                }
+            }
+            pieces.push(same_host::Piece {
+                local: m.addr,
+                remote: o.addr,
+                len: m.len,
+            });
+        })
+        .map_err(|e| failed_layout(peer, e))?;
+        if pieces.len() >= UCX_SEGMENTS_PER_ROUND {
+            copy(&pieces)?;
+            pieces.clear();
+        }
+    }
+    if !pieces.is_empty() {
+        copy(&pieces)?;
+    }
+    Ok(())
+}
+
+/// Both sides' segments of one block pair (`l` ours, `r` the peer's), sliced by `at`,
+/// paired into pieces of equal length for `f` (ours, theirs), in order. `mine` and `other`
+/// are scratch lists.
+#[allow(clippy::too_many_arguments)]
+fn pair_block(
+    ours: &KvLayout,
+    theirs: &KvLayout,
+    l: BlockId,
+    r: BlockId,
+    at: &plan::Sliced,
+    mine: &mut Vec<Segment>,
+    other: &mut Vec<Segment>,
+    f: impl FnMut(Segment, Segment),
+) -> Result<(), crate::layout::LayoutError> {
+    mine.clear();
+    other.clear();
+    ours.segments_into(l.0, at.local_offset, at.len, mine)?;
+    let remote_offset = usize::try_from(at.remote_offset).unwrap_or(usize::MAX);
+    theirs.segments_into(r.0, remote_offset, at.len, other)?;
+    pair_segments(mine, other, f)
+}
+
+/// A peer layout that cannot be paired with ours, block by block (checked before: a bug).
+fn failed_layout(peer: &UcxPeer, e: crate::layout::LayoutError) -> DataError {
+    DataError::Protocol {
+        peer: peer.name.clone(),
+        detail: format!("layout: {e}"),
+    }
 }
 
 /// Names the peer in a UCX failure.

@@ -315,6 +315,10 @@ pub struct Hello {
     /// peer as lost, in milliseconds (0: it does not say). A writer's lease with the
     /// sender ([`crate::lease::Lease`]) is counted in it.
     pub lease_ms: u64,
+    /// The sender's process id, offered for same-host copies ([`crate::same_host`]): a
+    /// peer uses it only once the kernel shows this process holds the connection's other
+    /// end. 0: not offered.
+    pub pid: u32,
 }
 
 impl Hello {
@@ -328,6 +332,7 @@ impl Hello {
             data_descriptor: Vec::new(),
             layout: None,
             lease_ms: 0,
+            pid: 0,
         }
     }
 }
@@ -345,6 +350,8 @@ pub struct HelloAck {
     pub layout: Option<LayoutDescriptor>,
     /// The acceptor's loss timeout, as in [`Hello::lease_ms`].
     pub lease_ms: u64,
+    /// The acceptor's process id, as in [`Hello::pid`].
+    pub pid: u32,
 }
 
 impl HelloAck {
@@ -356,6 +363,7 @@ impl HelloAck {
             data_descriptor: Vec::new(),
             layout: None,
             lease_ms: 0,
+            pid: 0,
         }
     }
 }

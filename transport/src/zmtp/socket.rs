@@ -38,6 +38,8 @@ pub enum RouterEvent {
         conn: ConnId,
         /// The peer's address.
         peer: SocketAddr,
+        /// Our end's address (the listening address, or the interface it was reached on).
+        local: Option<SocketAddr>,
     },
     /// A whole message from a peer.
     Message {
@@ -379,6 +381,7 @@ async fn serve(
     stats: Arc<RouterCounters>,
 ) {
     let _ = stream.set_nodelay(true);
+    let local = stream.local_addr().ok();
     // At most CONNECTION_INFLIGHT_MAX of this connection's messages wait in the shared
     // queue: a flood on one connection cannot delay another's heartbeats behind it.
     let fair = Arc::new(Semaphore::new(CONNECTION_INFLIGHT_MAX));
@@ -402,7 +405,7 @@ async fn serve(
             let events = events.clone();
             async move {
                 let _ = events
-                    .send((RouterEvent::Connected { conn, peer }, None))
+                    .send((RouterEvent::Connected { conn, peer, local }, None))
                     .await;
             }
         },
@@ -615,6 +618,8 @@ impl<R: Unpin, W: AsyncWrite + Unpin> AsyncWrite for Joined<'_, R, W> {
 /// A connected DEALER socket: one connection to one ROUTER.
 pub struct Dealer {
     peer: String,
+    /// The TCP connection's two ends (ours, theirs), as the socket reported them.
+    addrs: Option<(SocketAddr, SocketAddr)>,
     outbox: mpsc::Sender<Vec<Vec<u8>>>,
     inbox: mpsc::Receiver<Vec<Vec<u8>>>,
     task: Arc<AbortOnDrop>,
@@ -643,6 +648,7 @@ impl Dealer {
             .await
             .map_err(|_| ZmtpError::HandshakeTimeout(timeout))??;
         let _ = stream.set_nodelay(true);
+        let addrs = stream.local_addr().ok().zip(stream.peer_addr().ok());
         let (outbox, out_rx) = mpsc::channel(SEND_QUEUE_MESSAGES_MAX);
         let out_rx = Outbox {
             rx: out_rx,
@@ -686,6 +692,7 @@ impl Dealer {
         match tokio::time::timeout(timeout, ready_rx).await {
             Ok(Ok(Ok(()))) => Ok(Dealer {
                 peer,
+                addrs,
                 outbox,
                 inbox,
                 task: Arc::new(AbortOnDrop(task.abort_handle())),
@@ -702,6 +709,12 @@ impl Dealer {
     /// The address this dealer connected to.
     pub fn peer(&self) -> &str {
         &self.peer
+    }
+
+    /// The TCP connection's two ends, ours then the peer's (`None` if the socket could not
+    /// say).
+    pub fn socket_addrs(&self) -> Option<(SocketAddr, SocketAddr)> {
+        self.addrs
     }
 
     /// Queues a message. Never waits: a full queue is `QueueFull`, a dead connection `Closed`.
@@ -727,6 +740,7 @@ impl Dealer {
     pub fn split(self) -> (DealerSender, DealerReceiver) {
         let Dealer {
             peer,
+            addrs: _,
             outbox,
             inbox,
             task,

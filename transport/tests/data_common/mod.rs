@@ -354,5 +354,6 @@ pub fn parse_layout_ready(ready: &str, name: &str) -> UcxPeer {
             block_bytes,
         },
         ranges: ranges.into(),
+        process: None,
     }
 }

@@ -1,0 +1,565 @@
+//! Same-host copies: moving blocks straight between two processes' memory with the kernel's
+//! cross-memory attach (`process_vm_readv` / `process_vm_writev`), one system call for up
+//! to [`IOVECS_PER_CALL_MAX`] segments, no thread of the peer involved.
+//!
+//! Why: an engine's KV cache is heap memory it allocated (torch tensors), and UCX, under
+//! the peer-failure handling every endpoint of ours uses, moves RMA into heap memory on one
+//! host by software emulation: active messages over shared memory that the *peer's* UCX
+//! thread must serve. On a busy host (an engine loop spinning on every core) that costs
+//! hundreds of microseconds to milliseconds per transfer. The kernel's copy needs nothing
+//! of the peer: a 512 KiB block moves in tens of microseconds.
+//!
+//! Who may be copied to: only the process at the other end of our authenticated control
+//! connection, checked by the kernel's own tables, never by what the peer claims alone.
+//! [`PeerProcess::verify`] takes the pid the peer stated and our control connection's two
+//! addresses, finds the peer's end of that TCP connection in `/proc/net/tcp{,6}` (its
+//! socket inode) and requires the stated process to hold that socket among its open files.
+//! So a peer cannot point our copies at a third process. Reading `/proc/PID/fd` needs the
+//! same permission as the copies themselves (same user, or `CAP_SYS_PTRACE`): where it is
+//! refused, copies are refused too and the caller keeps its other lanes.
+//!
+//! What a peer's lie can do: the addresses copied to and from come from the peer's layout
+//! (checked for shape by the caller). A wrong address is the peer's own memory or unmapped
+//! there; the kernel then answers `EFAULT`, which is a named [`SameHostError`], never a
+//! fault in this process: nothing of the peer is ever mapped here.
+//!
+//! A peer that exits: its pid is held by a pidfd opened before the check, polled before
+//! every call, so a copy never starts towards a process that exited (whose pid could be
+//! reused); a peer that exits during a call fails it (`ESRCH`/`EFAULT`).
+//!
+//! Fences: a writer's [`Lease`] is checked before every call, as UCX posts are; one call
+//! moves at most [`BYTES_PER_CALL_MAX`], which bounds what a writer stopped inside a call
+//! can still land after it resumes (the same small window as a posted UCX operation).
+
+use std::fmt;
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+use crate::lease::Lease;
+
+/// Segments one system call lists (Linux's `IOV_MAX`).
+pub const IOVECS_PER_CALL_MAX: usize = 1024;
+
+/// Bytes one system call moves at most: a copy is checked (deadline, lease, the peer alive)
+/// between calls, so this bounds the work done past a check (about 0.1–0.3 ms of copying).
+pub const BYTES_PER_CALL_MAX: usize = 1 << 20;
+
+/// Open files of the peer scanned for its end of the control connection, at most.
+pub const PEER_FDS_SCANNED_MAX: usize = 1 << 20;
+
+/// Lines of `/proc/net/tcp{,6}` read, at most.
+const TCP_TABLE_LINES_MAX: usize = 1 << 22;
+
+/// Why a same-host copy was refused or failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SameHostError {
+    /// The peer cannot be shown to be the process at the other end of our connection.
+    #[error("peer process {pid}: not verified: {detail}")]
+    NotVerified {
+        /// The pid the peer stated.
+        pid: u32,
+        /// What failed.
+        detail: String,
+    },
+    /// The peer process exited (its pid may be reused).
+    #[error("peer process {pid} has exited")]
+    PeerExited {
+        /// Its pid.
+        pid: u32,
+    },
+    /// A writer's lease with the peer has ended: nothing more is written.
+    #[error("write lease with peer process {pid} {}, after {moved} bytes: the peer may have given our grant's blocks back", match .ago { Some(ago) => format!("ended {ago:?} ago"), None => "was revoked (the peer was lost)".to_string() })]
+    LeaseExpired {
+        /// The peer's pid.
+        pid: u32,
+        /// Bytes moved before the check failed.
+        moved: u64,
+        /// How long ago the lease ended; `None` when it was revoked.
+        ago: Option<Duration>,
+    },
+    /// The deadline passed between calls.
+    #[error("copy with peer process {pid} past its deadline after {moved} of {total} bytes")]
+    Timeout {
+        /// The peer's pid.
+        pid: u32,
+        /// Bytes moved.
+        moved: u64,
+        /// Bytes asked for.
+        total: u64,
+    },
+    /// The kernel refused a call.
+    #[error("{op} with peer process {pid} failed at {remote:#x} (+{len} bytes), after {moved} bytes: {error}")]
+    Copy {
+        /// `process_vm_readv` or `process_vm_writev`.
+        op: &'static str,
+        /// The peer's pid.
+        pid: u32,
+        /// The peer address of the first segment of the failed call.
+        remote: u64,
+        /// Its length.
+        len: usize,
+        /// Bytes moved before.
+        moved: u64,
+        /// The system's error (`EFAULT`: an address not mapped, ours or the peer's).
+        error: String,
+    },
+}
+
+/// The peer process of one control connection, verified to hold that connection's socket;
+/// held by a pidfd, so that its exit is seen before a copy starts.
+pub struct PeerProcess {
+    pid: u32,
+    pidfd: OwnedFd,
+}
+
+impl fmt::Debug for PeerProcess {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PeerProcess")
+            .field("pid", &self.pid)
+            .finish()
+    }
+}
+
+impl PartialEq for PeerProcess {
+    fn eq(&self, other: &Self) -> bool {
+        self.pid == other.pid
+    }
+}
+
+impl Eq for PeerProcess {}
+
+impl PeerProcess {
+    /// The process `pid` as the peer at the other end of our TCP connection from `ours` to
+    /// `theirs` (our socket's local and peer addresses), if the kernel agrees: the socket
+    /// with local address `theirs` and peer address `ours` is found in this network
+    /// namespace's TCP tables and `pid` holds it. Refused by name otherwise (another
+    /// network or pid namespace, another user, a proxy in between, a peer that lied).
+    pub fn verify(pid: u32, ours: SocketAddr, theirs: SocketAddr) -> Result<Self, SameHostError> {
+        let refuse = |detail: String| SameHostError::NotVerified { pid, detail };
+        if pid == 0 || i32::try_from(pid).is_err() {
+            return Err(refuse("no pid stated".into()));
+        }
+        // The pidfd first: if the process exits and its pid is reused after this, the
+        // scan below looks at the new process, which does not hold our connection.
+        let process = Self::open(pid)?;
+        let inode = socket_inode(theirs, ours).map_err(&refuse)?;
+        let wanted = format!("socket:[{inode}]");
+        let dir = std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .map_err(|e| refuse(format!("its open files: {e}")))?;
+        let mut found = false;
+        for entry in dir.take(PEER_FDS_SCANNED_MAX) {
+            let Ok(entry) = entry else { continue };
+            if std::fs::read_link(entry.path()).is_ok_and(|l| l.as_os_str() == wanted.as_str()) {
+                found = true;
+                break;
+            }
+        }
+        if !found {
+            return Err(refuse(format!(
+                "it does not hold the socket of our connection ({theirs} -> {ours}, inode {inode})"
+            )));
+        }
+        if !process.alive() {
+            return Err(SameHostError::PeerExited { pid });
+        }
+        process.check_access()?;
+        Ok(process)
+    }
+
+    /// A process the caller vouches for (a child it started, or itself), without the
+    /// connection check: for benchmarks and tests.
+    pub fn vouched(pid: u32) -> Result<Self, SameHostError> {
+        let process = Self::open(pid)?;
+        process.check_access()?;
+        Ok(process)
+    }
+
+    fn open(pid: u32) -> Result<Self, SameHostError> {
+        let refuse = |detail: String| SameHostError::NotVerified { pid, detail };
+        let raw = i32::try_from(pid).map_err(|_| refuse("pid out of range".into()))?;
+        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, raw, 0) };
+        if fd < 0 {
+            let e = io::Error::last_os_error();
+            return Err(match e.raw_os_error() {
+                Some(libc::ESRCH) => SameHostError::PeerExited { pid },
+                _ => refuse(format!("pidfd_open: {e}")),
+            });
+        }
+        let fd = i32::try_from(fd).map_err(|_| refuse("pidfd out of range".into()))?;
+        // SAFETY: `fd` is a descriptor we just opened and own.
+        let pidfd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(Self { pid, pidfd })
+    }
+
+    /// The kernel's permission for cross-memory attach to the process, tried as UCX does:
+    /// a read from address 0 fails `EFAULT` when permitted, `EPERM` when not.
+    fn check_access(&self) -> Result<(), SameHostError> {
+        let mut probe = [0u8; 1];
+        let local = libc::iovec {
+            iov_base: probe.as_mut_ptr().cast(),
+            iov_len: probe.len(),
+        };
+        let remote = libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 1,
+        };
+        // SAFETY: one local iovec over `probe`; the remote one is only read by the kernel.
+        let n = unsafe { libc::process_vm_readv(self.pid as i32, &local, 1, &remote, 1, 0) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            return match e.raw_os_error() {
+                Some(libc::EFAULT) => Ok(()),
+                Some(libc::ESRCH) => Err(SameHostError::PeerExited { pid: self.pid }),
+                _ => Err(SameHostError::NotVerified {
+                    pid: self.pid,
+                    detail: format!("cross-memory attach refused: {e}"),
+                }),
+            };
+        }
+        Ok(())
+    }
+
+    /// The peer's pid.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// False once the process has exited (its pidfd is readable).
+    pub fn alive(&self) -> bool {
+        let mut poll = libc::pollfd {
+            fd: self.pidfd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd, zero timeout.
+        let n = unsafe { libc::poll(&mut poll, 1, 0) };
+        n == 0
+    }
+}
+
+/// One contiguous piece of a copy: `len` bytes at `local` (ours) and at `remote` (the
+/// peer's address space).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Piece {
+    /// Our address.
+    pub local: u64,
+    /// The peer's address.
+    pub remote: u64,
+    /// Bytes, not zero.
+    pub len: usize,
+}
+
+/// Which way a copy goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Way {
+    /// The peer's memory into ours.
+    Read,
+    /// Ours into the peer's.
+    Write,
+}
+
+/// Copies every piece between our memory and `peer`'s, in calls of at most
+/// [`IOVECS_PER_CALL_MAX`] segments and [`BYTES_PER_CALL_MAX`] bytes; before each call the
+/// deadline, the peer's liveness and (for a write) the `lease` are checked. Returns the
+/// bytes moved (all of them on `Ok`).
+///
+/// # Safety
+/// Every `local` range must be memory of this process that is ours to read (a write) or to
+/// overwrite (a read) for the whole call: the kernel writes into it as a `memcpy` would.
+/// Peer addresses need no such promise: a bad one is `EFAULT`.
+pub unsafe fn copy(
+    peer: &PeerProcess,
+    way: Way,
+    pieces: &[Piece],
+    deadline: Instant,
+    lease: Option<&Lease>,
+) -> Result<u64, SameHostError> {
+    let total: u64 = pieces.iter().map(|p| p.len as u64).sum();
+    let pid = peer.pid;
+    let mut moved = 0u64;
+    // Where the next call starts: piece index and bytes of it already moved.
+    let (mut at, mut skip) = (0usize, 0usize);
+    let mut local: Vec<libc::iovec> = Vec::with_capacity(IOVECS_PER_CALL_MAX.min(pieces.len()));
+    let mut remote: Vec<libc::iovec> = Vec::with_capacity(local.capacity());
+    while at < pieces.len() {
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(SameHostError::Timeout { pid, moved, total });
+        }
+        if way == Way::Write {
+            if let Some(ago) = lease.and_then(|l| l.expired_for(now)) {
+                return Err(SameHostError::LeaseExpired {
+                    pid,
+                    moved,
+                    ago: (ago != Duration::MAX).then_some(ago),
+                });
+            }
+        }
+        if !peer.alive() {
+            return Err(SameHostError::PeerExited { pid });
+        }
+        local.clear();
+        remote.clear();
+        let mut bytes = 0usize;
+        let (mut i, mut off) = (at, skip);
+        while i < pieces.len() && local.len() < IOVECS_PER_CALL_MAX && bytes < BYTES_PER_CALL_MAX {
+            let p = pieces[i];
+            let len = (p.len - off).min(BYTES_PER_CALL_MAX - bytes);
+            local.push(libc::iovec {
+                iov_base: (p.local + off as u64) as usize as *mut libc::c_void,
+                iov_len: len,
+            });
+            remote.push(libc::iovec {
+                iov_base: (p.remote + off as u64) as usize as *mut libc::c_void,
+                iov_len: len,
+            });
+            bytes += len;
+            if off + len == p.len {
+                i += 1;
+                off = 0;
+            } else {
+                off += len;
+            }
+        }
+        let first = (pieces[at].remote + skip as u64, remote[0].iov_len);
+        // SAFETY: the caller promised the local ranges; the lists are as long as said.
+        let n = unsafe {
+            match way {
+                Way::Read => libc::process_vm_readv(
+                    pid as i32,
+                    local.as_ptr(),
+                    local.len() as libc::c_ulong,
+                    remote.as_ptr(),
+                    remote.len() as libc::c_ulong,
+                    0,
+                ),
+                Way::Write => libc::process_vm_writev(
+                    pid as i32,
+                    local.as_ptr(),
+                    local.len() as libc::c_ulong,
+                    remote.as_ptr(),
+                    remote.len() as libc::c_ulong,
+                    0,
+                ),
+            }
+        };
+        let op = match way {
+            Way::Read => "process_vm_readv",
+            Way::Write => "process_vm_writev",
+        };
+        if n < 0 {
+            let error = io::Error::last_os_error();
+            if error.raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            if error.raw_os_error() == Some(libc::ESRCH) {
+                return Err(SameHostError::PeerExited { pid });
+            }
+            return Err(SameHostError::Copy {
+                op,
+                pid,
+                remote: first.0,
+                len: first.1,
+                moved,
+                error: error.to_string(),
+            });
+        }
+        let mut done = n as usize;
+        if done == 0 {
+            return Err(SameHostError::Copy {
+                op,
+                pid,
+                remote: first.0,
+                len: first.1,
+                moved,
+                error: "no byte moved".into(),
+            });
+        }
+        moved += done as u64;
+        // Advance past what moved (a short count: a later segment faulted; the next call
+        // starts there and names it).
+        while done > 0 && at < pieces.len() {
+            let left = pieces[at].len - skip;
+            if done >= left {
+                done -= left;
+                at += 1;
+                skip = 0;
+            } else {
+                skip += done;
+                done = 0;
+            }
+        }
+    }
+    Ok(moved)
+}
+
+/// The inode of the TCP socket in this network namespace whose local address is `local`
+/// and whose peer is `peer`.
+fn socket_inode(local: SocketAddr, peer: SocketAddr) -> Result<u64, String> {
+    let (local, peer) = (canonical(local), canonical(peer));
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let text = match std::fs::read_to_string(table) {
+            Ok(text) => text,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(format!("{table}: {e}")),
+        };
+        for line in text.lines().skip(1).take(TCP_TABLE_LINES_MAX) {
+            let fields: Vec<&str> = line.split_whitespace().take(10).collect();
+            let [_, l, r, _, _, _, _, _, _, inode] = fields.as_slice() else {
+                continue;
+            };
+            if parse_addr(l) == Some(local) && parse_addr(r) == Some(peer) {
+                if let Ok(inode) = inode.parse::<u64>() {
+                    if inode != 0 {
+                        return Ok(inode);
+                    }
+                }
+            }
+        }
+    }
+    Err(format!(
+        "no socket {local} -> {peer} in this network namespace"
+    ))
+}
+
+fn canonical(addr: SocketAddr) -> SocketAddr {
+    SocketAddr::new(addr.ip().to_canonical(), addr.port())
+}
+
+/// `0100007F:1F90` (IPv4) or 32 hex digits and a port (IPv6), as the kernel prints them:
+/// each 32-bit word in this machine's byte order.
+fn parse_addr(field: &str) -> Option<SocketAddr> {
+    let (ip, port) = field.split_once(':')?;
+    let port = u16::from_str_radix(port, 16).ok()?;
+    let word = |s: &str| u32::from_str_radix(s, 16).ok().map(u32::to_ne_bytes);
+    let ip = match ip.len() {
+        8 => IpAddr::from(word(ip)?),
+        32 => {
+            let mut bytes = [0u8; 16];
+            for (k, chunk) in bytes.chunks_mut(4).enumerate() {
+                chunk.copy_from_slice(&word(ip.get(k * 8..k * 8 + 8)?)?);
+            }
+            IpAddr::from(bytes)
+        }
+        _ => return None,
+    };
+    Some(canonical(SocketAddr::new(ip, port)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_addresses_parse_in_this_machines_byte_order() {
+        let v4 = parse_addr("0100007F:1F90").unwrap();
+        assert_eq!(v4, "127.0.0.1:8080".parse().unwrap());
+        // ::ffff:127.0.0.1 as tcp6 prints it, canonical to IPv4.
+        let mapped = parse_addr("0000000000000000FFFF00000100007F:0050").unwrap();
+        assert_eq!(mapped, "127.0.0.1:80".parse().unwrap());
+        let v6 = parse_addr("00000000000000000000000001000000:0016").unwrap();
+        assert_eq!(v6, "[::1]:22".parse().unwrap());
+        assert_eq!(parse_addr("nonsense"), None);
+        assert_eq!(parse_addr("0100007F:ZZZZ"), None);
+        assert_eq!(parse_addr("0100:0050"), None);
+    }
+
+    #[test]
+    fn a_copy_moves_every_piece_and_a_lying_address_is_a_named_error() {
+        let me = PeerProcess::vouched(std::process::id()).unwrap();
+        // Many pieces (more than one call's segments) and a piece larger than one call.
+        let src: Vec<u8> = (0..(3 << 20)).map(|i| (i * 7 % 251) as u8).collect();
+        let mut dst = vec![0u8; src.len()];
+        let mut pieces = Vec::new();
+        for k in 0..2000usize {
+            pieces.push(Piece {
+                local: dst.as_mut_ptr() as u64 + (k * 512) as u64,
+                remote: src.as_ptr() as u64 + (k * 512) as u64,
+                len: 512,
+            });
+        }
+        let rest = 2000 * 512;
+        pieces.push(Piece {
+            local: dst.as_mut_ptr() as u64 + rest as u64,
+            remote: src.as_ptr() as u64 + rest as u64,
+            len: src.len() - rest,
+        });
+        let far = Instant::now() + Duration::from_secs(30);
+        // SAFETY: `dst` is ours for the call.
+        let moved = unsafe { copy(&me, Way::Read, &pieces, far, None) }.unwrap();
+        assert_eq!(moved, src.len() as u64);
+        assert_eq!(dst, src);
+        // A peer address that is not mapped: a named error, nothing of ours touched past it.
+        let bad = [Piece {
+            local: dst.as_mut_ptr() as u64,
+            remote: 8,
+            len: 64,
+        }];
+        // SAFETY: as above.
+        let err = unsafe { copy(&me, Way::Read, &bad, far, None) }.unwrap_err();
+        assert!(
+            matches!(err, SameHostError::Copy { remote: 8, .. }),
+            "{err}"
+        );
+        // A revoked lease writes nothing.
+        let lease = Lease::new();
+        lease.revoke();
+        dst.fill(0);
+        let w = [Piece {
+            local: src.as_ptr() as u64,
+            remote: dst.as_mut_ptr() as u64,
+            len: 64,
+        }];
+        // SAFETY: as above.
+        let err = unsafe { copy(&me, Way::Write, &w, far, Some(&lease)) }.unwrap_err();
+        assert!(matches!(
+            err,
+            SameHostError::LeaseExpired {
+                moved: 0,
+                ago: None,
+                ..
+            }
+        ));
+        assert!(dst.iter().all(|&b| b == 0));
+        // A past deadline moves nothing.
+        // SAFETY: as above.
+        let err = unsafe { copy(&me, Way::Write, &w, Instant::now(), None) }.unwrap_err();
+        assert!(matches!(err, SameHostError::Timeout { moved: 0, .. }));
+    }
+
+    #[test]
+    fn the_process_holding_a_connection_is_verified_and_another_is_not() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let dialed = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (accepted, _) = listener.accept().unwrap();
+        let (ours, theirs) = (dialed.local_addr().unwrap(), dialed.peer_addr().unwrap());
+        // This process holds both ends: verified from either side.
+        let me = std::process::id();
+        assert_eq!(PeerProcess::verify(me, ours, theirs).unwrap().pid(), me);
+        assert!(PeerProcess::verify(me, theirs, ours).is_ok());
+        // A child that does not hold the socket is refused by name.
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let err = PeerProcess::verify(child.id(), ours, theirs).unwrap_err();
+        assert!(
+            matches!(&err, SameHostError::NotVerified { detail, .. } if detail.contains("does not hold")),
+            "{err}"
+        );
+        // A connection that does not exist, and no pid.
+        let nowhere: SocketAddr = "127.0.0.1:1".parse().unwrap();
+        assert!(PeerProcess::verify(me, ours, nowhere).is_err());
+        assert!(PeerProcess::verify(0, ours, theirs).is_err());
+        // An exited process: its pidfd says so.
+        let vouched = PeerProcess::vouched(child.id()).unwrap();
+        assert!(vouched.alive());
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(!vouched.alive());
+        drop(accepted);
+    }
+}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import os
 import re
@@ -152,6 +153,8 @@ def handoff_kv(args, role: str, extra: dict | None = None) -> dict:
         "engine_id": f"vllm-{role}",
         "kv_connector_extra_config": {
             "bootstrap": args.bootstrap, "transport": args.transport, "ttl_s": TTL_S,
+            # Each request's states, timestamped by the runtime (`runtime_times`).
+            "log": RUNTIME_LOG,
             **(extra or {}),
         },
     }  # fmt: skip
@@ -195,6 +198,38 @@ def pd_round(args, size: int, salt: int) -> dict:
         "error": err, "hits": hits, "params": params,
         "nixl_xfer_s": xfer_s / xfer_n if xfer_n else None,
     }  # fmt: skip
+
+
+#: The runtime's log filter on the HandoffConnector servers: request opened / state lines.
+RUNTIME_LOG = "warn,handoff_actors::runtime=debug,handoff_actors::request=debug"
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_STAMPED = re.compile(
+    r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+)Z\s+DEBUG \S+: "
+    r"(request opened|state changed) request=(\S+) role=decode(?: state=(\w+))?"
+)
+
+
+def runtime_times(d: Server, since: int) -> list[tuple[float, float]]:
+    """Per decode request, from the runtime's own timestamps: (receiver opened -> Done,
+    read posted -> Done), in ms. The read is decode's `Transferring` (entered as it posts
+    the read of prefill's blocks) to `Done`: what NIXL's xfer time measures for its read."""
+    text = _ANSI.sub("", d.log_path.read_text(errors="replace")[since:])
+    seen: dict[str, dict[str, datetime.datetime]] = {}
+    for m in _STAMPED.finditer(text):
+        stamp = datetime.datetime.fromisoformat(m.group(1)[:26])
+        what = "opened" if m.group(2) == "request opened" else m.group(4)
+        seen.setdefault(m.group(3), {})[what] = stamp
+    out = []
+    for marks in seen.values():
+        if {"opened", "Transferring", "Done"} <= marks.keys():
+            done = marks["Done"]
+            out.append((_ms(marks["opened"], done), _ms(marks["Transferring"], done)))
+    return out
+
+
+def _ms(a: datetime.datetime, b: datetime.datetime) -> float:
+    return (b - a).total_seconds() * 1000.0
 
 
 def handoff_times(d: Server, since: int) -> list[float]:
@@ -274,7 +309,11 @@ def decode_loss(args, p_srv: Server, d_srv: Server) -> None:
     )  # fmt: skip
 
 
-def summarize(rows: dict[str, dict[int, list[dict]]], handoff_ms: dict[int, list[float]]):
+def summarize(
+    rows: dict[str, dict[int, list[dict]]],
+    handoff_ms: dict[int, list[float]],
+    runtime_ms: dict[int, list[tuple[float, float]]],
+):
     def med(xs):
         xs = [x for x in xs if x is not None]
         if not xs:
@@ -298,11 +337,23 @@ def summarize(rows: dict[str, dict[int, list[dict]]], handoff_ms: dict[int, list
         if hx and [x for x in nx if x]:
             ratio = f"{statistics.median([x for x in nx if x]) / statistics.median(hx):.2f}"
         print(f"| {size} | handoff (transfer) | {med(hx)} | {med(nx)} | {ratio} |")
+        rt = runtime_ms.get(size, [])
+        opened = [a / 1000 for a, _ in rt]
+        print(f"| {size} | handoff in the runtime | {med(opened)} | n/a | n/a |")
+        read = [b / 1000 for _, b in rt]
+        ratio = "n/a"
+        if read and [x for x in nx if x]:
+            ratio = f"{statistics.median([x for x in nx if x]) / statistics.median(read):.2f}"
+        print(f"| {size} | the read itself | {med(read)} | {med(nx)} | {ratio} |")
     print(
         "\nTTFT: first streamed token of the decode request (the transfer, one forward pass"
-        " and scheduling). Transfer: HandoffConnector = decode's receiver opened to blocks"
-        " in (control round trip included); NixlConnector = vllm:nixl_xfer_time_seconds"
-        " (its read, from post to completion)."
+        " and scheduling). Transfer: HandoffConnector = decode's receiver opened to the engine"
+        " step that sees the blocks in (control round trip and a step boundary included);"
+        " NixlConnector = vllm:nixl_xfer_time_seconds (its read, from post to the status"
+        " check that saw it done). Handoff in the runtime: decode's receiver opened to Done,"
+        " by the runtime's timestamps (transfer info, prefill's Ready, the read). The read"
+        " itself: decode's read of prefill's blocks, posted to done, by the same timestamps:"
+        " the same span as NIXL's number."
     )
 
 
@@ -327,6 +378,7 @@ def main() -> int:
     servers: list[Server] = []
     rows: dict[str, dict[int, list[dict]]] = {}
     handoff_ms: dict[int, list[float]] = {}
+    runtime_ms: dict[int, list[tuple[float, float]]] = {}
     try:
         # 1. HandoffConnector: correctness and timings.
         args.label = "handoff"
@@ -340,6 +392,7 @@ def main() -> int:
             part = run_connector_size(args, "handoff", size, si)
             rows["handoff"][size] = part
             handoff_ms[size] = handoff_times(d, mark)[1:]  # the warm-up's is dropped
+            runtime_ms[size] = runtime_times(d, mark)[1:]
         # 2. Prefill killed after its prefill.
         prefill_loss(args, p, d, "handoff")
         # 3. Decode killed mid-handoff (prefill hands its blocks over late, as a slow
@@ -375,7 +428,7 @@ def main() -> int:
             s.stop()
         boot.terminate()
         boot.wait(timeout=10)
-    summarize(rows, handoff_ms)
+    summarize(rows, handoff_ms, runtime_ms)
     return common.finish()
 
 

@@ -7,12 +7,14 @@
 
 mod data_common;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use data_common::{
     checksum, fill, format_ids, hex, ids, parse_ready, say, serve_commands, ChildPeer, Rng,
 };
 use handoff_transport::data::{DataError, UcxDataPlane, UcxPeer, UcxPlaneOptions};
+use handoff_transport::same_host::{PeerProcess, SameHostError};
 use handoff_transport::ucx::ContextOptions;
 use handoff_transport::wire::TransportKind;
 use handoff_transport::{BlockId, RankInfo, RequestId};
@@ -366,5 +368,109 @@ async fn a_write_under_an_ended_lease_posts_nothing() {
     assert_eq!(
         remote,
         format!("checksum {}", checksum(plane.region(), &blocks))
+    );
+}
+
+/// The child as a same-host peer: the test started it, so it vouches for its pid.
+fn same_host(child: &ChildPeer, peer: &UcxPeer) -> UcxPeer {
+    let process = PeerProcess::vouched(child.child.id()).expect("our own child");
+    peer.clone().with_process(Some(Arc::new(process)))
+}
+
+/// Same-host copies (kernel cross-memory attach) move the same permuted blocks as UCX,
+/// both ways, checksums equal; a peer that lies about where its memory is gets a named
+/// error (its layout refused, or the kernel's `EFAULT`) or, where the lie still points into
+/// its own memory, writes there: nothing of ours or of a third process is touched, we live,
+/// and honest copies work after. A killed peer fails copies at once, by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_host_copies_move_permuted_blocks_and_a_lying_peer_reaches_nothing_else() {
+    let Some(plane) = plane_or_skip("same-host copies", "prefill") else {
+        return;
+    };
+    let (mut child, ucx_view) = spawn_child();
+    let peer = same_host(&child, &ucx_view);
+    let local = plane.region();
+    fill(local, 31);
+    let r = RequestId::new("same-host");
+    let src = ids(0..BLOCKS);
+    let dst = Rng::new(15).permutation(BLOCKS);
+    plane
+        .write(&r, &peer, &src, &dst, Instant::now() + STEP)
+        .await
+        .unwrap();
+    let remote = child.ask(&format!("checksum {}", format_ids(&dst)), STEP);
+    assert_eq!(remote, format!("checksum {}", checksum(local, &src)));
+    assert_eq!(child.ask("fill 12", STEP), "filled");
+    let from = Rng::new(16).permutation(BLOCKS);
+    plane
+        .read(&r, &peer, &from, &src, Instant::now() + STEP)
+        .await
+        .unwrap();
+    let remote = child.ask(&format!("checksum {}", format_ids(&from)), STEP);
+    assert_eq!(remote, format!("checksum {}", checksum(local, &src)));
+
+    // Lies, with a bystander whose memory must never change.
+    let (mut other, _) = spawn_child();
+    let all = format_ids(&ids(0..BLOCKS));
+    let other_before = other.ask(&format!("checksum {all}"), STEP);
+    let ours_before = checksum(local, &ids(1..BLOCKS));
+    let (base, len) = (peer.region.base, peer.region.len);
+    let block = BLOCK_BYTES as u64;
+    let lies: [(&str, u64, u64); 4] = [
+        ("one block past the end", base + block, len),
+        ("far away", base.wrapping_add(1 << 40), len),
+        ("at address 4096", 4096, len),
+        ("twice its length", base, 2 * len),
+    ];
+    for (what, lied_base, lied_len) in lies {
+        let mut liar = peer.clone();
+        liar.region.base = lied_base;
+        liar.region.len = lied_len;
+        for dir in ["write", "read"] {
+            let (first, last) = ([BlockId(0)], [BlockId(BLOCKS - 1)]);
+            let deadline = Instant::now() + STEP;
+            let result = if dir == "write" {
+                plane.write(&r, &liar, &first, &last, deadline).await
+            } else {
+                plane.read(&r, &liar, &last, &first, deadline).await
+            };
+            match result {
+                Err(e @ (DataError::Protocol { .. } | DataError::SameHost { .. })) => {
+                    println!("{what}, {dir}: {e}")
+                }
+                Err(e @ DataError::OutsidePeerRegion { .. }) => println!("{what}, {dir}: {e}"),
+                // Still inside the liar's own mapped memory: its own loss.
+                Ok(()) => println!("{what}, {dir}: landed in the liar's own memory"),
+                other => panic!("{what}, {dir}: {other:?}"),
+            }
+        }
+    }
+    assert_eq!(other.ask(&format!("checksum {all}"), STEP), other_before);
+    // Reads of lies only ever wrote our block 0.
+    assert_eq!(checksum(local, &ids(1..BLOCKS)), ours_before);
+    // Honest copies after the lies are whole.
+    let dst = Rng::new(17).permutation(BLOCKS);
+    plane
+        .write(&r, &peer, &src, &dst, Instant::now() + STEP)
+        .await
+        .unwrap();
+    let remote = child.ask(&format!("checksum {}", format_ids(&dst)), STEP);
+    assert_eq!(remote, format!("checksum {}", checksum(local, &src)));
+
+    // A killed peer: the next copy fails by name, at once.
+    child.kill();
+    let killed = Instant::now();
+    let err = plane
+        .write(&r, &peer, &src, &src, Instant::now() + STEP)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, DataError::SameHost { error, .. } if matches!(error, SameHostError::PeerExited { .. })),
+        "{err}"
+    );
+    assert!(
+        killed.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        killed.elapsed()
     );
 }

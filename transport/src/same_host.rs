@@ -279,6 +279,18 @@ pub unsafe fn copy(
 ) -> Result<u64, SameHostError> {
     let total: u64 = pieces.iter().map(|p| p.len as u64).sum();
     let pid = peer.pid;
+    type VmCall = unsafe extern "C" fn(
+        libc::pid_t,
+        *const libc::iovec,
+        libc::c_ulong,
+        *const libc::iovec,
+        libc::c_ulong,
+        libc::c_ulong,
+    ) -> libc::ssize_t;
+    let (call, op): (VmCall, &'static str) = match way {
+        Way::Read => (libc::process_vm_readv, "process_vm_readv"),
+        Way::Write => (libc::process_vm_writev, "process_vm_writev"),
+    };
     let mut moved = 0u64;
     // Where the next call starts: piece index and bytes of it already moved.
     let (mut at, mut skip) = (0usize, 0usize);
@@ -327,28 +339,14 @@ pub unsafe fn copy(
         let first = (pieces[at].remote + skip as u64, remote[0].iov_len);
         // SAFETY: the caller promised the local ranges; the lists are as long as said.
         let n = unsafe {
-            match way {
-                Way::Read => libc::process_vm_readv(
-                    pid as i32,
-                    local.as_ptr(),
-                    local.len() as libc::c_ulong,
-                    remote.as_ptr(),
-                    remote.len() as libc::c_ulong,
-                    0,
-                ),
-                Way::Write => libc::process_vm_writev(
-                    pid as i32,
-                    local.as_ptr(),
-                    local.len() as libc::c_ulong,
-                    remote.as_ptr(),
-                    remote.len() as libc::c_ulong,
-                    0,
-                ),
-            }
-        };
-        let op = match way {
-            Way::Read => "process_vm_readv",
-            Way::Write => "process_vm_writev",
+            call(
+                pid as i32,
+                local.as_ptr(),
+                local.len() as libc::c_ulong,
+                remote.as_ptr(),
+                remote.len() as libc::c_ulong,
+                0,
+            )
         };
         if n < 0 {
             let error = io::Error::last_os_error();

@@ -98,22 +98,33 @@ async fn two_processes_put_and_get_permuted_blocks_with_matching_checksums() {
         return;
     };
     let (mut child, peer) = spawn_child();
+    put_and_get_permuted(&plane, &peer, &mut child, 21).await;
+}
+
+/// Writes our blocks (pattern `seed`) into permuted blocks of the child's, then reads
+/// another permutation of the child's (refilled) back; checksums equal both ways.
+async fn put_and_get_permuted(
+    plane: &UcxDataPlane,
+    peer: &UcxPeer,
+    child: &mut ChildPeer,
+    seed: u64,
+) {
     let local = plane.region();
-    fill(local, 21);
+    fill(local, seed);
     let r = RequestId::new("r1");
     let src = ids(0..BLOCKS);
-    let dst = Rng::new(5).permutation(BLOCKS);
+    let dst = Rng::new(seed + 1).permutation(BLOCKS);
     plane
-        .write(&r, &peer, &src, &dst, Instant::now() + STEP)
+        .write(&r, peer, &src, &dst, Instant::now() + STEP)
         .await
         .unwrap();
     let remote = child.ask(&format!("checksum {}", format_ids(&dst)), STEP);
     assert_eq!(remote, format!("checksum {}", checksum(local, &src)));
 
-    assert_eq!(child.ask("fill 8", STEP), "filled");
-    let from = Rng::new(6).permutation(BLOCKS);
+    assert_eq!(child.ask(&format!("fill {}", seed + 2), STEP), "filled");
+    let from = Rng::new(seed + 3).permutation(BLOCKS);
     plane
-        .read(&r, &peer, &from, &src, Instant::now() + STEP)
+        .read(&r, peer, &from, &src, Instant::now() + STEP)
         .await
         .unwrap();
     let remote = child.ask(&format!("checksum {}", format_ids(&from)), STEP);
@@ -389,25 +400,10 @@ async fn same_host_copies_move_permuted_blocks_and_a_lying_peer_reaches_nothing_
     };
     let (mut child, ucx_view) = spawn_child();
     let peer = same_host(&child, &ucx_view);
+    put_and_get_permuted(&plane, &peer, &mut child, 31).await;
     let local = plane.region();
-    fill(local, 31);
     let r = RequestId::new("same-host");
     let src = ids(0..BLOCKS);
-    let dst = Rng::new(15).permutation(BLOCKS);
-    plane
-        .write(&r, &peer, &src, &dst, Instant::now() + STEP)
-        .await
-        .unwrap();
-    let remote = child.ask(&format!("checksum {}", format_ids(&dst)), STEP);
-    assert_eq!(remote, format!("checksum {}", checksum(local, &src)));
-    assert_eq!(child.ask("fill 12", STEP), "filled");
-    let from = Rng::new(16).permutation(BLOCKS);
-    plane
-        .read(&r, &peer, &from, &src, Instant::now() + STEP)
-        .await
-        .unwrap();
-    let remote = child.ask(&format!("checksum {}", format_ids(&from)), STEP);
-    assert_eq!(remote, format!("checksum {}", checksum(local, &src)));
 
     // Lies, with a bystander whose memory must never change.
     let (mut other, _) = spawn_child();

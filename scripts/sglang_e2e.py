@@ -225,7 +225,11 @@ def start_server(args, name: str, backend: str, mode: str, cpu, env=None, extra=
     if mode == "decode":
         extra += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
     port = args.prefill_port if mode == "prefill" else args.decode_port
-    full_env = {"HANDOFF_BOOTSTRAP": f"tcp://127.0.0.1:{args.bootstrap_port}"}
+    full_env = {
+        "HANDOFF_BOOTSTRAP": f"tcp://127.0.0.1:{args.bootstrap_port}",
+        # Says in the servers' logs whether peers copy directly (same-host copies).
+        "HANDOFF_LOG": "warn,handoff_actors::net::control=info",
+    }
     if backend == "handoff":
         full_env["HANDOFF_TRANSPORT"] = args.transport
     full_env.update(env or {})

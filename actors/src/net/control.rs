@@ -392,9 +392,9 @@ impl Control {
         let host = layout
             .as_ref()
             .is_some_and(|(d, _)| d.cuda_device.is_none());
-        let process = match addrs {
+        let verify = match addrs {
             Some((ours, theirs)) if pid != 0 && host && self.data.same_host_copies() => {
-                same_host_process(peer, pid, ours, theirs)
+                Some((pid, ours, theirs))
             }
             _ => None,
         };
@@ -407,11 +407,27 @@ impl Control {
                 data_descriptor,
                 layout,
                 lease: lease.clone(),
-                process,
+                process: None,
             },
         );
+        drop(map);
         if let Some(old) = old {
             old.lease.revoke();
+        }
+        if let Some((pid, ours, theirs)) = verify {
+            // Off this loop: the kernel's socket tables can be long on a busy host. Until
+            // it is done the plane's other lanes carry the peer's transfers.
+            let (peer_data, peer, lease) = (self.peer_data.clone(), peer.clone(), lease.clone());
+            tokio::task::spawn_blocking(move || {
+                let Some(process) = same_host_process(&peer, pid, ours, theirs) else {
+                    return;
+                };
+                let mut map = peer_data.lock().unwrap_or_else(|e| e.into_inner());
+                // Only for this very connection (the lease is per connection).
+                if let Some(info) = map.get_mut(&peer).filter(|i| Arc::ptr_eq(&i.lease, &lease)) {
+                    info.process = Some(process);
+                }
+            });
         }
         Ok(lease)
     }

@@ -215,6 +215,18 @@ fn bootstrap() -> (Proc, String) {
 
 /// A worker; `extra` adds or overrides arguments. Fast heartbeats (100 ms × 3).
 fn worker(name: &str, role: &str, engine: &str, boot: &str, extra: &[&str]) -> Proc {
+    worker_env(name, role, engine, boot, extra, &[])
+}
+
+/// [`worker`] with environment variables set (`Some`) or removed (`None`).
+fn worker_env(
+    name: &str,
+    role: &str,
+    engine: &str,
+    boot: &str,
+    extra: &[&str],
+    env: &[(&str, Option<&str>)],
+) -> Proc {
     let mut args = vec![
         "worker",
         "--role",
@@ -229,7 +241,7 @@ fn worker(name: &str, role: &str, engine: &str, boot: &str, extra: &[&str]) -> P
         "3",
     ];
     args.extend_from_slice(extra);
-    let p = Proc::spawn(name, &args);
+    let p = Proc::spawn_env(name, &args, env);
     p.expect("ready", |v| v["event"] == "ready");
     p
 }
@@ -1068,44 +1080,11 @@ fn same_host_workers_copy_directly_and_can_be_told_not_to() {
             ("HANDOFF_SAME_HOST_COPIES", Some(copies)),
         ];
         let (_boot, addr) = bootstrap();
-        let p_args = [
-            "worker",
-            "--role",
-            "prefill",
-            "--engine",
-            "P",
-            "--bootstrap",
-            &addr,
-            "--heartbeat-ms",
-            "100",
-            "--transport",
-            "ucx",
-            "--requests",
-            "8",
-            "--serve",
-        ];
-        let p = Proc::spawn_env("prefill", &p_args, &env);
-        p.expect("ready", |v| v["event"] == "ready");
-        let d_args = [
-            "worker",
-            "--role",
-            "decode",
-            "--engine",
-            "D",
-            "--bootstrap",
-            &addr,
-            "--heartbeat-ms",
-            "100",
-            "--transport",
-            "ucx",
-            "--requests",
-            "8",
-            "--prefill",
-            "P",
-            "--mode",
-            mode,
-        ];
-        let d = Proc::spawn_env("decode", &d_args, &env);
+        let ucx = ["--transport", "ucx", "--requests", "8"];
+        let p_args = [&ucx[..], &["--serve"]].concat();
+        let p = worker_env("prefill", "prefill", "P", &addr, &p_args, &env);
+        let d_args = [&ucx[..], &["--prefill", "P", "--mode", mode]].concat();
+        let d = worker_env("decode", "decode", "D", &addr, &d_args, &env);
         let (ends, summary) = d.ends();
         assert_eq!(summary["done"], 8, "{copies} {mode}: {ends:?}");
         assert_eq!(summary["corrupted"], 0);

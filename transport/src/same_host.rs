@@ -348,33 +348,25 @@ pub unsafe fn copy(
                 0,
             )
         };
+        let failed = |error: String| SameHostError::Copy {
+            op,
+            pid,
+            remote: first.0,
+            len: first.1,
+            moved,
+            error,
+        };
         if n < 0 {
             let error = io::Error::last_os_error();
-            if error.raw_os_error() == Some(libc::EINTR) {
-                continue;
+            match error.raw_os_error() {
+                Some(libc::EINTR) => continue,
+                Some(libc::ESRCH) => return Err(SameHostError::PeerExited { pid }),
+                _ => return Err(failed(error.to_string())),
             }
-            if error.raw_os_error() == Some(libc::ESRCH) {
-                return Err(SameHostError::PeerExited { pid });
-            }
-            return Err(SameHostError::Copy {
-                op,
-                pid,
-                remote: first.0,
-                len: first.1,
-                moved,
-                error: error.to_string(),
-            });
         }
         let mut done = n as usize;
         if done == 0 {
-            return Err(SameHostError::Copy {
-                op,
-                pid,
-                remote: first.0,
-                len: first.1,
-                moved,
-                error: "no byte moved".into(),
-            });
+            return Err(failed("no byte moved".into()));
         }
         moved += done as u64;
         // Advance past what moved (a short count: a later segment faulted; the next call

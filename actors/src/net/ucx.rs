@@ -124,8 +124,9 @@ impl UcxPlane {
     fn transfer(&self, t: PlaneTransfer<'_>, write: bool) -> TransferFuture {
         // The peer's layout from its hello: one remote key per range, checked by the
         // plane (once per peer layout) before anything is posted.
+        // `process` is set only when `same_host_copies()` said yes at connect.
         let peer = UcxPeer::from_layout(t.peer.to_string(), t.peer_data.to_vec(), t.peer_layout)
-            .with_process(t.process.filter(|_| self.same_host));
+            .with_process(t.process);
         let (src, dst, slice, id, lease) = (t.src, t.dst, t.slice, t.id, t.lease);
         let (plane, id, deadline) = (self.plane.clone(), id.clone(), t.deadline);
         Box::pin(async move {

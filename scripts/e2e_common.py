@@ -133,9 +133,11 @@ class ServerProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=30)
 
-    def text(self) -> str:
-        """The whole log."""
-        return self.log_path.read_text(errors="replace")
+    def text(self, since: int = 0) -> str:
+        """The log from byte `since` on (offsets are bytes, as `log_size` gives them)."""
+        with open(self.log_path, "rb") as f:
+            f.seek(since)
+            return f.read().decode(errors="replace")
 
     def tail(self, n: int = 25) -> str:
         return "\n".join(self.text().splitlines()[-n:])
@@ -148,10 +150,14 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         rx = re.compile(pattern)
         while time.monotonic() < deadline:
-            text = self.text()[since:]
-            for line in text.splitlines():
-                if rx.search(line):
-                    return line, since + len(text)
+            with open(self.log_path, "rb") as f:
+                f.seek(since)
+                chunk = f.read()
+            at = since
+            for raw in chunk.splitlines(keepends=True):
+                at += len(raw)
+                if rx.search(raw.decode(errors="replace")):
+                    return raw.decode(errors="replace").rstrip("\n"), at
             time.sleep(0.05)
         return None
 

@@ -217,7 +217,7 @@ def runtime_times(d: Server, since: int) -> list[tuple[float, float]]:
     """Per decode request, from the runtime's own timestamps: (receiver opened -> Done,
     read posted -> Done), in ms. The read is decode's `Transferring` (entered as it posts
     the read of prefill's blocks) to `Done`: what NIXL's xfer time measures for its read."""
-    text = _ANSI.sub("", d.log_path.read_text(errors="replace")[since:])
+    text = _ANSI.sub("", d.text(since))
     seen: dict[str, dict[str, datetime.datetime]] = {}
     for m in _STAMPED.finditer(text):
         stamp = datetime.datetime.fromisoformat(m.group(1)[:26])
@@ -237,7 +237,7 @@ def _ms(a: datetime.datetime, b: datetime.datetime) -> float:
 
 def handoff_times(d: Server, since: int) -> list[float]:
     """Decode-side handoff times our connector logged (receiver opened -> blocks in)."""
-    text = d.log_path.read_text(errors="replace")[since:]
+    text = d.text(since)
     return [
         float(m) for m in re.findall(r"handoff decode request \S+: \d+ blocks in ([\d.]+) ms", text)
     ]
@@ -290,6 +290,7 @@ def decode_loss(args, p_srv: Server, d_srv: Server) -> None:
         check("handoff: decode killed mid-handoff", False, "decode never reached prefill")
         return
     d_srv.kill()
+    killed_at = time.strftime("%H:%M:%S")
     t = time.monotonic()
     freed = p_srv.wait_log(
         r"handoff prefill request \S+ released \d+ blocks \(failed", seen[1], TTL_S
@@ -299,7 +300,7 @@ def decode_loss(args, p_srv: Server, d_srv: Server) -> None:
         "handoff: decode killed mid-handoff -> prefill frees the blocks by peer loss",
         freed is not None and dt < DECODE_LOSS_FREE_S_MAX,
         f"{dt:.2f} s after the kill (TTL {TTL_S} s): "
-        + (freed[0].strip()[-160:] if freed else "never"),
+        + (freed[0].strip()[-160:] if freed else f"never (killed at {killed_at}, on {seen[0]})"),
     )  # fmt: skip
     deadline = time.monotonic() + 10
     usage = metrics(args.prefill_port).get("vllm:kv_cache_usage_perc", 0)
@@ -402,7 +403,7 @@ def main() -> int:
         #    engine would, so that decode dies while prefill still holds them).
         args.label = "handoff-slow"
         p2 = Server(args, "handoff-slow-prefill", args.prefill_port, 0,
-                    handoff_kv(args, "kv_producer", {"send_delay_ms": 5000}), {})  # fmt: skip
+                    handoff_kv(args, "kv_producer", {"send_delay_ms": 20000}), {})  # fmt: skip
         servers.append(p2)
         wait_up([p2])
         decode_loss(args, p2, d)

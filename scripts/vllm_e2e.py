@@ -155,6 +155,8 @@ def handoff_kv(args, role: str, extra: dict | None = None) -> dict:
             "bootstrap": args.bootstrap, "transport": args.transport, "ttl_s": TTL_S,
             # Each request's states, timestamped by the runtime (`runtime_times`).
             "log": RUNTIME_LOG,
+            # More options for both sides, to try others: HANDOFF_E2E_EXTRA='{"mode": "push"}'.
+            **json.loads(os.environ.get("HANDOFF_E2E_EXTRA") or "{}"),
             **(extra or {}),
         },
     }  # fmt: skip

@@ -123,18 +123,30 @@ impl Ledger {
     /// holds them until its prefill ranks stopped writing), and whatever is left when the
     /// request is buried goes then ([`Ledger::release_all`]).
     pub(crate) fn transition(&self, state: State) {
+        self.cell.send_if_modified(|r| self.enter(r, &state));
+    }
+
+    /// Enters a terminal `state` and releases `blocks` in one update: whoever the end wakes
+    /// (an engine waiting on the request) finds the blocks' `Released` event beside it.
+    pub(crate) fn end(&self, state: State, blocks: &[BlockId], why: ReleaseReason) {
         self.cell.send_if_modified(|r| {
-            if r.state.is_terminal() || state.phase() <= r.state.phase() {
-                return false;
-            }
-            r.state = state.clone();
-            self.events.push(Event::State {
-                id: self.id.clone(),
-                role: self.role,
-                state: state.clone(),
-            });
-            true
+            let entered = self.enter(r, &state);
+            let released = self.release_held(r, Some(blocks), why);
+            entered || released
         });
+    }
+
+    fn enter(&self, r: &mut Record, state: &State) -> bool {
+        if r.state.is_terminal() || state.phase() <= r.state.phase() {
+            return false;
+        }
+        r.state = state.clone();
+        self.events.push(Event::State {
+            id: self.id.clone(),
+            role: self.role,
+            state: state.clone(),
+        });
+        true
     }
 
     /// Releases every block still held, for `why`.

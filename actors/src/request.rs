@@ -238,7 +238,22 @@ impl RequestState {
     /// Performs every pending action, re-arms the timer, and reports the end.
     fn pump(&mut self, myself: &ActorRef<RequestMsg>) {
         while let Some(action) = self.poll_action() {
-            self.perform(myself, action);
+            match action {
+                // The end and the release that comes with it reach the engine together.
+                Action::StateChanged(end) if end.is_terminal() => match self.poll_action() {
+                    Some(Action::Release { blocks, why }) => {
+                        self.announce(&end);
+                        self.ledger.end(end, &blocks, why);
+                    }
+                    next => {
+                        self.perform(myself, Action::StateChanged(end));
+                        if let Some(next) = next {
+                            self.perform(myself, next);
+                        }
+                    }
+                },
+                action => self.perform(myself, action),
+            }
         }
         self.arm(myself);
         if self.settled() && !self.ended {
@@ -336,13 +351,19 @@ impl RequestState {
             Action::Release { blocks, why } => self.ledger.release(&blocks, why),
             Action::Aux { from, bytes } => self.ledger.add_aux(from, bytes),
             Action::StateChanged(state) => {
-                debug!(request = %id, role = %self.ledger.role, %state, "state changed");
-                if state.is_terminal() {
-                    // Revoke remote access before the ledger releases the blocks.
-                    self.link.request_ended(id);
-                }
+                self.announce(&state);
                 self.ledger.transition(state);
             }
+        }
+    }
+
+    /// Logs a state change; at the end, revokes remote access before the ledger releases
+    /// the blocks.
+    fn announce(&self, state: &State) {
+        let id = &self.ledger.id;
+        debug!(request = %id, role = %self.ledger.role, %state, "state changed");
+        if state.is_terminal() {
+            self.link.request_ended(id);
         }
     }
 

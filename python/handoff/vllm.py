@@ -63,11 +63,13 @@ Options (``kv_connector_extra_config``), every one optional but ``bootstrap``:
     Decode: refuse new transfers while this many wait for blocks.
 ``engine_id``
     The name this instance registers under (default: vLLM's ``kv_transfer_config.engine_id``).
-``load_wait_ms``
+``load_wait_ms``, ``load_wait_ms_per_mib``
     Decode: how long, from the start of an engine step, its end may wait for the loads that
-    step started (default 2; 0: never). A load that lands within it is reported in the same
-    step instead of the next one, so the request is scheduled one step sooner; a busy step
-    (a real forward pass) is already longer and never waits.
+    step started: ``load_wait_ms`` (default 2; 0: never) plus ``load_wait_ms_per_mib``
+    (default 1) for each MiB they move. A load that lands within it is reported in the
+    same step instead of the next one, so the request is scheduled one step sooner, and
+    while the engine waits the copy has the CPU to itself (on a CPU engine the next step
+    would share it); a busy step (a real forward pass) is already longer and never waits.
 ``log``
     The runtime's own log filter (``RUST_LOG`` syntax, to stderr; default the
     ``HANDOFF_LOG`` environment variable, else ``warn``). Every line names its request
@@ -109,6 +111,8 @@ if TYPE_CHECKING:
 
 #: Under vLLM's own logger, so that its handlers and level apply.
 log = logging.getLogger("vllm.handoff")
+
+MIB = 1 << 20
 
 __all__ = ["HandoffConnector", "HandoffConnectorMetadata"]
 
@@ -407,6 +411,9 @@ class _WorkerSide:
         self.load_errors: set[int] = set()
         self.send_delay_s = float(extra.get("send_delay_ms", 0)) / 1000.0
         self.load_wait_s = float(extra.get("load_wait_ms", 2.0)) / 1000.0
+        self.load_wait_s_per_byte = float(extra.get("load_wait_ms_per_mib", 1.0)) / 1000.0 / MIB
+        #: Bytes of one block over every registered range (`register`).
+        self.block_bytes = 0
         #: When the current engine step started (`start`).
         self.step_started = 0.0
 
@@ -430,6 +437,7 @@ class _WorkerSide:
         if num_blocks <= 0:
             raise ValueError("HandoffConnector: vLLM did not say how many KV blocks it has")
         ranges = vllm_block_ranges(tensors, num_blocks)
+        self.block_bytes = sum(r.bytes for r in ranges)
         first = tensors[0]
         layers_total = int(self.vllm_config.model_config.get_total_num_hidden_layers())
         first_layer = _layer_index(names[0])
@@ -589,22 +597,27 @@ class _WorkerSide:
         return (sending or None), (recving or None)
 
     def _wait_for_fresh_loads(self) -> None:
-        """Gives the loads this step started until ``load_wait_ms`` after its start to land
-        (GIL released), so they are reported in this step rather than the next."""
+        """Gives the loads this step started until ``load_wait_ms`` (and
+        ``load_wait_ms_per_mib`` for their bytes) after its start to land (GIL released),
+        so they are reported in this step rather than the next."""
         assert self.runtime is not None
-        left = self.load_wait_s - (time.monotonic() - self.step_started)
-        if left <= 0:
+        if self.load_wait_s <= 0:
             return
         fresh = [
-            t.handle
+            t
             for t in self.transfers.values()
             if t.blocks and t.handed and not t.ended and t.opened >= self.step_started
         ]
         if not fresh:
             return
+        moved = sum(len(t.blocks) for t in fresh) * self.block_bytes
+        budget = self.load_wait_s + moved * self.load_wait_s_per_byte
+        left = budget - (time.monotonic() - self.step_started)
+        if left <= 0:
+            return
         # Still loading after it (reported at a later step), or failed: the events say.
         with contextlib.suppress(handoff.HandoffError):
-            self.runtime.wait(fresh, left)
+            self.runtime.wait([t.handle for t in fresh], left)
 
     def _on_event(self, event: Any) -> None:
         t = self.transfers.get(event.request_id)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import handoff
 import numpy as np
 import pytest
@@ -199,3 +202,28 @@ def test_a_forked_child_is_refused_by_name_and_never_hangs(pair):
         raise AssertionError("the forked child hung")
     # The parent's runtime is untouched.
     p.sender("from-parent").abort()
+
+
+@pytest.mark.parametrize("pair", ["push", "pull"], indirect=True)
+def test_an_end_and_its_release_are_seen_together(pair):
+    """An engine woken by a request's end finds its blocks released in the same drain (on
+    one CPU, the waiter can run between two separate updates: the end would then be seen
+    a step before its blocks come back)."""
+    p, d, _, _ = pair
+    cpus = os.sched_getaffinity(0)
+    pin_threads({min(cpus)})  # the runtimes' threads as well
+    try:
+        for n in range(40):
+            r = d.receiver(f"pair-{n}", "P", blocks=[n % BLOCKS])
+            p.sender(f"pair-{n}").send([n % BLOCKS])
+            assert d.wait([r], timeout_s=30) == {f"pair-{n}": "Done"}
+            mine = [e for e in d.drain_events() if e.request_id == f"pair-{n}"]
+            assert [e.kind for e in mine][-2:] == ["state", "released"], mine
+    finally:
+        pin_threads(cpus)
+
+
+def pin_threads(cpus: set[int]) -> None:
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cpus)

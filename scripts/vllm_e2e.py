@@ -368,7 +368,7 @@ def main() -> int:
     ap.add_argument("--dir", required=True, help="the venv's folder (logs go there)")
     ap.add_argument("--handoff", required=True, help="the handoff binary")
     ap.add_argument("--transport", default="auto", help="auto | ucx | tcp")
-    ap.add_argument("--reps", type=int, default=3, help="timed requests per prompt size")
+    ap.add_argument("--reps", type=int, default=6, help="timed requests per prompt size")
     ap.add_argument("--skip-nixl", action="store_true", help="only HandoffConnector")
     args = ap.parse_args()
     (Path(args.dir) / "tiny").mkdir(parents=True, exist_ok=True)

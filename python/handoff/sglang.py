@@ -80,6 +80,11 @@ Options, as environment variables of both servers (SGLang has no per-backend con
     ``1`` to run without a secret on non-loopback addresses (a trusted network only).
 ``HANDOFF_ADMISSION``
     Decode: refuse new transfers while this many wait for pages.
+``HANDOFF_LOAD_WAIT_MS``, ``HANDOFF_LOAD_WAIT_MS_PER_MIB``
+    Decode: the first poll that finds a request's read under way waits for it (GIL
+    released) up to ``HANDOFF_LOAD_WAIT_MS`` (default 2; 0: never) plus
+    ``HANDOFF_LOAD_WAIT_MS_PER_MIB`` (default 1) per MiB it moves, so SGLang sees it done
+    in this pass of its loop, and on a CPU server the copy has the core to itself meanwhile.
 ``HANDOFF_SEND_DELAY_MS``
     Fault injection for tests: prefill hands its pages to handoff this long after its
     last chunk, as a slow prefill would.
@@ -87,6 +92,7 @@ Options, as environment variables of both servers (SGLang has no per-backend con
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -112,6 +118,8 @@ BACKEND = "handoff"
 
 #: Under SGLang's logger, so that its handlers and level apply.
 log = logging.getLogger("sglang.srt.disaggregation.handoff")
+
+MIB = 1 << 20
 
 __all__ = [
     "BACKEND",
@@ -386,6 +394,8 @@ class HandoffKVManager(BaseKVManager):
             _env_float("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300.0),
         )
         self.send_delay_s = _env_float("HANDOFF_SEND_DELAY_MS", 0.0) / 1000.0
+        self.load_wait_s = _env_float("HANDOFF_LOAD_WAIT_MS", 2.0) / 1000.0
+        self.load_wait_s_per_byte = _env_float("HANDOFF_LOAD_WAIT_MS_PER_MIB", 1.0) / 1000 / MIB
         # Reentrant: a request may conclude (and forget itself) from an event in pump().
         self.lock = threading.RLock()
         self.requests: dict[str, HandoffKVSender | HandoffKVReceiver] = {}
@@ -758,6 +768,8 @@ class HandoffKVReceiver(_Request, BaseKVReceiver):
         self.aux_index: int | None = None
         self.abort_notified = False
         self.bootstrap_infos: list[Any] = []
+        #: Whether a poll waited for this request's read already (`_wait_for_read`).
+        self.waited = False
 
     def init(self, prefill_dp_rank: int) -> None:
         if self.handle is not None or self.conclude_state is not None:
@@ -808,7 +820,22 @@ class HandoffKVReceiver(_Request, BaseKVReceiver):
             # Decode's handshake is opening the receiver: SGLang allocates the pages
             # once it sees WaitingForInput; handoff finds prefill meanwhile.
             return KVPoll.WaitingForInput
+        if state == KVPoll.Transferring and self.handed and not self.waited:
+            self.waited = True
+            state = self._wait_for_read()
         return state
+
+    def _wait_for_read(self) -> int:
+        """Once per request: waits (GIL released) for a read under way, up to
+        ``HANDOFF_LOAD_WAIT_MS`` and ``HANDOFF_LOAD_WAIT_MS_PER_MIB`` for its bytes."""
+        mgr = self.kv_mgr
+        if mgr.load_wait_s <= 0:
+            return KVPoll.Transferring
+        moved = self.pages_moved * mgr.page_bytes
+        # Still under way after it, or failed: the next polls say.
+        with contextlib.suppress(handoff.HandoffError):
+            self.handle.wait(mgr.load_wait_s + moved * mgr.load_wait_s_per_byte)
+        return self._poll_handle()
 
     def _finish(self, state: str) -> int:
         if state == "Done":

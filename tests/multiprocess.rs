@@ -1074,14 +1074,26 @@ fn same_host_workers_copy_directly_and_can_be_told_not_to() {
         return;
     }
     const SAID: &str = "same-host copies with this peer";
-    for (copies, mode) in [("1", "pull"), ("1", "push"), ("0", "pull")] {
+    // The last case: per-layer pieces of 256 B, which a same-host read gathers.
+    let small: &[&str] = &["--layers", "8", "--block-bytes", "4096"];
+    for (copies, mode, shape) in [
+        ("1", "pull", &[][..]),
+        ("1", "push", &[]),
+        ("0", "pull", &[]),
+        ("1", "pull", small),
+    ] {
         let env = [
-            ("RUST_LOG", Some("warn,handoff_actors::net::control=info")),
+            (
+                "RUST_LOG",
+                Some("warn,handoff_actors::net::control=info,handoff_transport::data::ucx=debug"),
+            ),
             ("HANDOFF_SAME_HOST_COPIES", Some(copies)),
         ];
         let (_boot, addr) = bootstrap();
-        let ucx = ["--transport", "ucx", "--requests", "8"];
-        let p_args = [&ucx[..], &["--serve"]].concat();
+        let ucx = [&["--transport", "ucx", "--requests", "8"][..], shape].concat();
+        // Prefill hands over 1.5 s after it started, long after decode's connection is
+        // checked by the kernel (until then, UCX carries a connection's transfers).
+        let p_args = [&ucx[..], &["--serve", "--hold-ms", "1500"]].concat();
         let p = worker_env("prefill", "prefill", "P", &addr, &p_args, &env);
         let d_args = [&ucx[..], &["--prefill", "P", "--mode", mode]].concat();
         let d = worker_env("decode", "decode", "D", &addr, &d_args, &env);
@@ -1098,6 +1110,23 @@ fn same_host_workers_copy_directly_and_can_be_told_not_to() {
                 w.name,
                 w.stderr.lock().unwrap()
             );
+        }
+        // The side that moves the bytes did copy them itself: decode reads, prefill writes.
+        let mover = if mode == "pull" { &d } else { &p };
+        let copied = mover
+            .stderr
+            .lock()
+            .unwrap()
+            .matches("same-host copy")
+            .count();
+        if copies == "1" {
+            assert!(
+                copied >= 8,
+                "{} ({mode}): {copied} same-host copies",
+                mover.name
+            );
+        } else {
+            assert_eq!(copied, 0, "{} ({mode})", mover.name);
         }
     }
 }

@@ -133,11 +133,15 @@ class ServerProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=30)
 
-    def text(self, since: int = 0) -> str:
-        """The log from byte `since` on (offsets are bytes, as `log_size` gives them)."""
+    def raw(self, since: int = 0) -> bytes:
+        """The log's bytes from byte `since` on (offsets are bytes, as `log_size` gives them)."""
         with open(self.log_path, "rb") as f:
             f.seek(since)
-            return f.read().decode(errors="replace")
+            return f.read()
+
+    def text(self, since: int = 0) -> str:
+        """The log from byte `since` on."""
+        return self.raw(since).decode(errors="replace")
 
     def tail(self, n: int = 25) -> str:
         return "\n".join(self.text().splitlines()[-n:])
@@ -150,14 +154,12 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         rx = re.compile(pattern)
         while time.monotonic() < deadline:
-            with open(self.log_path, "rb") as f:
-                f.seek(since)
-                chunk = f.read()
             at = since
-            for raw in chunk.splitlines(keepends=True):
+            for raw in self.raw(since).splitlines(keepends=True):
                 at += len(raw)
-                if rx.search(raw.decode(errors="replace")):
-                    return raw.decode(errors="replace").rstrip("\n"), at
+                line = raw.decode(errors="replace")
+                if rx.search(line):
+                    return line.rstrip("\n"), at
             time.sleep(0.05)
         return None
 

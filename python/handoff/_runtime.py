@@ -24,6 +24,19 @@ TIMEOUTS_DEFAULT = {
 }
 
 
+class LoadWait(NamedTuple):
+    """How long an engine connector waits for a load it has just started: ``base_ms`` plus
+    ``per_mib_ms`` for each MiB the load moves; never when ``base_ms`` is 0."""
+
+    base_ms: float = 2.0
+    per_mib_ms: float = 1.0
+
+    def seconds(self, nbytes: int) -> float:
+        if self.base_ms <= 0:
+            return 0.0
+        return (self.base_ms + self.per_mib_ms * nbytes / (1 << 20)) / 1000.0
+
+
 class Event(NamedTuple):
     """Something the engine should know, from `Runtime.drain_events`.
 

@@ -112,14 +112,13 @@ from sglang.srt.disaggregation.base.conn import (
 )
 
 import handoff
+from handoff._runtime import LoadWait
 
 #: The name of the backend on SGLang's command line.
 BACKEND = "handoff"
 
 #: Under SGLang's logger, so that its handlers and level apply.
 log = logging.getLogger("sglang.srt.disaggregation.handoff")
-
-MIB = 1 << 20
 
 __all__ = [
     "BACKEND",
@@ -394,8 +393,9 @@ class HandoffKVManager(BaseKVManager):
             _env_float("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300.0),
         )
         self.send_delay_s = _env_float("HANDOFF_SEND_DELAY_MS", 0.0) / 1000.0
-        self.load_wait_s = _env_float("HANDOFF_LOAD_WAIT_MS", 2.0) / 1000.0
-        self.load_wait_s_per_byte = _env_float("HANDOFF_LOAD_WAIT_MS_PER_MIB", 1.0) / 1000 / MIB
+        self.load_wait = LoadWait(
+            _env_float("HANDOFF_LOAD_WAIT_MS", 2.0), _env_float("HANDOFF_LOAD_WAIT_MS_PER_MIB", 1.0)
+        )
         # Reentrant: a request may conclude (and forget itself) from an event in pump().
         self.lock = threading.RLock()
         self.requests: dict[str, HandoffKVSender | HandoffKVReceiver] = {}
@@ -828,13 +828,12 @@ class HandoffKVReceiver(_Request, BaseKVReceiver):
     def _wait_for_read(self) -> int:
         """Once per request: waits (GIL released) for a read under way, up to
         ``HANDOFF_LOAD_WAIT_MS`` and ``HANDOFF_LOAD_WAIT_MS_PER_MIB`` for its bytes."""
-        mgr = self.kv_mgr
-        if mgr.load_wait_s <= 0:
+        budget = self.kv_mgr.load_wait.seconds(self.pages_moved * self.kv_mgr.page_bytes)
+        if budget <= 0:
             return KVPoll.Transferring
-        moved = self.pages_moved * mgr.page_bytes
         # Still under way after it, or failed: the next polls say.
         with contextlib.suppress(handoff.HandoffError):
-            self.handle.wait(mgr.load_wait_s + moved * mgr.load_wait_s_per_byte)
+            self.handle.wait(budget)
         return self._poll_handle()
 
     def _finish(self, state: str) -> int:

@@ -98,6 +98,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 import handoff
+from handoff._runtime import LoadWait
 
 if TYPE_CHECKING:
     import torch
@@ -111,8 +112,6 @@ if TYPE_CHECKING:
 
 #: Under vLLM's own logger, so that its handlers and level apply.
 log = logging.getLogger("vllm.handoff")
-
-MIB = 1 << 20
 
 __all__ = ["HandoffConnector", "HandoffConnectorMetadata"]
 
@@ -410,8 +409,9 @@ class _WorkerSide:
         self.finished_recving: set[str] = set()
         self.load_errors: set[int] = set()
         self.send_delay_s = float(extra.get("send_delay_ms", 0)) / 1000.0
-        self.load_wait_s = float(extra.get("load_wait_ms", 2.0)) / 1000.0
-        self.load_wait_s_per_byte = float(extra.get("load_wait_ms_per_mib", 1.0)) / 1000.0 / MIB
+        self.load_wait = LoadWait(
+            float(extra.get("load_wait_ms", 2.0)), float(extra.get("load_wait_ms_per_mib", 1.0))
+        )
         #: Bytes of one block over every registered range (`register`).
         self.block_bytes = 0
         #: When the current engine step started (`start`).
@@ -601,8 +601,6 @@ class _WorkerSide:
         ``load_wait_ms_per_mib`` for their bytes) after its start to land (GIL released),
         so they are reported in this step rather than the next."""
         assert self.runtime is not None
-        if self.load_wait_s <= 0:
-            return
         fresh = [
             t
             for t in self.transfers.values()
@@ -610,8 +608,7 @@ class _WorkerSide:
         ]
         if not fresh:
             return
-        moved = sum(len(t.blocks) for t in fresh) * self.block_bytes
-        budget = self.load_wait_s + moved * self.load_wait_s_per_byte
+        budget = self.load_wait.seconds(sum(len(t.blocks) for t in fresh) * self.block_bytes)
         left = budget - (time.monotonic() - self.step_started)
         if left <= 0:
             return

@@ -227,3 +227,11 @@ def pin_threads(cpus: set[int]) -> None:
     for tid in os.listdir("/proc/self/task"):
         with contextlib.suppress(OSError):  # a thread that ended meanwhile
             os.sched_setaffinity(int(tid), cpus)
+
+
+def test_a_load_wait_grows_with_the_bytes_and_zero_means_never():
+    from handoff._runtime import LoadWait
+
+    assert LoadWait(2.0, 1.0).seconds(4 << 20) == pytest.approx(0.006)
+    assert LoadWait(2.0, 0.0).seconds(1 << 30) == pytest.approx(0.002)
+    assert LoadWait(0.0, 1.0).seconds(4 << 20) == 0.0

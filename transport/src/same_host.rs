@@ -296,23 +296,9 @@ pub unsafe fn copy(
     let (mut at, mut skip) = (0usize, 0usize);
     let mut local: Vec<libc::iovec> = Vec::with_capacity(IOVECS_PER_CALL_MAX.min(pieces.len()));
     let mut remote: Vec<libc::iovec> = Vec::with_capacity(local.capacity());
+    let lease = lease.filter(|_| way == Way::Write);
     while at < pieces.len() {
-        let now = Instant::now();
-        if now >= deadline {
-            return Err(SameHostError::Timeout { pid, moved, total });
-        }
-        if way == Way::Write {
-            if let Some(ago) = lease.and_then(|l| l.expired_for(now)) {
-                return Err(SameHostError::LeaseExpired {
-                    pid,
-                    moved,
-                    ago: (ago != Duration::MAX).then_some(ago),
-                });
-            }
-        }
-        if !peer.alive() {
-            return Err(SameHostError::PeerExited { pid });
-        }
+        before_call(peer, deadline, lease, moved, total)?;
         local.clear();
         remote.clear();
         let mut bytes = 0usize;
@@ -363,11 +349,9 @@ pub unsafe fn copy(
             error,
         };
         if n < 0 {
-            let error = io::Error::last_os_error();
-            match error.raw_os_error() {
-                Some(libc::EINTR) => continue,
-                Some(libc::ESRCH) => return Err(SameHostError::PeerExited { pid }),
-                _ => return Err(failed(error.to_string())),
+            match failed_call(pid, failed) {
+                None => continue,
+                Some(e) => return Err(e),
             }
         }
         let mut done = n as usize;
@@ -417,10 +401,13 @@ pub unsafe fn read_gathered(
     let pid = peer.pid;
     let mut order: Vec<usize> = (0..pieces.len()).collect();
     order.sort_unstable_by_key(|&i| pieces[i].remote);
+    let mut ranges = within.to_vec();
+    ranges.sort_unstable();
+    // The range holding a piece: the last that starts at or before it (a lying peer's
+    // overlapping ranges can only make pieces read alone).
     let range_of = |addr: u64, len: usize| {
-        within
-            .iter()
-            .position(|&(a, b)| a <= addr && addr.saturating_add(len as u64) <= b)
+        let i = ranges.partition_point(|&(a, _)| a <= addr).checked_sub(1)?;
+        (addr.saturating_add(len as u64) <= ranges[i].1).then_some(i)
     };
     // Spans of the peer's memory: (start, end, range, first..last index into `order`).
     let mut spans: Vec<(u64, u64, Option<usize>, usize, usize)> = Vec::new();
@@ -452,12 +439,7 @@ pub unsafe fn read_gathered(
     let mut remote: Vec<libc::iovec> = Vec::with_capacity(IOVECS_PER_CALL_MAX.min(spans.len()));
     let (mut at, mut moved) = (0usize, 0u64);
     while at < spans.len() {
-        if Instant::now() >= deadline {
-            return Err(SameHostError::Timeout { pid, moved, total });
-        }
-        if !peer.alive() {
-            return Err(SameHostError::PeerExited { pid });
-        }
+        before_call(peer, deadline, None, moved, total)?;
         remote.clear();
         let (mut bytes, mut next) = (0usize, at);
         while next < spans.len() && remote.len() < IOVECS_PER_CALL_MAX {
@@ -488,20 +470,17 @@ pub unsafe fn read_gathered(
             )
         };
         if n < 0 {
-            let error = io::Error::last_os_error();
-            match error.raw_os_error() {
-                Some(libc::EINTR) => continue,
-                Some(libc::ESRCH) => return Err(SameHostError::PeerExited { pid }),
-                _ => {
-                    return Err(SameHostError::Copy {
-                        op: "process_vm_readv",
-                        pid,
-                        remote: spans[at].0,
-                        len: remote[0].iov_len,
-                        moved,
-                        error: error.to_string(),
-                    })
-                }
+            let failed = |error| SameHostError::Copy {
+                op: "process_vm_readv",
+                pid,
+                remote: spans[at].0,
+                len: remote[0].iov_len,
+                moved,
+                error,
+            };
+            match failed_call(pid, failed) {
+                None => continue,
+                Some(e) => return Err(e),
             }
         }
         if n as usize != bytes {
@@ -541,6 +520,46 @@ pub unsafe fn read_gathered(
         at = next;
     }
     Ok(moved)
+}
+
+/// Checked before every call: the deadline, the writer's `lease` (`None` for a read) and
+/// the peer's liveness.
+fn before_call(
+    peer: &PeerProcess,
+    deadline: Instant,
+    lease: Option<&Lease>,
+    moved: u64,
+    total: u64,
+) -> Result<(), SameHostError> {
+    let (now, pid) = (Instant::now(), peer.pid);
+    if now >= deadline {
+        return Err(SameHostError::Timeout { pid, moved, total });
+    }
+    if let Some(ago) = lease.and_then(|l| l.expired_for(now)) {
+        return Err(SameHostError::LeaseExpired {
+            pid,
+            moved,
+            ago: (ago != Duration::MAX).then_some(ago),
+        });
+    }
+    if !peer.alive() {
+        return Err(SameHostError::PeerExited { pid });
+    }
+    Ok(())
+}
+
+/// What a call that returned -1 means: `None` to call again (interrupted), else the error
+/// (the peer gone, or `copy_failed` with the kernel's words).
+fn failed_call(
+    pid: u32,
+    copy_failed: impl FnOnce(String) -> SameHostError,
+) -> Option<SameHostError> {
+    let error = io::Error::last_os_error();
+    match error.raw_os_error() {
+        Some(libc::EINTR) => None,
+        Some(libc::ESRCH) => Some(SameHostError::PeerExited { pid }),
+        _ => Some(copy_failed(error.to_string())),
+    }
 }
 
 /// Whether a segment at `addr` continues the list's last one.

@@ -810,14 +810,10 @@ impl UcxDataPlane {
             } else {
                 run()
             };
-            let took_us = started.elapsed().as_micros() as u64;
-            return match copied {
-                Ok(pieces) => {
-                    tracing::debug!(%request, peer = %peer.name, bytes, pieces, took_us, "same-host copy");
-                    Ok(())
-                }
-                Err(e) => Err(e),
-            };
+            return copied.map(|pieces| {
+                let took_us = started.elapsed().as_micros() as u64;
+                tracing::debug!(%request, peer = %peer.name, bytes, pieces, took_us, "same-host copy");
+            });
         }
         let timed_out = |op: &'static str| DataError::Timeout {
             peer: peer.name.clone(),
@@ -1551,18 +1547,6 @@ fn copy_same_host(
         Direction::Put => Way::Write,
         Direction::Get => Way::Read,
     };
-    // The peer's ranges, for a gathered read's spans to stay within.
-    let within: Vec<(u64, u64)> = theirs
-        .ranges
-        .iter()
-        .map(|r| {
-            let span = (r.stride as u64).saturating_mul(u64::from(theirs.blocks.saturating_sub(1)));
-            (
-                r.addr,
-                r.addr.saturating_add(span).saturating_add(r.bytes as u64),
-            )
-        })
-        .collect();
     let copy = |pieces: &[same_host::Piece]| {
         let bytes: u64 = pieces.iter().map(|p| p.len as u64).sum();
         let small = bytes < (pieces.len() as u64).saturating_mul(SAME_HOST_GATHER_PIECE_BYTES);
@@ -1570,6 +1554,12 @@ fn copy_same_host(
         // mapped by `pair_block`), memory the plane keeps alive while it runs; the peer's
         // addresses need no promise (a bad one is `EFAULT`).
         let copied = if way == Way::Read && small {
+            // The peer's ranges, for the spans read to stay within.
+            let within: Vec<(u64, u64)> = theirs
+                .ranges
+                .iter()
+                .filter_map(|r| Some((r.addr, r.addr.checked_add(r.extent(theirs.blocks)?)?)))
+                .collect();
             unsafe { same_host::read_gathered(process, pieces, &within, deadline) }
         } else {
             unsafe { same_host::copy(process, way, pieces, deadline, lease) }

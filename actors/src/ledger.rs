@@ -65,10 +65,6 @@ impl Ledger {
         self.cell.borrow().state.clone()
     }
 
-    pub(crate) fn handed_over(&self) -> bool {
-        self.cell.borrow().handed_over
-    }
-
     pub(crate) fn peers(&self) -> Vec<Peer> {
         self.cell.borrow().peers.clone()
     }

@@ -8,6 +8,8 @@
 //! # Layout
 //! - [`machine`]: sans-IO sender and receiver machines, [`machine::State`], [`machine::merge`].
 //! - [`runtime`]: the root actor (supervision policy in its docs), [`Runtime`] and the handles.
+//! - [`router`]: the root actor's rules as plain data (routing, buffering, tombstones,
+//!   admission, what a dead request actor leaves behind).
 //! - `request`: the request actor that drives one machine.
 //! - `ledger`: the per-request record that makes "released exactly once" hold across panics.
 //! - [`event`]: lifecycle events and their bounded queue.
@@ -30,6 +32,7 @@ pub mod link;
 pub mod machine;
 pub mod net;
 mod request;
+pub mod router;
 pub mod runtime;
 
 pub use config::{RuntimeConfig, TransportChoice};

@@ -135,7 +135,8 @@ impl Inbox {
     /// Reports a malformed or out-of-range message from a peer about request `id`: the
     /// request fails with a protocol error naming the peer.
     pub fn deliver_invalid(&self, from: Peer, id: RequestId, detail: String) -> bool {
-        self.0.cast(RootMsg::Invalid { from, id, detail }).is_ok()
+        let what = crate::router::Local::Invalid { from, detail };
+        self.0.cast(RootMsg::Local { id, what }).is_ok()
     }
 
     /// Reports a peer as gone: every request depending on it fails at once.

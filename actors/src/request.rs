@@ -9,7 +9,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use handoff_transport::{EngineId, Role, TransferMode};
+use handoff_transport::{EngineId, TransferMode};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
@@ -19,6 +19,7 @@ use crate::link::{Link, ResolveError, PLANE_ANSWER_GRACE};
 use crate::machine::{
     Action, ReceiverEvent, ReceiverMachine, SenderEvent, SenderMachine, State, Timeouts,
 };
+use crate::router::{Local, MachineEvent};
 use crate::runtime::RootMsg;
 
 /// First wait between bootstrap lookups that answer "not ready".
@@ -29,13 +30,6 @@ pub const RESOLVE_BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// How long a decode request that failed before resolving its prefill ranks may spend
 /// looking them up to tell them.
 pub const ABORT_LOOKUP_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// An event for either machine.
-#[derive(Debug)]
-pub(crate) enum MachineEvent {
-    Sender(SenderEvent),
-    Receiver(ReceiverEvent),
-}
 
 /// Messages a request actor handles.
 #[derive(Debug)]
@@ -307,12 +301,8 @@ impl RequestState {
                 self.ledger.add_peer(&to);
                 if let Err(e) = self.link.send(&to, id, msg) {
                     debug!(request = %id, peer = %to, error = %e, "send failed: peer lost");
-                    let event = match self.ledger.role {
-                        Role::Prefill => MachineEvent::Sender(SenderEvent::PeerLost { peer: to }),
-                        Role::Decode => {
-                            MachineEvent::Receiver(ReceiverEvent::PeerLost { peer: to })
-                        }
-                    };
+                    let what = Local::PeerLost { peer: to };
+                    let event = MachineEvent::for_role(self.ledger.role, what);
                     // Delivered as a message so this pump's actions stay in order.
                     let _ = myself.cast(RequestMsg::Event(event));
                 }

@@ -13,7 +13,7 @@
 //! - a request actor that **stops** before its request ended is treated the same way.
 //! - a request actor that stops after its request ended is the normal case and is ignored.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -26,15 +26,15 @@ use ractor::{Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef, Supervisio
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
-use crate::config::{
-    RuntimeConfig, TransportChoice, PENDING_MESSAGES_PER_REQUEST_MAX, PENDING_REQUESTS_MAX,
-    REQUESTS_OPEN_MAX_DEFAULT, TOMBSTONES_MAX,
-};
-use crate::event::{Event, EventQueue, FenceEnd, ReleaseReason};
+use crate::config::{RuntimeConfig, TransportChoice, REQUESTS_OPEN_MAX_DEFAULT};
+use crate::event::{Event, EventQueue, ReleaseReason};
 use crate::ledger::{Ledger, Record};
 use crate::link::{Attach, Inbox, Link};
-use crate::machine::{Outbound, Peer, ReceiverEvent, SenderEvent, State, Timeouts};
-use crate::request::{Kind, MachineEvent, RequestActor, RequestArgs, RequestMsg};
+use crate::machine::{Outbound, Peer, State, Timeouts};
+use crate::request::{Kind, RequestActor, RequestArgs, RequestMsg};
+use crate::router::{
+    Action, Input, Local, MachineEvent, Router, RouterConfig, RouterLimits, Timer,
+};
 use crate::Error;
 
 /// Messages the root actor handles.
@@ -42,38 +42,24 @@ use crate::Error;
 pub(crate) enum RootMsg {
     /// The engine opened a request.
     Open { ledger: Ledger, kind: OpenKind },
-    /// The engine handed blocks over (already recorded in the ledger).
-    HandedOver {
-        id: RequestId,
-        blocks: Vec<BlockId>,
-        aux: Vec<u8>,
-    },
-    /// The engine aborted a request.
-    Abort { id: RequestId },
+    /// The engine (or the control loop) says something about one request: blocks handed
+    /// over (already recorded in the ledger), an abort, a busy rejection, a peer's
+    /// malformed message.
+    Local { id: RequestId, what: Local },
     /// A peer sent a control message about a request.
     Inbound {
         from: Peer,
         id: RequestId,
         msg: Outbound,
     },
-    /// A peer sent a malformed or out-of-range message about a request.
-    Invalid {
-        from: Peer,
-        id: RequestId,
-        detail: String,
-    },
-    /// The engine (or admission control) rejects a decode request as busy.
-    Reject { id: RequestId },
     /// A request actor's machine reached a terminal state.
     Ended { id: RequestId },
     /// A peer stopped answering: fail every request that depends on it.
     PeerLost { peer: Peer },
     /// Fault injection: make the request's actor panic.
     InjectPanic { id: RequestId },
-    /// A buffered request's bootstrap deadline has passed: expire what is due.
-    ExpirePending,
-    /// The fence bound of a request whose actor died has passed: release its blocks.
-    ReleaseOrphan { id: RequestId },
+    /// A timer the router asked for fired.
+    Timer(Timer),
 }
 
 #[derive(Debug)]
@@ -91,42 +77,30 @@ impl std::fmt::Debug for Ledger {
     }
 }
 
+/// What the root keeps for a request the router has not forgotten: its actor (none once
+/// it died or was stopped) and its ledger.
 struct Entry {
-    actor: ActorRef<RequestMsg>,
+    actor: Option<ActorRef<RequestMsg>>,
     ledger: Ledger,
 }
 
-/// Messages for a request this runtime does not know yet.
-struct Pending {
-    expires: Instant,
-    /// The peers that sent something, to be told if the request is never opened.
-    from: Vec<Peer>,
-    events: Vec<MachineEvent>,
-}
-
+/// The root actor's state: the router decides, this performs.
 struct RootState {
     cfg: RuntimeConfig,
     link: Arc<dyn Link>,
     shared: Arc<Shared>,
-    requests: BTreeMap<RequestId, Entry>,
+    router: Router,
+    entries: BTreeMap<RequestId, Entry>,
     by_actor: HashMap<ActorId, RequestId>,
-    pending: BTreeMap<RequestId, Pending>,
-    /// Pending requests in the order they expire (all live for the same bootstrap timeout).
-    pending_order: VecDeque<(Instant, RequestId)>,
-    tombstones: BTreeMap<RequestId, State>,
-    /// Decode requests whose actor died while their blocks could still be written into
-    /// (one-sided writes): held until the fence bound passes.
-    orphans: BTreeMap<RequestId, Ledger>,
-    tombstone_order: VecDeque<RequestId>,
 }
 
 /// State shared between the root actor and the engine's handles.
 #[derive(Default)]
 pub(crate) struct Shared {
     pub(crate) events: Arc<EventQueue>,
-    /// Every request from `sender`/`receiver` returning until the root buries it. Held here,
-    /// not only in the root's mailbox, so a request whose `Open` message is overtaken by a
-    /// stop still ends `Failed` with its blocks released.
+    /// Every request from `sender`/`receiver` returning until the root forgets it. Held
+    /// here, not only in the root's mailbox, so a request whose `Open` message is overtaken
+    /// by a stop still ends `Failed` with its blocks released.
     open: Mutex<BTreeMap<RequestId, Ledger>>,
 }
 
@@ -141,8 +115,8 @@ impl Shared {
         for ledger in open.values() {
             let detail = why.to_string();
             ledger.fail_if_live_as(FailureReason::Internal { detail }, ReleaseReason::Shutdown);
-            // Requests that ended but still held blocks (a fence) give them back too: the
-            // runtime is going away, and nothing it started can land after this.
+            // Requests that ended but still held blocks (a fence, an orphan) give them back
+            // too: the runtime is going away, and nothing it started can land after this.
             ledger.release_all(ReleaseReason::Shutdown);
         }
     }
@@ -180,17 +154,22 @@ impl Actor for RootActor {
             TransportChoice::Custom(transport) => transport.attach(rank, role, inbox, region)?,
         };
         info!(role = %args.cfg.role, rank = %args.cfg.rank, transport = ?args.cfg.transport, "runtime started");
+        let router = Router::new(RouterConfig {
+            role: args.cfg.role,
+            mode: args.cfg.mode,
+            one_sided: link.one_sided(),
+            bootstrap: args.cfg.timeouts.bootstrap,
+            fence_max: args.cfg.timeouts.fence_max(),
+            unallocated_max: args.cfg.unallocated_max,
+            limits: RouterLimits::default(),
+        });
         Ok(RootState {
             cfg: args.cfg,
             link,
             shared: args.shared,
-            requests: BTreeMap::new(),
+            router,
+            entries: BTreeMap::new(),
             by_actor: HashMap::new(),
-            pending: BTreeMap::new(),
-            pending_order: VecDeque::new(),
-            tombstones: BTreeMap::new(),
-            orphans: BTreeMap::new(),
-            tombstone_order: VecDeque::new(),
         })
     }
 
@@ -200,58 +179,33 @@ impl Actor for RootActor {
         msg: RootMsg,
         state: &mut RootState,
     ) -> Result<(), ActorProcessingErr> {
-        match msg {
-            RootMsg::Open { ledger, kind } => state.open(&myself, ledger, kind).await,
-            RootMsg::HandedOver { id, blocks, aux } => {
-                let event = match state.cfg.role {
-                    Role::Prefill => MachineEvent::Sender(SenderEvent::Input { blocks, aux }),
-                    Role::Decode => MachineEvent::Receiver(ReceiverEvent::Allocated { blocks }),
+        let input = match msg {
+            RootMsg::Open { ledger, kind } => {
+                state.open(&myself, ledger, kind).await;
+                return Ok(());
+            }
+            RootMsg::Local { id, what } => Input::Local { id, what },
+            RootMsg::Inbound { from, id, msg } => Input::Inbound { from, id, msg },
+            RootMsg::Ended { id } => {
+                let Some(entry) = state.entries.get(&id) else {
+                    return Ok(());
                 };
-                state.deliver(&id, event);
+                let ended = entry.ledger.state();
+                Input::Ended { id, state: ended }
             }
-            RootMsg::Abort { id } => {
-                let event = match state.cfg.role {
-                    Role::Prefill => MachineEvent::Sender(SenderEvent::Abort),
-                    Role::Decode => MachineEvent::Receiver(ReceiverEvent::Abort),
-                };
-                state.deliver(&id, event);
+            RootMsg::PeerLost { peer } => {
+                debug!(%peer, "peer lost");
+                Input::PeerLost { peer }
             }
-            RootMsg::Inbound { from, id, msg } => state.inbound(&myself, from, id, msg),
-            RootMsg::Invalid { from, id, detail } => {
-                let what = format!("invalid message: {detail}");
-                let event = match state.cfg.role {
-                    Role::Prefill => MachineEvent::Sender(SenderEvent::Unexpected { from, what }),
-                    Role::Decode => {
-                        MachineEvent::Receiver(ReceiverEvent::Unexpected { from, what })
-                    }
-                };
-                state.deliver(&id, event);
-            }
-            RootMsg::Reject { id } => {
-                let reason = FailureReason::RejectedBusy;
-                state.deliver(
-                    &id,
-                    MachineEvent::Receiver(ReceiverEvent::Reject { reason }),
-                );
-            }
-            RootMsg::Ended { id } => state.ended(&id),
-            RootMsg::PeerLost { peer } => state.peer_lost(&peer),
-            RootMsg::ExpirePending => state.expire_pending(now()),
-            RootMsg::ReleaseOrphan { id } => {
-                if let Some(ledger) = state.orphans.remove(&id) {
-                    ledger.release_all(ledger.ended_why(Some(FenceEnd::Bound)));
-                    // Whatever the dead actor left in flight has ended by now.
-                    for peer in ledger.peers() {
-                        let _ = state.link.send(&peer, &id, Outbound::AbortAck);
-                    }
-                }
-            }
+            RootMsg::Timer(timer) => Input::Timer(timer),
             RootMsg::InjectPanic { id } => {
-                if let Some(e) = state.requests.get(&id) {
-                    let _ = e.actor.cast(RequestMsg::Panic);
+                if let Some(actor) = state.entries.get(&id).and_then(|e| e.actor.as_ref()) {
+                    let _ = actor.cast(RequestMsg::Panic);
                 }
+                return Ok(());
             }
-        }
+        };
+        state.feed(&myself, input);
         Ok(())
     }
 
@@ -263,15 +217,12 @@ impl Actor for RootActor {
     ) -> Result<(), ActorProcessingErr> {
         match evt {
             SupervisionEvent::ActorFailed(cell, err) => {
-                state.child_gone(&myself, &cell, &format!("request actor failed: {err}"));
+                state.child_gone(&myself, &cell, format!("request actor failed: {err}"));
             }
             SupervisionEvent::ActorTerminated(cell, _, reason) => {
                 let why = reason.unwrap_or_else(|| "no reason given".into());
-                state.child_gone(
-                    &myself,
-                    &cell,
-                    &format!("request actor stopped before the request ended: {why}"),
-                );
+                let why = format!("request actor stopped before the request ended: {why}");
+                state.child_gone(&myself, &cell, why);
             }
             _ => {}
         }
@@ -285,15 +236,15 @@ impl Actor for RootActor {
     ) -> Result<(), ActorProcessingErr> {
         state.link.detach();
         // In request-id order, so a simulated shutdown replays the same way.
-        for id in state.requests.keys() {
+        for id in state.router.live() {
             state.link.request_ended(id);
         }
-        for (_, ledger) in std::mem::take(&mut state.orphans) {
-            ledger.release_all(ReleaseReason::Shutdown);
-        }
+        // Every ledger the router still knows (live requests and orphans) is in `open`.
         state.shared.fail_all("runtime stopped");
-        for (_, entry) in std::mem::take(&mut state.requests) {
-            entry.actor.stop(None);
+        for (_, entry) in std::mem::take(&mut state.entries) {
+            if let Some(actor) = entry.actor {
+                actor.stop(None);
+            }
         }
         state.by_actor.clear();
         info!(rank = %state.cfg.rank, "runtime stopped");
@@ -302,36 +253,53 @@ impl Actor for RootActor {
 }
 
 impl RootState {
+    /// Feeds the router one input and performs what it decides.
+    fn feed(&mut self, myself: &ActorRef<RootMsg>, input: Input) {
+        for action in self.router.handle(now(), input) {
+            self.perform(myself, action);
+        }
+    }
+
     async fn open(&mut self, myself: &ActorRef<RootMsg>, ledger: Ledger, kind: OpenKind) {
         let id = ledger.id.clone();
-        if let Some(ended) = self.tombstones.get(&id) {
-            // Ended here already (or, on prefill, never opened before its bootstrap deadline,
-            // with decode told that nothing of ours would be written): it fails at once,
-            // rather than act on messages that would break that promise.
-            let reason = ended.failure().cloned().unwrap_or(FailureReason::Protocol {
-                detail: format!("request {id} already ended here ({ended})"),
-            });
-            warn!(request = %id, %reason, "request opened after it ended here");
-            ledger.fail_if_live(reason);
-            self.shared.open().remove(&id);
-            return;
+        for action in self.router.handle(now(), Input::Open { id }) {
+            match action {
+                Action::Spawn {
+                    backlog, reject, ..
+                } => {
+                    let kind = match &kind {
+                        OpenKind::Sender => Kind::Sender,
+                        OpenKind::Receiver {
+                            prefill,
+                            prefill_dp_rank,
+                        } => Kind::Receiver {
+                            mode: self.cfg.mode,
+                            prefill: prefill.clone(),
+                            prefill_dp_rank: *prefill_dp_rank,
+                        },
+                    };
+                    self.spawn(myself, ledger.clone(), kind, backlog, reject)
+                        .await;
+                }
+                Action::Refuse { id, reason } => {
+                    warn!(request = %id, %reason, "request opened after it ended here");
+                    ledger.fail_if_live(reason);
+                    self.shared.open().remove(&id);
+                }
+                other => self.perform(myself, other),
+            }
         }
-        let backlog = self
-            .pending
-            .remove(&id)
-            .map(|p| p.events)
-            .unwrap_or_default();
-        let kind = match kind {
-            OpenKind::Sender => Kind::Sender,
-            OpenKind::Receiver {
-                prefill,
-                prefill_dp_rank,
-            } => Kind::Receiver {
-                mode: self.cfg.mode,
-                prefill,
-                prefill_dp_rank,
-            },
-        };
+    }
+
+    async fn spawn(
+        &mut self,
+        myself: &ActorRef<RootMsg>,
+        ledger: Ledger,
+        kind: Kind,
+        backlog: Vec<MachineEvent>,
+        reject: bool,
+    ) {
+        let id = ledger.id.clone();
         let args = RequestArgs {
             ledger: ledger.clone(),
             link: self.link.clone(),
@@ -340,22 +308,16 @@ impl RootState {
             kind,
             backlog,
         };
-        let saturated = self.cfg.role == Role::Decode
-            && self
-                .cfg
-                .unallocated_max
-                .is_some_and(|max| self.unallocated() >= max);
         match Actor::spawn_linked(None, RequestActor, args, myself.get_cell()).await {
             Ok((actor, _)) => {
-                if saturated {
+                if reject {
                     warn!(request = %id, "decode saturated: rejecting");
-                    let reason = FailureReason::RejectedBusy;
-                    let _ = actor.cast(RequestMsg::Event(MachineEvent::Receiver(
-                        ReceiverEvent::Reject { reason },
-                    )));
+                    let event = MachineEvent::for_role(self.cfg.role, Local::Reject);
+                    let _ = actor.cast(RequestMsg::Event(event));
                 }
                 self.by_actor.insert(actor.get_id(), id.clone());
-                self.requests.insert(id.clone(), Entry { actor, ledger });
+                let actor = Some(actor);
+                self.entries.insert(id.clone(), Entry { actor, ledger });
                 debug!(request = %id, role = %self.cfg.role, "request opened");
             }
             Err(e) => {
@@ -363,294 +325,112 @@ impl RootState {
                 ledger.fail_if_live(FailureReason::Internal {
                     detail: format!("could not start request actor: {e}"),
                 });
+                let state = ledger.state();
+                self.entries.insert(
+                    id.clone(),
+                    Entry {
+                        actor: None,
+                        ledger,
+                    },
+                );
+                self.feed(myself, Input::Ended { id, state });
+            }
+        }
+    }
+
+    fn ledger(&self, id: &RequestId) -> Option<&Ledger> {
+        self.entries.get(id).map(|e| &e.ledger)
+    }
+
+    fn perform(&mut self, myself: &ActorRef<RootMsg>, action: Action) {
+        match action {
+            Action::Deliver { id, event } => {
+                if let Some(actor) = self.entries.get(&id).and_then(|e| e.actor.as_ref()) {
+                    let _ = actor.cast(RequestMsg::Event(event));
+                }
+            }
+            Action::Send { to, id, msg } => {
+                if matches!(msg, Outbound::Abort { .. }) {
+                    debug!(request = %id, peer = %to, "telling a peer the request ended here");
+                }
+                let _ = self.link.send(&to, &id, msg);
+            }
+            Action::ToSiblings { id, msg } => {
+                for sibling in self.link.siblings() {
+                    let _ = self.link.send(&sibling, &id, msg.clone());
+                }
+            }
+            Action::After { delay, timer } => {
+                myself.send_after(delay, move || RootMsg::Timer(timer));
+            }
+            Action::Revoke { id } => self.link.request_ended(&id),
+            Action::Fail { id, reason, hold } => {
+                let Some(ledger) = self.ledger(&id) else {
+                    return;
+                };
+                warn!(request = %id, %reason, "request failed with its actor");
+                if hold {
+                    let wait = self.cfg.timeouts.fence_max();
+                    warn!(request = %id, ?wait, "holding the blocks of a request whose actor died, for the fence bound");
+                    ledger.transition(State::Failed(reason));
+                } else {
+                    ledger.fail_if_live(reason);
+                }
+            }
+            Action::Release { id, fence } => {
+                if let Some(ledger) = self.ledger(&id) {
+                    ledger.release_all(ledger.ended_why(fence));
+                }
+            }
+            Action::Retire { id } => {
+                let Some(entry) = self.entries.get_mut(&id) else {
+                    return;
+                };
+                if let Some(actor) = entry.actor.take() {
+                    self.by_actor.remove(&actor.get_id());
+                    actor.stop(None);
+                }
+                // Blocks handed over while the request was ending, never seen by its machine.
+                entry.ledger.release_all(ReleaseReason::Late);
+            }
+            Action::Forget { id } => {
+                if let Some(entry) = self.entries.remove(&id) {
+                    if let Some(actor) = entry.actor {
+                        self.by_actor.remove(&actor.get_id());
+                    }
+                    debug!(request = %id, state = %entry.ledger.state(), "request ended");
+                }
                 self.shared.open().remove(&id);
             }
-        }
-    }
-
-    /// Live decode requests still waiting for the engine to allocate their blocks.
-    fn unallocated(&self) -> usize {
-        self.requests
-            .values()
-            .filter(|e| !e.ledger.handed_over())
-            .count()
-    }
-
-    fn deliver(&mut self, id: &RequestId, event: MachineEvent) {
-        if let Some(entry) = self.requests.get(id) {
-            let _ = entry.actor.cast(RequestMsg::Event(event));
-        }
-    }
-
-    /// Routes a peer's message: to the live request, or an answer for an ended one, or a
-    /// bounded buffer for one the engine has not opened yet.
-    fn inbound(&mut self, myself: &ActorRef<RootMsg>, from: Peer, id: RequestId, msg: Outbound) {
-        if let Some(ended) = self.tombstones.get(&id) {
-            if matches!(msg, Outbound::TransferInfo { .. } | Outbound::Ready { .. }) {
-                let reason = ended.failure().cloned().unwrap_or(FailureReason::Protocol {
-                    detail: format!("request {id} already ended ({ended})"),
-                });
-                let _ = self.link.send(&from, &id, Outbound::Abort { reason });
-            }
-            // A request buried here is settled: no write of ours for it is in flight, so a
-            // decode rank fencing its blocks can have its acknowledgement at once.
-            // (Not an orphan, whose dead actor may have left a transfer in flight: it is
-            // acknowledged when its fence bound passes.)
-            if matches!(msg, Outbound::Abort { .. }) && !self.orphans.contains_key(&id) {
-                let _ = self.link.send(&from, &id, Outbound::AbortAck);
-            }
-            debug!(request = %id, peer = %from, "message for an ended request dropped");
-            return;
-        }
-        let is_abort = matches!(msg, Outbound::Abort { .. });
-        let event = to_event(self.cfg.role, from.clone(), msg);
-        if self.requests.contains_key(&id) {
-            return self.deliver(&id, event);
-        }
-        if is_abort && self.cfg.role == Role::Prefill {
-            // Not opened here yet, so nothing of ours was written: decode may release now.
-            // (The abort is still buffered: the request fails as soon as it is opened.)
-            let _ = self.link.send(&from, &id, Outbound::AbortAck);
-        }
-        self.buffer(myself, from, id, event);
-    }
-
-    fn buffer(
-        &mut self,
-        myself: &ActorRef<RootMsg>,
-        from: Peer,
-        id: RequestId,
-        event: MachineEvent,
-    ) {
-        let t = now();
-        self.expire_pending(t);
-        if !self.pending.contains_key(&id) {
-            if self.pending.len() >= PENDING_REQUESTS_MAX {
-                warn!(request = %id, peer = %from, "too many requests pending creation; refusing");
-                let reason = FailureReason::Internal {
-                    detail: "too many requests pending creation".into(),
-                };
-                let _ = self.link.send(&from, &id, Outbound::Abort { reason });
-                return;
-            }
-            let expires = t + self.cfg.timeouts.bootstrap;
-            self.pending.insert(
-                id.clone(),
-                Pending {
-                    expires,
-                    from: Vec::new(),
-                    events: Vec::new(),
-                },
-            );
-            self.pending_order.push_back((expires, id.clone()));
-            // One timer per buffered request (bounded by PENDING_REQUESTS_MAX), so an
-            // unopened request is answered at its deadline even if nothing else arrives.
-            myself.send_after(self.cfg.timeouts.bootstrap, || RootMsg::ExpirePending);
-        }
-        let Some(pending) = self.pending.get_mut(&id) else {
-            return;
-        };
-        if pending.events.len() >= PENDING_MESSAGES_PER_REQUEST_MAX {
-            warn!(request = %id, peer = %from, "too many messages for a request not yet opened; dropped");
-            return;
-        }
-        if !pending.from.contains(&from) {
-            pending.from.push(from);
-        }
-        pending.events.push(event);
-    }
-
-    /// Drops messages for requests the engine never opened within the bootstrap timeout,
-    /// and tells their senders (instead of leaving them to their own deadlines).
-    fn expire_pending(&mut self, t: Instant) {
-        while let Some((expires, _)) = self.pending_order.front() {
-            if *expires > t {
-                return;
-            }
-            let Some((expires, id)) = self.pending_order.pop_front() else {
-                return;
-            };
-            // Opened since (entry gone) or re-buffered later: nothing to expire.
-            if self.pending.get(&id).is_none_or(|p| p.expires != expires) {
-                continue;
-            }
-            if let Some(p) = self.pending.remove(&id) {
-                warn!(request = %id, peers = ?p.from, "request never opened here before its bootstrap deadline");
-                if self.cfg.role == Role::Prefill {
-                    // We tell decode nothing of ours will be written: keep that true if the
-                    // engine opens the request after all, or its messages come late
-                    // (found by the simulator: a late transfer info re-buffered, the engine
-                    // opened the request, and prefill wrote into blocks decode had reused).
-                    self.entomb(id.clone(), State::Failed(FailureReason::BootstrapTimeout));
-                }
-                for peer in p.from {
-                    if self.cfg.role == Role::Prefill {
-                        // Never opened here: nothing of ours was written (after the abort).
-                        let abort = Outbound::Abort {
-                            reason: FailureReason::BootstrapTimeout,
-                        };
-                        let _ = self.link.send(&peer, &id, abort);
-                        let _ = self.link.send(&peer, &id, Outbound::AbortAck);
-                        continue;
-                    }
-                    let _ = self.link.send(
-                        &peer,
-                        &id,
-                        Outbound::Abort {
-                            reason: FailureReason::BootstrapTimeout,
-                        },
-                    );
-                }
+            // Only an open decides these, and `open` performs them itself.
+            Action::Spawn { id, .. } | Action::Refuse { id, .. } => {
+                warn!(request = %id, "open decision outside an open dropped");
             }
         }
     }
 
-    fn ended(&mut self, id: &RequestId) {
-        let Some(entry) = self.requests.remove(id) else {
-            return;
-        };
-        self.by_actor.remove(&entry.actor.get_id());
-        entry.actor.stop(None);
-        // Blocks handed over while the request was ending, never seen by its machine.
-        entry.ledger.release_all(ReleaseReason::Late);
-        self.bury(&entry.ledger);
-    }
-
-    /// Remembers an ended request, tells sibling ranks if it failed here, and frees its id.
-    fn bury(&mut self, ledger: &Ledger) {
-        let state = ledger.state();
-        if let State::Failed(reason) = &state {
-            if !matches!(reason, FailureReason::AbortedByPeer { .. }) {
-                for sibling in self.link.siblings() {
-                    let _ = self.link.send(
-                        &sibling,
-                        &ledger.id,
-                        Outbound::Abort {
-                            reason: reason.clone(),
-                        },
-                    );
-                }
-            }
-        }
-        debug!(request = %ledger.id, %state, "request ended");
-        self.entomb(ledger.id.clone(), state);
-        self.shared.open().remove(&ledger.id);
-    }
-
-    /// Remembers how a request ended here (at most [`TOMBSTONES_MAX`], oldest forgotten).
-    fn entomb(&mut self, id: RequestId, state: State) {
-        if self.tombstones.insert(id.clone(), state).is_none() {
-            self.tombstone_order.push_back(id);
-        }
-        while self.tombstone_order.len() > TOMBSTONES_MAX {
-            if let Some(old) = self.tombstone_order.pop_front() {
-                self.tombstones.remove(&old);
-            }
-        }
-    }
-
-    /// A request actor died: its request fails (if it had not ended), its peers are told.
-    fn child_gone(&mut self, myself: &ActorRef<RootMsg>, cell: &ActorCell, why: &str) {
+    /// A request actor died: the router decides what its request leaves behind.
+    fn child_gone(&mut self, myself: &ActorRef<RootMsg>, cell: &ActorCell, why: String) {
         let Some(id) = self.by_actor.remove(&cell.get_id()) else {
             return;
         };
-        let Some(entry) = self.requests.remove(&id) else {
+        let Some(entry) = self.entries.get_mut(&id) else {
             return;
         };
-        let reason = FailureReason::Internal {
-            detail: why.to_string(),
-        };
-        // With one-sided writes, a decode request's blocks may still be written into by a
-        // prefill rank, and on any plane a pull decode's own read in flight copies into
-        // them; the fence that tracked either died with the actor: hold them for the whole
-        // fence bound instead of releasing now (found by the simulator: a dead pull
-        // request's read landed in blocks the engine had reused).
-        let orphan = self.link.one_sided()
-            || (self.cfg.role == Role::Decode && self.cfg.mode == TransferMode::Pull);
-        // Revoke this request's grants before its blocks go, as its actor would have (found
-        // by the simulator running the real grant table: a late write passed the dead
-        // request's grant and landed in blocks the engine had reused).
-        self.link.request_ended(&id);
-        let live = !entry.ledger.state().is_terminal();
-        if live {
-            warn!(request = %id, %why, "request failed with its actor");
-            if orphan {
-                entry.ledger.transition(State::Failed(reason.clone()));
-            } else {
-                entry.ledger.fail_if_live(reason.clone());
-            }
-            for peer in entry.ledger.peers() {
-                let _ = self.link.send(
-                    &peer,
-                    &id,
-                    Outbound::Abort {
-                        reason: reason.clone(),
-                    },
-                );
-            }
+        entry.actor = None;
+        let (state, peers) = (entry.ledger.state(), entry.ledger.peers());
+        if !state.is_terminal() {
+            warn!(request = %id, %why, "request actor died");
         }
-        if orphan {
-            let wait = self.cfg.timeouts.fence_max();
-            warn!(request = %id, ?wait, "holding the blocks of a request whose actor died, for the fence bound");
-            self.orphans.insert(id.clone(), entry.ledger.clone());
-            let orphan_id = id.clone();
-            myself.send_after(wait, move || RootMsg::ReleaseOrphan { id: orphan_id });
-        } else {
-            entry.ledger.release_all(entry.ledger.ended_why(None));
-        }
-        self.bury(&entry.ledger);
-    }
-
-    fn peer_lost(&mut self, peer: &Peer) {
-        for (id, entry) in &self.requests {
-            if entry.ledger.peers().contains(peer) {
-                let event = match self.cfg.role {
-                    Role::Prefill => {
-                        MachineEvent::Sender(SenderEvent::PeerLost { peer: peer.clone() })
-                    }
-                    Role::Decode => {
-                        MachineEvent::Receiver(ReceiverEvent::PeerLost { peer: peer.clone() })
-                    }
-                };
-                debug!(request = %id, %peer, "peer lost");
-                let _ = entry.actor.cast(RequestMsg::Event(event));
-            }
-        }
-    }
-}
-
-/// What a peer's message means to this side's machine.
-fn to_event(role: Role, from: Peer, msg: Outbound) -> MachineEvent {
-    match role {
-        Role::Prefill => MachineEvent::Sender(match msg {
-            Outbound::TransferInfo { mode, blocks } => {
-                SenderEvent::TransferInfo { from, mode, blocks }
-            }
-            Outbound::Queued => SenderEvent::Queued { from },
-            Outbound::Rejected { reason } => SenderEvent::Rejected { from, reason },
-            Outbound::ReadDone => SenderEvent::ReadDone { from },
-            Outbound::Abort { reason } => SenderEvent::PeerAbort { from, reason },
-            Outbound::AbortAck => SenderEvent::AbortAck { from },
-            other => SenderEvent::Unexpected {
-                from,
-                what: format!("{other:?}"),
+        self.feed(
+            myself,
+            Input::ActorGone {
+                id,
+                state,
+                peers,
+                why,
             },
-        }),
-        Role::Decode => MachineEvent::Receiver(match msg {
-            Outbound::Done { aux } => ReceiverEvent::Done { from, aux },
-            Outbound::Ready { blocks, aux, hold } => ReceiverEvent::Ready {
-                from,
-                blocks,
-                aux,
-                hold,
-            },
-            Outbound::Abort { reason } => ReceiverEvent::PeerAbort { from, reason },
-            Outbound::AbortAck => ReceiverEvent::AbortAck { from },
-            other => ReceiverEvent::Unexpected {
-                from,
-                what: format!("{other:?}"),
-            },
-        }),
+        );
     }
 }
 
@@ -931,7 +711,10 @@ impl Handle {
         let id = self.ledger.id.clone();
         if self
             .root
-            .cast(RootMsg::HandedOver { id, blocks, aux })
+            .cast(RootMsg::Local {
+                id,
+                what: Local::HandedOver { blocks, aux },
+            })
             .is_err()
         {
             self.ledger.fail_if_live_as(
@@ -962,7 +745,8 @@ impl Handle {
 
     fn abort(&self) {
         let id = self.ledger.id.clone();
-        if self.root.cast(RootMsg::Abort { id }).is_err() {
+        let what = Local::Abort;
+        if self.root.cast(RootMsg::Local { id, what }).is_err() {
             self.ledger.fail_if_live(FailureReason::AbortedByEngine);
         }
     }
@@ -1051,7 +835,8 @@ impl ReceiverHandle {
     /// meaningful before blocks are allocated.
     pub fn reject_busy(&self) {
         let id = self.0.ledger.id.clone();
-        if self.0.root.cast(RootMsg::Reject { id }).is_err() {
+        let what = Local::Reject;
+        if self.0.root.cast(RootMsg::Local { id, what }).is_err() {
             self.0.ledger.fail_if_live(FailureReason::RejectedBusy);
         }
     }

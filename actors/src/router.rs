@@ -1,0 +1,743 @@
+//! The root actor's rules, as plain data: which request a message is for, what to do with
+//! a message for a request not opened yet or already ended, when a request is admitted,
+//! and what a request whose actor died leaves behind.
+//!
+//! [`Router::handle`] takes one [`Input`] at a time, with the time it happens, and returns
+//! the [`Action`]s the root actor performs in order: spawn an actor, deliver an event to one,
+//! send a control message, arm a timer, fail, release or forget a request. It does no I/O
+//! and reads no clock, so property tests drive it directly (`actors/tests/router.rs`). The
+//! root actor only shuttles: it turns its mailbox into inputs and actions into calls on the
+//! request actors, the [`crate::Link`] and the request's ledger.
+//!
+//! What the router remembers, each with a bound:
+//! - the live requests (opened, not yet ended) and whether the engine handed their blocks
+//!   over (decode's admission control counts those still waiting);
+//! - messages for requests not opened yet ([`RouterLimits::pending_requests`] requests,
+//!   [`RouterLimits::pending_messages`] each, for the bootstrap timeout);
+//! - how requests ended ([`RouterLimits::tombstones`], oldest forgotten), so a late message
+//!   is answered instead of buffered as if its request were still to come;
+//! - decode requests whose actor died while their blocks could still be written into
+//!   (orphans), until the fence bound passes.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use handoff_transport::{BlockId, FailureReason, RequestId, Role, TransferMode};
+
+use crate::config::{PENDING_MESSAGES_PER_REQUEST_MAX, PENDING_REQUESTS_MAX, TOMBSTONES_MAX};
+use crate::event::FenceEnd;
+use crate::machine::{Outbound, Peer, ReceiverEvent, SenderEvent, State};
+
+/// An event for either machine: the role decides which ([`MachineEvent::for_role`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MachineEvent {
+    /// For a prefill request's machine.
+    Sender(SenderEvent),
+    /// For a decode request's machine.
+    Receiver(ReceiverEvent),
+}
+
+impl MachineEvent {
+    /// What `what` means to a machine of `role`: the one place the role picks the side.
+    pub fn for_role(role: Role, what: Local) -> Self {
+        match (role, what) {
+            (Role::Prefill, Local::HandedOver { blocks, aux }) => {
+                Self::Sender(SenderEvent::Input { blocks, aux })
+            }
+            (Role::Decode, Local::HandedOver { blocks, .. }) => {
+                Self::Receiver(ReceiverEvent::Allocated { blocks })
+            }
+            (Role::Prefill, Local::Abort) => Self::Sender(SenderEvent::Abort),
+            (Role::Decode, Local::Abort) => Self::Receiver(ReceiverEvent::Abort),
+            // Only decode's handles can reject; a prefill machine drops it as the other
+            // side's event.
+            (_, Local::Reject) => Self::Receiver(ReceiverEvent::Reject {
+                reason: FailureReason::RejectedBusy,
+            }),
+            (Role::Prefill, Local::Invalid { from, detail }) => {
+                Self::Sender(SenderEvent::Unexpected {
+                    from,
+                    what: format!("invalid message: {detail}"),
+                })
+            }
+            (Role::Decode, Local::Invalid { from, detail }) => {
+                Self::Receiver(ReceiverEvent::Unexpected {
+                    from,
+                    what: format!("invalid message: {detail}"),
+                })
+            }
+            (Role::Prefill, Local::PeerLost { peer }) => {
+                Self::Sender(SenderEvent::PeerLost { peer })
+            }
+            (Role::Decode, Local::PeerLost { peer }) => {
+                Self::Receiver(ReceiverEvent::PeerLost { peer })
+            }
+        }
+    }
+
+    /// What a peer's control message means to a machine of `role`.
+    pub fn inbound(role: Role, from: Peer, msg: Outbound) -> Self {
+        match role {
+            Role::Prefill => Self::Sender(match msg {
+                Outbound::TransferInfo { mode, blocks } => {
+                    SenderEvent::TransferInfo { from, mode, blocks }
+                }
+                Outbound::Queued => SenderEvent::Queued { from },
+                Outbound::Rejected { reason } => SenderEvent::Rejected { from, reason },
+                Outbound::ReadDone => SenderEvent::ReadDone { from },
+                Outbound::Abort { reason } => SenderEvent::PeerAbort { from, reason },
+                Outbound::AbortAck => SenderEvent::AbortAck { from },
+                other => SenderEvent::Unexpected {
+                    from,
+                    what: format!("{other:?}"),
+                },
+            }),
+            Role::Decode => Self::Receiver(match msg {
+                Outbound::Done { aux } => ReceiverEvent::Done { from, aux },
+                Outbound::Ready { blocks, aux, hold } => ReceiverEvent::Ready {
+                    from,
+                    blocks,
+                    aux,
+                    hold,
+                },
+                Outbound::Abort { reason } => ReceiverEvent::PeerAbort { from, reason },
+                Outbound::AbortAck => ReceiverEvent::AbortAck { from },
+                other => ReceiverEvent::Unexpected {
+                    from,
+                    what: format!("{other:?}"),
+                },
+            }),
+        }
+    }
+}
+
+/// Something this worker's engine or control loop says about a request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Local {
+    /// The engine handed the request's blocks over (`send` on prefill, `allocate` on
+    /// decode).
+    HandedOver {
+        /// The blocks.
+        blocks: Vec<BlockId>,
+        /// Prefill's payload for decode's engine (empty if none).
+        aux: Vec<u8>,
+    },
+    /// The engine aborted the request.
+    Abort,
+    /// Decode's engine refuses the request as busy.
+    Reject,
+    /// A peer sent a malformed or out-of-range message about the request.
+    Invalid {
+        /// Who sent it.
+        from: Peer,
+        /// What was wrong with it.
+        detail: String,
+    },
+    /// A peer stopped answering (or could not be sent to).
+    PeerLost {
+        /// Which.
+        peer: Peer,
+    },
+}
+
+/// What happens, in the order the root actor learns it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Input {
+    /// The engine opened a request.
+    Open {
+        /// Its id.
+        id: RequestId,
+    },
+    /// The engine (or the control loop) says something about one request.
+    Local {
+        /// Which.
+        id: RequestId,
+        /// What.
+        what: Local,
+    },
+    /// A peer sent a control message about a request.
+    Inbound {
+        /// Who.
+        from: Peer,
+        /// About which request.
+        id: RequestId,
+        /// What.
+        msg: Outbound,
+    },
+    /// A request's machine ended and nothing of it is in flight: `state` is how it ended.
+    Ended {
+        /// Which.
+        id: RequestId,
+        /// `Done` or `Failed`.
+        state: State,
+    },
+    /// A request's actor died (a panic, or stopped before its request ended, or it could
+    /// not start).
+    ActorGone {
+        /// Which request.
+        id: RequestId,
+        /// The request's state then (terminal if it had ended).
+        state: State,
+        /// Every peer the request had dealt with.
+        peers: Vec<Peer>,
+        /// Why the actor died.
+        why: String,
+    },
+    /// A peer is gone: every live request that depends on it fails at once.
+    PeerLost {
+        /// Which.
+        peer: Peer,
+    },
+    /// A timer armed by [`Action::After`] fired.
+    Timer(Timer),
+}
+
+/// A timer the router asks for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Timer {
+    /// The earliest buffered request's bootstrap deadline: expire what is due.
+    ExpirePending,
+    /// The fence bound of an orphan has passed: its blocks may go.
+    OrphanDue(RequestId),
+}
+
+/// What the root actor does, in order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Start the request's actor, feeding it `backlog` first (messages that came before it
+    /// was opened, in arrival order); `reject`: decode is saturated, fail it `RejectedBusy`.
+    Spawn {
+        /// Which request.
+        id: RequestId,
+        /// Buffered events.
+        backlog: Vec<MachineEvent>,
+        /// Admission control refuses it.
+        reject: bool,
+    },
+    /// The request ended here before (it is remembered): it fails at once with `reason`,
+    /// and no actor runs for it.
+    Refuse {
+        /// Which.
+        id: RequestId,
+        /// Why.
+        reason: FailureReason,
+    },
+    /// Hand `event` to the request's actor.
+    Deliver {
+        /// Which.
+        id: RequestId,
+        /// What.
+        event: MachineEvent,
+    },
+    /// Send a control message to a peer.
+    Send {
+        /// Whom.
+        to: Peer,
+        /// About which request.
+        id: RequestId,
+        /// What.
+        msg: Outbound,
+    },
+    /// Send a control message to every sibling rank (the other ranks of this engine).
+    ToSiblings {
+        /// About which request.
+        id: RequestId,
+        /// What.
+        msg: Outbound,
+    },
+    /// Feed [`Input::Timer`] back after `delay`.
+    After {
+        /// How long from now.
+        delay: Duration,
+        /// Which timer.
+        timer: Timer,
+    },
+    /// Revoke every remote access the request granted (before its blocks can go).
+    Revoke {
+        /// Which.
+        id: RequestId,
+    },
+    /// Fail the request, if it is still live, with `reason`: `hold` keeps its blocks (an
+    /// orphan's, until its fence bound), else they go with it.
+    Fail {
+        /// Which.
+        id: RequestId,
+        /// Why.
+        reason: FailureReason,
+        /// Keep the blocks.
+        hold: bool,
+    },
+    /// Release every block the request still holds, as it ended (`fence`: how a fence on
+    /// them ended, if one held them).
+    Release {
+        /// Which.
+        id: RequestId,
+        /// The fence's end.
+        fence: Option<FenceEnd>,
+    },
+    /// The request ended normally: stop its actor and release what the engine handed over
+    /// while it was ending (never seen by its machine).
+    Retire {
+        /// Which.
+        id: RequestId,
+    },
+    /// The request is settled here: drop what the root keeps for it (its actor handle and
+    /// ledger), and free its id for the engine.
+    Forget {
+        /// Which.
+        id: RequestId,
+    },
+}
+
+/// The router's bounds (defaults: the named limits in [`crate::config`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RouterLimits {
+    /// Requests not opened yet with messages buffered.
+    pub pending_requests: usize,
+    /// Messages buffered per request not opened yet.
+    pub pending_messages: usize,
+    /// Ended requests remembered.
+    pub tombstones: usize,
+}
+
+impl Default for RouterLimits {
+    fn default() -> Self {
+        Self {
+            pending_requests: PENDING_REQUESTS_MAX,
+            pending_messages: PENDING_MESSAGES_PER_REQUEST_MAX,
+            tombstones: TOMBSTONES_MAX,
+        }
+    }
+}
+
+/// What the router is built from.
+#[derive(Clone, Debug)]
+pub struct RouterConfig {
+    /// This worker's role.
+    pub role: Role,
+    /// Decode: push or pull.
+    pub mode: TransferMode,
+    /// Whether the data plane writes without this side's help (RDMA): a dead decode
+    /// request's blocks may then still be written into until the fence bound.
+    pub one_sided: bool,
+    /// How long messages for a request not opened yet are kept.
+    pub bootstrap: Duration,
+    /// The fence bound ([`crate::Timeouts::fence_max`]).
+    pub fence_max: Duration,
+    /// Decode admission control: requests waiting for blocks past which new ones are
+    /// rejected (`None`: no limit).
+    pub unallocated_max: Option<usize>,
+    /// Bounds.
+    pub limits: RouterLimits,
+}
+
+/// Messages for a request this runtime does not know yet.
+#[derive(Debug)]
+struct Pending {
+    expires: Instant,
+    /// The peers that sent something, to be told if the request is never opened.
+    from: Vec<Peer>,
+    events: Vec<MachineEvent>,
+}
+
+/// A live request.
+#[derive(Debug)]
+struct Live {
+    handed_over: bool,
+}
+
+/// The root actor's routing rules (module docs).
+#[derive(Debug)]
+pub struct Router {
+    cfg: RouterConfig,
+    live: BTreeMap<RequestId, Live>,
+    pending: BTreeMap<RequestId, Pending>,
+    /// Pending requests in the order they expire (all live for the same bootstrap timeout).
+    pending_order: VecDeque<(Instant, RequestId)>,
+    tombstones: BTreeMap<RequestId, State>,
+    tombstone_order: VecDeque<RequestId>,
+    /// Orphans, with the peers to tell when their fence bound passes.
+    orphans: BTreeMap<RequestId, Vec<Peer>>,
+}
+
+impl Router {
+    /// A router with nothing open.
+    pub fn new(cfg: RouterConfig) -> Self {
+        Self {
+            cfg,
+            live: BTreeMap::new(),
+            pending: BTreeMap::new(),
+            pending_order: VecDeque::new(),
+            tombstones: BTreeMap::new(),
+            tombstone_order: VecDeque::new(),
+            orphans: BTreeMap::new(),
+        }
+    }
+
+    /// Handles one input at `now`; the actions to perform, in order.
+    pub fn handle(&mut self, now: Instant, input: Input) -> Vec<Action> {
+        let mut out = Vec::new();
+        match input {
+            Input::Open { id } => self.open(id, &mut out),
+            Input::Local { id, what } => {
+                let Some(live) = self.live.get_mut(&id) else {
+                    return out;
+                };
+                if matches!(what, Local::HandedOver { .. }) {
+                    live.handed_over = true;
+                }
+                let event = MachineEvent::for_role(self.cfg.role, what);
+                out.push(Action::Deliver { id, event });
+            }
+            Input::Inbound { from, id, msg } => self.inbound(now, from, id, msg, &mut out),
+            Input::Ended { id, state } => {
+                if self.live.remove(&id).is_some() {
+                    out.push(Action::Retire { id: id.clone() });
+                    self.bury(id, state, &mut out);
+                }
+            }
+            Input::ActorGone {
+                id,
+                state,
+                peers,
+                why,
+            } => self.actor_gone(id, state, peers, why, &mut out),
+            Input::PeerLost { peer } => {
+                // Every live request is told; its machine alone knows whether it depends
+                // on the peer (`depends_on`) and fails `PeerLost` at once if it does.
+                for id in self.live.keys() {
+                    let what = Local::PeerLost { peer: peer.clone() };
+                    out.push(Action::Deliver {
+                        id: id.clone(),
+                        event: MachineEvent::for_role(self.cfg.role, what),
+                    });
+                }
+            }
+            Input::Timer(Timer::ExpirePending) => self.expire_pending(now, &mut out),
+            Input::Timer(Timer::OrphanDue(id)) => {
+                if let Some(peers) = self.orphans.remove(&id) {
+                    out.push(Action::Release {
+                        id: id.clone(),
+                        fence: Some(FenceEnd::Bound),
+                    });
+                    // Whatever the dead actor left in flight has ended by now.
+                    for to in peers {
+                        let msg = Outbound::AbortAck;
+                        out.push(Action::Send {
+                            to,
+                            id: id.clone(),
+                            msg,
+                        });
+                    }
+                    out.push(Action::Forget { id });
+                }
+            }
+        }
+        out
+    }
+
+    /// Live requests, in id order.
+    pub fn live(&self) -> impl Iterator<Item = &RequestId> {
+        self.live.keys()
+    }
+
+    /// Whether `id` is live here.
+    pub fn is_live(&self, id: &RequestId) -> bool {
+        self.live.contains_key(id)
+    }
+
+    /// Orphans held for their fence bound, in id order.
+    pub fn orphans(&self) -> impl Iterator<Item = &RequestId> {
+        self.orphans.keys()
+    }
+
+    /// How `id` ended here, if it did and is still remembered.
+    pub fn ended(&self, id: &RequestId) -> Option<&State> {
+        self.tombstones.get(id)
+    }
+
+    /// Requests with messages buffered, and the most messages buffered for one of them.
+    pub fn pending(&self) -> (usize, usize) {
+        let most = self.pending.values().map(|p| p.events.len()).max();
+        (self.pending.len(), most.unwrap_or(0))
+    }
+
+    /// Ended requests remembered.
+    pub fn remembered(&self) -> usize {
+        self.tombstones.len()
+    }
+
+    fn open(&mut self, id: RequestId, out: &mut Vec<Action>) {
+        if let Some(ended) = self.tombstones.get(&id) {
+            // Ended here already (or, on prefill, never opened before its bootstrap deadline,
+            // with decode told that nothing of ours would be written): it fails at once,
+            // rather than act on messages that would break that promise.
+            let reason = ended.failure().cloned().unwrap_or(FailureReason::Protocol {
+                detail: format!("request {id} already ended here ({ended})"),
+            });
+            out.push(Action::Refuse { id, reason });
+            return;
+        }
+        if self.live.contains_key(&id) || self.orphans.contains_key(&id) {
+            // (An orphan's id stays taken until its blocks go, even once its tombstone is
+            // forgotten.)
+            let reason = FailureReason::Protocol {
+                detail: format!("request {id} is already open here"),
+            };
+            out.push(Action::Refuse { id, reason });
+            return;
+        }
+        let backlog = self
+            .pending
+            .remove(&id)
+            .map(|p| p.events)
+            .unwrap_or_default();
+        let reject = self.cfg.role == Role::Decode
+            && self
+                .cfg
+                .unallocated_max
+                .is_some_and(|max| self.live.values().filter(|l| !l.handed_over).count() >= max);
+        self.live.insert(id.clone(), Live { handed_over: false });
+        out.push(Action::Spawn {
+            id,
+            backlog,
+            reject,
+        });
+    }
+
+    /// Routes a peer's message: to the live request, or an answer for an ended one, or a
+    /// bounded buffer for one the engine has not opened yet.
+    fn inbound(
+        &mut self,
+        now: Instant,
+        from: Peer,
+        id: RequestId,
+        msg: Outbound,
+        out: &mut Vec<Action>,
+    ) {
+        if let Some(ended) = self.tombstones.get(&id) {
+            if matches!(msg, Outbound::TransferInfo { .. } | Outbound::Ready { .. }) {
+                let reason = ended.failure().cloned().unwrap_or(FailureReason::Protocol {
+                    detail: format!("request {id} already ended ({ended})"),
+                });
+                let msg = Outbound::Abort { reason };
+                out.push(Action::Send {
+                    to: from.clone(),
+                    id: id.clone(),
+                    msg,
+                });
+            }
+            // A request buried here is settled: no write of ours for it is in flight, so a
+            // decode rank fencing its blocks can have its acknowledgement at once.
+            // (Not an orphan, whose dead actor may have left a transfer in flight: it is
+            // acknowledged when its fence bound passes.)
+            if matches!(msg, Outbound::Abort { .. }) && !self.orphans.contains_key(&id) {
+                out.push(Action::Send {
+                    to: from,
+                    id,
+                    msg: Outbound::AbortAck,
+                });
+            }
+            return;
+        }
+        let is_abort = matches!(msg, Outbound::Abort { .. });
+        let event = MachineEvent::inbound(self.cfg.role, from.clone(), msg);
+        if self.live.contains_key(&id) {
+            out.push(Action::Deliver { id, event });
+            return;
+        }
+        if is_abort && self.cfg.role == Role::Prefill {
+            // Not opened here yet, so nothing of ours was written: decode may release now.
+            // (The abort is still buffered: the request fails as soon as it is opened.)
+            out.push(Action::Send {
+                to: from.clone(),
+                id: id.clone(),
+                msg: Outbound::AbortAck,
+            });
+        }
+        self.buffer(now, from, id, event, out);
+    }
+
+    fn buffer(
+        &mut self,
+        now: Instant,
+        from: Peer,
+        id: RequestId,
+        event: MachineEvent,
+        out: &mut Vec<Action>,
+    ) {
+        self.expire_pending(now, out);
+        if !self.pending.contains_key(&id) {
+            if self.pending.len() >= self.cfg.limits.pending_requests {
+                let reason = FailureReason::Internal {
+                    detail: "too many requests pending creation".into(),
+                };
+                let msg = Outbound::Abort { reason };
+                out.push(Action::Send { to: from, id, msg });
+                return;
+            }
+            let expires = now + self.cfg.bootstrap;
+            let fresh = Pending {
+                expires,
+                from: Vec::new(),
+                events: Vec::new(),
+            };
+            self.pending.insert(id.clone(), fresh);
+            self.pending_order.push_back((expires, id.clone()));
+            // One timer per buffered request (bounded like the buffer), so an unopened
+            // request is answered at its deadline even if nothing else arrives.
+            out.push(Action::After {
+                delay: self.cfg.bootstrap,
+                timer: Timer::ExpirePending,
+            });
+        }
+        let Some(pending) = self.pending.get_mut(&id) else {
+            return;
+        };
+        if pending.events.len() >= self.cfg.limits.pending_messages {
+            return;
+        }
+        if !pending.from.contains(&from) {
+            pending.from.push(from);
+        }
+        pending.events.push(event);
+    }
+
+    /// Drops messages for requests the engine never opened within the bootstrap timeout,
+    /// and tells their senders (instead of leaving them to their own deadlines).
+    fn expire_pending(&mut self, now: Instant, out: &mut Vec<Action>) {
+        while let Some((expires, _)) = self.pending_order.front() {
+            if *expires > now {
+                return;
+            }
+            let Some((expires, id)) = self.pending_order.pop_front() else {
+                return;
+            };
+            // Opened since (entry gone) or buffered again later: nothing to expire.
+            if self.pending.get(&id).is_none_or(|p| p.expires != expires) {
+                continue;
+            }
+            let Some(p) = self.pending.remove(&id) else {
+                continue;
+            };
+            if self.cfg.role == Role::Prefill {
+                // We tell decode nothing of ours will be written: keep that true if the
+                // engine opens the request after all, or its messages come late (found by
+                // the simulator: a late transfer info buffered again, the engine opened
+                // the request, and prefill wrote into blocks decode had reused).
+                self.entomb(id.clone(), State::Failed(FailureReason::BootstrapTimeout));
+            }
+            for to in p.from {
+                let abort = Outbound::Abort {
+                    reason: FailureReason::BootstrapTimeout,
+                };
+                out.push(Action::Send {
+                    to: to.clone(),
+                    id: id.clone(),
+                    msg: abort,
+                });
+                if self.cfg.role == Role::Prefill {
+                    // Never opened here: nothing of ours was written (after the abort).
+                    let msg = Outbound::AbortAck;
+                    let id = id.clone();
+                    out.push(Action::Send { to, id, msg });
+                }
+            }
+        }
+    }
+
+    /// A request's actor died: the request fails (if it had not ended), its peers are told,
+    /// and its blocks go now, or after the fence bound if a write or read it started may
+    /// still land in them.
+    fn actor_gone(
+        &mut self,
+        id: RequestId,
+        state: State,
+        peers: Vec<Peer>,
+        why: String,
+        out: &mut Vec<Action>,
+    ) {
+        if self.live.remove(&id).is_none() {
+            return;
+        }
+        let reason = FailureReason::Internal { detail: why };
+        // With one-sided writes, a decode request's blocks may still be written into by a
+        // prefill rank, and on any plane a pull decode's own read in flight copies into
+        // them; the fence that tracked either died with the actor: hold them for the whole
+        // fence bound instead of releasing now (found by the simulator: a dead pull
+        // request's read landed in blocks the engine had reused).
+        let orphan = self.cfg.one_sided
+            || (self.cfg.role == Role::Decode && self.cfg.mode == TransferMode::Pull);
+        // Revoke this request's grants before its blocks go, as its actor would have (found
+        // by the simulator running the real grant table: a late write passed the dead
+        // request's grant and landed in blocks the engine had reused).
+        out.push(Action::Revoke { id: id.clone() });
+        let state = if state.is_terminal() {
+            state
+        } else {
+            out.push(Action::Fail {
+                id: id.clone(),
+                reason: reason.clone(),
+                hold: orphan,
+            });
+            for to in &peers {
+                let msg = Outbound::Abort {
+                    reason: reason.clone(),
+                };
+                out.push(Action::Send {
+                    to: to.clone(),
+                    id: id.clone(),
+                    msg,
+                });
+            }
+            State::Failed(reason)
+        };
+        if orphan {
+            self.orphans.insert(id.clone(), peers);
+            out.push(Action::After {
+                delay: self.cfg.fence_max,
+                timer: Timer::OrphanDue(id.clone()),
+            });
+            self.bury(id, state, out);
+            return;
+        }
+        out.push(Action::Release {
+            id: id.clone(),
+            fence: None,
+        });
+        self.bury(id, state, out);
+        // `bury` forgets it (not an orphan).
+    }
+
+    /// Remembers an ended request, tells sibling ranks if it failed here, and (unless it is
+    /// an orphan, forgotten when its fence bound passes) frees its id.
+    fn bury(&mut self, id: RequestId, state: State, out: &mut Vec<Action>) {
+        if let State::Failed(reason) = &state {
+            if !matches!(reason, FailureReason::AbortedByPeer { .. }) {
+                let msg = Outbound::Abort {
+                    reason: reason.clone(),
+                };
+                out.push(Action::ToSiblings {
+                    id: id.clone(),
+                    msg,
+                });
+            }
+        }
+        self.entomb(id.clone(), state);
+        if !self.orphans.contains_key(&id) {
+            out.push(Action::Forget { id });
+        }
+    }
+
+    /// Remembers how a request ended here (at most `limits.tombstones`, oldest forgotten).
+    fn entomb(&mut self, id: RequestId, state: State) {
+        if self.tombstones.insert(id.clone(), state).is_none() {
+            self.tombstone_order.push_back(id);
+        }
+        while self.tombstone_order.len() > self.cfg.limits.tombstones {
+            if let Some(old) = self.tombstone_order.pop_front() {
+                self.tombstones.remove(&old);
+            }
+        }
+    }
+}

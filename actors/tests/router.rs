@@ -1,0 +1,660 @@
+//! Property tests of the router (`handoff_actors::router`): the root actor's rules, driven
+//! as plain data against a model of what they must be, on both roles, both modes, one- and
+//! two-sided planes, with and without admission control, under small bounds.
+//!
+//! - Bounds: requests buffered, messages buffered per request and ended requests
+//!   remembered never exceed their limits.
+//! - A request is spawned only when opened and not live; events are delivered only to live
+//!   requests.
+//! - Ended requests never come back: while one is remembered, opening it again is refused
+//!   and a message for it is only answered (an abort for transfer info or `Ready`, an
+//!   acknowledgement for an abort unless its blocks are still held as an orphan), never
+//!   delivered or buffered.
+//! - A request opened after messages for it arrived gets exactly those messages, in order
+//!   (as many as the per-request bound keeps); one never opened is answered at its bootstrap
+//!   deadline: every peer that wrote gets an abort (and, on prefill, an acknowledgement:
+//!   nothing of ours was written), and on prefill the id is remembered as failed.
+//! - A lost peer reaches every live request exactly once, and nothing else.
+//! - Decode's admission control rejects an opened request exactly when as many live
+//!   requests as its limit still wait for their blocks.
+//! - A request whose actor died fails (if it had not ended), its grants are revoked before
+//!   anything else, its peers are told, and its blocks go at once or, where a transfer may
+//!   still land in them, only when the fence bound passes (then its peers get an
+//!   acknowledgement); sibling ranks hear of every failure not caused by a peer's abort.
+//! - Every request that ends is forgotten exactly once.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use handoff_actors::event::FenceEnd;
+use handoff_actors::machine::{Outbound, Peer, ReceiverEvent, SenderEvent, State};
+use handoff_actors::router::{
+    Action, Input, Local, MachineEvent, Router, RouterConfig, RouterLimits, Timer,
+};
+use handoff_transport::{FailureReason, RankInfo, RequestId, Role, TransferMode};
+use proptest::prelude::*;
+
+const BOOTSTRAP: Duration = Duration::from_millis(100);
+const FENCE: Duration = Duration::from_millis(250);
+const LIMITS: RouterLimits = RouterLimits {
+    pending_requests: 3,
+    pending_messages: 2,
+    tombstones: 4,
+};
+
+fn peer(i: u8) -> Peer {
+    RankInfo::single(format!("P{i}").as_str())
+}
+
+fn rid(i: u8) -> RequestId {
+    RequestId::new(format!("r{i}"))
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Msg {
+    TransferInfo,
+    Ready,
+    Done,
+    Abort,
+    AbortAck,
+    Queued,
+}
+
+impl Msg {
+    fn outbound(self) -> Outbound {
+        match self {
+            Msg::TransferInfo => Outbound::TransferInfo {
+                mode: TransferMode::Push,
+                blocks: Vec::new(),
+            },
+            Msg::Ready => Outbound::Ready {
+                blocks: Vec::new(),
+                aux: Vec::new(),
+                hold: Duration::from_secs(1),
+            },
+            Msg::Done => Outbound::Done { aux: Vec::new() },
+            Msg::Abort => Outbound::Abort {
+                reason: FailureReason::RejectedBusy,
+            },
+            Msg::AbortAck => Outbound::AbortAck,
+            Msg::Queued => Outbound::Queued,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Open(u8),
+    HandOver(u8),
+    Abort(u8),
+    Inbound(u8, u8, Msg),
+    /// The request's machine ended: done, failed, or failed by a peer's abort.
+    End(u8, u8),
+    /// The request's actor died; `true`: after its request had ended.
+    Die(u8, bool),
+    Lose(u8),
+    Wait(u64),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let msg = prop_oneof![
+        Just(Msg::TransferInfo),
+        Just(Msg::Ready),
+        Just(Msg::Done),
+        Just(Msg::Abort),
+        Just(Msg::AbortAck),
+        Just(Msg::Queued),
+    ];
+    prop_oneof![
+        3 => (0u8..6).prop_map(Op::Open),
+        2 => (0u8..6).prop_map(Op::HandOver),
+        1 => (0u8..6).prop_map(Op::Abort),
+        5 => (0u8..3, 0u8..6, msg).prop_map(|(p, i, m)| Op::Inbound(p, i, m)),
+        2 => (0u8..6, 0u8..3).prop_map(|(i, how)| Op::End(i, how)),
+        1 => (0u8..6, any::<bool>()).prop_map(|(i, ended)| Op::Die(i, ended)),
+        1 => (0u8..3).prop_map(Op::Lose),
+        2 => (1u64..150).prop_map(Op::Wait),
+    ]
+}
+
+#[derive(Clone, Debug)]
+struct Setup {
+    role: Role,
+    mode: TransferMode,
+    one_sided: bool,
+    unallocated_max: Option<usize>,
+}
+
+fn setup() -> impl Strategy<Value = Setup> {
+    (
+        prop_oneof![Just(Role::Prefill), Just(Role::Decode)],
+        prop_oneof![Just(TransferMode::Push), Just(TransferMode::Pull)],
+        any::<bool>(),
+        prop_oneof![Just(None), (0usize..3).prop_map(Some)],
+    )
+        .prop_map(|(role, mode, one_sided, unallocated_max)| Setup {
+            role,
+            mode,
+            one_sided,
+            unallocated_max,
+        })
+}
+
+/// Messages for a request not opened yet.
+struct Buffered {
+    deadline: Instant,
+    order: u64,
+    senders: Vec<Peer>,
+    events: Vec<MachineEvent>,
+}
+
+/// What the model expects the router to hold.
+#[derive(Default)]
+struct Model {
+    /// Live requests: handed over yet?
+    live: BTreeMap<RequestId, bool>,
+    /// Messages for requests not opened yet.
+    pending: BTreeMap<RequestId, Buffered>,
+    /// Requests buffered so far (their order among equal deadlines).
+    buffered: u64,
+    /// Orphans: their peers.
+    orphans: BTreeMap<RequestId, Vec<Peer>>,
+    /// Requests ended and not yet forgotten.
+    unforgotten: BTreeSet<RequestId>,
+}
+
+struct Harness {
+    setup: Setup,
+    router: Router,
+    model: Model,
+    now: Instant,
+    timers: Vec<(Instant, Timer)>,
+}
+
+impl Harness {
+    fn new(setup: Setup) -> Self {
+        let router = Router::new(RouterConfig {
+            role: setup.role,
+            mode: setup.mode,
+            one_sided: setup.one_sided,
+            bootstrap: BOOTSTRAP,
+            fence_max: FENCE,
+            unallocated_max: setup.unallocated_max,
+            limits: LIMITS,
+        });
+        Self {
+            setup,
+            router,
+            model: Model::default(),
+            now: Instant::now(),
+            timers: Vec::new(),
+        }
+    }
+
+    fn orphaning(&self) -> bool {
+        self.setup.one_sided
+            || (self.setup.role == Role::Decode && self.setup.mode == TransferMode::Pull)
+    }
+
+    /// Feeds one input; collects the timers it arms and checks the bounds.
+    fn feed(&mut self, input: Input) -> Vec<Action> {
+        let actions = self.router.handle(self.now, input);
+        for a in &actions {
+            if let Action::After { delay, timer } = a {
+                self.timers.push((self.now + *delay, timer.clone()));
+            }
+        }
+        let (requests, most) = self.router.pending();
+        assert!(
+            requests <= LIMITS.pending_requests,
+            "{requests} requests buffered"
+        );
+        assert!(
+            most <= LIMITS.pending_messages,
+            "{most} messages buffered for one"
+        );
+        assert!(self.router.remembered() <= LIMITS.tombstones);
+        for a in &actions {
+            if let Action::Deliver { id, .. } = a {
+                assert!(self.model.live.contains_key(id) || self.router.is_live(id));
+            }
+        }
+        actions
+    }
+
+    fn step(&mut self, op: Op) {
+        match op {
+            Op::Open(i) => self.open(rid(i)),
+            Op::HandOver(i) => {
+                let id = rid(i);
+                let what = Local::HandedOver {
+                    blocks: Vec::new(),
+                    aux: Vec::new(),
+                };
+                let expect = self.local(&id, what.clone());
+                let got = self.feed(Input::Local {
+                    id: id.clone(),
+                    what,
+                });
+                assert_eq!(got, expect);
+                if let Some(handed) = self.model.live.get_mut(&id) {
+                    *handed = true;
+                }
+            }
+            Op::Abort(i) => {
+                let id = rid(i);
+                let expect = self.local(&id, Local::Abort);
+                let got = self.feed(Input::Local {
+                    id,
+                    what: Local::Abort,
+                });
+                assert_eq!(got, expect);
+            }
+            Op::Inbound(p, i, m) => self.inbound(peer(p), rid(i), m),
+            Op::End(i, how) => self.end(rid(i), how),
+            Op::Die(i, ended) => self.die(rid(i), ended),
+            Op::Lose(p) => {
+                let lost = peer(p);
+                let got = self.feed(Input::PeerLost { peer: lost.clone() });
+                let what = Local::PeerLost { peer: lost };
+                let expect: Vec<Action> = self
+                    .model
+                    .live
+                    .keys()
+                    .map(|id| Action::Deliver {
+                        id: id.clone(),
+                        event: MachineEvent::for_role(self.setup.role, what.clone()),
+                    })
+                    .collect();
+                assert_eq!(got, expect, "a lost peer reaches every live request once");
+            }
+            Op::Wait(ms) => self.wait(Duration::from_millis(ms)),
+        }
+        let live: Vec<&RequestId> = self.router.live().collect();
+        let model: Vec<&RequestId> = self.model.live.keys().collect();
+        assert_eq!(live, model, "live requests");
+        let orphans: Vec<&RequestId> = self.router.orphans().collect();
+        let model: Vec<&RequestId> = self.model.orphans.keys().collect();
+        assert_eq!(orphans, model, "orphans");
+    }
+
+    fn local(&self, id: &RequestId, what: Local) -> Vec<Action> {
+        if !self.model.live.contains_key(id) {
+            return Vec::new();
+        }
+        let event = MachineEvent::for_role(self.setup.role, what);
+        vec![Action::Deliver {
+            id: id.clone(),
+            event,
+        }]
+    }
+
+    fn open(&mut self, id: RequestId) {
+        let ended = self.router.ended(&id).cloned();
+        let got = self.feed(Input::Open { id: id.clone() });
+        if ended.is_some()
+            || self.model.live.contains_key(&id)
+            || self.model.orphans.contains_key(&id)
+        {
+            assert!(
+                matches!(got.as_slice(), [Action::Refuse { id: r, .. }] if *r == id),
+                "an ended or open request opened again is refused: {got:?}"
+            );
+            if let Some(State::Failed(reason)) = ended {
+                assert!(matches!(&got[0], Action::Refuse { reason: r, .. } if *r == reason));
+            }
+            return;
+        }
+        let backlog = self
+            .model
+            .pending
+            .remove(&id)
+            .map(|p| p.events)
+            .unwrap_or_default();
+        let waiting = self.model.live.values().filter(|h| !**h).count();
+        let reject = self.setup.role == Role::Decode
+            && self.setup.unallocated_max.is_some_and(|m| waiting >= m);
+        assert_eq!(
+            got,
+            vec![Action::Spawn {
+                id: id.clone(),
+                backlog,
+                reject
+            }]
+        );
+        self.model.live.insert(id, false);
+    }
+
+    fn inbound(&mut self, from: Peer, id: RequestId, m: Msg) {
+        let msg = m.outbound();
+        if let Some(ended) = self.router.ended(&id).cloned() {
+            let pending = self.router.pending();
+            let got = self.feed(Input::Inbound {
+                from: from.clone(),
+                id: id.clone(),
+                msg,
+            });
+            let mut expect = Vec::new();
+            if matches!(m, Msg::TransferInfo | Msg::Ready) {
+                let reason = ended.failure().cloned();
+                assert!(
+                    matches!(&got.first(), Some(Action::Send { msg: Outbound::Abort { reason: r }, .. }) if reason.as_ref().is_none_or(|x| x == r)),
+                    "a late transfer info or Ready is answered with an abort: {got:?}"
+                );
+                expect.push(got[0].clone());
+            }
+            if matches!(m, Msg::Abort) && !self.model.orphans.contains_key(&id) {
+                expect.push(Action::Send {
+                    to: from,
+                    id,
+                    msg: Outbound::AbortAck,
+                });
+            }
+            assert_eq!(
+                got, expect,
+                "a message for an ended request is only answered"
+            );
+            assert_eq!(self.router.pending(), pending, "nor buffered");
+            return;
+        }
+        let event = MachineEvent::inbound(self.setup.role, from.clone(), msg.clone());
+        let got = self.feed(Input::Inbound {
+            from: from.clone(),
+            id: id.clone(),
+            msg,
+        });
+        if self.model.live.contains_key(&id) {
+            assert_eq!(got, vec![Action::Deliver { id, event }]);
+            return;
+        }
+        let mut expect = Vec::new();
+        if matches!(m, Msg::Abort) && self.setup.role == Role::Prefill {
+            expect.push(Action::Send {
+                to: from.clone(),
+                id: id.clone(),
+                msg: Outbound::AbortAck,
+            });
+        }
+        // Nothing is due: every timer up to now has fired.
+        let buffered = self.model.pending.len();
+        match self.model.pending.get_mut(&id) {
+            Some(p) => {
+                if p.events.len() < LIMITS.pending_messages {
+                    if !p.senders.contains(&from) {
+                        p.senders.push(from);
+                    }
+                    p.events.push(event);
+                }
+            }
+            None if buffered >= LIMITS.pending_requests => {
+                let reason = FailureReason::Internal {
+                    detail: "too many requests pending creation".into(),
+                };
+                expect.push(Action::Send {
+                    to: from,
+                    id,
+                    msg: Outbound::Abort { reason },
+                });
+            }
+            None => {
+                self.model.buffered += 1;
+                let fresh = Buffered {
+                    deadline: self.now + BOOTSTRAP,
+                    order: self.model.buffered,
+                    senders: vec![from],
+                    events: vec![event],
+                };
+                self.model.pending.insert(id, fresh);
+                expect.push(Action::After {
+                    delay: BOOTSTRAP,
+                    timer: Timer::ExpirePending,
+                });
+            }
+        }
+        assert_eq!(got, expect);
+    }
+
+    /// Sibling ranks hear of a failure that was not a peer's abort.
+    fn siblings(id: &RequestId, state: &State) -> Vec<Action> {
+        match state {
+            State::Failed(FailureReason::AbortedByPeer { .. }) => Vec::new(),
+            State::Failed(reason) => vec![Action::ToSiblings {
+                id: id.clone(),
+                msg: Outbound::Abort {
+                    reason: reason.clone(),
+                },
+            }],
+            _ => Vec::new(),
+        }
+    }
+
+    fn end(&mut self, id: RequestId, how: u8) {
+        let state = match how {
+            0 => State::Done,
+            1 => State::Failed(FailureReason::TtlExpired),
+            _ => State::Failed(FailureReason::AbortedByPeer {
+                peer: "P0".into(),
+                cause: "test".into(),
+            }),
+        };
+        let got = self.feed(Input::Ended {
+            id: id.clone(),
+            state: state.clone(),
+        });
+        if self.model.live.remove(&id).is_none() {
+            assert_eq!(
+                got,
+                Vec::new(),
+                "the end of a request not live changes nothing"
+            );
+            return;
+        }
+        let mut expect = vec![Action::Retire { id: id.clone() }];
+        expect.extend(Self::siblings(&id, &state));
+        expect.push(Action::Forget { id: id.clone() });
+        assert_eq!(got, expect);
+        assert_eq!(self.router.ended(&id), Some(&state));
+    }
+
+    fn die(&mut self, id: RequestId, ended: bool) {
+        let state = if ended {
+            State::Done
+        } else {
+            State::Transferring
+        };
+        let peers = vec![peer(0), peer(2)];
+        let why = "injected".to_string();
+        let got = self.feed(Input::ActorGone {
+            id: id.clone(),
+            state: state.clone(),
+            peers: peers.clone(),
+            why: why.clone(),
+        });
+        if self.model.live.remove(&id).is_none() {
+            assert_eq!(got, Vec::new());
+            return;
+        }
+        let orphan = self.orphaning();
+        let mut expect = vec![Action::Revoke { id: id.clone() }];
+        let reason = FailureReason::Internal { detail: why };
+        let end = if ended {
+            state
+        } else {
+            expect.push(Action::Fail {
+                id: id.clone(),
+                reason: reason.clone(),
+                hold: orphan,
+            });
+            for to in &peers {
+                expect.push(Action::Send {
+                    to: to.clone(),
+                    id: id.clone(),
+                    msg: Outbound::Abort {
+                        reason: reason.clone(),
+                    },
+                });
+            }
+            State::Failed(reason)
+        };
+        if orphan {
+            expect.push(Action::After {
+                delay: FENCE,
+                timer: Timer::OrphanDue(id.clone()),
+            });
+            self.model.orphans.insert(id.clone(), peers);
+            self.model.unforgotten.insert(id.clone());
+        } else {
+            expect.push(Action::Release {
+                id: id.clone(),
+                fence: None,
+            });
+        }
+        expect.extend(Self::siblings(&id, &end));
+        if !orphan {
+            expect.push(Action::Forget { id: id.clone() });
+        }
+        assert_eq!(got, expect);
+        assert_eq!(self.router.ended(&id), Some(&end));
+    }
+
+    /// Time passes; every timer due fires at its time.
+    fn wait(&mut self, d: Duration) {
+        let until = self.now + d;
+        loop {
+            self.timers.sort_by_key(|(at, _)| *at);
+            let Some(i) = self.timers.iter().position(|(at, _)| *at <= until) else {
+                break;
+            };
+            let (at, timer) = self.timers.remove(i);
+            self.now = self.now.max(at);
+            self.fire(timer);
+        }
+        self.now = until;
+    }
+
+    fn fire(&mut self, timer: Timer) {
+        match timer.clone() {
+            Timer::ExpirePending => {
+                let due: Vec<RequestId> = self
+                    .model
+                    .pending
+                    .iter()
+                    .filter(|(_, p)| p.deadline <= self.now)
+                    .map(|(id, _)| id.clone())
+                    .collect();
+                let mut expect = Vec::new();
+                let mut by_deadline: Vec<((Instant, u64), RequestId, Vec<Peer>)> = due
+                    .into_iter()
+                    .filter_map(|id| {
+                        let p = self.model.pending.remove(&id)?;
+                        Some(((p.deadline, p.order), id, p.senders))
+                    })
+                    .collect();
+                by_deadline.sort_by(|a, b| a.0.cmp(&b.0));
+                for (_, id, senders) in &by_deadline {
+                    for to in senders {
+                        expect.push(Action::Send {
+                            to: to.clone(),
+                            id: id.clone(),
+                            msg: Outbound::Abort {
+                                reason: FailureReason::BootstrapTimeout,
+                            },
+                        });
+                        if self.setup.role == Role::Prefill {
+                            expect.push(Action::Send {
+                                to: to.clone(),
+                                id: id.clone(),
+                                msg: Outbound::AbortAck,
+                            });
+                        }
+                    }
+                }
+                let got = self.feed(Input::Timer(timer));
+                assert_eq!(
+                    got, expect,
+                    "a request never opened is answered at its deadline"
+                );
+                if self.setup.role == Role::Prefill {
+                    for (_, id, _) in &by_deadline {
+                        let failed = State::Failed(FailureReason::BootstrapTimeout);
+                        assert_eq!(self.router.ended(id), Some(&failed));
+                    }
+                }
+            }
+            Timer::OrphanDue(id) => {
+                let got = self.feed(Input::Timer(timer));
+                let Some(peers) = self.model.orphans.remove(&id) else {
+                    assert_eq!(got, Vec::new());
+                    return;
+                };
+                let mut expect = vec![Action::Release {
+                    id: id.clone(),
+                    fence: Some(FenceEnd::Bound),
+                }];
+                for to in peers {
+                    expect.push(Action::Send {
+                        to,
+                        id: id.clone(),
+                        msg: Outbound::AbortAck,
+                    });
+                }
+                expect.push(Action::Forget { id: id.clone() });
+                assert_eq!(got, expect, "an orphan's blocks go at its fence bound");
+                assert!(self.model.unforgotten.remove(&id));
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn the_router_keeps_its_rules(setup in setup(), ops in prop::collection::vec(op(), 1..80)) {
+        let mut h = Harness::new(setup);
+        for op in ops {
+            h.step(op);
+        }
+        // Every timer fires: every orphan is forgotten, nothing stays buffered.
+        h.wait(FENCE + BOOTSTRAP);
+        prop_assert!(h.model.unforgotten.is_empty());
+        prop_assert_eq!(h.router.pending().0, 0);
+        prop_assert!(h.router.orphans().next().is_none());
+    }
+}
+
+/// Delivering an event for the other side is impossible by construction: the role picks the
+/// machine, for every local event and every peer message.
+#[test]
+fn the_role_picks_the_machine() {
+    let p = peer(0);
+    for what in [
+        Local::HandedOver {
+            blocks: Vec::new(),
+            aux: Vec::new(),
+        },
+        Local::Abort,
+        Local::Invalid {
+            from: p.clone(),
+            detail: "x".into(),
+        },
+        Local::PeerLost { peer: p.clone() },
+    ] {
+        assert!(matches!(
+            MachineEvent::for_role(Role::Prefill, what.clone()),
+            MachineEvent::Sender(_)
+        ));
+        assert!(matches!(
+            MachineEvent::for_role(Role::Decode, what),
+            MachineEvent::Receiver(_)
+        ));
+    }
+    assert_eq!(
+        MachineEvent::inbound(Role::Prefill, p.clone(), Outbound::Queued),
+        MachineEvent::Sender(SenderEvent::Queued { from: p.clone() })
+    );
+    assert_eq!(
+        MachineEvent::inbound(Role::Decode, p.clone(), Outbound::AbortAck),
+        MachineEvent::Receiver(ReceiverEvent::AbortAck { from: p })
+    );
+}

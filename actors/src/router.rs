@@ -351,6 +351,9 @@ struct Live {
 pub struct Router {
     cfg: RouterConfig,
     live: BTreeMap<RequestId, Live>,
+    /// Live requests whose blocks the engine has not handed over yet (admission control
+    /// counts them on every open: kept here rather than counted).
+    waiting: usize,
     pending: BTreeMap<RequestId, Pending>,
     /// Pending requests in the order they expire (all live for the same bootstrap timeout).
     pending_order: VecDeque<(Instant, RequestId)>,
@@ -366,6 +369,7 @@ impl Router {
         Self {
             cfg,
             live: BTreeMap::new(),
+            waiting: 0,
             pending: BTreeMap::new(),
             pending_order: VecDeque::new(),
             tombstones: BTreeMap::new(),
@@ -383,15 +387,16 @@ impl Router {
                 let Some(live) = self.live.get_mut(&id) else {
                     return out;
                 };
-                if matches!(what, Local::HandedOver { .. }) {
+                if matches!(what, Local::HandedOver { .. }) && !live.handed_over {
                     live.handed_over = true;
+                    self.waiting = self.waiting.saturating_sub(1);
                 }
                 let event = MachineEvent::for_role(self.cfg.role, what);
                 out.push(Action::Deliver { id, event });
             }
             Input::Inbound { from, id, msg } => self.inbound(now, from, id, msg, &mut out),
             Input::Ended { id, state } => {
-                if self.live.remove(&id).is_some() {
+                if self.remove_live(&id) {
                     out.push(Action::Retire { id: id.clone() });
                     self.bury(id, state, &mut out);
                 }
@@ -496,13 +501,25 @@ impl Router {
             && self
                 .cfg
                 .unallocated_max
-                .is_some_and(|max| self.live.values().filter(|l| !l.handed_over).count() >= max);
+                .is_some_and(|max| self.waiting >= max);
         self.live.insert(id.clone(), Live { handed_over: false });
+        self.waiting += 1;
         out.push(Action::Spawn {
             id,
             backlog,
             reject,
         });
+    }
+
+    /// Ends a live request here; false if it was not live.
+    fn remove_live(&mut self, id: &RequestId) -> bool {
+        let Some(live) = self.live.remove(id) else {
+            return false;
+        };
+        if !live.handed_over {
+            self.waiting = self.waiting.saturating_sub(1);
+        }
+        true
     }
 
     /// Routes a peer's message: to the live request, or an answer for an ended one, or a
@@ -657,7 +674,7 @@ impl Router {
         why: String,
         out: &mut Vec<Action>,
     ) {
-        if self.live.remove(&id).is_none() {
+        if !self.remove_live(&id) {
             return;
         }
         let reason = FailureReason::Internal { detail: why };

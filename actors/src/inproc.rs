@@ -11,8 +11,10 @@ use std::time::Instant;
 
 use handoff_transport::{BlockId, BlockSlice, EngineId, RankInfo, Region, RequestId, Role};
 
-use crate::link::{Attach, Inbox, Link, LinkError, ResolveError, ResolveFuture, TransferFuture};
-use crate::machine::{Outbound, Peer};
+use crate::link::{
+    Attach, Inbox, Link, LinkError, ResolveError, ResolveFuture, TransferError, TransferFuture,
+};
+use crate::machine::{Peer, PeerMessage};
 use crate::net::data::{Access, GrantTable};
 use crate::Error;
 
@@ -27,7 +29,7 @@ struct Node {
 
 /// Decides whether one control message is delivered (`true`) or lost (`false`).
 /// Arguments: sender, receiver, request, message.
-pub type MessageFilter = dyn Fn(&Peer, &Peer, &RequestId, &Outbound) -> bool + Send + Sync;
+pub type MessageFilter = dyn Fn(&Peer, &Peer, &RequestId, &PeerMessage) -> bool + Send + Sync;
 
 /// The runtimes of one process that can reach each other. Share it with `Arc`.
 #[derive(Default)]
@@ -81,7 +83,7 @@ impl Fabric {
     /// lost in flight (the sender sees success, as on a real network).
     pub fn set_filter(
         &self,
-        filter: impl Fn(&Peer, &Peer, &RequestId, &Outbound) -> bool + Send + Sync + 'static,
+        filter: impl Fn(&Peer, &Peer, &RequestId, &PeerMessage) -> bool + Send + Sync + 'static,
     ) {
         *self.filter.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(filter));
     }
@@ -91,7 +93,7 @@ impl Fabric {
         *self.filter.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
 
-    fn delivers(&self, from: &Peer, to: &Peer, id: &RequestId, msg: &Outbound) -> bool {
+    fn delivers(&self, from: &Peer, to: &Peer, id: &RequestId, msg: &PeerMessage) -> bool {
         let filter = self
             .filter
             .lock()
@@ -108,19 +110,19 @@ impl Fabric {
             .collect()
     }
 
-    fn region_of(&self, peer: &Peer) -> Result<(Arc<Region>, Arc<GrantTable>), String> {
+    fn region_of(&self, peer: &Peer) -> Result<(Arc<Region>, Arc<GrantTable>), TransferError> {
         self.nodes()
             .get(peer)
             .map(|n| (n.region.clone(), n.grants.clone()))
-            .ok_or_else(|| format!("peer {peer} is not attached"))
+            .ok_or_else(|| TransferError::NotAttached { peer: peer.clone() })
     }
 
     /// What a receiver of `msg` from `from` checks before a byte moves: the blocks `from`
     /// names are in its region, and the two layouts pair ([`BlockSlice::for_ranks`]).
-    fn check_pairing(&self, from: &Peer, to: &Peer, msg: &Outbound) -> Result<(), String> {
+    fn check_pairing(&self, from: &Peer, to: &Peer, msg: &PeerMessage) -> Result<(), String> {
         let (blocks, from_sends) = match msg {
-            Outbound::TransferInfo { blocks, .. } => (blocks, false),
-            Outbound::Ready { blocks, .. } => (blocks, true),
+            PeerMessage::TransferInfo { blocks, .. } => (blocks, false),
+            PeerMessage::Ready { blocks, .. } => (blocks, true),
             _ => return Ok(()),
         };
         let nodes = self.nodes();
@@ -180,16 +182,21 @@ fn copy_granted(
     checked: &[BlockId],
     (from_rank, from, from_blocks): (&RankInfo, &Region, &[BlockId]),
     (to_rank, to, to_blocks): (&RankInfo, &Region, &[BlockId]),
-) -> Result<(), String> {
-    let slice = BlockSlice::for_ranks(from_rank, from.layout(), to_rank, to.layout())
-        .map_err(|e| format!("blocks of {from_rank} and {to_rank} do not pair: {e}"))?;
+) -> Result<(), TransferError> {
+    let slice = BlockSlice::for_ranks(from_rank, from.layout(), to_rank, to.layout()).map_err(
+        |source| TransferError::Pairing {
+            src: from_rank.to_string(),
+            dst: to_rank.to_string(),
+            source: Box::new(source),
+        },
+    )?;
     let Some(slice) = slice else {
         return Ok(()); // no layer in common: nothing to move
     };
     let mut result = Ok(());
     grants.check_and_copy(peer, id, access, checked, &mut || {
         result = Region::copy_block_slices(from, from_blocks, to, to_blocks, slice)
-            .map_err(|e| e.to_string());
+            .map_err(|e| TransferError::Copy(Box::new(e)));
     })?;
     result
 }
@@ -199,7 +206,7 @@ impl Link for InProcessLink {
         &self.me
     }
 
-    fn send(&self, to: &Peer, id: &RequestId, msg: Outbound) -> Result<(), LinkError> {
+    fn send(&self, to: &Peer, id: &RequestId, msg: PeerMessage) -> Result<(), LinkError> {
         let root = self.fabric.nodes().get(to).map(|n| n.root.clone());
         let root = root.ok_or_else(|| LinkError::PeerGone(to.to_string()))?;
         if !self.fabric.delivers(&self.me, to, id, &msg) {
@@ -208,10 +215,10 @@ impl Link for InProcessLink {
         }
         // Grant before the message leaves: the peer may act on it at once.
         match &msg {
-            Outbound::TransferInfo { blocks, .. } => {
+            PeerMessage::TransferInfo { blocks, .. } => {
                 self.grants.grant(to, id, Access::Write, blocks)
             }
-            Outbound::Ready { blocks, .. } => self.grants.grant(to, id, Access::Read, blocks),
+            PeerMessage::Ready { blocks, .. } => self.grants.grant(to, id, Access::Read, blocks),
             _ => {}
         }
         // As on the network: the receiver checks the sender's blocks and layout against its
@@ -329,7 +336,6 @@ impl Attach for Arc<Fabric> {
 
 /// A transfer asked for after its deadline is refused (the copy itself is immediate).
 fn past(deadline: Instant) -> Option<TransferFuture> {
-    (tokio::time::Instant::now().into_std() >= deadline).then(|| -> TransferFuture {
-        Box::pin(async { Err("the transfer's deadline passed before it started".to_string()) })
-    })
+    (tokio::time::Instant::now().into_std() >= deadline)
+        .then(|| -> TransferFuture { Box::pin(async { Err(TransferError::Late) }) })
 }

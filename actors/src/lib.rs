@@ -19,7 +19,7 @@
 //!   the secret from a file or the environment, the advertised host.
 //! - [`config`]: configuration and named limits; [`Error`]: the API's errors.
 //! - [`bootstrap`]: the bootstrap server (registry actor), its client, and the
-//!   `handoff bootstrap serve|status` functions.
+//!   `handoff bootstrap [status]` functions.
 
 pub mod bootstrap;
 pub mod config;

@@ -8,19 +8,90 @@ use std::future::Future;
 use std::pin::Pin;
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use handoff_transport::{BlockId, EngineId, FailureReason, RankInfo, Region, RequestId, Role};
+use handoff_transport::data::{DataError, GrantError};
+use handoff_transport::{
+    BlockId, EngineId, FailureReason, RankInfo, Region, RegionError, RequestId, Role,
+};
 use ractor::ActorRef;
 
-use crate::machine::{Outbound, Peer};
+use crate::machine::{Peer, PeerMessage};
 use crate::runtime::RootMsg;
 use crate::Error;
 
 pub use crate::machine::PLANE_ANSWER_GRACE;
 
-/// The outcome of a data transfer: `Err` carries what the data plane said.
-pub type TransferFuture = Pin<Box<dyn Future<Output = Result<(), String>> + Send>>;
+/// The outcome of a data transfer.
+pub type TransferFuture = Pin<Box<dyn Future<Output = Result<(), TransferError>> + Send>>;
+
+/// Why a transfer failed, whichever plane ran it. The request fails
+/// `TransferFailed` with this text; nothing here is retried.
+#[derive(Debug, thiserror::Error)]
+pub enum TransferError {
+    /// The peer is not attached to this link (in process: it left the fabric).
+    #[error("peer {peer} is not attached")]
+    NotAttached {
+        /// The peer.
+        peer: Peer,
+    },
+    /// The peer's hello described no KV layout, so its memory cannot be addressed.
+    #[error("{peer} described no KV layout when it connected")]
+    NoLayout {
+        /// The peer.
+        peer: Peer,
+    },
+    /// The peer offers memory of another transport than this worker's data plane moves.
+    #[error("{peer} offers {offered} memory; this worker moves data over {ours}")]
+    WrongTransport {
+        /// The peer.
+        peer: Peer,
+        /// What it offers.
+        offered: String,
+        /// What this side moves.
+        ours: &'static str,
+    },
+    /// The two ranks' blocks cannot be paired (layouts, layer ranges).
+    #[error("blocks of {src} and {dst} do not pair: {source}")]
+    Pairing {
+        /// The rank the bytes come from.
+        src: String,
+        /// The rank they go to.
+        dst: String,
+        /// Why.
+        source: Box<RegionError>,
+    },
+    /// No data connection to the peer could be made by the transfer's deadline.
+    #[error("no data connection to {address} by the transfer's deadline")]
+    ConnectTimeout {
+        /// The peer's data address.
+        address: String,
+    },
+    /// The transfer was asked for after its deadline.
+    #[error("the transfer's deadline passed before it started")]
+    Late,
+    /// The side whose memory it touches holds no grant covering it.
+    #[error(transparent)]
+    Grant(#[from] GrantError),
+    /// The data plane failed it (connection, refusal, timeout, bounds).
+    #[error(transparent)]
+    Data(#[from] DataError),
+    /// Copying between two regions of this process failed.
+    #[error("copy: {0}")]
+    Copy(Box<RegionError>),
+    /// The data plane did not answer by the transfer's deadline and the grace after it.
+    #[error("the data plane did not answer within {grace:?} of the transfer's deadline")]
+    Unanswered {
+        /// The grace waited past the deadline.
+        grace: Duration,
+    },
+    /// A simulated data plane failed it (the simulator's faults, or a test's plane).
+    #[error("{detail}")]
+    Simulated {
+        /// What the simulator says.
+        detail: String,
+    },
+}
 
 /// The outcome of a bootstrap lookup.
 pub type ResolveFuture = Pin<Box<dyn Future<Output = Result<Vec<Peer>, ResolveError>> + Send>>;
@@ -51,7 +122,7 @@ pub trait Link: Send + Sync + 'static {
     fn me(&self) -> &RankInfo;
 
     /// Sends one control message about request `id` to `to`. Returns once queued.
-    fn send(&self, to: &Peer, id: &RequestId, msg: Outbound) -> Result<(), LinkError>;
+    fn send(&self, to: &Peer, id: &RequestId, msg: PeerMessage) -> Result<(), LinkError>;
 
     /// The other ranks of this runtime's engine that serve the same requests (same dp
     /// rank): a failure here is told to them (seed 003).
@@ -128,7 +199,7 @@ pub struct Inbox(pub(crate) ActorRef<RootMsg>);
 
 impl Inbox {
     /// Delivers a peer's control message about request `id`. False if the runtime is gone.
-    pub fn deliver(&self, from: Peer, id: RequestId, msg: Outbound) -> bool {
+    pub fn deliver(&self, from: Peer, id: RequestId, msg: PeerMessage) -> bool {
         self.0.cast(RootMsg::Inbound { from, id, msg }).is_ok()
     }
 

@@ -15,7 +15,7 @@ use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
 use crate::ledger::Ledger;
-use crate::link::{Link, ResolveError, PLANE_ANSWER_GRACE};
+use crate::link::{Link, ResolveError, TransferError, PLANE_ANSWER_GRACE};
 use crate::machine::{
     Action, ReceiverEvent, ReceiverMachine, SenderEvent, SenderMachine, State, Timeouts,
 };
@@ -285,7 +285,7 @@ impl RequestState {
                     let _ = link.send(
                         &peer,
                         &id,
-                        crate::machine::Outbound::Abort {
+                        crate::machine::PeerMessage::Abort {
                             reason: reason.clone(),
                         },
                     );
@@ -315,9 +315,11 @@ impl RequestState {
             } => {
                 self.ledger.add_peer(&to);
                 let fut = self.link.write(id, &to, src, dst, deadline);
-                let done = |r: Result<(), String>| match r {
+                let done = |r: Result<(), TransferError>| match r {
                     Ok(()) => SenderEvent::TransferComplete,
-                    Err(detail) => SenderEvent::TransferFailed { detail },
+                    Err(e) => SenderEvent::TransferFailed {
+                        detail: e.to_string(),
+                    },
                 };
                 self.spawn_transfer(myself, fut, deadline, move |r| {
                     MachineEvent::Sender(done(r))
@@ -330,9 +332,11 @@ impl RequestState {
                 deadline,
             } => {
                 let fut = self.link.read(id, &from, src, dst, deadline);
-                let done = move |r: Result<(), String>| match r {
+                let done = move |r: Result<(), TransferError>| match r {
                     Ok(()) => ReceiverEvent::ReadComplete { from },
-                    Err(detail) => ReceiverEvent::TransferFailed { detail },
+                    Err(e) => ReceiverEvent::TransferFailed {
+                        detail: e.to_string(),
+                    },
                 };
                 self.spawn_transfer(myself, fut, deadline, move |r| {
                     MachineEvent::Receiver(done(r))
@@ -365,7 +369,7 @@ impl RequestState {
         myself: &ActorRef<RequestMsg>,
         fut: crate::link::TransferFuture,
         deadline: Instant,
-        report: impl FnOnce(Result<(), String>) -> MachineEvent + Send + 'static,
+        report: impl FnOnce(Result<(), TransferError>) -> MachineEvent + Send + 'static,
     ) {
         let me = myself.clone();
         let id = self.ledger.id.clone();
@@ -376,9 +380,9 @@ impl RequestState {
                 Ok(r) => r,
                 Err(_) => {
                     warn!(request = %id, grace = ?PLANE_ANSWER_GRACE, "the data plane did not answer by the transfer's deadline");
-                    Err(format!(
-                        "the data plane did not answer within {PLANE_ANSWER_GRACE:?} of the transfer's deadline"
-                    ))
+                    Err(TransferError::Unanswered {
+                        grace: PLANE_ANSWER_GRACE,
+                    })
                 }
             };
             let _ = me.cast(RequestMsg::Event(report(result)));

@@ -26,7 +26,7 @@ use handoff_transport::{BlockId, FailureReason, RequestId, Role, TransferMode};
 
 use crate::config::{PENDING_MESSAGES_PER_REQUEST_MAX, PENDING_REQUESTS_MAX, TOMBSTONES_MAX};
 use crate::event::FenceEnd;
-use crate::machine::{Outbound, Peer, ReceiverEvent, SenderEvent, State};
+use crate::machine::{Peer, PeerMessage, ReceiverEvent, SenderEvent, State};
 
 /// An event for either machine: the role decides which ([`MachineEvent::for_role`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -76,32 +76,32 @@ impl MachineEvent {
     }
 
     /// What a peer's control message means to a machine of `role`.
-    pub fn inbound(role: Role, from: Peer, msg: Outbound) -> Self {
+    pub fn inbound(role: Role, from: Peer, msg: PeerMessage) -> Self {
         match role {
             Role::Prefill => Self::Sender(match msg {
-                Outbound::TransferInfo { mode, blocks } => {
+                PeerMessage::TransferInfo { mode, blocks } => {
                     SenderEvent::TransferInfo { from, mode, blocks }
                 }
-                Outbound::Queued => SenderEvent::Queued { from },
-                Outbound::Rejected { reason } => SenderEvent::Rejected { from, reason },
-                Outbound::ReadDone => SenderEvent::ReadDone { from },
-                Outbound::Abort { reason } => SenderEvent::PeerAbort { from, reason },
-                Outbound::AbortAck => SenderEvent::AbortAck { from },
+                PeerMessage::Queued => SenderEvent::Queued { from },
+                PeerMessage::Rejected { reason } => SenderEvent::Rejected { from, reason },
+                PeerMessage::ReadDone => SenderEvent::ReadDone { from },
+                PeerMessage::Abort { reason } => SenderEvent::PeerAbort { from, reason },
+                PeerMessage::AbortAck => SenderEvent::AbortAck { from },
                 other => SenderEvent::Unexpected {
                     from,
                     what: format!("{other:?}"),
                 },
             }),
             Role::Decode => Self::Receiver(match msg {
-                Outbound::Done { aux } => ReceiverEvent::Done { from, aux },
-                Outbound::Ready { blocks, aux, hold } => ReceiverEvent::Ready {
+                PeerMessage::Done { aux } => ReceiverEvent::Done { from, aux },
+                PeerMessage::Ready { blocks, aux, hold } => ReceiverEvent::Ready {
                     from,
                     blocks,
                     aux,
                     hold,
                 },
-                Outbound::Abort { reason } => ReceiverEvent::PeerAbort { from, reason },
-                Outbound::AbortAck => ReceiverEvent::AbortAck { from },
+                PeerMessage::Abort { reason } => ReceiverEvent::PeerAbort { from, reason },
+                PeerMessage::AbortAck => ReceiverEvent::AbortAck { from },
                 other => ReceiverEvent::Unexpected {
                     from,
                     what: format!("{other:?}"),
@@ -162,7 +162,7 @@ pub enum Input {
         /// About which request.
         id: RequestId,
         /// What.
-        msg: Outbound,
+        msg: PeerMessage,
     },
     /// A request's machine ended and nothing of it is in flight: `state` is how it ended.
     Ended {
@@ -236,14 +236,14 @@ pub enum Action {
         /// About which request.
         id: RequestId,
         /// What.
-        msg: Outbound,
+        msg: PeerMessage,
     },
     /// Send a control message to every sibling rank (the other ranks of this engine).
     ToSiblings {
         /// About which request.
         id: RequestId,
         /// What.
-        msg: Outbound,
+        msg: PeerMessage,
     },
     /// Feed [`Input::Timer`] back after `delay`.
     After {
@@ -427,7 +427,7 @@ impl Router {
                     });
                     // Whatever the dead actor left in flight has ended by now.
                     for to in peers {
-                        let msg = Outbound::AbortAck;
+                        let msg = PeerMessage::AbortAck;
                         out.push(Action::Send {
                             to,
                             id: id.clone(),
@@ -529,15 +529,18 @@ impl Router {
         now: Instant,
         from: Peer,
         id: RequestId,
-        msg: Outbound,
+        msg: PeerMessage,
         out: &mut Vec<Action>,
     ) {
         if let Some(ended) = self.tombstones.get(&id) {
-            if matches!(msg, Outbound::TransferInfo { .. } | Outbound::Ready { .. }) {
+            if matches!(
+                msg,
+                PeerMessage::TransferInfo { .. } | PeerMessage::Ready { .. }
+            ) {
                 let reason = ended.failure().cloned().unwrap_or(FailureReason::Protocol {
                     detail: format!("request {id} already ended ({ended})"),
                 });
-                let msg = Outbound::Abort { reason };
+                let msg = PeerMessage::Abort { reason };
                 out.push(Action::Send {
                     to: from.clone(),
                     id: id.clone(),
@@ -548,16 +551,16 @@ impl Router {
             // decode rank fencing its blocks can have its acknowledgement at once.
             // (Not an orphan, whose dead actor may have left a transfer in flight: it is
             // acknowledged when its fence bound passes.)
-            if matches!(msg, Outbound::Abort { .. }) && !self.orphans.contains_key(&id) {
+            if matches!(msg, PeerMessage::Abort { .. }) && !self.orphans.contains_key(&id) {
                 out.push(Action::Send {
                     to: from,
                     id,
-                    msg: Outbound::AbortAck,
+                    msg: PeerMessage::AbortAck,
                 });
             }
             return;
         }
-        let is_abort = matches!(msg, Outbound::Abort { .. });
+        let is_abort = matches!(msg, PeerMessage::Abort { .. });
         let event = MachineEvent::inbound(self.cfg.role, from.clone(), msg);
         if self.live.contains_key(&id) {
             out.push(Action::Deliver { id, event });
@@ -569,7 +572,7 @@ impl Router {
             out.push(Action::Send {
                 to: from.clone(),
                 id: id.clone(),
-                msg: Outbound::AbortAck,
+                msg: PeerMessage::AbortAck,
             });
         }
         self.buffer(now, from, id, event, out);
@@ -589,7 +592,7 @@ impl Router {
                 let reason = FailureReason::Internal {
                     detail: "too many requests pending creation".into(),
                 };
-                let msg = Outbound::Abort { reason };
+                let msg = PeerMessage::Abort { reason };
                 out.push(Action::Send { to: from, id, msg });
                 return;
             }
@@ -645,7 +648,7 @@ impl Router {
                 self.entomb(id.clone(), State::Failed(FailureReason::BootstrapTimeout));
             }
             for to in p.from {
-                let abort = Outbound::Abort {
+                let abort = PeerMessage::Abort {
                     reason: FailureReason::BootstrapTimeout,
                 };
                 out.push(Action::Send {
@@ -655,7 +658,7 @@ impl Router {
                 });
                 if self.cfg.role == Role::Prefill {
                     // Never opened here: nothing of ours was written (after the abort).
-                    let msg = Outbound::AbortAck;
+                    let msg = PeerMessage::AbortAck;
                     let id = id.clone();
                     out.push(Action::Send { to, id, msg });
                 }
@@ -698,7 +701,7 @@ impl Router {
                 hold: orphan,
             });
             for to in &peers {
-                let msg = Outbound::Abort {
+                let msg = PeerMessage::Abort {
                     reason: reason.clone(),
                 };
                 out.push(Action::Send {
@@ -731,7 +734,7 @@ impl Router {
     fn bury(&mut self, id: RequestId, state: State, out: &mut Vec<Action>) {
         if let State::Failed(reason) = &state {
             if !matches!(reason, FailureReason::AbortedByPeer { .. }) {
-                let msg = Outbound::Abort {
+                let msg = PeerMessage::Abort {
                     reason: reason.clone(),
                 };
                 out.push(Action::ToSiblings {

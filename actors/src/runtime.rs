@@ -30,7 +30,7 @@ use crate::config::{RuntimeConfig, TransportChoice, REQUESTS_OPEN_MAX_DEFAULT};
 use crate::event::{Event, EventQueue, ReleaseReason};
 use crate::ledger::{Ledger, Record};
 use crate::link::{Attach, Inbox, Link};
-use crate::machine::{Outbound, Peer, State, Timeouts};
+use crate::machine::{Peer, PeerMessage, State, Timeouts};
 use crate::request::{Kind, RequestActor, RequestArgs, RequestMsg};
 use crate::router::{
     Action, Input, Local, MachineEvent, Router, RouterConfig, RouterLimits, Timer,
@@ -50,7 +50,7 @@ pub(crate) enum RootMsg {
     Inbound {
         from: Peer,
         id: RequestId,
-        msg: Outbound,
+        msg: PeerMessage,
     },
     /// A request actor's machine reached a terminal state.
     Ended { id: RequestId },
@@ -350,7 +350,7 @@ impl RootState {
                 }
             }
             Action::Send { to, id, msg } => {
-                if matches!(msg, Outbound::Abort { .. }) {
+                if matches!(msg, PeerMessage::Abort { .. }) {
                     debug!(request = %id, peer = %to, "telling a peer the request ended here");
                 }
                 let _ = self.link.send(&to, &id, msg);

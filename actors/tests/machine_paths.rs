@@ -4,7 +4,8 @@
 use std::time::{Duration, Instant};
 
 use handoff_actors::machine::{
-    Action, Outbound, ReceiverEvent, ReceiverMachine, SenderEvent, SenderMachine, State, Timeouts,
+    Action, PeerMessage, ReceiverEvent, ReceiverMachine, SenderEvent, SenderMachine, State,
+    Timeouts,
 };
 use handoff_actors::{FenceEnd, ReleaseReason};
 use handoff_transport::{BlockId, FailureReason, RankInfo, TransferMode};
@@ -83,7 +84,7 @@ fn sender_push_writes_then_says_done_then_releases() {
         vec![
             Action::Send {
                 to: d,
-                msg: Outbound::Done { aux: vec![] }
+                msg: PeerMessage::Done { aux: vec![] }
             },
             changed(State::Done),
             released(&[1, 2], ReleaseReason::Done)
@@ -120,7 +121,7 @@ fn sender_given_blocks_before_transfer_info_goes_straight_to_transferring() {
             changed(State::Transferring),
             Action::Send {
                 to: d.clone(),
-                msg: Outbound::Ready {
+                msg: PeerMessage::Ready {
                     blocks: b(&[1]),
                     aux: vec![],
                     hold: Timeouts::default().pull_ttl,
@@ -164,7 +165,7 @@ fn sender_refuses_a_block_count_mismatch_and_tells_decode() {
     assert!(actions.iter().any(|a| matches!(
         a,
         Action::Send {
-            msg: Outbound::Abort { .. },
+            msg: PeerMessage::Abort { .. },
             ..
         }
     )));
@@ -178,7 +179,7 @@ fn sender_refuses_a_block_count_mismatch_and_tells_decode() {
         actions.last(),
         Some(&Action::Send {
             to: d,
-            msg: Outbound::AbortAck
+            msg: PeerMessage::AbortAck
         })
     );
     assert!(m.is_settled());
@@ -200,7 +201,7 @@ fn sender_that_was_told_queued_aborts_that_decode_when_bootstrap_times_out() {
         vec![
             Action::Send {
                 to: d,
-                msg: Outbound::Abort {
+                msg: PeerMessage::Abort {
                     reason: reason.clone()
                 }
             },
@@ -226,17 +227,17 @@ fn receiver_push_waits_for_done_from_every_pipeline_rank() {
         vec![
             Action::Send {
                 to: p0.clone(),
-                msg: Outbound::Queued
+                msg: PeerMessage::Queued
             },
             Action::Send {
                 to: p1.clone(),
-                msg: Outbound::Queued
+                msg: PeerMessage::Queued
             }
         ],
         "peers known but no blocks: tell prefill we live"
     );
     m.handle(t, ReceiverEvent::Allocated { blocks: b(&[4, 5]) });
-    let info = Outbound::TransferInfo {
+    let info = PeerMessage::TransferInfo {
         mode: TransferMode::Push,
         blocks: b(&[4, 5]),
     };
@@ -324,7 +325,7 @@ fn receiver_pull_reads_then_acknowledges_each_rank() {
         vec![
             Action::Send {
                 to: p0,
-                msg: Outbound::ReadDone
+                msg: PeerMessage::ReadDone
             },
             changed(State::Done),
             released(&[4], ReleaseReason::Done)
@@ -397,7 +398,7 @@ fn a_failed_push_receiver_holds_its_blocks_until_prefill_acknowledges() {
         vec![
             Action::Send {
                 to: p0.clone(),
-                msg: Outbound::Abort {
+                msg: PeerMessage::Abort {
                     reason: FailureReason::TransferTimeout
                 }
             },
@@ -486,7 +487,7 @@ fn a_prefill_rank_acknowledges_only_after_its_write_reported_back() {
         !actions.iter().any(|a| matches!(
             a,
             Action::Send {
-                msg: Outbound::AbortAck,
+                msg: PeerMessage::AbortAck,
                 ..
             }
         )),
@@ -503,7 +504,7 @@ fn a_prefill_rank_acknowledges_only_after_its_write_reported_back() {
         drain_s(&mut m),
         vec![Action::Send {
             to: d,
-            msg: Outbound::AbortAck
+            msg: PeerMessage::AbortAck
         }]
     );
     assert!(m.is_settled());
@@ -528,7 +529,7 @@ fn sender_failed_by_an_unpaired_peers_invalid_message_tells_that_peer() {
     assert!(
         actions.iter().any(|a| matches!(
             a,
-            Action::Send { to, msg: Outbound::Abort { reason: FailureReason::Protocol { .. } } } if *to == d
+            Action::Send { to, msg: PeerMessage::Abort { reason: FailureReason::Protocol { .. } } } if *to == d
         )),
         "{actions:?}"
     );
@@ -568,7 +569,7 @@ fn the_engines_payload_travels_with_done_or_ready_and_reaches_decode_before_done
         if mode == TransferMode::Push {
             s.handle(t, SenderEvent::TransferComplete);
         }
-        let sent: Vec<Outbound> = drain_s(&mut s)
+        let sent: Vec<PeerMessage> = drain_s(&mut s)
             .into_iter()
             .filter_map(|a| match a {
                 Action::Send { msg, .. } => Some(msg),
@@ -576,8 +577,8 @@ fn the_engines_payload_travels_with_done_or_ready_and_reaches_decode_before_done
             })
             .collect();
         let expected = match mode {
-            TransferMode::Push => Outbound::Done { aux: aux.clone() },
-            TransferMode::Pull => Outbound::Ready {
+            TransferMode::Push => PeerMessage::Done { aux: aux.clone() },
+            TransferMode::Pull => PeerMessage::Ready {
                 blocks: b(&[1]),
                 aux: aux.clone(),
                 hold: Timeouts::default().pull_ttl,
@@ -664,7 +665,7 @@ fn a_pull_read_that_finishes_after_prefills_hold_fails_instead_of_done() {
         drain_r(&mut m);
         m.handle(t + late, ReceiverEvent::ReadComplete { from: p0.clone() });
         let actions = drain_r(&mut m);
-        let sent: Vec<&Outbound> = actions
+        let sent: Vec<&PeerMessage> = actions
             .iter()
             .filter_map(|a| match a {
                 Action::Send { msg, .. } => Some(msg),
@@ -672,21 +673,21 @@ fn a_pull_read_that_finishes_after_prefills_hold_fails_instead_of_done() {
             })
             .collect();
         if expect_done {
-            assert_eq!(sent, vec![&Outbound::ReadDone], "{late:?}");
+            assert_eq!(sent, vec![&PeerMessage::ReadDone], "{late:?}");
             assert!(
                 actions.contains(&changed(State::Done)),
                 "{late:?}: {actions:?}"
             );
         } else {
             assert!(
-                !sent.contains(&&Outbound::ReadDone),
+                !sent.contains(&&PeerMessage::ReadDone),
                 "{late:?}: {actions:?}"
             );
             assert!(
-                sent.iter().any(|m| matches!(m, Outbound::Abort { .. })),
+                sent.iter().any(|m| matches!(m, PeerMessage::Abort { .. })),
                 "{actions:?}"
             );
-            assert!(sent.contains(&&Outbound::AbortAck), "{actions:?}");
+            assert!(sent.contains(&&PeerMessage::AbortAck), "{actions:?}");
             assert!(
                 actions.contains(&changed(State::Failed(FailureReason::TtlExpired))),
                 "{late:?}: {actions:?}"
@@ -742,7 +743,7 @@ fn a_ready_that_arrives_after_its_hold_posts_no_read() {
     assert!(
         actions.contains(&Action::Send {
             to: p0.clone(),
-            msg: Outbound::AbortAck
+            msg: PeerMessage::AbortAck
         }),
         "{actions:?}"
     );

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use handoff_actors::link::TransferFuture;
+use handoff_actors::link::{TransferError, TransferFuture};
 use handoff_actors::net::{
     DataPlane, GrantTable, NetConfig, NetTransport, PlaneTransfer, StaticDirectory,
 };
@@ -40,10 +40,18 @@ impl DataPlane for NoData {
         &self.0
     }
     fn write(&self, _: PlaneTransfer<'_>) -> TransferFuture {
-        Box::pin(async { Err("this test moves no data".to_string()) })
+        Box::pin(async {
+            Err(TransferError::Simulated {
+                detail: "this test moves no data".into(),
+            })
+        })
     }
     fn read(&self, _: PlaneTransfer<'_>) -> TransferFuture {
-        Box::pin(async { Err("this test moves no data".to_string()) })
+        Box::pin(async {
+            Err(TransferError::Simulated {
+                detail: "this test moves no data".into(),
+            })
+        })
     }
 }
 

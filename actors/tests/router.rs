@@ -27,7 +27,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use handoff_actors::event::FenceEnd;
-use handoff_actors::machine::{Outbound, Peer, ReceiverEvent, SenderEvent, State};
+use handoff_actors::machine::{Peer, PeerMessage, ReceiverEvent, SenderEvent, State};
 use handoff_actors::router::{
     Action, Input, Local, MachineEvent, Router, RouterConfig, RouterLimits, Timer,
 };
@@ -61,23 +61,23 @@ enum Msg {
 }
 
 impl Msg {
-    fn outbound(self) -> Outbound {
+    fn outbound(self) -> PeerMessage {
         match self {
-            Msg::TransferInfo => Outbound::TransferInfo {
+            Msg::TransferInfo => PeerMessage::TransferInfo {
                 mode: TransferMode::Push,
                 blocks: Vec::new(),
             },
-            Msg::Ready => Outbound::Ready {
+            Msg::Ready => PeerMessage::Ready {
                 blocks: Vec::new(),
                 aux: Vec::new(),
                 hold: Duration::from_secs(1),
             },
-            Msg::Done => Outbound::Done { aux: Vec::new() },
-            Msg::Abort => Outbound::Abort {
+            Msg::Done => PeerMessage::Done { aux: Vec::new() },
+            Msg::Abort => PeerMessage::Abort {
                 reason: FailureReason::RejectedBusy,
             },
-            Msg::AbortAck => Outbound::AbortAck,
-            Msg::Queued => Outbound::Queued,
+            Msg::AbortAck => PeerMessage::AbortAck,
+            Msg::Queued => PeerMessage::Queued,
         }
     }
 }
@@ -338,7 +338,7 @@ impl Harness {
             if matches!(m, Msg::TransferInfo | Msg::Ready) {
                 let reason = ended.failure().cloned();
                 assert!(
-                    matches!(&got.first(), Some(Action::Send { msg: Outbound::Abort { reason: r }, .. }) if reason.as_ref().is_none_or(|x| x == r)),
+                    matches!(&got.first(), Some(Action::Send { msg: PeerMessage::Abort { reason: r }, .. }) if reason.as_ref().is_none_or(|x| x == r)),
                     "a late transfer info or Ready is answered with an abort: {got:?}"
                 );
                 expect.push(got[0].clone());
@@ -347,7 +347,7 @@ impl Harness {
                 expect.push(Action::Send {
                     to: from,
                     id,
-                    msg: Outbound::AbortAck,
+                    msg: PeerMessage::AbortAck,
                 });
             }
             assert_eq!(
@@ -372,7 +372,7 @@ impl Harness {
             expect.push(Action::Send {
                 to: from.clone(),
                 id: id.clone(),
-                msg: Outbound::AbortAck,
+                msg: PeerMessage::AbortAck,
             });
         }
         // Nothing is due: every timer up to now has fired.
@@ -393,7 +393,7 @@ impl Harness {
                 expect.push(Action::Send {
                     to: from,
                     id,
-                    msg: Outbound::Abort { reason },
+                    msg: PeerMessage::Abort { reason },
                 });
             }
             None => {
@@ -420,7 +420,7 @@ impl Harness {
             State::Failed(FailureReason::AbortedByPeer { .. }) => Vec::new(),
             State::Failed(reason) => vec![Action::ToSiblings {
                 id: id.clone(),
-                msg: Outbound::Abort {
+                msg: PeerMessage::Abort {
                     reason: reason.clone(),
                 },
             }],
@@ -489,7 +489,7 @@ impl Harness {
                 expect.push(Action::Send {
                     to: to.clone(),
                     id: id.clone(),
-                    msg: Outbound::Abort {
+                    msg: PeerMessage::Abort {
                         reason: reason.clone(),
                     },
                 });
@@ -550,13 +550,13 @@ impl Harness {
                         Some(((p.deadline, p.order), id, p.senders))
                     })
                     .collect();
-                by_deadline.sort_by(|a, b| a.0.cmp(&b.0));
+                by_deadline.sort_by_key(|d| d.0);
                 for (_, id, senders) in &by_deadline {
                     for to in senders {
                         expect.push(Action::Send {
                             to: to.clone(),
                             id: id.clone(),
-                            msg: Outbound::Abort {
+                            msg: PeerMessage::Abort {
                                 reason: FailureReason::BootstrapTimeout,
                             },
                         });
@@ -564,7 +564,7 @@ impl Harness {
                             expect.push(Action::Send {
                                 to: to.clone(),
                                 id: id.clone(),
-                                msg: Outbound::AbortAck,
+                                msg: PeerMessage::AbortAck,
                             });
                         }
                     }
@@ -595,7 +595,7 @@ impl Harness {
                     expect.push(Action::Send {
                         to,
                         id: id.clone(),
-                        msg: Outbound::AbortAck,
+                        msg: PeerMessage::AbortAck,
                     });
                 }
                 expect.push(Action::Forget { id: id.clone() });
@@ -650,11 +650,11 @@ fn the_role_picks_the_machine() {
         ));
     }
     assert_eq!(
-        MachineEvent::inbound(Role::Prefill, p.clone(), Outbound::Queued),
+        MachineEvent::inbound(Role::Prefill, p.clone(), PeerMessage::Queued),
         MachineEvent::Sender(SenderEvent::Queued { from: p.clone() })
     );
     assert_eq!(
-        MachineEvent::inbound(Role::Decode, p.clone(), Outbound::AbortAck),
+        MachineEvent::inbound(Role::Decode, p.clone(), PeerMessage::AbortAck),
         MachineEvent::Receiver(ReceiverEvent::AbortAck { from: p })
     );
 }

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use handoff_actors::machine::Outbound;
+use handoff_actors::machine::PeerMessage;
 use handoff_actors::{
     merge, BlockId, EngineId, Error, Event, Fabric, FailureReason, KvLayout, KvShape, LayerSpan,
     RankInfo, ReceiverSpec, Region, RequestId, Role, Runtime, State, Timeouts, TransferMode,
@@ -194,7 +194,7 @@ async fn sender_frees_blocks_at_ttl_when_decode_never_reads() {
     let p = start(&fabric, Role::Prefill, rank("P", 0, 1), TransferMode::Pull).await;
     let d = start(&fabric, Role::Decode, rank("D", 0, 1), TransferMode::Pull).await;
     // Only decode's transfer info gets through; everything after it is lost.
-    fabric.set_filter(|_, _, _, msg| matches!(msg, Outbound::TransferInfo { .. }));
+    fabric.set_filter(|_, _, _, msg| matches!(msg, PeerMessage::TransferInfo { .. }));
     let s = p.sender("r").unwrap();
     let r = d.receiver("r", spec("P", Some(blocks(10..13)))).unwrap();
     s.send(blocks(0..3)).unwrap();
@@ -403,7 +403,7 @@ async fn a_panicking_request_actor_fails_only_its_request() {
     let p = start(&fabric, Role::Prefill, rank("P", 0, 1), TransferMode::Pull).await;
     let d = start(&fabric, Role::Decode, rank("D", 0, 1), TransferMode::Pull).await;
     // Hold every Ready so the requests stay in flight while we inject the fault.
-    fabric.set_filter(|_, _, _, msg| !matches!(msg, Outbound::Ready { .. }));
+    fabric.set_filter(|_, _, _, msg| !matches!(msg, PeerMessage::Ready { .. }));
     let mut pairs = Vec::new();
     for i in 0..3u32 {
         let id = format!("r{i}");
@@ -645,7 +645,7 @@ async fn a_late_write_never_lands_in_blocks_decode_released() {
         .await
         .unwrap();
     let d = start(&fabric, Role::Decode, rank("D", 0, 1), TransferMode::Push).await;
-    fabric.set_filter(|_, _, _, msg| !matches!(msg, Outbound::Abort { .. })); // aborts are lost
+    fabric.set_filter(|_, _, _, msg| !matches!(msg, PeerMessage::Abort { .. })); // aborts are lost
     let s = p.sender("r").unwrap();
     let r = d.receiver("r", spec("P", Some(blocks(10..12)))).unwrap();
     assert_eq!(

@@ -257,7 +257,7 @@ class Runtime:
 class BootstrapServer:
     """A bootstrap server in this process (tests, single-host setups); `address` is what
     workers pass as ``bootstrap``. Stops on `stop`, on leaving a ``with`` block, or when
-    garbage-collected. For a standalone one, run ``handoff bootstrap serve``."""
+    garbage-collected. For a standalone one, run ``handoff bootstrap``."""
 
     def __init__(
         self,

@@ -7,7 +7,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
-use handoff_actors::machine::Outbound;
+use handoff_actors::machine::PeerMessage;
 use handoff_actors::{KvShape, Timeouts, TransferMode};
 
 use crate::rng::{Rng, PPM};
@@ -590,16 +590,16 @@ pub enum MessageKind {
 
 impl MessageKind {
     /// The kind of `msg`.
-    pub fn of(msg: &Outbound) -> Self {
+    pub fn of(msg: &PeerMessage) -> Self {
         match msg {
-            Outbound::TransferInfo { .. } => Self::TransferInfo,
-            Outbound::Queued => Self::Queued,
-            Outbound::Ready { .. } => Self::Ready,
-            Outbound::Done { .. } => Self::Done,
-            Outbound::ReadDone => Self::ReadDone,
-            Outbound::Rejected { .. } => Self::Rejected,
-            Outbound::Abort { .. } => Self::Abort,
-            Outbound::AbortAck => Self::AbortAck,
+            PeerMessage::TransferInfo { .. } => Self::TransferInfo,
+            PeerMessage::Queued => Self::Queued,
+            PeerMessage::Ready { .. } => Self::Ready,
+            PeerMessage::Done { .. } => Self::Done,
+            PeerMessage::ReadDone => Self::ReadDone,
+            PeerMessage::Rejected { .. } => Self::Rejected,
+            PeerMessage::Abort { .. } => Self::Abort,
+            PeerMessage::AbortAck => Self::AbortAck,
         }
     }
 }

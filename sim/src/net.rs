@@ -24,9 +24,9 @@ use std::time::{Duration, Instant};
 
 use handoff_actors::link::{
     select_prefill_peers, Attach, Inbox, Link, LinkError, ResolveError, ResolveFuture,
-    TransferFuture,
+    TransferError, TransferFuture,
 };
-use handoff_actors::machine::{Outbound, Peer};
+use handoff_actors::machine::{Peer, PeerMessage};
 use handoff_actors::net::data::{Access, GrantTable};
 use handoff_actors::{
     BlockId, BlockSlice, EngineId, Error as ActorError, FailureReason, RankInfo, Region, RequestId,
@@ -145,7 +145,7 @@ enum NetEvent {
         to: usize,
         to_inc: u32,
         id: RequestId,
-        msg: Outbound,
+        msg: PeerMessage,
     },
     Land {
         src: (usize, u32),
@@ -559,7 +559,7 @@ impl NetState {
         from: (usize, u32),
         to: (usize, u32),
         id: RequestId,
-        msg: Outbound,
+        msg: PeerMessage,
     ) {
         let req = req_index(&id);
         if !self.alive(from) || !self.alive(to) {
@@ -587,7 +587,10 @@ impl NetState {
         self.hash.bytes(&(to.0 as u64).to_le_bytes());
         self.hash.str(id.as_str());
         self.hash.bytes(&[MessageKind::of(&msg) as u8]);
-        if matches!(msg, Outbound::TransferInfo { .. } | Outbound::Ready { .. }) {
+        if matches!(
+            msg,
+            PeerMessage::TransferInfo { .. } | PeerMessage::Ready { .. }
+        ) {
             self.rkeys.insert((to.0, id.clone()), from);
         }
         let from_rank = self.ranks[from.0].clone();
@@ -1016,11 +1019,13 @@ impl SimLink {
             }
         };
         Box::pin(async move {
-            if let Some(why) = refused {
-                return Err(why);
-            }
-            rx.await
-                .unwrap_or_else(|_| Err("transfer abandoned by the network".into()))
+            let outcome = match refused {
+                Some(why) => Err(why),
+                None => rx
+                    .await
+                    .unwrap_or_else(|_| Err("transfer abandoned by the network".into())),
+            };
+            outcome.map_err(|detail| TransferError::Simulated { detail })
         })
     }
 }
@@ -1036,14 +1041,14 @@ impl Link for SimLink {
         self.net.lock().data_plane == DataPlane::Rdma
     }
 
-    fn send(&self, to: &Peer, id: &RequestId, msg: Outbound) -> Result<(), LinkError> {
+    fn send(&self, to: &Peer, id: &RequestId, msg: PeerMessage) -> Result<(), LinkError> {
         let net = &self.net;
         let mut guard = net.lock();
         let st = &mut *guard;
         // Grant before the message leaves, as the network link does.
         let grant = match &msg {
-            Outbound::TransferInfo { blocks, .. } => Some((Access::Write, blocks)),
-            Outbound::Ready { blocks, .. } => Some((Access::Read, blocks)),
+            PeerMessage::TransferInfo { blocks, .. } => Some((Access::Write, blocks)),
+            PeerMessage::Ready { blocks, .. } => Some((Access::Read, blocks)),
             _ => None,
         };
         if let (Some((access, blocks)), Some(node)) = (grant, st.node_at(self.idx)) {

@@ -1,4 +1,4 @@
-//! `handoff bootstrap serve` and `handoff bootstrap status`: argument structs and the
+//! `handoff bootstrap` (serve) and `handoff bootstrap status`: argument structs and the
 //! functions the binary calls with them.
 //!
 //! Exit codes: 0 on success (for `serve`: stopped by SIGINT or SIGTERM), 1 on any failure,
@@ -42,7 +42,7 @@ use super::{
     LISTEN_DEFAULT, SECRET_FILE_BYTES_MAX,
 };
 
-/// Arguments of `handoff bootstrap serve`.
+/// Arguments of `handoff bootstrap`.
 #[derive(clap::Args, Clone, Debug)]
 pub struct ServeArgs {
     /// Address to listen on.
@@ -123,7 +123,7 @@ fn load_optional_key(path: Option<&Path>) -> Result<Option<Key>, BootstrapError>
     crate::exposure::resolve_key(path)
 }
 
-/// Runs `handoff bootstrap serve` until SIGINT or SIGTERM, then stops cleanly.
+/// Runs `handoff bootstrap` until SIGINT or SIGTERM, then stops cleanly.
 pub async fn run_serve(args: ServeArgs) -> ExitCode {
     let key = match load_optional_key(args.secret_file.as_deref()) {
         Ok(key) => key,
@@ -145,7 +145,7 @@ pub async fn run_serve(args: ServeArgs) -> ExitCode {
             ExitCode::SUCCESS
         }
         () = server.stopped() => {
-            eprintln!("handoff bootstrap serve: the server stopped unexpectedly (see the log)");
+            eprintln!("handoff bootstrap: the server stopped unexpectedly (see the log)");
             ExitCode::FAILURE
         }
     }

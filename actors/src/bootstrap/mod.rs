@@ -28,7 +28,7 @@
 //! - [`registry`]: the registry as plain data (no IO, no clock): every registration rule.
 //! - [`server`]: the server actor, [`serve`], the [`BootstrapServer`] handle.
 //! - [`client`]: [`BootstrapClient`] (register + keepalive, query + cache, status).
-//! - [`cli`]: `handoff bootstrap serve` and `handoff bootstrap status` ([`ServeArgs`],
+//! - [`cli`]: `handoff bootstrap` (serve) and `handoff bootstrap status` ([`ServeArgs`],
 //!   [`run_serve`], [`StatusArgs`], [`run_status`]).
 //! - `error`: [`BootstrapError`].
 //! - this file: the named limits and defaults.
@@ -48,7 +48,7 @@ pub use server::{serve, BootstrapServer, ServerConfig};
 
 use std::time::Duration;
 
-/// Where `handoff bootstrap serve` listens unless told otherwise: loopback, so that a server
+/// Where `handoff bootstrap` listens unless told otherwise: loopback, so that a server
 /// started without a secret is reachable from this host only (a network address needs a
 /// secret or `--insecure`, see [`crate::exposure`]). Port 7400 rather than the 8998 that
 /// SGLang and vLLM's Mooncake bootstrap servers default to, so both can run on one host

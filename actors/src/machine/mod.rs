@@ -217,9 +217,11 @@ pub fn merge_all<'a>(states: impl IntoIterator<Item = &'a State>) -> Option<Stat
 /// A peer rank, as the machines see it: who to send to, and whose messages to believe.
 pub type Peer = RankInfo;
 
-/// A control message a machine asks its driver to send to a peer.
+/// A control message between the two sides about one request: what a machine asks its
+/// driver to send to a peer, and what a peer's machine sent (the root routes it to the
+/// request's machine as an event, [`crate::router::MachineEvent::inbound`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Outbound {
+pub enum PeerMessage {
     /// Decode → prefill: where to put the blocks, and how.
     TransferInfo {
         /// Push or pull.
@@ -269,7 +271,7 @@ pub enum Action {
         /// The peer.
         to: Peer,
         /// The message.
-        msg: Outbound,
+        msg: PeerMessage,
     },
     /// Prefill, push mode: write `src` blocks into the peer's `dst` blocks, then report
     /// `TransferComplete` or `TransferFailed`.
@@ -407,7 +409,7 @@ impl Core {
         }
     }
 
-    fn send(&mut self, to: &Peer, msg: Outbound) {
+    fn send(&mut self, to: &Peer, msg: PeerMessage) {
         self.actions.push_back(Action::Send {
             to: to.clone(),
             msg,

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use handoff_transport::{BlockId, FailureReason, TransferMode};
 
-use super::{protocol, Action, Core, Outbound, Peer, State, Timeouts};
+use super::{protocol, Action, Core, Peer, PeerMessage, State, Timeouts};
 use crate::event::FenceEnd;
 
 /// What can happen to a receiver. Fed with [`ReceiverMachine::handle`].
@@ -328,7 +328,7 @@ impl ReceiverMachine {
             return false;
         }
         for (peer, _) in self.peers.clone() {
-            let msg = Outbound::Rejected {
+            let msg = PeerMessage::Rejected {
                 reason: reason.clone(),
             };
             self.core.send(&peer, msg);
@@ -362,7 +362,7 @@ impl ReceiverMachine {
             if !self.queued_sent {
                 self.queued_sent = true;
                 for (peer, _) in self.peers.clone() {
-                    self.core.send(&peer, Outbound::Queued);
+                    self.core.send(&peer, PeerMessage::Queued);
                 }
             }
             return;
@@ -370,7 +370,7 @@ impl ReceiverMachine {
         self.info_sent = true;
         self.info_sent_at.get_or_insert(now);
         for (peer, _) in self.peers.clone() {
-            let msg = Outbound::TransferInfo {
+            let msg = PeerMessage::TransferInfo {
                 mode: self.mode,
                 blocks: self.core.held.clone(),
             };
@@ -504,7 +504,7 @@ impl ReceiverMachine {
             }
         }
         self.peers[i].1 = Progress::Complete;
-        self.core.send(&from, Outbound::ReadDone);
+        self.core.send(&from, PeerMessage::ReadDone);
         if self.peers.iter().all(|(_, p)| *p == Progress::Complete) {
             self.core.finish(State::Done);
         }
@@ -532,7 +532,7 @@ impl ReceiverMachine {
             if caused_by != Some(&peer) && live {
                 self.core.send(
                     &peer,
-                    Outbound::Abort {
+                    PeerMessage::Abort {
                         reason: reason.clone(),
                     },
                 );
@@ -565,7 +565,7 @@ impl ReceiverMachine {
             return;
         }
         for peer in std::mem::take(&mut self.acks_owed) {
-            self.core.send(&peer, Outbound::AbortAck);
+            self.core.send(&peer, PeerMessage::AbortAck);
         }
     }
 

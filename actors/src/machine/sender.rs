@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use handoff_transport::{BlockId, FailureReason, TransferMode};
 
-use super::{protocol, Action, Core, Outbound, Peer, State, Timeouts};
+use super::{protocol, Action, Core, Peer, PeerMessage, State, Timeouts};
 use crate::event::FenceEnd;
 
 /// What can happen to a sender. Fed with [`SenderMachine::handle`].
@@ -342,7 +342,7 @@ impl SenderMachine {
                 let hold = limit;
                 self.core.send(
                     &peer,
-                    Outbound::Ready {
+                    PeerMessage::Ready {
                         blocks: src,
                         aux,
                         hold,
@@ -359,7 +359,7 @@ impl SenderMachine {
         }
         if let Some(peer) = self.peer.clone() {
             let aux = std::mem::take(&mut self.aux);
-            self.core.send(&peer, Outbound::Done { aux });
+            self.core.send(&peer, PeerMessage::Done { aux });
         }
         self.core.finish(State::Done);
     }
@@ -418,7 +418,7 @@ impl SenderMachine {
         }
         if let Some(peer) = self.peer.clone() {
             self.ack_owed = false;
-            self.core.send(&peer, Outbound::AbortAck);
+            self.core.send(&peer, PeerMessage::AbortAck);
         }
     }
 
@@ -433,7 +433,7 @@ impl SenderMachine {
             if caused_by != Some(&peer) {
                 self.core.send(
                     &peer,
-                    Outbound::Abort {
+                    PeerMessage::Abort {
                         reason: reason.clone(),
                     },
                 );

@@ -28,7 +28,7 @@ use super::{
     layer_slice, Cmd, DataPlane, Directory, NetConfig, PeerData, PeerInfo, DIAL_QUEUE_MESSAGES_MAX,
 };
 use crate::link::Inbox;
-use crate::machine::{Outbound, Peer};
+use crate::machine::{Peer, PeerMessage};
 
 /// The time the peer table is given: the runtime's clock (real outside tests).
 fn now() -> std::time::Instant {
@@ -306,7 +306,7 @@ impl Control {
                 }
                 (
                     t.request_id,
-                    Outbound::TransferInfo {
+                    PeerMessage::TransferInfo {
                         mode: t.mode,
                         blocks: t.blocks,
                     },
@@ -320,19 +320,19 @@ impl Control {
                 }
                 (
                     r.request_id,
-                    Outbound::Ready {
+                    PeerMessage::Ready {
                         blocks: r.blocks,
                         aux: r.aux,
                         hold: Duration::from_millis(r.hold_ms),
                     },
                 )
             }
-            Message::Queued(q) => (q.request_id, Outbound::Queued),
-            Message::Rejected(r) => (r.request_id, Outbound::Rejected { reason: r.reason }),
-            Message::Done(d) => (d.request_id, Outbound::Done { aux: d.aux }),
-            Message::ReadDone(d) => (d.request_id, Outbound::ReadDone),
-            Message::Abort(a) => (a.request_id, Outbound::Abort { reason: a.reason }),
-            Message::AbortAck(a) => (a.request_id, Outbound::AbortAck),
+            Message::Queued(q) => (q.request_id, PeerMessage::Queued),
+            Message::Rejected(r) => (r.request_id, PeerMessage::Rejected { reason: r.reason }),
+            Message::Done(d) => (d.request_id, PeerMessage::Done { aux: d.aux }),
+            Message::ReadDone(d) => (d.request_id, PeerMessage::ReadDone),
+            Message::Abort(a) => (a.request_id, PeerMessage::Abort { reason: a.reason }),
+            Message::AbortAck(a) => (a.request_id, PeerMessage::AbortAck),
             other => {
                 return Err(WireError::Invalid {
                     what: "control message",
@@ -369,7 +369,9 @@ impl Control {
                 theirs.blocks
             ));
         }
-        layer_slice(&self.me, &self.layout, peer, theirs, we_send).map(|_| ())
+        layer_slice(&self.me, &self.layout, peer, theirs, we_send)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
     }
 
     /// What a peer said about its data plane at connect: transfers to it never need the
@@ -532,10 +534,10 @@ impl Control {
 
     // ---- outbound ----
 
-    fn encode(&self, id: &RequestId, msg: Outbound) -> Result<Vec<u8>, WireError> {
+    fn encode(&self, id: &RequestId, msg: PeerMessage) -> Result<Vec<u8>, WireError> {
         let id = id.clone();
         let wire_msg = match msg {
-            Outbound::TransferInfo { mode, blocks } => {
+            PeerMessage::TransferInfo { mode, blocks } => {
                 Message::TransferInfo(messages::TransferInfo {
                     request_id: id,
                     decode: self.me.clone(),
@@ -544,26 +546,28 @@ impl Control {
                     blocks,
                 })
             }
-            Outbound::Queued => Message::Queued(messages::Queued { request_id: id }),
-            Outbound::Rejected { reason } => Message::Rejected(messages::Rejected::new(id, reason)),
-            Outbound::Ready { blocks, aux, hold } => Message::Ready(messages::Ready {
+            PeerMessage::Queued => Message::Queued(messages::Queued { request_id: id }),
+            PeerMessage::Rejected { reason } => {
+                Message::Rejected(messages::Rejected::new(id, reason))
+            }
+            PeerMessage::Ready { blocks, aux, hold } => Message::Ready(messages::Ready {
                 request_id: id,
                 blocks,
                 aux,
                 hold_ms: u64::try_from(hold.as_millis()).unwrap_or(u64::MAX),
             }),
-            Outbound::Done { aux } => Message::Done(messages::Done {
+            PeerMessage::Done { aux } => Message::Done(messages::Done {
                 request_id: id,
                 aux,
             }),
-            Outbound::ReadDone => Message::ReadDone(messages::ReadDone { request_id: id }),
-            Outbound::Abort { reason } => Message::Abort(messages::Abort::new(id, reason)),
-            Outbound::AbortAck => Message::AbortAck(messages::AbortAck { request_id: id }),
+            PeerMessage::ReadDone => Message::ReadDone(messages::ReadDone { request_id: id }),
+            PeerMessage::Abort { reason } => Message::Abort(messages::Abort::new(id, reason)),
+            PeerMessage::AbortAck => Message::AbortAck(messages::AbortAck { request_id: id }),
         };
         wire::encode(&wire_msg, self.key())
     }
 
-    fn send(&mut self, to: &Peer, id: &RequestId, msg: Outbound) {
+    fn send(&mut self, to: &Peer, id: &RequestId, msg: PeerMessage) {
         let bytes = match self.encode(id, msg) {
             Ok(bytes) => bytes,
             Err(e) => {

@@ -10,6 +10,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
+use handoff_transport::data::GrantError;
 use handoff_transport::lease::Lease;
 use handoff_transport::same_host::PeerProcess;
 use handoff_transport::wire::messages::LayoutDescriptor;
@@ -141,21 +142,33 @@ impl GrantTable {
         access: Access,
         blocks: &[BlockId],
         copy: &mut dyn FnMut(),
-    ) -> Result<(), String> {
+    ) -> Result<(), GrantError> {
         let grant = self
             .map()
             .get(id)
             .cloned()
-            .ok_or_else(|| format!("no grant for request {id}"))?;
+            .ok_or_else(|| GrantError::NoGrant {
+                request: id.clone(),
+            })?;
         let grants = grant.lock().unwrap_or_else(|e| e.into_inner());
         if grants.revoked {
-            return Err(format!("grant for request {id} revoked"));
+            return Err(GrantError::Revoked {
+                request: id.clone(),
+            });
         }
         let Some(granted) = grants.by_peer.get(&(peer.clone(), access)) else {
-            return Err(format!("request {id}: {peer} holds no {access} grant"));
+            return Err(GrantError::NotHeld {
+                request: id.clone(),
+                peer: peer.clone(),
+                access,
+            });
         };
         if let Some(b) = blocks.iter().find(|b| !granted.contains(b)) {
-            return Err(format!("request {id}: block {b} not granted to {peer}"));
+            return Err(GrantError::Block {
+                request: id.clone(),
+                block: *b,
+                peer: peer.clone(),
+            });
         }
         copy();
         Ok(())
@@ -181,7 +194,7 @@ impl handoff_transport::data::Grants for GrantTable {
         access: Access,
         blocks: &[BlockId],
         f: &mut dyn FnMut(),
-    ) -> Result<(), String> {
+    ) -> Result<(), GrantError> {
         self.check_and_copy(peer, request, access, blocks, f)
     }
 }

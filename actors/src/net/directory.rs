@@ -9,6 +9,7 @@ use std::sync::Mutex;
 use handoff_transport::wire::messages::WorkerRecord;
 use handoff_transport::{EngineId, RankInfo};
 
+use crate::bootstrap::BootstrapError;
 use crate::link::ResolveError;
 
 /// A boxed future, as the directory's methods return.
@@ -18,7 +19,7 @@ pub type DirectoryFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 pub trait Directory: Send + Sync + 'static {
     /// Registers this worker (and keeps it registered). Resolves once the registration is
     /// accepted, or with the reason it never was (naming the bootstrap address).
-    fn register(&self, record: WorkerRecord) -> DirectoryFuture<Result<(), String>>;
+    fn register(&self, record: WorkerRecord) -> DirectoryFuture<Result<(), BootstrapError>>;
 
     /// Every worker of `engine`, once all its ranks have registered. `NotReady` while some
     /// are missing; `Fatal` when asking again will not help.
@@ -60,7 +61,7 @@ impl StaticDirectory {
 }
 
 impl Directory for StaticDirectory {
-    fn register(&self, record: WorkerRecord) -> DirectoryFuture<Result<(), String>> {
+    fn register(&self, record: WorkerRecord) -> DirectoryFuture<Result<(), BootstrapError>> {
         self.insert(record);
         Box::pin(async { Ok(()) })
     }
@@ -107,14 +108,11 @@ pub const LOOKUP_DEADLINE: std::time::Duration = std::time::Duration::from_secs(
 const REGISTER_DEADLINE: std::time::Duration = std::time::Duration::from_secs(300);
 
 impl Directory for crate::bootstrap::BootstrapClient {
-    fn register(&self, record: WorkerRecord) -> DirectoryFuture<Result<(), String>> {
+    fn register(&self, record: WorkerRecord) -> DirectoryFuture<Result<(), BootstrapError>> {
         let client = self.clone();
         Box::pin(async move {
             let deadline = std::time::Instant::now() + REGISTER_DEADLINE;
-            client
-                .register(record, deadline)
-                .await
-                .map_err(|e| e.to_string())
+            client.register(record, deadline).await
         })
     }
 

@@ -55,8 +55,10 @@ pub use directory::{Directory, StaticDirectory};
 pub use engine::{start_engine_runtime, DataTransport, EngineOptions, EngineRuntime, WorkerMemory};
 pub use ucx::{same_host_copies_enabled, SAME_HOST_ENV};
 
-use crate::link::{Attach, Inbox, Link, LinkError, ResolveError, ResolveFuture, TransferFuture};
-use crate::machine::{Outbound, Peer};
+use crate::link::{
+    Attach, Inbox, Link, LinkError, ResolveError, ResolveFuture, TransferError, TransferFuture,
+};
+use crate::machine::{Peer, PeerMessage};
 use crate::Error;
 
 /// Default interval between heartbeats on a peer connection: NIXL's ~5 s.
@@ -174,7 +176,7 @@ pub(crate) enum Cmd {
     Send {
         to: Peer,
         id: RequestId,
-        msg: Outbound,
+        msg: PeerMessage,
     },
 }
 
@@ -247,7 +249,7 @@ impl NetTransport {
         };
         match tokio::time::timeout(cfg.register_timeout, directory.register(record)).await {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(NetError::Register(e)),
+            Ok(Err(e)) => return Err(NetError::Register(e.to_string())),
             Err(_) => {
                 return Err(NetError::Register(format!(
                     "no answer within {:?}",
@@ -362,14 +364,19 @@ pub(crate) fn layer_slice(
     peer: &RankInfo,
     theirs: &KvLayout,
     write: bool,
-) -> Result<Option<BlockSlice>, String> {
+) -> Result<Option<BlockSlice>, TransferError> {
     let (src, src_layout, dst, dst_layout) = if write {
         (me, mine, peer, theirs)
     } else {
         (peer, theirs, me, mine)
     };
-    BlockSlice::for_ranks(src, src_layout, dst, dst_layout)
-        .map_err(|e| format!("blocks of {src} and {dst} do not pair: {e}"))
+    BlockSlice::for_ranks(src, src_layout, dst, dst_layout).map_err(|source| {
+        TransferError::Pairing {
+            src: src.to_string(),
+            dst: dst.to_string(),
+            source: Box::new(source),
+        }
+    })
 }
 
 impl NetLink {
@@ -396,8 +403,8 @@ impl NetLink {
             process,
         }) = known
         else {
-            let detail = format!("{peer} described no KV layout when it connected");
-            return Box::pin(async move { Err(detail) });
+            let peer = peer.clone();
+            return Box::pin(async move { Err(TransferError::NoLayout { peer }) });
         };
         let slice = match layer_slice(&self.me, &self.layout, peer, &theirs, write) {
             Ok(Some(slice)) => Some(slice),
@@ -430,13 +437,13 @@ impl Link for NetLink {
         &self.me
     }
 
-    fn send(&self, to: &Peer, id: &RequestId, msg: Outbound) -> Result<(), LinkError> {
+    fn send(&self, to: &Peer, id: &RequestId, msg: PeerMessage) -> Result<(), LinkError> {
         // Grant before the message leaves: the peer may act on it at once.
         match &msg {
-            Outbound::TransferInfo { blocks, .. } => {
+            PeerMessage::TransferInfo { blocks, .. } => {
                 self.data.grants().grant(to, id, Access::Write, blocks)
             }
-            Outbound::Ready { blocks, .. } => {
+            PeerMessage::Ready { blocks, .. } => {
                 self.data.grants().grant(to, id, Access::Read, blocks)
             }
             _ => {}

@@ -12,7 +12,7 @@ use handoff_transport::wire::messages::{LayoutDescriptor, TransportKind};
 use handoff_transport::{RankInfo, Region};
 
 use super::data::{DataPlane, GrantTable, PlaneTransfer};
-use crate::link::TransferFuture;
+use crate::link::{TransferError, TransferFuture};
 
 /// Longest a connection to a peer's data server may take to open.
 pub const DATA_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -93,11 +93,12 @@ impl TcpDataPlane {
             ..
         } = t;
         if peer_layout.transport != TransportKind::Tcp {
-            let detail = format!(
-                "{peer} offers {:?} memory; this worker moves data over TCP",
-                peer_layout.transport
-            );
-            return Box::pin(async move { Err(detail) });
+            let refused = TransferError::WrongTransport {
+                peer: peer.clone(),
+                offered: format!("{:?}", peer_layout.transport),
+                ours: "TCP",
+            };
+            return Box::pin(async move { Err(refused) });
         }
         let (id, addr, local) = (id.clone(), peer_layout.address.clone(), self.region.clone());
         let (clients, me, key) = (self.clients.clone(), self.me.clone(), self.key.clone());
@@ -105,8 +106,9 @@ impl TcpDataPlane {
             let until = tokio::time::Instant::from_std(deadline);
             let client = tokio::time::timeout_at(until, client_for(&clients, &addr, me, key))
                 .await
-                .map_err(|_| format!("no data connection to {addr} by the transfer's deadline"))?
-                .map_err(|e| e.to_string())?;
+                .map_err(|_| TransferError::ConnectTimeout {
+                    address: addr.clone(),
+                })??;
             let result = if write {
                 client
                     .write_slice(&id, &local, &src, &dst, slice, deadline)
@@ -123,7 +125,7 @@ impl TcpDataPlane {
                     .unwrap_or_else(|e| e.into_inner())
                     .remove(&addr);
             }
-            result.map_err(|e| e.to_string())
+            Ok(result?)
         })
     }
 }

@@ -148,7 +148,7 @@ impl UcxPlane {
                         .await
                 }
             };
-            result.map_err(|e| e.to_string())
+            Ok(result?)
         })
     }
 }

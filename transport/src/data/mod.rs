@@ -20,7 +20,8 @@
 //!   grant (the receiver only hands out blocks it allocated for the request).
 //!
 //! # Layout
-//! - this module: [`DataError`], [`Access`], [`Grants`], [`AllowAll`], [`RefusalCode`].
+//! - this module: [`DataError`], [`Access`], [`Grants`], [`GrantError`], [`AllowAll`],
+//!   [`RefusalCode`].
 //! - [`plan`]: block lists to coalesced, size-bounded operations.
 //! - [`ucx`]: [`UcxDataPlane`] and its descriptor [`UcxPeer`].
 //!
@@ -81,7 +82,44 @@ pub trait Grants: Send + Sync + 'static {
         access: Access,
         blocks: &[BlockId],
         f: &mut dyn FnMut(),
-    ) -> Result<(), String>;
+    ) -> Result<(), GrantError>;
+}
+
+/// Why a peer's write or read was refused by the side whose memory it would touch.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GrantError {
+    /// This side granted nothing for the request (never, or it ended and was forgotten).
+    #[error("no grant for request {request}")]
+    NoGrant {
+        /// The request.
+        request: RequestId,
+    },
+    /// The request's grants were revoked (it ended here).
+    #[error("grant for request {request} revoked")]
+    Revoked {
+        /// The request.
+        request: RequestId,
+    },
+    /// The peer holds no grant of this kind for the request.
+    #[error("request {request}: {peer} holds no {access} grant")]
+    NotHeld {
+        /// The request.
+        request: RequestId,
+        /// The peer that asked.
+        peer: RankInfo,
+        /// What it asked for.
+        access: Access,
+    },
+    /// A block outside what the peer was granted.
+    #[error("request {request}: block {block} not granted to {peer}")]
+    Block {
+        /// The request.
+        request: RequestId,
+        /// The first block not granted.
+        block: BlockId,
+        /// The peer that asked.
+        peer: RankInfo,
+    },
 }
 
 /// Grants everything to everyone: for benchmarks and tests of the transport alone, where
@@ -97,7 +135,7 @@ impl Grants for AllowAll {
         _access: Access,
         _blocks: &[BlockId],
         f: &mut dyn FnMut(),
-    ) -> Result<(), String> {
+    ) -> Result<(), GrantError> {
         f();
         Ok(())
     }

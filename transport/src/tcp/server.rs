@@ -606,6 +606,7 @@ impl Conn<'_> {
                 .await
             }
             (Err(why), _) => {
+                let why = why.to_string();
                 self.refuse(head.seq, RefusalCode::NotGranted, Some(request), &why)
                     .await
             }
@@ -670,6 +671,7 @@ impl Conn<'_> {
                 .await
             }
             (Err(why), _) => {
+                let why = why.to_string();
                 self.refuse(head.seq, RefusalCode::NotGranted, Some(request), &why)
                     .await
             }

@@ -124,10 +124,10 @@ messages! {
     /// with a new incarnation is a restarted peer, whose old requests are failed at once.
     Hello(Hello) = 0x0001,
     /// The accepting side's answer to [`Hello`]. The connecting side checks it with
-    /// [`check_hello_ack`] and compares the incarnation with the one the bootstrap server
-    /// gave it: a different one means the record was stale (the worker restarted) and is
-    /// re-queried; a bootstrap server with a new incarnation lost its registrations, and every
-    /// worker registers again.
+    /// [`check_hello_ack`] and notes the peer's incarnation as the accepting side noted its
+    /// own: a known rank with a new incarnation is a restarted peer, whose old requests are
+    /// failed at once. (A worker registers again with the bootstrap server on every new
+    /// connection to it, so a restarted server learns every live worker back.)
     HelloAck(HelloAck) = 0x0002,
     /// Sent by both sides of a peer connection every heartbeat interval. The receiver
     /// notes the time; a peer silent past the liveness deadline is lost, and every request

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use handoff_gpu::checksum::fill_pattern;
 use handoff_gpu::Checksum64;
-use handoff_transport::data::{Access, Grants, UcxDataPlane, UcxPeer, UcxRange};
+use handoff_transport::data::{Access, GrantError, Grants, UcxDataPlane, UcxPeer, UcxRange};
 use handoff_transport::wire::{RegionDescriptor, TransportKind};
 use handoff_transport::{BlockId, RankInfo, Region, RequestId};
 
@@ -48,16 +48,18 @@ impl Grants for TableGrants {
         access: Access,
         blocks: &[BlockId],
         f: &mut dyn FnMut(),
-    ) -> Result<(), String> {
+    ) -> Result<(), GrantError> {
         let table = self.table.lock().unwrap();
         let granted = table.get(&(request.clone(), access));
         if let Some(b) = blocks
             .iter()
             .find(|b| !granted.is_some_and(|g| g.contains(b)))
         {
-            return Err(format!(
-                "{peer} holds no {access} grant on block {b} for request {request}"
-            ));
+            return Err(GrantError::Block {
+                request: request.clone(),
+                block: *b,
+                peer: peer.clone(),
+            });
         }
         if let Some(slow) = self.slow {
             std::thread::sleep(slow);

@@ -287,6 +287,41 @@ pub enum Action {
         /// Which.
         id: RequestId,
     },
+    /// Something an operator should see in the log; changes nothing.
+    Note(Note),
+}
+
+/// A decision worth a log line (the root actor logs it with the request id and peer).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Note {
+    /// A message for a request that ended here was answered or dropped.
+    Late {
+        /// The request.
+        id: RequestId,
+        /// Who sent it.
+        from: Peer,
+    },
+    /// Too many requests have messages buffered: this one was refused with an abort.
+    TooManyPending {
+        /// The request.
+        id: RequestId,
+        /// Who sent it.
+        from: Peer,
+    },
+    /// The request's buffer is full: this message was dropped.
+    BufferFull {
+        /// The request.
+        id: RequestId,
+        /// Who sent it.
+        from: Peer,
+    },
+    /// The engine never opened the request before its bootstrap deadline; its peers are told.
+    NeverOpened {
+        /// The request.
+        id: RequestId,
+        /// The peers that sent something for it.
+        peers: Vec<Peer>,
+    },
 }
 
 /// The router's bounds (defaults: the named limits in [`crate::config`]).
@@ -553,11 +588,12 @@ impl Router {
             // acknowledged when its fence bound passes.)
             if matches!(msg, PeerMessage::Abort { .. }) && !self.orphans.contains_key(&id) {
                 out.push(Action::Send {
-                    to: from,
-                    id,
+                    to: from.clone(),
+                    id: id.clone(),
                     msg: PeerMessage::AbortAck,
                 });
             }
+            out.push(Action::Note(Note::Late { id, from }));
             return;
         }
         let is_abort = matches!(msg, PeerMessage::Abort { .. });
@@ -592,6 +628,11 @@ impl Router {
                 let reason = FailureReason::Internal {
                     detail: "too many requests pending creation".into(),
                 };
+                let note = Note::TooManyPending {
+                    id: id.clone(),
+                    from: from.clone(),
+                };
+                out.push(Action::Note(note));
                 let msg = PeerMessage::Abort { reason };
                 out.push(Action::Send { to: from, id, msg });
                 return;
@@ -615,6 +656,7 @@ impl Router {
             return;
         };
         if pending.events.len() >= self.cfg.limits.pending_messages {
+            out.push(Action::Note(Note::BufferFull { id, from }));
             return;
         }
         if !pending.from.contains(&from) {
@@ -640,6 +682,11 @@ impl Router {
             let Some(p) = self.pending.remove(&id) else {
                 continue;
             };
+            let note = Note::NeverOpened {
+                id: id.clone(),
+                peers: p.from.clone(),
+            };
+            out.push(Action::Note(note));
             if self.cfg.role == Role::Prefill {
                 // We tell decode nothing of ours will be written: keep that true if the
                 // engine opens the request after all, or its messages come late (found by

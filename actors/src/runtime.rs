@@ -33,7 +33,7 @@ use crate::link::{Attach, Inbox, Link};
 use crate::machine::{Peer, PeerMessage, State, Timeouts};
 use crate::request::{Kind, RequestActor, RequestArgs, RequestMsg};
 use crate::router::{
-    Action, Input, Local, MachineEvent, Router, RouterConfig, RouterLimits, Timer,
+    Action, Input, Local, MachineEvent, Note, Router, RouterConfig, RouterLimits, Timer,
 };
 use crate::Error;
 
@@ -402,6 +402,20 @@ impl RootState {
                 }
                 self.shared.open().remove(&id);
             }
+            Action::Note(note) => match note {
+                Note::Late { id, from } => {
+                    debug!(request = %id, peer = %from, "message for an ended request answered or dropped");
+                }
+                Note::TooManyPending { id, from } => {
+                    warn!(request = %id, peer = %from, "too many requests pending creation; refusing");
+                }
+                Note::BufferFull { id, from } => {
+                    warn!(request = %id, peer = %from, "too many messages for a request not yet opened; dropped");
+                }
+                Note::NeverOpened { id, peers } => {
+                    warn!(request = %id, ?peers, "request never opened here before its bootstrap deadline");
+                }
+            },
             // Only an open decides these, and `open` performs them itself.
             Action::Spawn { id, .. } | Action::Refuse { id, .. } => {
                 warn!(request = %id, "open decision outside an open dropped");

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use handoff_actors::event::FenceEnd;
 use handoff_actors::machine::{Peer, PeerMessage, ReceiverEvent, SenderEvent, State};
 use handoff_actors::router::{
-    Action, Input, Local, MachineEvent, Router, RouterConfig, RouterLimits, Timer,
+    Action, Input, Local, MachineEvent, Note, Router, RouterConfig, RouterLimits, Timer,
 };
 use handoff_transport::{FailureReason, RankInfo, RequestId, Role, TransferMode};
 use proptest::prelude::*;
@@ -198,7 +198,13 @@ impl Harness {
 
     /// Feeds one input; collects the timers it arms and checks the bounds.
     fn feed(&mut self, input: Input) -> Vec<Action> {
-        let actions = self.router.handle(self.now, input);
+        // Notes only log: the rules are in the other actions.
+        let actions: Vec<Action> = self
+            .router
+            .handle(self.now, input)
+            .into_iter()
+            .filter(|a| !matches!(a, Action::Note(_)))
+            .collect();
         for a in &actions {
             if let Action::After { delay, timer } = a {
                 self.timers.push((self.now + *delay, timer.clone()));
@@ -657,4 +663,72 @@ fn the_role_picks_the_machine() {
         MachineEvent::inbound(Role::Decode, p.clone(), PeerMessage::AbortAck),
         MachineEvent::Receiver(ReceiverEvent::AbortAck { from: p })
     );
+}
+
+/// What the root logs comes from the router's notes: a request never opened, a buffer
+/// full, a late message.
+#[test]
+fn the_router_notes_what_an_operator_should_see() {
+    let mut r = Router::new(RouterConfig {
+        role: Role::Prefill,
+        mode: TransferMode::Push,
+        one_sided: false,
+        bootstrap: BOOTSTRAP,
+        fence_max: FENCE,
+        unallocated_max: None,
+        limits: LIMITS,
+    });
+    let t = Instant::now();
+    let (p, id) = (peer(1), rid(1));
+    let info = || Msg::TransferInfo.outbound();
+    let notes = |actions: Vec<Action>| -> Vec<Note> {
+        actions
+            .into_iter()
+            .filter_map(|a| match a {
+                Action::Note(n) => Some(n),
+                _ => None,
+            })
+            .collect()
+    };
+    for _ in 0..LIMITS.pending_messages {
+        let got = r.handle(
+            t,
+            Input::Inbound {
+                from: p.clone(),
+                id: id.clone(),
+                msg: info(),
+            },
+        );
+        assert!(notes(got).is_empty());
+    }
+    let got = r.handle(
+        t,
+        Input::Inbound {
+            from: p.clone(),
+            id: id.clone(),
+            msg: info(),
+        },
+    );
+    assert_eq!(
+        notes(got),
+        vec![Note::BufferFull {
+            id: id.clone(),
+            from: p.clone()
+        }]
+    );
+    let got = r.handle(t + BOOTSTRAP, Input::Timer(Timer::ExpirePending));
+    let never = Note::NeverOpened {
+        id: id.clone(),
+        peers: vec![p.clone()],
+    };
+    assert_eq!(notes(got), vec![never]);
+    let got = r.handle(
+        t + BOOTSTRAP,
+        Input::Inbound {
+            from: p.clone(),
+            id: id.clone(),
+            msg: info(),
+        },
+    );
+    assert_eq!(notes(got), vec![Note::Late { id, from: p }]);
 }

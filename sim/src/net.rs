@@ -8,6 +8,10 @@
 //! is drawn from the network's own seeded stream at the moment the message is sent, so the
 //! same seed makes the same decisions in the same order.
 //!
+//! The bootstrap server's answers come from the real [`Registry`] (registration by
+//! incarnation, readiness of an engine) and the runtime's own `select_prefill_peers`; only
+//! its availability and the network between it and the workers are simulated.
+//!
 //! Failure detection is simulated heartbeats: a peer that crashed, or that a partition has
 //! cut off for longer than one heartbeat window, is reported with [`Inbox::peer_lost`] one
 //! window later, and sends to it fail with [`LinkError::PeerGone`] until it is back.
@@ -22,6 +26,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use handoff_actors::bootstrap::registry::{Origin, RegisterOutcome, Registry};
+use handoff_actors::bootstrap::{QueryAnswer, WorkerRecord};
 use handoff_actors::link::{
     select_prefill_peers, Attach, Inbox, Link, LinkError, ResolveError, ResolveFuture,
     TransferError, TransferFuture,
@@ -32,6 +38,8 @@ use handoff_actors::{
     BlockId, BlockSlice, EngineId, Error as ActorError, FailureReason, RankInfo, Region, RequestId,
     Role,
 };
+use handoff_transport::zmtp::ConnId;
+use handoff_transport::Rank;
 use tokio::sync::{oneshot, Notify};
 
 use crate::config::{DataPlane, Faults, MessageKind, Timing};
@@ -200,7 +208,11 @@ struct NetState {
     nodes: BTreeMap<RankInfo, Node>,
     ranks: Vec<RankInfo>,
     siblings: Vec<Vec<RankInfo>>,
-    registry: BTreeMap<EngineId, BTreeSet<RankInfo>>,
+    /// The bootstrap server's own registry (its rules: incarnations replace, conflicts and
+    /// bounds refuse, an engine is ready once every rank registered).
+    registry: Registry,
+    /// The registry's clock: virtual ms after this.
+    epoch: Instant,
     bootstrap_up: bool,
     partitions: BTreeMap<u64, Partition>,
     lost: BTreeMap<(usize, usize), u32>,
@@ -261,7 +273,8 @@ impl SimNet {
             nodes,
             ranks: ranks.into_iter().map(|(r, _)| r).collect(),
             siblings,
-            registry: BTreeMap::new(),
+            registry: Registry::new(),
+            epoch: Instant::now(),
             bootstrap_up: true,
             partitions: BTreeMap::new(),
             lost: BTreeMap::new(),
@@ -341,13 +354,22 @@ impl SimNet {
     /// True when every prefill worker that is up has registered.
     pub fn all_registered(&self) -> bool {
         let st = self.lock();
+        let held: BTreeSet<(EngineId, Rank, u64)> = st
+            .registry
+            .status()
+            .engines
+            .into_iter()
+            .flat_map(|e| {
+                let engine = e.engine_id;
+                e.workers
+                    .into_iter()
+                    .map(move |w| (engine.clone(), w.rank, w.incarnation))
+            })
+            .collect();
         st.nodes.iter().all(|(rank, n)| {
             n.role != Role::Prefill
                 || !n.up
-                || st
-                    .registry
-                    .get(&rank.engine_id)
-                    .is_some_and(|r| r.contains(rank))
+                || held.contains(&(rank.engine_id.clone(), rank.rank(), u64::from(n.inc)))
         })
     }
 
@@ -740,13 +762,25 @@ impl NetState {
             }));
         }
         let me = self.ranks[who.0].clone();
-        let registered: Vec<&RankInfo> = self
-            .registry
-            .get(prefill)
-            .map(|r| r.iter().collect())
-            .unwrap_or_default();
-        // The runtime's own choice of prefill ranks, as the real bootstrap client makes it.
-        let ranks = registered.into_iter().map(|r| (r, Role::Prefill));
+        // The real registry's answer, and the runtime's own choice of prefill ranks from
+        // it, as the real bootstrap client makes it.
+        let workers = match self.registry.query(prefill) {
+            QueryAnswer::Ready { workers } => workers,
+            QueryAnswer::NotReady {
+                registered,
+                expected,
+            } => {
+                let detail = format!(
+                    "engine {prefill}: {} of {expected} ranks registered",
+                    registered.len()
+                );
+                return failed(self, detail);
+            }
+            QueryAnswer::UnknownEngine => {
+                return failed(self, format!("engine {prefill} unknown"));
+            }
+        };
+        let ranks = workers.iter().map(|w| (&w.rank, w.role));
         match select_prefill_peers(&me, prefill, dp, ranks) {
             Err(ResolveError::NotReady { detail }) => failed(self, detail),
             other => other,
@@ -773,12 +807,39 @@ impl NetState {
             return Some(backoff_ms);
         }
         let rank = self.ranks[who.0].clone();
-        // Idempotent: the same rank registering again (a restart) replaces itself.
-        self.registry
-            .entry(rank.engine_id.clone())
-            .or_default()
-            .insert(rank);
-        self.note(t, None, format!("w{} registered", who.0));
+        let role = self.nodes.get(&rank).map(|n| n.role)?;
+        let record = WorkerRecord {
+            rank,
+            role,
+            incarnation: u64::from(who.1),
+            control_address: format!("sim://w{}/control", who.0),
+            data_address: format!("sim://w{}/data", who.0),
+            data_descriptor: Vec::new(),
+        };
+        // One connection per worker incarnation, as a real client opens.
+        let origin = Origin {
+            conn: ConnId(((who.0 as u64) << 32) | u64::from(who.1)),
+            peer: std::net::SocketAddr::from(([10, 0, 0, 1], 7400)),
+        };
+        let now = self.epoch + Duration::from_millis(t);
+        match self.registry.register(record, origin, now) {
+            // Idempotent: the same rank registering again (a restart) replaces itself.
+            RegisterOutcome::Added
+            | RegisterOutcome::Refreshed
+            | RegisterOutcome::Replaced { .. } => {
+                self.note(t, None, format!("w{} registered", who.0));
+            }
+            RegisterOutcome::Conflict(held) => {
+                let text = format!(
+                    "w{} registration refused: the server holds incarnation {}",
+                    who.0, held.incarnation
+                );
+                self.note(t, None, text);
+            }
+            RegisterOutcome::Refused(why) => {
+                self.note(t, None, format!("w{} registration refused: {why}", who.0));
+            }
+        }
         None
     }
 

@@ -231,11 +231,28 @@ fn cuda_bench_moves_blocks_between_a_gpu_and_host_memory() {
     );
 }
 
-/// A fresh directory under the target dir (no tempfile crate needed).
-fn tempdir() -> std::path::PathBuf {
+/// A fresh directory under the system's temp dir (no tempfile crate needed), removed
+/// with everything in it when the test is done with it.
+fn tempdir() -> TempDir {
     static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let dir = std::env::temp_dir().join(format!("handoff-bench-cli-{}-{n}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    dir
+    TempDir(dir)
+}
+
+struct TempDir(std::path::PathBuf);
+
+impl std::ops::Deref for TempDir {
+    type Target = std::path::Path;
+
+    fn deref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }

@@ -765,15 +765,13 @@ impl Router {
                 delay: self.cfg.fence_max,
                 timer: Timer::OrphanDue(id.clone()),
             });
-            self.bury(id, state, out);
-            return;
+        } else {
+            out.push(Action::Release {
+                id: id.clone(),
+                fence: None,
+            });
         }
-        out.push(Action::Release {
-            id: id.clone(),
-            fence: None,
-        });
         self.bury(id, state, out);
-        // `bury` forgets it (not an orphan).
     }
 
     /// Remembers an ended request, tells sibling ranks if it failed here, and (unless it is

@@ -405,12 +405,16 @@ async fn same_host_copies_move_permuted_blocks_and_a_lying_peer_reaches_nothing_
     let r = RequestId::new("same-host");
     let src = ids(0..BLOCKS);
 
-    // Lies, with a bystander whose memory must never change.
+    // Lies, from a peer of their own (a lie that still points into the liar's memory, one
+    // block past its region, may break what the liar keeps there, and the liar may die of
+    // it: its loss), with a bystander whose memory must never change.
+    let (liar_child, liar_view) = spawn_child();
+    let liar_peer = same_host(&liar_child, &liar_view);
     let (mut other, _) = spawn_child();
     let all = format_ids(&ids(0..BLOCKS));
     let other_before = other.ask(&format!("checksum {all}"), STEP);
     let ours_before = checksum(local, &ids(1..BLOCKS));
-    let (base, len) = (peer.region.base, peer.region.len);
+    let (base, len) = (liar_peer.region.base, liar_peer.region.len);
     let block = BLOCK_BYTES as u64;
     let lies: [(&str, u64, u64); 4] = [
         ("one block past the end", base + block, len),
@@ -419,7 +423,7 @@ async fn same_host_copies_move_permuted_blocks_and_a_lying_peer_reaches_nothing_
         ("twice its length", base, 2 * len),
     ];
     for (what, lied_base, lied_len) in lies {
-        let mut liar = peer.clone();
+        let mut liar = liar_peer.clone();
         liar.region.base = lied_base;
         liar.region.len = lied_len;
         for dir in ["write", "read"] {
@@ -444,7 +448,7 @@ async fn same_host_copies_move_permuted_blocks_and_a_lying_peer_reaches_nothing_
     assert_eq!(other.ask(&format!("checksum {all}"), STEP), other_before);
     // Reads of lies only ever wrote our block 0.
     assert_eq!(checksum(local, &ids(1..BLOCKS)), ours_before);
-    // Honest copies after the lies are whole.
+    // Honest copies after the lies are whole, to a peer that was there all along.
     let dst = Rng::new(17).permutation(BLOCKS);
     plane
         .write(&r, &peer, &src, &dst, Instant::now() + STEP)

@@ -474,3 +474,92 @@ async fn same_host_copies_move_permuted_blocks_and_a_lying_peer_reaches_nothing_
         killed.elapsed()
     );
 }
+
+/// The loaded UCX's minor version (from "UCX 1.13.1 (...)").
+fn ucx_minor(plane: &UcxDataPlane) -> u32 {
+    let version = plane.version().trim_start_matches("UCX ");
+    let minor = version
+        .split(['.', ' '])
+        .nth(1)
+        .and_then(|m| m.parse().ok());
+    minor.unwrap_or_else(|| panic!("no minor version in {:?}", plane.version()))
+}
+
+/// A peer whose key bytes are malformed (every cut of its honest key, every single byte
+/// changed two ways) never makes us take a signal: the key is refused by name before UCX
+/// sees it (cut short, a domain's size past its end), or, where UCX 1.13 would die
+/// unpacking it (a segment that does not exist, a domain map naming other components), by
+/// the child that tried it first; or, where the change is one UCX ignores, the write lands
+/// in the liar's own memory. A bystander's memory never changes and honest transfers
+/// work after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_whose_key_is_malformed_gets_a_named_error_and_we_live() {
+    let Some(plane) = plane_or_skip("ucx malformed keys", "prefill") else {
+        return;
+    };
+    let (_liar, honest_view) = spawn_child();
+    let (mut other, _) = spawn_child();
+    let all = format_ids(&ids(0..BLOCKS));
+    let other_before = other.ask(&format!("checksum {all}"), STEP);
+    let key = honest_view.region.remote_key.clone();
+    let mut mutants: Vec<(String, Vec<u8>)> = (1..key.len())
+        .map(|n| (format!("cut to {n} bytes"), key[..n].to_vec()))
+        .collect();
+    for at in 0..key.len() {
+        for (how, change) in [("inverted", 0xffu8), ("plus one", 0)] {
+            let mut k = key.clone();
+            k[at] = if change == 0 {
+                k[at].wrapping_add(1)
+            } else {
+                k[at] ^ change
+            };
+            mutants.push((format!("byte {at} {how}"), k));
+        }
+    }
+    let r = RequestId::new("malformed");
+    let (mut format_refused, mut vetting_refused, mut landed) = (0, 0, 0);
+    for (what, bytes) in &mutants {
+        let mut liar = honest_view.clone();
+        liar.region.remote_key = bytes.clone();
+        let deadline = Instant::now() + STEP;
+        match plane
+            .write(&r, &liar, &[BlockId(0)], &[BlockId(0)], deadline)
+            .await
+        {
+            Ok(()) => landed += 1,
+            Err(DataError::Protocol { peer, detail }) => {
+                assert_eq!(peer, "decode-child", "{what}");
+                format_refused += usize::from(detail.contains("cut short"));
+                vetting_refused += usize::from(detail.contains("vetting process"));
+                println!("{what}: {detail}");
+            }
+            Err(e @ DataError::Io { .. }) => println!("{what}: {e}"),
+            Err(other) => panic!("{what}: {other:?}"),
+        }
+    }
+    println!(
+        "{} keys: {format_refused} cut short, {vetting_refused} refused by the vetting \
+         process, {landed} landed",
+        mutants.len()
+    );
+    // Every cut below the last domain's bytes is found by the walk alone.
+    assert!(format_refused >= key.len() - 1, "{format_refused}");
+    if ucx_minor(&plane) < 19 {
+        // The segment id changed, the domain map changed: each would have killed us.
+        assert!(vetting_refused >= 2, "{vetting_refused}");
+    }
+    assert_eq!(other.ask(&format!("checksum {all}"), STEP), other_before);
+    // Honest transfers after, to a fresh honest child, are whole.
+    let (mut honest, honest_peer) = spawn_child();
+    let src = ids(0..BLOCKS);
+    let dst = Rng::new(23).permutation(BLOCKS);
+    plane
+        .write(&r, &honest_peer, &src, &dst, Instant::now() + STEP)
+        .await
+        .unwrap();
+    let remote = honest.ask(&format!("checksum {}", format_ids(&dst)), STEP);
+    assert_eq!(
+        remote,
+        format!("checksum {}", checksum(plane.region(), &src))
+    );
+}

@@ -1366,14 +1366,14 @@ impl State {
             .ok_or_else(|| DataError::PlaneStopped {
                 detail: "endpoint vanished".into(),
             })?;
-        let mut rkeys = Vec::with_capacity(ranges.len());
-        for r in &ranges {
-            let rkey = conn
-                .ep
-                .unpack_rkey(&r.remote_key, r.addr, r.len)
-                .map_err(|e| ucx_error(peer, e, Instant::now()))?;
-            rkeys.push(rkey);
-        }
+        let packed: Vec<(&[u8], u64, u64)> = ranges
+            .iter()
+            .map(|r| (r.remote_key.as_slice(), r.addr, r.len))
+            .collect();
+        let rkeys = conn
+            .ep
+            .unpack_rkeys(&packed)
+            .map_err(|(i, e)| ucx_error(peer, range_error(i, e), Instant::now()))?;
         self.rkeys += rkeys.len();
         conn.keys = Some(PeerKeys {
             region: peer.region.clone(),
@@ -1633,6 +1633,16 @@ fn failed_layout(peer: &UcxPeer, e: crate::layout::LayoutError) -> DataError {
 }
 
 /// Names the peer in a UCX failure.
+/// A key refused while unpacking a peer's ranges names which range it was.
+fn range_error(range: usize, error: UcxError) -> UcxError {
+    match error {
+        UcxError::MalformedKey { detail } => UcxError::MalformedKey {
+            detail: format!("range {range}: {detail}"),
+        },
+        other => other,
+    }
+}
+
 fn ucx_error(peer: &UcxPeer, error: UcxError, started: Instant) -> DataError {
     match error {
         UcxError::Timeout { op, .. } => DataError::Timeout {
@@ -1644,7 +1654,9 @@ fn ucx_error(peer: &UcxPeer, error: UcxError, started: Instant) -> DataError {
             peer: peer.name.clone(),
             detail: error.to_string(),
         },
-        UcxError::OutOfRange { .. } | UcxError::UnverifiedKey { .. } => DataError::Protocol {
+        UcxError::OutOfRange { .. }
+        | UcxError::UnverifiedKey { .. }
+        | UcxError::MalformedKey { .. } => DataError::Protocol {
             peer: peer.name.clone(),
             detail: error.to_string(),
         },

@@ -50,6 +50,7 @@ mod batch;
 mod context;
 mod maps;
 mod memory;
+mod rkey;
 pub mod sys;
 mod worker;
 
@@ -175,6 +176,14 @@ pub enum UcxError {
         /// The advertised length.
         len: u64,
         /// What the check found.
+        detail: String,
+    },
+    /// A peer's key that UCX must not be handed: cut short, a domain's bytes past its end,
+    /// a memory type no one moves, or (UCX before 1.19) one whose unpacking killed, or was
+    /// refused in, the child process that tried it first. Nothing was unpacked here.
+    #[error("malformed remote key: {detail}")]
+    MalformedKey {
+        /// What is wrong with it.
         detail: String,
     },
     /// A writer's lease with the peer ended (or was revoked: the peer was lost) before

@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use super::context::{Context, ContextInner};
 use super::maps;
+use super::rkey;
 use super::sys::{self, Api};
 use super::{UcxError, ENDPOINT_CLOSE_TIMEOUT, RKEY_BYTES_MAX, WORKER_ADDRESS_BYTES_MAX};
 
@@ -383,33 +384,95 @@ impl std::fmt::Debug for Endpoint {
     }
 }
 
+/// What is checked of a peer's key before UCX sees it: its size, its range, its format.
+fn check_key(packed: &[u8], base: u64, len: u64) -> Result<rkey::KeyShape, UcxError> {
+    if packed.is_empty() || packed.len() > RKEY_BYTES_MAX {
+        return Err(UcxError::InvalidArgument {
+            what: format!(
+                "remote key of {} bytes (expected 1..={RKEY_BYTES_MAX})",
+                packed.len()
+            ),
+        });
+    }
+    if base.checked_add(len).is_none() {
+        return Err(UcxError::OutOfRange {
+            what: "remote region",
+            offset: base,
+            len,
+            limit: u64::MAX,
+        });
+    }
+    rkey::check_format(packed).map_err(|detail| UcxError::MalformedKey { detail })
+}
+
 impl Endpoint {
     /// Turns a peer's packed remote key (from its [`super::MemoryRegion::pack_rkey`]) into a
-    /// [`RemoteKey`] for the peer's region `[base, base + len)`. Every operation through the
-    /// key is checked against that range before it is posted.
-    ///
-    /// Where UCX reaches the key's memory by pointer (the shared-memory transports, whose
-    /// puts and gets are an unbounded `memcpy` into a mapping of the peer's segment), the
-    /// range must lie inside the mapping this unpacking made, else
-    /// [`UcxError::UnverifiedKey`] and the key is destroyed: a peer cannot make us touch
-    /// memory outside what it registered by advertising a range its key does not cover.
+    /// [`RemoteKey`] for the peer's region `[base, base + len)`: [`Endpoint::unpack_rkeys`]
+    /// for one key.
     pub fn unpack_rkey(&self, packed: &[u8], base: u64, len: u64) -> Result<RemoteKey, UcxError> {
-        if packed.is_empty() || packed.len() > RKEY_BYTES_MAX {
-            return Err(UcxError::InvalidArgument {
-                what: format!(
-                    "remote key of {} bytes (expected 1..={RKEY_BYTES_MAX})",
-                    packed.len()
-                ),
-            });
+        self.unpack_rkeys(&[(packed, base, len)])
+            .map(|mut keys| keys.remove(0))
+            .map_err(|(_, e)| e)
+    }
+
+    /// Turns a peer's packed remote keys, each with the region `[base, base + len)` it is
+    /// advertised for, into [`RemoteKey`]s. Every operation through a key is checked against
+    /// its range before it is posted. `Err` names the index of the key refused; nothing of
+    /// the others is kept.
+    ///
+    /// No bytes from a peer can make this process take a signal in UCX (see `rkey`):
+    /// - a key is walked before UCX sees it, every domain inside its bytes and a memory
+    ///   type this runtime moves, else [`UcxError::MalformedKey`]; UCX gets it padded;
+    /// - where the loaded UCX (before 1.19) dies when one domain of a key fails to unpack,
+    ///   the host keys are unpacked first in a forked child, and a key that kills it (or
+    ///   that UCX refuses, or that takes longer than a bound) is [`UcxError::MalformedKey`];
+    /// - where UCX reaches the key's memory by pointer (the shared-memory transports, whose
+    ///   puts and gets are an unbounded `memcpy` into a mapping of the peer's segment), the
+    ///   range must lie inside the mapping this unpacking made, else
+    ///   [`UcxError::UnverifiedKey`] and the key is destroyed: a peer cannot make us touch
+    ///   memory outside what it registered by advertising a range its key does not cover.
+    pub fn unpack_rkeys(
+        &self,
+        keys: &[(&[u8], u64, u64)],
+    ) -> Result<Vec<RemoteKey>, (usize, UcxError)> {
+        let mut padded = Vec::with_capacity(keys.len());
+        let mut host = Vec::new();
+        for (i, &(packed, base, len)) in keys.iter().enumerate() {
+            let shape = check_key(packed, base, len).map_err(|e| (i, e))?;
+            padded.push(rkey::padded(packed));
+            if shape.memory_type == 0 {
+                host.push(i);
+            }
         }
-        if base.checked_add(len).is_none() {
-            return Err(UcxError::OutOfRange {
-                what: "remote region",
-                offset: base,
-                len,
-                limit: u64::MAX,
-            });
+        let api = self.inner.worker.api;
+        // Held until every key is unpacked here: what the child attached stays attached.
+        let _held = if rkey::needs_vetting(api.version) && !host.is_empty() {
+            let ep = self.inner.live().map_err(|e| (host[0], e))?;
+            let vetted: Vec<Vec<u8>> = host.iter().map(|&i| padded[i].clone()).collect();
+            let started = Instant::now();
+            let held =
+                rkey::vet(api, ep, &vetted, started + rkey::VET_TIMEOUT).map_err(|detail| {
+                    // Which key: the child does not say; the first host key stands for them.
+                    (host[0], UcxError::MalformedKey { detail })
+                })?;
+            tracing::debug!(
+                keys = host.len(),
+                took_us = started.elapsed().as_micros() as u64,
+                "peer's remote keys vetted in a child process"
+            );
+            Some(held)
+        } else {
+            None
+        };
+        let mut out = Vec::with_capacity(keys.len());
+        for (i, (&(_, base, len), bytes)) in keys.iter().zip(&padded).enumerate() {
+            out.push(self.unpack_checked(bytes, base, len).map_err(|e| (i, e))?);
         }
+        Ok(out)
+    }
+
+    /// Unpacks one key whose format was checked (and padded), then checks its reach.
+    fn unpack_checked(&self, packed: &[u8], base: u64, len: u64) -> Result<RemoteKey, UcxError> {
         let ep = self.inner.live()?;
         let api = self.inner.worker.api;
         let mut handle = std::ptr::null_mut();

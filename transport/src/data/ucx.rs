@@ -1034,6 +1034,9 @@ struct PeerKeys {
 /// One connected peer: its endpoint and its keys, dropped together.
 struct PeerConn {
     keys: Option<PeerKeys>,
+    /// The layout whose keys were refused, and why: asked again, it fails at once (a
+    /// lying peer must not make us vet its keys, a fork each time, per request).
+    refused: Option<(RegionDescriptor, Arc<[UcxRange]>, DataError)>,
     ep: Endpoint,
 }
 
@@ -1290,6 +1293,7 @@ impl State {
             Some(PeerConn {
                 ep,
                 keys: Some(keys),
+                ..
             }) => {
                 let locals: Vec<&MemoryRegion> = self.memory.iter().collect();
                 post_rounds(ep, &locals, &self.layout, keys, job, &at)
@@ -1332,8 +1336,12 @@ impl State {
                 .worker
                 .connect(address)
                 .map_err(|e| ucx_error(peer, e, Instant::now()))?;
-            self.peers
-                .insert(address.clone(), PeerConn { keys: None, ep });
+            let conn = PeerConn {
+                keys: None,
+                refused: None,
+                ep,
+            };
+            self.peers.insert(address.clone(), conn);
         }
         let current = self.peers.get(address).is_some_and(|conn| {
             conn.keys.as_ref().is_some_and(|k| {
@@ -1343,6 +1351,18 @@ impl State {
         });
         if current {
             return Ok(());
+        }
+        let refused = self.peers.get(address).and_then(|conn| {
+            conn.refused
+                .as_ref()
+                .filter(|(region, ranges, _)| {
+                    (Arc::ptr_eq(ranges, &peer.ranges) || **ranges == *peer.ranges)
+                        && *region == peer.region
+                })
+                .map(|(_, _, error)| error.clone())
+        });
+        if let Some(error) = refused {
+            return Err(error);
         }
         // New or changed layout: drop the old keys, check the new one, unpack its keys.
         let old = self
@@ -1370,10 +1390,23 @@ impl State {
             .iter()
             .map(|r| (r.remote_key.as_slice(), r.addr, r.len))
             .collect();
-        let rkeys = conn
-            .ep
-            .unpack_rkeys(&packed)
-            .map_err(|(i, e)| ucx_error(peer, range_error(i, e), Instant::now()))?;
+        let rkeys = match conn.ep.unpack_rkeys(&packed) {
+            Ok(rkeys) => rkeys,
+            Err((i, e)) => {
+                // Only a refusal is remembered: a vetting process that could not be made
+                // (out of processes, say) is tried again next time.
+                let refused = matches!(
+                    e,
+                    UcxError::MalformedKey { .. } | UcxError::UnverifiedKey { .. }
+                );
+                let error = ucx_error(peer, range_error(i, e), Instant::now());
+                if refused {
+                    let ranges = Arc::clone(&peer.ranges);
+                    conn.refused = Some((peer.region.clone(), ranges, error.clone()));
+                }
+                return Err(error);
+            }
+        };
         self.rkeys += rkeys.len();
         conn.keys = Some(PeerKeys {
             region: peer.region.clone(),

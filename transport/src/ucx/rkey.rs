@@ -108,6 +108,16 @@ pub(crate) fn needs_vetting(version: (u32, u32, u32)) -> bool {
     (version.0, version.1) < CLEANUP_FIXED
 }
 
+/// Why vetting failed.
+#[derive(Debug)]
+pub(crate) enum VetError {
+    /// The keys are refused: unpacking them killed the child, UCX refused one there, or it
+    /// did not finish in time.
+    Refused(String),
+    /// The child could not be made (fork, pipe, `/proc/self/maps`): nothing was learnt.
+    Unavailable(String),
+}
+
 /// A vetting child that unpacked every key and now holds them, until dropped.
 pub(crate) struct Held {
     pid: libc::pid_t,
@@ -127,11 +137,12 @@ impl Drop for Held {
     }
 }
 
-fn pipe() -> Result<(OwnedFd, OwnedFd), String> {
+fn pipe() -> Result<(OwnedFd, OwnedFd), VetError> {
     let mut fds = [0; 2];
     // SAFETY: `fds` has room for the two descriptors `pipe2` writes.
     if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(format!("pipe: {}", std::io::Error::last_os_error()));
+        let e = std::io::Error::last_os_error();
+        return Err(VetError::Unavailable(format!("pipe: {e}")));
     }
     // SAFETY: both descriptors were just opened and are owned here only.
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
@@ -146,21 +157,23 @@ pub(crate) fn vet(
     ep: sys::ucp_ep_h,
     keys: &[Vec<u8>],
     deadline: Instant,
-) -> Result<Held, String> {
+) -> Result<Held, VetError> {
     let ptrs: Vec<*const std::ffi::c_void> = keys.iter().map(|k| k.as_ptr().cast()).collect();
     let (answer_r, answer_w) = pipe()?;
     let (release_r, release_w) = pipe()?;
     let unpack = api.ucp_ep_rkey_unpack;
     // No other UCX thread of this process maps anything between the snapshot and the fork.
     let guard = maps::UNPACK.lock().unwrap_or_else(|e| e.into_inner());
-    let shared = maps::shared().map_err(|e| format!("/proc/self/maps: {e}"))?;
+    let shared =
+        maps::shared().map_err(|e| VetError::Unavailable(format!("/proc/self/maps: {e}")))?;
     let parent = std::process::id() as libc::pid_t;
     // SAFETY: fork in a multithreaded process: the child runs only async-signal-safe libc
     // calls and UCX's unpack on the thread that owns `ep` (whose locks no other thread
     // takes), allocates nothing on the Rust side, and leaves with `_exit`.
     let pid = unsafe { libc::fork() };
     if pid < 0 {
-        return Err(format!("fork: {}", std::io::Error::last_os_error()));
+        let e = std::io::Error::last_os_error();
+        return Err(VetError::Unavailable(format!("fork: {e}")));
     }
     if pid == 0 {
         // SAFETY: the child (see above).
@@ -217,7 +230,7 @@ pub(crate) fn vet(
             // SAFETY: our child; `status` is written by waitpid.
             let reaped = unsafe { libc::waitpid(pid, &mut status, 0) } == pid;
             std::mem::forget(held);
-            Err(if !reaped {
+            Err(VetError::Refused(if !reaped {
                 "the vetting process ended without unpacking every key".into()
             } else if libc::WIFSIGNALED(status) {
                 let signal = libc::WTERMSIG(status);
@@ -231,9 +244,9 @@ pub(crate) fn vet(
                     2 => "UCX could not unpack it (in a vetting process)".into(),
                     code => format!("the vetting process exited with {code}"),
                 }
-            })
+            }))
         }
-        Err(e) => Err(e), // `held` dropped: killed and reaped.
+        Err(e) => Err(VetError::Refused(e)), // `held` dropped: killed and reaped.
     }
 }
 

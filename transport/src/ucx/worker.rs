@@ -450,11 +450,16 @@ impl Endpoint {
             let ep = self.inner.live().map_err(|e| (host[0], e))?;
             let vetted: Vec<Vec<u8>> = host.iter().map(|&i| padded[i].clone()).collect();
             let started = Instant::now();
-            let held =
-                rkey::vet(api, ep, &vetted, started + rkey::VET_TIMEOUT).map_err(|detail| {
-                    // Which key: the child does not say; the first host key stands for them.
-                    (host[0], UcxError::MalformedKey { detail })
-                })?;
+            let held = rkey::vet(api, ep, &vetted, started + rkey::VET_TIMEOUT).map_err(|e| {
+                // Which key: the child does not say; the first host key stands for them.
+                let error = match e {
+                    rkey::VetError::Refused(detail) => UcxError::MalformedKey { detail },
+                    rkey::VetError::Unavailable(detail) => UcxError::InvalidArgument {
+                        what: format!("remote keys not vetted: {detail}"),
+                    },
+                };
+                (host[0], error)
+            })?;
             tracing::debug!(
                 keys = host.len(),
                 took_us = started.elapsed().as_micros() as u64,

@@ -21,6 +21,7 @@
 //!   transfer planning, and the UCX data plane ([`data::UcxDataPlane`]).
 //! - [`tcp`]: the TCP data transport ([`tcp::DataServer`], [`tcp::DataClient`]).
 
+mod admission;
 pub mod auth;
 pub mod codec;
 pub mod data;

@@ -706,3 +706,60 @@ async fn strangers_that_never_say_hello_cannot_lock_a_peer_out() {
     assert_eq!(checksum(&remote, &ids(4..6)), checksum(&local, &ids(0..2)));
     assert!(server.stats().evicted >= 1, "{:?}", server.stats());
 }
+
+/// A raw connection to `server` from the loopback address `source` (every 127/8 address
+/// reaches the server's 127.0.0.1), saying nothing.
+async fn silent_from(server: &DataServer, source: [u8; 4]) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket
+        .bind(std::net::SocketAddr::from((source, 0)))
+        .unwrap();
+    socket.connect(server.local_addr()).await.unwrap()
+}
+
+/// Waits (bounded) until the server has accepted `n` connections.
+async fn accepted(server: &DataServer, n: u64) {
+    let until = deadline();
+    while server.stats().connections < n {
+        assert!(Instant::now() < until, "{:?}", server.stats());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// One address that floods the server with connections that never say hello evicts only
+/// its own: another address's connection, still in its handshake, is never pushed out,
+/// and a peer's transfers go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_from_one_address_evicts_only_its_own_connections() {
+    let config = ServerConfig {
+        connections_max: 16,
+        pending_per_source_max: 4,
+        ..ServerConfig::default()
+    };
+    let (server, remote) = server(Arc::new(AllowAll), None, config).await;
+    // A newcomer from another address that has not said hello yet.
+    let _slow = silent_from(&server, [127, 0, 0, 3]).await;
+    accepted(&server, 1).await;
+    let mut flood = Vec::new();
+    for _ in 0..40 {
+        flood.push(silent_from(&server, [127, 0, 0, 2]).await);
+    }
+    accepted(&server, 41).await;
+    let stats = server.stats();
+    assert!(stats.evicted_per_source >= 36, "{stats:?}");
+    // Every eviction was the flooder's own: the other address kept its place.
+    assert_eq!(stats.evicted, stats.evicted_per_source, "{stats:?}");
+    let c = client(&server, None).await;
+    let local = Region::new(BLOCKS, BLOCK_BYTES).unwrap();
+    fill(&local, 5);
+    c.write(
+        &RequestId::new("r"),
+        &local,
+        &ids(0..2),
+        &ids(8..10),
+        deadline(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(checksum(&remote, &ids(8..10)), checksum(&local, &ids(0..2)));
+}

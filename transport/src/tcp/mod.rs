@@ -60,6 +60,13 @@ pub const CLIENT_CONNECTIONS_MAX: usize = 8;
 /// staging at most 512 MiB in the worst case.
 pub const SERVER_CONNECTIONS_MAX: usize = 128;
 
+/// Connections from one address that have not said hello yet, at most, on a server: at
+/// the bound the oldest of that address is evicted, so one source's flood pushes out its
+/// own connections and no one else's. 64 covers eight peer workers on one host opening
+/// their [`CLIENT_CONNECTIONS_MAX`] connections at once; each holds at most a `Hello`
+/// frame's header and metadata (under 1 KiB) before it is evicted or says hello.
+pub const SERVER_PENDING_PER_SOURCE_MAX: usize = 64;
+
 /// Time a server gives a peer to send the rest of a frame once its header arrived (and the
 /// `Hello` once the connection is accepted): bounds what a stalled peer holds.
 pub const FRAME_READ_TIMEOUT_DEFAULT: Duration = Duration::from_secs(10);
@@ -73,3 +80,4 @@ pub const POOL_IDLE_MAX: Duration = Duration::from_secs(60);
 
 const _: () = assert!(POOL_IDLE_MAX.as_secs() < CONNECTION_IDLE_TIMEOUT_DEFAULT.as_secs());
 const _: () = assert!(OPS_INFLIGHT_MAX >= 1 && CLIENT_CONNECTIONS_MAX >= 1);
+const _: () = assert!(SERVER_PENDING_PER_SOURCE_MAX <= SERVER_CONNECTIONS_MAX);

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::io::IoSlice;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,8 +18,9 @@ use super::frame::{self, FrameError, Header, HelloOk, Op, Segment, HEADER_BYTES,
 use super::io::{io_error, read_head, session, write_frame};
 use super::{
     CONNECTION_IDLE_TIMEOUT_DEFAULT, FRAME_READ_TIMEOUT_DEFAULT, OP_BYTES_MAX,
-    SERVER_CONNECTIONS_MAX,
+    SERVER_CONNECTIONS_MAX, SERVER_PENDING_PER_SOURCE_MAX,
 };
+use crate::admission::{admission, Bound, Limits};
 use crate::auth::Key;
 use crate::data::{plan, Access, DataError, Grants, RefusalCode};
 use crate::noise::{Opener, Sealer};
@@ -38,6 +39,9 @@ pub struct ServerConfig {
     pub idle_timeout: Duration,
     /// Connections served at once; a further one gets `Busy` and is closed.
     pub connections_max: usize,
+    /// Connections from one address that have not said hello, at most (the oldest of the
+    /// address is evicted for a newcomer from it).
+    pub pending_per_source_max: usize,
 }
 
 impl Default for ServerConfig {
@@ -46,6 +50,7 @@ impl Default for ServerConfig {
             frame_read_timeout: FRAME_READ_TIMEOUT_DEFAULT,
             idle_timeout: CONNECTION_IDLE_TIMEOUT_DEFAULT,
             connections_max: SERVER_CONNECTIONS_MAX,
+            pending_per_source_max: SERVER_PENDING_PER_SOURCE_MAX,
         }
     }
 }
@@ -65,6 +70,8 @@ pub struct ServerStats {
     pub connections: u64,
     /// Connections that had not said hello, evicted at the connection limit for a newcomer.
     pub evicted: u64,
+    /// Of those, evicted because their address had too many pending.
+    pub evicted_per_source: u64,
 }
 
 #[derive(Default)]
@@ -76,6 +83,7 @@ struct Counters {
     connections: AtomicU64,
     open: AtomicUsize,
     evicted: AtomicU64,
+    evicted_per_source: AtomicU64,
 }
 
 struct Shared {
@@ -187,6 +195,7 @@ impl DataServer {
             dropped_connections: c.dropped.load(Ordering::Relaxed),
             connections: c.connections.load(Ordering::Relaxed),
             evicted: c.evicted.load(Ordering::Relaxed),
+            evicted_per_source: c.evicted_per_source.load(Ordering::Relaxed),
         }
     }
 }
@@ -205,51 +214,99 @@ fn nonce_seed() -> u64 {
     h.finish()
 }
 
-/// Counts a connection open while it lives (also when its task is aborted).
-struct OpenGuard(Arc<Shared>);
+/// Counts a connection open while it lives (also when its task is aborted), once: an
+/// evicted connection is uncounted at once ([`OpenGuard::release`]), not when its aborted
+/// task is dropped later, so the next newcomer sees the place free.
+struct OpenGuard {
+    shared: Arc<Shared>,
+    counted: Arc<AtomicBool>,
+}
+
+impl OpenGuard {
+    fn new(shared: &Arc<Shared>) -> Self {
+        shared.counters.open.fetch_add(1, Ordering::AcqRel);
+        Self {
+            shared: Arc::clone(shared),
+            counted: Arc::new(AtomicBool::new(true)),
+        }
+    }
+
+    fn release(counted: &AtomicBool, shared: &Shared) {
+        if counted.swap(false, Ordering::AcqRel) {
+            shared.counters.open.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
 
 impl Drop for OpenGuard {
     fn drop(&mut self) {
-        self.0.counters.open.fetch_sub(1, Ordering::AcqRel);
+        Self::release(&self.counted, &self.shared);
     }
+}
+
+/// A connection that has not said hello yet: its task, whether it said hello since, its
+/// address, and its place in the open count.
+struct Pending {
+    task: tokio::task::AbortHandle,
+    hello: Arc<AtomicBool>,
+    source: IpAddr,
+    counted: Arc<AtomicBool>,
 }
 
 async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     let mut connections = JoinSet::new();
-    // Connections that have not said hello yet, oldest first: at the limit the oldest is
-    // evicted for a newcomer, so strangers that connect and say nothing cannot lock out a
-    // peer's new connection (peers' established connections are never evicted).
-    let mut pending: BTreeMap<u64, (tokio::task::AbortHandle, Arc<AtomicBool>)> = BTreeMap::new();
+    // Connections that have not said hello yet, oldest first, with their address: at a
+    // bound the oldest (of the newcomer's address, at the per-source bound) is evicted, so
+    // strangers that connect and say nothing cannot lock out a peer's new connection
+    // (peers' established connections are never evicted; see `crate::admission`).
+    let mut pending: BTreeMap<u64, Pending> = BTreeMap::new();
+    let limits = Limits {
+        total: shared.config.connections_max,
+        pending: shared.config.connections_max,
+        per_source: shared.config.pending_per_source_max,
+    };
     let mut next = 0u64;
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, addr)) => {
                     shared.counters.connections.fetch_add(1, Ordering::Relaxed);
-                    pending.retain(|_, (task, hello)| !task.is_finished() && !hello.load(Ordering::Acquire));
-                    if shared.counters.open.load(Ordering::Acquire) >= shared.config.connections_max {
-                        if let Some((_, (task, _))) = pending.pop_first() {
+                    pending.retain(|_, p| !p.task.is_finished() && !p.hello.load(Ordering::Acquire));
+                    let open = shared.counters.open.load(Ordering::Acquire);
+                    let waiting = pending.iter().map(|(k, p)| (*k, p.source));
+                    match admission(open, waiting, addr.ip(), &limits) {
+                        Ok(None) => {}
+                        Ok(Some((bound, evicted))) => {
+                            if let Some(p) = pending.remove(&evicted) {
+                                p.task.abort();
+                                OpenGuard::release(&p.counted, &shared);
+                            }
                             shared.counters.evicted.fetch_add(1, Ordering::Relaxed);
-                            tracing::warn!(peer = %addr, max = shared.config.connections_max, "data server at its connection limit; evicted the oldest connection that had not said hello");
-                            task.abort();
-                        } else {
-                            tracing::warn!(peer = %addr, max = shared.config.connections_max, "data server at its connection limit; refusing");
+                            if bound == Bound::Source {
+                                shared.counters.evicted_per_source.fetch_add(1, Ordering::Relaxed);
+                                tracing::warn!(peer = %addr, max = limits.per_source, "data server: too many connections from this address have not said hello; evicted its oldest");
+                            } else {
+                                tracing::warn!(peer = %addr, max = limits.total, "data server at its connection limit; evicted the oldest connection that had not said hello");
+                            }
+                        }
+                        Err(_) => {
+                            tracing::warn!(peer = %addr, max = limits.total, "data server at its connection limit; refusing");
                             connections.spawn(async move {
                                 refuse_connection(stream, RefusalCode::Busy, "server at its connection limit").await;
                             });
                             continue;
                         }
                     }
-                    shared.counters.open.fetch_add(1, Ordering::AcqRel);
-                    let guard = OpenGuard(Arc::clone(&shared));
+                    let guard = OpenGuard::new(&shared);
+                    let counted = Arc::clone(&guard.counted);
                     let hello = Arc::new(AtomicBool::new(false));
                     let said = hello.clone();
                     let task = connections.spawn(async move {
-                        let _open = guard;
-                        serve_connection(stream, addr, &_open.0, &said).await;
+                        let open = guard;
+                        serve_connection(stream, addr, &open.shared, &said).await;
                     });
                     next += 1;
-                    pending.insert(next, (task, hello));
+                    pending.insert(next, Pending { task, hello, source: addr.ip(), counted });
                 }
                 Err(e) => {
                     // Out of file descriptors and the like: wait a little rather than spin.

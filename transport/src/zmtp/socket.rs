@@ -22,6 +22,7 @@ use super::{
     PENDING_IDLE_TIMEOUT, PENDING_PER_SOURCE_MAX, RECV_QUEUE_MESSAGES_MAX, SEND_QUEUE_BYTES_MAX,
     SEND_QUEUE_MESSAGES_MAX,
 };
+use crate::admission::{admission, Bound, Limits};
 use crate::auth::Key;
 use crate::noise::{self, Session};
 
@@ -278,7 +279,11 @@ async fn accept_loop(
                 Bound::Pending => &stats.refused_pending,
                 Bound::Source => &stats.refused_source,
             };
-            match admission(&slots, peer) {
+            let pending = slots
+                .iter()
+                .filter(|(_, s)| !s.admitted.load(Ordering::Acquire))
+                .map(|(c, s)| (*c, s.peer.ip()));
+            match admission(slots.len(), pending, peer.ip(), &LIMITS) {
                 Ok(None) => {}
                 Ok(Some((bound, evicted))) => {
                     counter(&bound).fetch_add(1, Ordering::Relaxed);
@@ -319,56 +324,12 @@ async fn accept_loop(
     }
 }
 
-/// Which bound a new connection met.
-#[derive(Debug)]
-enum Bound {
-    Full,
-    Pending,
-    Source,
-}
-
-/// Whether a connection from `peer` fits: under [`CONNECTIONS_MAX`] in all, and, among
-/// connections not yet admitted as peers, under [`PENDING_CONNECTIONS_MAX`] and
-/// [`PENDING_PER_SOURCE_MAX`] from its address. At a bound, the oldest pending connection
-/// (of that source, for the per-source bound) is evicted to make room: strangers can only
-/// push each other out, an honest newcomer's short exchange gets through, and admitted
-/// peers always keep the reserve. `Err` when there is nothing to evict (all admitted).
-fn admission(
-    slots: &BTreeMap<ConnId, Slot>,
-    peer: SocketAddr,
-) -> Result<Option<(Bound, ConnId)>, Bound> {
-    let pending = || {
-        slots
-            .iter()
-            .filter(|(_, s)| !s.admitted.load(Ordering::Acquire))
-    };
-    let oldest = |same_source: bool| {
-        pending()
-            .find(|(_, s)| !same_source || s.peer.ip() == peer.ip())
-            .map(|(c, _)| *c)
-    };
-    if slots.len() >= CONNECTIONS_MAX {
-        return oldest(false)
-            .map(|c| Some((Bound::Full, c)))
-            .ok_or(Bound::Full);
-    }
-    let (mut all, mut same) = (0usize, 0usize);
-    for (_, slot) in pending() {
-        all += 1;
-        same += usize::from(slot.peer.ip() == peer.ip());
-    }
-    if same >= PENDING_PER_SOURCE_MAX {
-        return oldest(true)
-            .map(|c| Some((Bound::Source, c)))
-            .ok_or(Bound::Source);
-    }
-    if all >= PENDING_CONNECTIONS_MAX {
-        return oldest(false)
-            .map(|c| Some((Bound::Pending, c)))
-            .ok_or(Bound::Pending);
-    }
-    Ok(None)
-}
+/// This listener's bounds (see `crate::admission`).
+const LIMITS: Limits = Limits {
+    total: CONNECTIONS_MAX,
+    pending: PENDING_CONNECTIONS_MAX,
+    per_source: PENDING_PER_SOURCE_MAX,
+};
 
 /// One accepted connection: handshake, then read and write until either side ends.
 async fn serve(

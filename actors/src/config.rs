@@ -24,6 +24,14 @@ pub const PENDING_REQUESTS_MAX: usize = 4_096;
 /// abort from a sibling rank, with room to spare.
 pub const PENDING_MESSAGES_PER_REQUEST_MAX: usize = 8;
 
+/// Bound on the bytes of messages buffered for requests not created yet, all together:
+/// what a peer's messages for ids the engine never opens can hold (a transfer info may name
+/// a million blocks, 4 MiB, so the count bounds alone would allow 4 096 × 8 of them). Past
+/// it, a message for a new id is answered with an abort and one for a buffered id dropped,
+/// as at the count bounds. 32 MiB holds eight such messages, or 4 096 requests' transfer
+/// infos of 1 000 blocks each.
+pub const PENDING_BYTES_MAX: usize = 32 << 20;
+
 /// How many ended requests a runtime remembers, so that a late message for one of them gets
 /// an answer (an abort) instead of being buffered as if the request were still to come.
 pub const TOMBSTONES_MAX: usize = 16_384;

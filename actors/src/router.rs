@@ -24,7 +24,9 @@ use std::time::{Duration, Instant};
 
 use handoff_transport::{BlockId, FailureReason, RequestId, Role, TransferMode};
 
-use crate::config::{PENDING_MESSAGES_PER_REQUEST_MAX, PENDING_REQUESTS_MAX, TOMBSTONES_MAX};
+use crate::config::{
+    PENDING_BYTES_MAX, PENDING_MESSAGES_PER_REQUEST_MAX, PENDING_REQUESTS_MAX, TOMBSTONES_MAX,
+};
 use crate::event::FenceEnd;
 use crate::machine::{Peer, PeerMessage, ReceiverEvent, SenderEvent, State};
 
@@ -308,6 +310,18 @@ pub enum Note {
         /// Who sent it.
         from: Peer,
     },
+    /// The messages buffered for requests not opened yet hold too many bytes: this one was
+    /// refused with an abort (a new request) or dropped (one already buffered).
+    BytesFull {
+        /// The request.
+        id: RequestId,
+        /// Who sent it.
+        from: Peer,
+        /// What the buffered messages hold.
+        held: usize,
+        /// What this one would have added.
+        bytes: usize,
+    },
     /// The request's buffer is full: this message was dropped.
     BufferFull {
         /// The request.
@@ -331,6 +345,9 @@ pub struct RouterLimits {
     pub pending_requests: usize,
     /// Messages buffered per request not opened yet.
     pub pending_messages: usize,
+    /// Bytes of messages buffered for requests not opened yet, all together
+    /// ([`PeerMessage::held_bytes`]).
+    pub pending_bytes: usize,
     /// Ended requests remembered.
     pub tombstones: usize,
 }
@@ -340,6 +357,7 @@ impl Default for RouterLimits {
         Self {
             pending_requests: PENDING_REQUESTS_MAX,
             pending_messages: PENDING_MESSAGES_PER_REQUEST_MAX,
+            pending_bytes: PENDING_BYTES_MAX,
             tombstones: TOMBSTONES_MAX,
         }
     }
@@ -373,6 +391,8 @@ struct Pending {
     /// The peers that sent something, to be told if the request is never opened.
     from: Vec<Peer>,
     events: Vec<MachineEvent>,
+    /// What `events` hold ([`PeerMessage::held_bytes`]).
+    bytes: usize,
 }
 
 /// A live request.
@@ -390,6 +410,8 @@ pub struct Router {
     /// counts them on every open: kept here rather than counted).
     waiting: usize,
     pending: BTreeMap<RequestId, Pending>,
+    /// What every pending request's messages hold, together.
+    pending_bytes: usize,
     /// Pending requests in the order they expire (all live for the same bootstrap timeout).
     pending_order: VecDeque<(Instant, RequestId)>,
     tombstones: BTreeMap<RequestId, State>,
@@ -406,6 +428,7 @@ impl Router {
             live: BTreeMap::new(),
             waiting: 0,
             pending: BTreeMap::new(),
+            pending_bytes: 0,
             pending_order: VecDeque::new(),
             tombstones: BTreeMap::new(),
             tombstone_order: VecDeque::new(),
@@ -502,6 +525,18 @@ impl Router {
         (self.pending.len(), most.unwrap_or(0))
     }
 
+    /// Bytes the buffered messages hold, together ([`PeerMessage::held_bytes`]).
+    pub fn pending_bytes(&self) -> usize {
+        self.pending_bytes
+    }
+
+    /// Removes a pending request's buffer, and its bytes from the total.
+    fn take_pending(&mut self, id: &RequestId) -> Option<Pending> {
+        let p = self.pending.remove(id)?;
+        self.pending_bytes -= p.bytes;
+        Some(p)
+    }
+
     /// Ended requests remembered.
     pub fn remembered(&self) -> usize {
         self.tombstones.len()
@@ -527,11 +562,7 @@ impl Router {
             out.push(Action::Refuse { id, reason });
             return;
         }
-        let backlog = self
-            .pending
-            .remove(&id)
-            .map(|p| p.events)
-            .unwrap_or_default();
+        let backlog = self.take_pending(&id).map(|p| p.events).unwrap_or_default();
         let reject = self.cfg.role == Role::Decode
             && self
                 .cfg
@@ -597,6 +628,7 @@ impl Router {
             return;
         }
         let is_abort = matches!(msg, PeerMessage::Abort { .. });
+        let bytes = msg.held_bytes();
         let event = MachineEvent::inbound(self.cfg.role, from.clone(), msg);
         if self.live.contains_key(&id) {
             out.push(Action::Deliver { id, event });
@@ -611,7 +643,7 @@ impl Router {
                 msg: PeerMessage::AbortAck,
             });
         }
-        self.buffer(now, from, id, event, out);
+        self.buffer(now, from, id, (event, bytes), out);
     }
 
     fn buffer(
@@ -619,19 +651,34 @@ impl Router {
         now: Instant,
         from: Peer,
         id: RequestId,
-        event: MachineEvent,
+        (event, bytes): (MachineEvent, usize),
         out: &mut Vec<Action>,
     ) {
         self.expire_pending(now, out);
+        let fits = self.pending_bytes + bytes <= self.cfg.limits.pending_bytes;
+        let too_many = Note::BytesFull {
+            id: id.clone(),
+            from: from.clone(),
+            held: self.pending_bytes,
+            bytes,
+        };
         if !self.pending.contains_key(&id) {
-            if self.pending.len() >= self.cfg.limits.pending_requests {
-                let reason = FailureReason::Internal {
-                    detail: "too many requests pending creation".into(),
+            let full = self.pending.len() >= self.cfg.limits.pending_requests;
+            if full || !fits {
+                let (detail, note) = if full {
+                    let note = Note::TooManyPending {
+                        id: id.clone(),
+                        from: from.clone(),
+                    };
+                    ("too many requests pending creation".to_string(), note)
+                } else {
+                    let detail = format!(
+                        "messages for requests pending creation would hold more than {} bytes",
+                        self.cfg.limits.pending_bytes
+                    );
+                    (detail, too_many)
                 };
-                let note = Note::TooManyPending {
-                    id: id.clone(),
-                    from: from.clone(),
-                };
+                let reason = FailureReason::Internal { detail };
                 out.push(Action::Note(note));
                 let msg = PeerMessage::Abort { reason };
                 out.push(Action::Send { to: from, id, msg });
@@ -642,6 +689,7 @@ impl Router {
                 expires,
                 from: Vec::new(),
                 events: Vec::new(),
+                bytes: 0,
             };
             self.pending.insert(id.clone(), fresh);
             self.pending_order.push_back((expires, id.clone()));
@@ -659,10 +707,16 @@ impl Router {
             out.push(Action::Note(Note::BufferFull { id, from }));
             return;
         }
+        if !fits {
+            out.push(Action::Note(too_many));
+            return;
+        }
         if !pending.from.contains(&from) {
             pending.from.push(from);
         }
         pending.events.push(event);
+        pending.bytes += bytes;
+        self.pending_bytes += bytes;
     }
 
     /// Drops messages for requests the engine never opened within the bootstrap timeout,
@@ -679,7 +733,7 @@ impl Router {
             if self.pending.get(&id).is_none_or(|p| p.expires != expires) {
                 continue;
             }
-            let Some(p) = self.pending.remove(&id) else {
+            let Some(p) = self.take_pending(&id) else {
                 continue;
             };
             let note = Note::NeverOpened {

@@ -409,6 +409,14 @@ impl RootState {
                 Note::TooManyPending { id, from } => {
                     warn!(request = %id, peer = %from, "too many requests pending creation; refusing");
                 }
+                Note::BytesFull {
+                    id,
+                    from,
+                    held,
+                    bytes,
+                } => {
+                    warn!(request = %id, peer = %from, held, bytes, "messages for requests not yet opened would hold too many bytes; refused");
+                }
                 Note::BufferFull { id, from } => {
                     warn!(request = %id, peer = %from, "too many messages for a request not yet opened; dropped");
                 }

@@ -31,7 +31,7 @@ use handoff_actors::machine::{Peer, PeerMessage, ReceiverEvent, SenderEvent, Sta
 use handoff_actors::router::{
     Action, Input, Local, MachineEvent, Note, Router, RouterConfig, RouterLimits, Timer,
 };
-use handoff_transport::{FailureReason, RankInfo, RequestId, Role, TransferMode};
+use handoff_transport::{BlockId, FailureReason, RankInfo, RequestId, Role, TransferMode};
 use proptest::prelude::*;
 
 const BOOTSTRAP: Duration = Duration::from_millis(100);
@@ -39,6 +39,8 @@ const FENCE: Duration = Duration::from_millis(250);
 const LIMITS: RouterLimits = RouterLimits {
     pending_requests: 3,
     pending_messages: 2,
+    // Binds before the count bounds do (a transfer info names 64 blocks here).
+    pending_bytes: 900,
     tombstones: 4,
 };
 
@@ -65,7 +67,7 @@ impl Msg {
         match self {
             Msg::TransferInfo => PeerMessage::TransferInfo {
                 mode: TransferMode::Push,
-                blocks: Vec::new(),
+                blocks: (0..64).map(BlockId).collect(),
             },
             Msg::Ready => PeerMessage::Ready {
                 blocks: Vec::new(),
@@ -146,6 +148,7 @@ struct Buffered {
     order: u64,
     senders: Vec<Peer>,
     events: Vec<MachineEvent>,
+    bytes: usize,
 }
 
 /// What the model expects the router to hold.
@@ -220,6 +223,7 @@ impl Harness {
             "{most} messages buffered for one"
         );
         assert!(self.router.remembered() <= LIMITS.tombstones);
+        assert!(self.router.pending_bytes() <= LIMITS.pending_bytes);
         for a in &actions {
             if let Action::Deliver { id, .. } = a {
                 assert!(self.model.live.contains_key(id) || self.router.is_live(id));
@@ -363,6 +367,7 @@ impl Harness {
             assert_eq!(self.router.pending(), pending, "nor buffered");
             return;
         }
+        let bytes = msg.held_bytes();
         let event = MachineEvent::inbound(self.setup.role, from.clone(), msg.clone());
         let got = self.feed(Input::Inbound {
             from: from.clone(),
@@ -383,19 +388,28 @@ impl Harness {
         }
         // Nothing is due: every timer up to now has fired.
         let buffered = self.model.pending.len();
+        let held: usize = self.model.pending.values().map(|p| p.bytes).sum();
+        let fits = held + bytes <= LIMITS.pending_bytes;
         match self.model.pending.get_mut(&id) {
             Some(p) => {
-                if p.events.len() < LIMITS.pending_messages {
+                if p.events.len() < LIMITS.pending_messages && fits {
                     if !p.senders.contains(&from) {
                         p.senders.push(from);
                     }
                     p.events.push(event);
+                    p.bytes += bytes;
                 }
             }
-            None if buffered >= LIMITS.pending_requests => {
-                let reason = FailureReason::Internal {
-                    detail: "too many requests pending creation".into(),
+            None if buffered >= LIMITS.pending_requests || !fits => {
+                let detail = if buffered >= LIMITS.pending_requests {
+                    "too many requests pending creation".to_string()
+                } else {
+                    format!(
+                        "messages for requests pending creation would hold more than {} bytes",
+                        LIMITS.pending_bytes
+                    )
                 };
+                let reason = FailureReason::Internal { detail };
                 expect.push(Action::Send {
                     to: from,
                     id,
@@ -409,6 +423,7 @@ impl Harness {
                     order: self.model.buffered,
                     senders: vec![from],
                     events: vec![event],
+                    bytes,
                 };
                 self.model.pending.insert(id, fresh);
                 expect.push(Action::After {
@@ -620,11 +635,14 @@ proptest! {
         let mut h = Harness::new(setup);
         for op in ops {
             h.step(op);
+            let held: usize = h.model.pending.values().map(|p| p.bytes).sum();
+            prop_assert_eq!(h.router.pending_bytes(), held);
         }
         // Every timer fires: every orphan is forgotten, nothing stays buffered.
         h.wait(FENCE + BOOTSTRAP);
         prop_assert!(h.model.unforgotten.is_empty());
         prop_assert_eq!(h.router.pending().0, 0);
+        prop_assert_eq!(h.router.pending_bytes(), 0);
         prop_assert!(h.router.orphans().next().is_none());
     }
 }
@@ -731,4 +749,23 @@ fn the_router_notes_what_an_operator_should_see() {
         },
     );
     assert_eq!(notes(got), vec![Note::Late { id, from: p }]);
+}
+
+/// A message holds what it names: a transfer info of a million blocks is megabytes, which
+/// is why the buffer for unopened requests is bounded in bytes, not only in count.
+#[test]
+fn a_message_holds_what_it_names() {
+    let small = Msg::TransferInfo.outbound().held_bytes();
+    let huge = PeerMessage::TransferInfo {
+        mode: TransferMode::Pull,
+        blocks: (0..1_000_000).map(BlockId).collect(),
+    };
+    assert!(huge.held_bytes() >= 4_000_000, "{}", huge.held_bytes());
+    assert!(huge.held_bytes() > small);
+    let ready = PeerMessage::Ready {
+        blocks: Vec::new(),
+        aux: vec![0; 4096],
+        hold: Duration::ZERO,
+    };
+    assert!(ready.held_bytes() >= 4096);
 }

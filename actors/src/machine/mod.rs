@@ -263,6 +263,21 @@ pub enum PeerMessage {
     },
 }
 
+impl PeerMessage {
+    /// Bytes this message holds in memory: what a buffer of peers' messages is bounded by
+    /// (a `TransferInfo` or `Ready` may name up to a million blocks).
+    pub fn held_bytes(&self) -> usize {
+        let payload = match self {
+            Self::TransferInfo { blocks, .. } => std::mem::size_of_val(blocks.as_slice()),
+            Self::Ready { blocks, aux, .. } => std::mem::size_of_val(blocks.as_slice()) + aux.len(),
+            Self::Done { aux } => aux.len(),
+            Self::Rejected { reason } | Self::Abort { reason } => reason.to_string().len(),
+            Self::Queued | Self::ReadDone | Self::AbortAck => 0,
+        };
+        std::mem::size_of::<Self>() + payload
+    }
+}
+
 /// What a machine asks its driver to do. Drained with `poll_action()`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Action {

@@ -290,11 +290,14 @@ pub enum FaultKind {
     /// Engines that stall: prefill never opens or never sends; decode asks for an
     /// unregistered prefill engine.
     Stall,
+    /// Workers frozen (as by SIGSTOP) for a while: cut off from everyone, their transfers
+    /// queued and posted when they resume, the writes under a lease that may have ended.
+    Freeze,
 }
 
 impl FaultKind {
     /// Every kind, in order.
-    pub const ALL: [FaultKind; 12] = [
+    pub const ALL: [FaultKind; 13] = [
         FaultKind::Loss,
         FaultKind::Delay,
         FaultKind::Dup,
@@ -307,6 +310,7 @@ impl FaultKind {
         FaultKind::Panic,
         FaultKind::Abort,
         FaultKind::Stall,
+        FaultKind::Freeze,
     ];
 
     /// The command-line name.
@@ -324,6 +328,7 @@ impl FaultKind {
             FaultKind::Panic => "panic",
             FaultKind::Abort => "abort",
             FaultKind::Stall => "stall",
+            FaultKind::Freeze => "freeze",
         }
     }
 }
@@ -387,6 +392,12 @@ pub struct Faults {
     pub partition_ms: (u64, u64),
     /// Partitions that block one direction only.
     pub one_way_ppm: u32,
+    /// Partitions that cut one plane only, the control plane or the data plane (half each).
+    pub plane_only_ppm: u32,
+    /// Mean gap between worker freezes (0: none).
+    pub freeze_every_ms: u64,
+    /// How long a worker stays frozen.
+    pub freeze_ms: (u64, u64),
     /// Mean gap between worker crashes (0: none).
     pub crash_every_ms: u64,
     /// How long a crashed worker stays down (at least one heartbeat window).
@@ -456,6 +467,7 @@ impl Faults {
                 self.partition_every_ms = 150;
                 self.partition_ms = (10, 400);
                 self.one_way_ppm = PPM / 2;
+                self.plane_only_ppm = PPM / 3;
             }
             FaultKind::Crash => {
                 self.crash_every_ms = 200;
@@ -483,6 +495,10 @@ impl Faults {
                 self.never_send_ppm = 10_000;
                 self.ghost_prefill_ppm = 10_000;
             }
+            FaultKind::Freeze => {
+                self.freeze_every_ms = 300;
+                self.freeze_ms = (20, 1_500);
+            }
         }
     }
 
@@ -506,6 +522,7 @@ impl Faults {
                     f.partition_every_ms = rng.range(50, 1_000);
                     f.partition_ms = (rng.range(1, 50), rng.range(50, 800));
                     f.one_way_ppm = rng.below(u64::from(PPM)) as u32;
+                    f.plane_only_ppm = rng.below(u64::from(PPM)) as u32;
                 }
                 FaultKind::Crash => {
                     f.crash_every_ms = rng.range(80, 1_500);
@@ -532,6 +549,10 @@ impl Faults {
                     f.skip_prefill_ppm = rng.range(0, 50_000) as u32;
                     f.never_send_ppm = rng.range(0, 50_000) as u32;
                     f.ghost_prefill_ppm = rng.range(0, 50_000) as u32;
+                }
+                FaultKind::Freeze => {
+                    f.freeze_every_ms = rng.range(80, 1_500);
+                    f.freeze_ms = (rng.range(1, 100), rng.range(100, 2_000));
                 }
             }
         }
@@ -604,6 +625,31 @@ impl MessageKind {
     }
 }
 
+/// Which plane a partition cuts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub enum Plane {
+    /// Control messages and data transfers (the link is down).
+    #[default]
+    Both,
+    /// Control messages only: heartbeats stop, data still flows (the data path is a
+    /// separate network, or shared memory).
+    Control,
+    /// Data transfers only: control messages and heartbeats still flow.
+    Data,
+}
+
+impl Plane {
+    /// Whether control messages (and heartbeats) are cut.
+    pub fn cuts_control(self) -> bool {
+        matches!(self, Plane::Both | Plane::Control)
+    }
+
+    /// Whether data transfers are cut.
+    pub fn cuts_data(self) -> bool {
+        matches!(self, Plane::Both | Plane::Data)
+    }
+}
+
 /// Which workers a scripted fault hits.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub enum Target {
@@ -652,6 +698,18 @@ pub enum Scripted {
         for_ms: u64,
         /// Only the target's outgoing messages are lost.
         one_way: bool,
+        /// Which plane is cut.
+        plane: Plane,
+    },
+    /// The targeted workers freeze at `at_ms` (as by SIGSTOP) and resume `for_ms` later:
+    /// cut off from everyone meanwhile, the transfers they start held until they resume.
+    Freeze {
+        /// Who.
+        target: Target,
+        /// When.
+        at_ms: u64,
+        /// How long.
+        for_ms: u64,
     },
     /// Every message of this kind is lost, during the safety phase.
     Drop(MessageKind),

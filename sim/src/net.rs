@@ -42,7 +42,7 @@ use handoff_transport::zmtp::ConnId;
 use handoff_transport::Rank;
 use tokio::sync::{oneshot, Notify};
 
-use crate::config::{DataPlane, Faults, MessageKind, Timing};
+use crate::config::{DataPlane, Faults, MessageKind, Plane, Timing};
 use crate::pool::Pool;
 use crate::rng::Rng;
 use crate::trace::Fnv64;
@@ -77,6 +77,7 @@ struct Node {
 struct Partition {
     group: BTreeSet<usize>,
     one_way: bool,
+    plane: Plane,
     /// (observer, peer) pairs this partition's failure detection marked lost.
     lost: Vec<(usize, usize)>,
 }
@@ -125,6 +126,11 @@ pub struct NetStats {
     pub registrations_retried: u64,
     /// Peer-lost reports delivered.
     pub peer_lost: u64,
+    /// One-sided writes refused before posting: the writer's lease with the peer had ended
+    /// (a loss was declared between them since the peer granted the blocks).
+    pub lease_refused: u64,
+    /// Transfers a frozen worker started, held until it resumed.
+    pub deferred: u64,
 }
 
 /// Something the network saw that breaks an invariant.
@@ -154,6 +160,9 @@ enum NetEvent {
         to_inc: u32,
         id: RequestId,
         msg: PeerMessage,
+        /// Loss declarations between the two when it was sent: a grant carries the
+        /// connection it was made on ([`Grant`]).
+        losses: u64,
     },
     Land {
         src: (usize, u32),
@@ -192,6 +201,37 @@ enum NetEvent {
     Heal {
         partition: u64,
     },
+    /// A frozen worker resumes.
+    Thaw {
+        worker: usize,
+        at: u64,
+    },
+    /// A transfer a frozen worker started, posted as it resumes.
+    Post(Box<Post>),
+}
+
+/// A transfer as its worker starts it, to be posted now or when a frozen worker resumes.
+struct Post {
+    /// The worker that starts it.
+    by: usize,
+    id: RequestId,
+    src_node: Peer,
+    dst_node: Peer,
+    src: Vec<BlockId>,
+    dst: Vec<BlockId>,
+    deadline_ms: u64,
+    /// RDMA: the grant the worker holds for the request when it starts the transfer (its
+    /// lease is checked at the post, even if the request ended in between).
+    grant: Option<Grant>,
+    reply: oneshot::Sender<Result<(), String>>,
+}
+
+/// Which registration granted a worker access for a request, and the loss count between
+/// the two when it did: the writer's lease with the peer for that grant.
+#[derive(Clone, Copy)]
+struct Grant {
+    node: (usize, u32),
+    losses: u64,
 }
 
 /// One line for the trace, from the network.
@@ -225,7 +265,14 @@ struct NetState {
     /// (from a delivered `TransferInfo` or `Ready`). A one-sided transfer targets that
     /// registration, so it fails once the granting worker has restarted (its memory was
     /// registered anew; the old key is dead), as on real hardware.
-    rkeys: BTreeMap<(usize, RequestId), (usize, u32)>,
+    /// With it, the loss count between the two at the time ([`Grant`]): a one-sided write
+    /// is posted only while no loss was declared between them since (the writer's lease,
+    /// `Link::write`; a declared loss drops the connection its lease was on).
+    rkeys: BTreeMap<(usize, RequestId), Grant>,
+    /// Loss declarations so far, by (observer, peer); never reset.
+    losses: BTreeMap<(usize, usize), u64>,
+    /// Frozen workers, and when they resume.
+    frozen: BTreeMap<usize, u64>,
     rng: Rng,
     agenda: BTreeMap<(u64, u64), NetEvent>,
     seq: u64,
@@ -284,6 +331,8 @@ impl SimNet {
             drops,
             data_plane,
             rkeys: BTreeMap::new(),
+            losses: BTreeMap::new(),
+            frozen: BTreeMap::new(),
             rng: Rng::fork(seed, "net"),
             agenda: BTreeMap::new(),
             seq: 0,
@@ -393,7 +442,13 @@ impl SimNet {
 
     /// Starts partition `id` cutting `group` off (only its outgoing side if `one_way`) for
     /// `for_ms`. Longer than a heartbeat window, it is also detected as lost peers.
-    pub fn partition(&self, id: u64, group: BTreeSet<usize>, one_way: bool, for_ms: u64) {
+    pub fn partition(
+        &self,
+        id: u64,
+        group: BTreeSet<usize>,
+        (one_way, plane): (bool, Plane),
+        for_ms: u64,
+    ) {
         let mut st = self.lock();
         let now = self.now_ms();
         st.partitions.insert(
@@ -401,10 +456,12 @@ impl SimNet {
             Partition {
                 group,
                 one_way,
+                plane,
                 lost: Vec::new(),
             },
         );
-        if for_ms > st.timing.heartbeat_ms {
+        // Heartbeats travel on the control plane: only its cut is seen as lost peers.
+        if for_ms > st.timing.heartbeat_ms && plane.cuts_control() {
             let at = now + st.timing.heartbeat_ms;
             self.push(
                 &mut st,
@@ -419,10 +476,23 @@ impl SimNet {
         self.push(&mut st, now + for_ms, NetEvent::Heal { partition: id });
     }
 
+    /// Freezes `worker` for `for_ms` (as by SIGSTOP): partition `id` cuts it off from
+    /// everyone, on both planes, and the transfers it starts meanwhile are held until it
+    /// resumes, then posted (a write only if its lease still holds). Transfers it posted
+    /// before go on, as posted RDMA operations complete while their process is stopped.
+    pub fn freeze(&self, id: u64, worker: usize, for_ms: u64) {
+        self.partition(id, [worker].into(), (false, Plane::Both), for_ms);
+        let mut st = self.lock();
+        let at = self.now_ms() + for_ms;
+        st.frozen.insert(worker, at);
+        self.push(&mut st, at, NetEvent::Thaw { worker, at });
+    }
+
     /// Ends every partition and forgets every lost peer that is up (liveness phase).
     pub fn heal_all(&self) {
         let mut st = self.lock();
         st.partitions.clear();
+        st.frozen.clear();
         st.lost.clear();
         st.bootstrap_up = true;
     }
@@ -477,7 +547,8 @@ impl SimNet {
                 to_inc,
                 id,
                 msg,
-            } => st.deliver(t, (from, from_inc), (to, to_inc), id, msg),
+                losses,
+            } => st.deliver(t, (from, from_inc), (to, to_inc), id, (msg, losses)),
             NetEvent::Land {
                 src,
                 dst,
@@ -545,6 +616,13 @@ impl SimNet {
                     st.note(t, None, format!("partition {partition} healed"));
                 }
             }
+            NetEvent::Thaw { worker, at } => {
+                if st.frozen.get(&worker) == Some(&at) {
+                    st.frozen.remove(&worker);
+                    st.note(t, None, format!("w{worker} resumes"));
+                }
+            }
+            NetEvent::Post(post) => self.post(st, t, *post),
         }
     }
 }
@@ -562,8 +640,23 @@ impl NetState {
         self.node_at(idx).is_some_and(|n| n.up && n.inc == inc)
     }
 
-    fn partitioned(&self, from: usize, to: usize) -> bool {
-        self.partitions.values().any(|p| p.blocks(from, to))
+    /// Whether a partition cuts `from` → `to` on the control plane (`control`) or the
+    /// data plane.
+    fn partitioned(&self, control: bool, from: usize, to: usize) -> bool {
+        self.partitions.values().any(|p| {
+            let plane = if control {
+                p.plane.cuts_control()
+            } else {
+                p.plane.cuts_data()
+            };
+            plane && p.blocks(from, to)
+        })
+    }
+
+    /// Loss declarations between `a` and `b`, either way, so far.
+    fn losses_between(&self, a: usize, b: usize) -> u64 {
+        let count = |k| self.losses.get(&k).copied().unwrap_or(0);
+        count((a, b)) + count((b, a))
     }
 
     fn unlose(&mut self, pair: (usize, usize)) {
@@ -581,7 +674,7 @@ impl NetState {
         from: (usize, u32),
         to: (usize, u32),
         id: RequestId,
-        msg: PeerMessage,
+        (msg, losses): (PeerMessage, u64),
     ) {
         let req = req_index(&id);
         if !self.alive(from) || !self.alive(to) {
@@ -594,7 +687,7 @@ impl NetState {
             );
             return self.note(t, req, text);
         }
-        if self.partitioned(from.0, to.0) {
+        if self.partitioned(true, from.0, to.0) {
             self.stats.partitioned += 1;
             let text = format!(
                 "drop w{}->w{} {:?}: partitioned",
@@ -613,7 +706,8 @@ impl NetState {
             msg,
             PeerMessage::TransferInfo { .. } | PeerMessage::Ready { .. }
         ) {
-            self.rkeys.insert((to.0, id.clone()), from);
+            let grant = Grant { node: from, losses };
+            self.rkeys.insert((to.0, id.clone()), grant);
         }
         let from_rank = self.ranks[from.0].clone();
         if let Some(inbox) = self.node_at(to.0).and_then(|n| n.inbox.clone()) {
@@ -650,7 +744,7 @@ impl NetState {
         if !self.alive(src) || !self.alive(dst) {
             return fail(self, "an end of the transfer is gone".into());
         }
-        if self.partitioned(src.0, dst.0) || self.partitioned(dst.0, src.0) {
+        if self.partitioned(false, src.0, dst.0) || self.partitioned(false, dst.0, src.0) {
             return fail(self, "the data path is partitioned".into());
         }
         let (Some(s), Some(d)) = (self.node_at(src.0), self.node_at(dst.0)) else {
@@ -853,6 +947,7 @@ impl NetState {
             return false;
         };
         *self.lost.entry((observer, peer)).or_insert(0) += 1;
+        *self.losses.entry((observer, peer)).or_insert(0) += 1;
         self.stats.peer_lost += 1;
         inbox.peer_lost(peer_rank);
         let _ = t;
@@ -999,95 +1094,141 @@ impl SimLink {
         dst: Vec<BlockId>,
         deadline: Instant,
     ) -> TransferFuture {
-        // The blocks of this worker's own request: its source when it writes, its
-        // destination when it reads.
-        let write = *src_node == self.me;
-        let owner_blocks = if write { &src } else { &dst }.clone();
         let net = &self.net;
         let (tx, rx) = oneshot::channel();
         let deadline_ms = deadline
             .saturating_duration_since(net.start.into_std())
             .as_millis() as u64;
-        let refused = {
+        {
             let mut guard = net.lock();
             let st = &mut *guard;
             let now = net.now_ms();
-            let mut ends = (
-                st.nodes.get(src_node).map(|n| (n.idx, n.inc)),
-                st.nodes.get(dst_node).map(|n| (n.idx, n.inc)),
-            );
-            if st.data_plane == DataPlane::Rdma {
-                // The remote end is the registration this worker learned for the request.
-                if let Some(granted) = st.rkeys.get(&(self.idx, id.clone())).copied() {
-                    if ends.0.is_some_and(|(i, _)| i == granted.0) {
-                        ends.0 = Some(granted);
-                    } else if ends.1.is_some_and(|(i, _)| i == granted.0) {
-                        ends.1 = Some(granted);
-                    }
-                }
-            }
-            match ends {
-                (Some(s), Some(d)) if st.alive(s) && st.alive(d) => {
-                    let owner = st
-                        .node_at(self.idx)
-                        .and_then(|n| n.pool.clone())
-                        .and_then(|p| {
-                            owner_blocks.first().and_then(|b| {
-                                p.lock()
-                                    .unwrap_or_else(|e| e.into_inner())
-                                    .owner(*b)
-                                    .cloned()
-                            })
-                        });
-                    let blocks = src.len() as u64;
-                    let mut ms = st.timing.transfer_base_ms + blocks / st.timing.blocks_per_ms;
-                    if st.faults_on && st.rng.chance(st.faults.slow_ppm) {
-                        st.stats.transfers_slow += 1;
-                        ms *= st
-                            .rng
-                            .range(st.faults.slow_factor.0, st.faults.slow_factor.1)
-                            .max(1);
-                    }
-                    let lands = now + ms.max(1);
-                    let event = if lands > deadline_ms {
-                        // The plane's promise (`Link::write`): nothing posted past the
-                        // deadline, an answer by it.
-                        NetEvent::Expire {
-                            req: owner.as_ref().and_then(req_index),
-                            reply: tx,
-                        }
-                    } else {
-                        NetEvent::Land {
-                            src: s,
-                            dst: d,
-                            src_blocks: src,
-                            dst_blocks: dst,
-                            id: id.clone(),
-                            write,
-                            owner,
-                            reply: tx,
-                        }
-                    };
-                    net.push(st, lands.min(deadline_ms.max(now)), event);
-                    None
-                }
-                _ => {
-                    st.stats.transfers_failed += 1;
-                    Some(format!(
-                        "transfer {src_node} -> {dst_node}: an end is not attached"
-                    ))
-                }
-            }
-        };
-        Box::pin(async move {
-            let outcome = match refused {
-                Some(why) => Err(why),
-                None => rx
-                    .await
-                    .unwrap_or_else(|_| Err("transfer abandoned by the network".into())),
+            let post = Post {
+                by: self.idx,
+                id: id.clone(),
+                src_node: src_node.clone(),
+                dst_node: dst_node.clone(),
+                src,
+                dst,
+                deadline_ms,
+                grant: st.rkeys.get(&(self.idx, id.clone())).copied(),
+                reply: tx,
             };
+            match st.frozen.get(&self.idx).copied() {
+                // A frozen worker's transfer waits for it to resume.
+                Some(until) if until > now => {
+                    st.stats.deferred += 1;
+                    net.push(st, until, NetEvent::Post(Box::new(post)));
+                }
+                _ => net.post(st, now, post),
+            }
+        }
+        Box::pin(async move {
+            let outcome = rx
+                .await
+                .unwrap_or_else(|_| Err("transfer abandoned by the network".into()));
             outcome.map_err(|detail| TransferError::Simulated { detail })
         })
+    }
+}
+
+impl SimNet {
+    /// Posts a transfer at `now`: its landing (or its expiry at the deadline) goes on the
+    /// agenda, or it is refused at once (an end gone, a one-sided write whose lease ended).
+    fn post(&self, st: &mut NetState, now: u64, post: Post) {
+        let Post {
+            by,
+            id,
+            src_node,
+            dst_node,
+            src,
+            dst,
+            deadline_ms,
+            grant,
+            reply,
+        } = post;
+        // The blocks of this worker's own request: its source when it writes, its
+        // destination when it reads.
+        let write = st.ranks.get(by) == Some(&src_node);
+        let owner_blocks = if write { &src } else { &dst }.clone();
+        let mut ends = (
+            st.nodes.get(&src_node).map(|n| (n.idx, n.inc)),
+            st.nodes.get(&dst_node).map(|n| (n.idx, n.inc)),
+        );
+        let mut lease_ended = None;
+        if st.data_plane == DataPlane::Rdma {
+            // The remote end is the registration this worker learned for the request.
+            if let Some(granted) = grant {
+                let peer = granted.node.0;
+                if ends.0.is_some_and(|(i, _)| i == peer) {
+                    ends.0 = Some(granted.node);
+                } else if ends.1.is_some_and(|(i, _)| i == peer) {
+                    ends.1 = Some(granted.node);
+                }
+                // A one-sided writer fences itself: nothing is posted once a loss was
+                // declared between it and the peer since the grant (its lease ended).
+                if write && st.losses_between(by, peer) != granted.losses {
+                    lease_ended = Some(peer);
+                }
+            }
+        }
+        let refused = match ends {
+            _ if lease_ended.is_some() => {
+                st.stats.lease_refused += 1;
+                Some(format!(
+                    "write lease with w{} ended (a loss was declared between us since it granted the blocks): nothing posted",
+                    lease_ended.unwrap_or_default()
+                ))
+            }
+            (Some(s), Some(d)) if st.alive(s) && st.alive(d) => {
+                let owner = st.node_at(by).and_then(|n| n.pool.clone()).and_then(|p| {
+                    owner_blocks.first().and_then(|b| {
+                        p.lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .owner(*b)
+                            .cloned()
+                    })
+                });
+                let blocks = src.len() as u64;
+                let mut ms = st.timing.transfer_base_ms + blocks / st.timing.blocks_per_ms;
+                if st.faults_on && st.rng.chance(st.faults.slow_ppm) {
+                    st.stats.transfers_slow += 1;
+                    ms *= st
+                        .rng
+                        .range(st.faults.slow_factor.0, st.faults.slow_factor.1)
+                        .max(1);
+                }
+                let lands = now + ms.max(1);
+                let event = if lands > deadline_ms {
+                    // The plane's promise (`Link::write`): nothing posted past the
+                    // deadline, an answer by it.
+                    NetEvent::Expire {
+                        req: owner.as_ref().and_then(req_index),
+                        reply,
+                    }
+                } else {
+                    NetEvent::Land {
+                        src: s,
+                        dst: d,
+                        src_blocks: src,
+                        dst_blocks: dst,
+                        id,
+                        write,
+                        owner,
+                        reply,
+                    }
+                };
+                self.push(st, lands.min(deadline_ms.max(now)), event);
+                return;
+            }
+            _ => Some(format!(
+                "transfer {src_node} -> {dst_node}: an end is not attached"
+            )),
+        };
+        if let Some(why) = refused {
+            st.stats.transfers_failed += 1;
+            let _ = reply.send(Err(why));
+        }
     }
 }
 
@@ -1160,6 +1301,7 @@ impl Link for SimLink {
                     to_inc: dest.1,
                     id: id.clone(),
                     msg: msg.clone(),
+                    losses: st.losses_between(self.idx, dest.0),
                 },
             );
         }

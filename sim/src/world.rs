@@ -17,7 +17,7 @@ use handoff_actors::{
     State, TransferMode, TransportChoice,
 };
 
-use crate::config::{Scripted, Shape, SimConfig, Target};
+use crate::config::{Plane, Scripted, Shape, SimConfig, Target};
 use crate::net::{req_index, SimAttach, SimNet};
 use crate::pool::Pool;
 use crate::report::{
@@ -126,13 +126,18 @@ enum Action {
     BootstrapUp,
     FaultTick(TickKind),
     ScriptedPartition(usize),
+    Freeze { worker: usize, for_ms: u64 },
 }
+
+/// A scripted partition: when, who, (one way?, which plane), how long.
+type ScriptedPartition = (u64, BTreeSet<usize>, (bool, Plane), u64);
 
 #[derive(Clone, Copy, Debug)]
 enum TickKind {
     Partition,
     Crash,
     BootstrapOutage,
+    Freeze,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -169,7 +174,7 @@ pub(crate) struct World {
     injected: BTreeMap<String, u64>,
     last_progress_ms: u64,
     scripted_outages: BTreeMap<u64, u64>,
-    scripted_partitions: Vec<(u64, BTreeSet<usize>, bool, u64)>,
+    scripted_partitions: Vec<ScriptedPartition>,
     awaiting_registration: bool,
     outcomes: Vec<RequestOutcome>,
 }
@@ -395,6 +400,7 @@ impl World {
             (f.partition_every_ms, TickKind::Partition),
             (f.crash_every_ms, TickKind::Crash),
             (f.bootstrap_outage_every_ms, TickKind::BootstrapOutage),
+            (f.freeze_every_ms, TickKind::Freeze),
         ];
         for (every, kind) in ticks {
             if every > 0 {
@@ -567,10 +573,10 @@ impl World {
                     .record(now, None, |s| s.write_str("bootstrap up"));
             }
             Action::FaultTick(kind) => self.fault_tick(now, kind),
+            Action::Freeze { worker, for_ms } => self.freeze(now, worker, for_ms),
             Action::ScriptedPartition(i) => {
-                if let Some((_, group, one_way, for_ms)) = self.scripted_partitions.get(i).cloned()
-                {
-                    self.start_partition(now, group, one_way, for_ms);
+                if let Some((_, group, how, for_ms)) = self.scripted_partitions.get(i).cloned() {
+                    self.start_partition(now, group, how, for_ms);
                 }
             }
         }
@@ -1281,12 +1287,23 @@ impl World {
                 at_ms,
                 for_ms,
                 one_way,
+                plane,
             } => {
                 let group: BTreeSet<usize> = self.targets(target).into_iter().collect();
                 self.scripted_partitions
-                    .push((*at_ms, group, *one_way, *for_ms));
+                    .push((*at_ms, group, (*one_way, *plane), *for_ms));
                 let i = self.scripted_partitions.len() - 1;
                 self.schedule(*at_ms, Action::ScriptedPartition(i));
+            }
+            Scripted::Freeze {
+                target,
+                at_ms,
+                for_ms,
+            } => {
+                for w in self.targets(target) {
+                    let for_ms = *for_ms;
+                    self.schedule(*at_ms, Action::Freeze { worker: w, for_ms });
+                }
             }
             Scripted::Drop(_) => {}
         }
@@ -1316,9 +1333,22 @@ impl World {
                         .collect()
                 };
                 let one_way = self.chaos.chance(f.one_way_ppm);
+                let plane = if !self.chaos.chance(f.plane_only_ppm) {
+                    Plane::Both
+                } else if self.chaos.chance(PPM / 2) {
+                    Plane::Control
+                } else {
+                    Plane::Data
+                };
                 let for_ms = self.chaos.range(f.partition_ms.0, f.partition_ms.1);
-                self.start_partition(now, group, one_way, for_ms);
+                self.start_partition(now, group, (one_way, plane), for_ms);
                 self.next_tick(now, f.partition_every_ms, kind);
+            }
+            TickKind::Freeze => {
+                let w = self.chaos.below(self.workers.len() as u64) as usize;
+                let for_ms = self.chaos.range(f.freeze_ms.0, f.freeze_ms.1);
+                self.freeze(now, w, for_ms);
+                self.next_tick(now, f.freeze_every_ms, kind);
             }
             TickKind::Crash => {
                 let w = self.chaos.below(self.workers.len() as u64) as usize;
@@ -1357,7 +1387,13 @@ impl World {
         }
     }
 
-    fn start_partition(&mut self, now: u64, group: BTreeSet<usize>, one_way: bool, for_ms: u64) {
+    fn start_partition(
+        &mut self,
+        now: u64,
+        group: BTreeSet<usize>,
+        (one_way, plane): (bool, Plane),
+        for_ms: u64,
+    ) {
         if group.is_empty() || group.len() == self.workers.len() {
             return;
         }
@@ -1368,13 +1404,28 @@ impl World {
         } else {
             "partition_two_way"
         });
+        match plane {
+            Plane::Both => {}
+            Plane::Control => self.count("partition_control_only"),
+            Plane::Data => self.count("partition_data_only"),
+        }
         self.trace.record(now, None, |s| {
             write!(
                 s,
-                "partition {id}: {group:?} cut off for {for_ms} ms (one_way {one_way})"
+                "partition {id}: {group:?} cut off for {for_ms} ms (one_way {one_way}, {plane:?})"
             )
         });
-        self.net.partition(id, group, one_way, for_ms);
+        self.net.partition(id, group, (one_way, plane), for_ms);
+    }
+
+    /// Freezes worker `w` for `for_ms` (as by SIGSTOP; see `SimNet::freeze`).
+    fn freeze(&mut self, now: u64, w: usize, for_ms: u64) {
+        self.partition_seq += 1;
+        let id = self.partition_seq;
+        self.count("freeze");
+        self.trace
+            .record(now, None, |s| write!(s, "w{w} frozen for {for_ms} ms"));
+        self.net.freeze(id, w, for_ms);
     }
 
     async fn crash(&mut self, now: u64, w: usize, down_ms: u64) {
@@ -1482,10 +1533,12 @@ impl World {
     /// True while scripted faults are still to come (the safety phase lasts until then).
     fn pending_scripts(&self, now: u64) -> bool {
         self.scripted_partitions.iter().any(|p| p.0 > now)
-            || self
-                .agenda
-                .values()
-                .any(|a| matches!(a, Action::Crash { .. } | Action::Restart { .. }))
+            || self.agenda.values().any(|a| {
+                matches!(
+                    a,
+                    Action::Crash { .. } | Action::Restart { .. } | Action::Freeze { .. }
+                )
+            })
     }
 
     /// Requests that neither progress nor hit a deadline (a rank ended but never released

@@ -3,7 +3,7 @@
 
 use clap::Parser;
 use handoff_sim::cli::SimArgs;
-use handoff_sim::config::{DataPlane, MessageKind, Scripted, Target};
+use handoff_sim::config::{DataPlane, MessageKind, Plane, Scripted, Target};
 use handoff_sim::report::RequestOutcome;
 use handoff_sim::{simulate, ModeChoice, Report, SimConfig, Violation};
 
@@ -253,6 +253,79 @@ fn push_writes_never_land_in_blocks_decode_released_under_rdma() {
     }
 }
 
+/// A prefill engine frozen (as by SIGSTOP) past decode's loss timeout and fences, with its
+/// writes queued, resumes: decode had failed its requests and given their blocks to
+/// others, so each queued one-sided write must be refused by the writer's own lease, and
+/// none may land. Push over RDMA, where nothing at the target can refuse a write.
+#[test]
+fn a_frozen_writer_that_resumes_lands_nothing_in_released_blocks() {
+    let (mut deferred, mut refused) = (0, 0);
+    for seed in 0..8u64 {
+        let mut cfg = base(8100 + seed);
+        cfg.shape.mode = ModeChoice::Push;
+        cfg.data_plane = DataPlane::Rdma;
+        cfg.workload.requests = 80;
+        // Long prefills: many requests have their grant when the freeze comes, and hand
+        // their blocks over while frozen.
+        cfg.workload.compute_ms = (40, 160);
+        cfg.script.push(Scripted::Freeze {
+            target: Target::Engine("P0".into()),
+            at_ms: 60 + 13 * seed,
+            for_ms: 1_500,
+        });
+        let report = run(&cfg);
+        assert_eq!(report.injected.get("freeze"), Some(&1), "{report}");
+        assert!(
+            report.net.peer_lost > 0,
+            "decode declared it lost: {report}"
+        );
+        assert!(landed_after_release(&report).is_empty(), "{report}");
+        deferred += report.net.deferred;
+        refused += report.net.lease_refused;
+    }
+    // Writes were queued during the freeze, and resumed ones refused by the lease.
+    assert!(
+        deferred > 0 && refused > 0,
+        "deferred {deferred}, refused {refused}"
+    );
+}
+
+/// One plane cut, the other up, over RDMA push and pull: a control-only cut stops the
+/// heartbeats while data still flows (requests fail as lost peers, and no write lands in
+/// blocks given back); a data-only cut fails transfers while the peers stay connected
+/// (requests fail by their transfer, both sides agree, and no loss is declared).
+#[test]
+fn a_partition_of_one_plane_ends_every_request_cleanly() {
+    for (seed, plane, mode) in [
+        (8201, Plane::Control, ModeChoice::Push),
+        (8202, Plane::Control, ModeChoice::Pull),
+        (8203, Plane::Data, ModeChoice::Push),
+        (8204, Plane::Data, ModeChoice::Pull),
+    ] {
+        let mut cfg = base(seed);
+        cfg.shape.mode = mode;
+        cfg.data_plane = DataPlane::Rdma;
+        cfg.workload.requests = 80;
+        cfg.script.push(Scripted::Partition {
+            target: Target::Engine("P0".into()),
+            at_ms: 30,
+            for_ms: 600,
+            one_way: false,
+            plane,
+        });
+        let report = run(&cfg);
+        assert!(landed_after_release(&report).is_empty(), "{report}");
+        match plane {
+            Plane::Control => assert!(report.net.peer_lost > 0, "{plane:?}: {report}"),
+            _ => {
+                assert_eq!(report.net.peer_lost, 0, "{plane:?}: {report}");
+                assert!(report.net.transfers_failed > 0, "{plane:?}: {report}");
+            }
+        }
+        assert!(!report.safety.failed.is_empty(), "{plane:?}: {report}");
+    }
+}
+
 #[test]
 fn fenced_data_plane_refuses_transfers_into_released_blocks() {
     let mut fenced = 0;
@@ -310,6 +383,7 @@ fn a_long_partition_is_detected_as_lost_peers_and_healed() {
         at_ms: 20,
         for_ms: 250,
         one_way: false,
+        plane: Plane::Both,
     });
     let report = run(&cfg);
     assert!(

@@ -50,7 +50,7 @@ mod batch;
 mod context;
 mod maps;
 mod memory;
-mod rkey;
+pub(crate) mod rkey;
 pub mod sys;
 mod worker;
 

@@ -49,7 +49,8 @@ fn assert_round_trips(msg: &Message, key: Option<&Key>) {
 /// The other decoders a peer's bytes reach, under fuzzing (the `fuzz_decoders` target):
 /// the TCP data plane's header check and every metadata decoder
 /// ([`crate::tcp::frame`]), and a Noise session's opener ([`crate::noise`]) on bytes that
-/// are not the session's (every one must be refused, never panic). The bootstrap protocol's
+/// are not the session's (every one must be refused, never panic), and the walk of a peer's
+/// packed UCX remote key (`ucx::rkey::check_format`). The bootstrap protocol's
 /// messages are wire frames: [`frame_decode`] covers them.
 ///
 /// Returns how many of the inputs decoded (for the corpus test to see something happen).
@@ -64,6 +65,8 @@ pub fn decoders(data: &[u8]) -> usize {
     decoded += usize::from(frame::decode_error(data).is_ok());
     let mut segments = Vec::new();
     decoded += usize::from(frame::decode_op(data, &mut segments).is_ok());
+    // A peer's packed UCX remote key, walked before UCX sees it.
+    decoded += usize::from(crate::ucx::rkey::check_format(data).is_ok());
     if let Ok(key) = Key::new(FUZZ_KEY) {
         let session =
             crate::noise::Initiator::new(&key, crate::noise::PROLOGUE_DATA).and_then(|mut i| {

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use handoff_transport::zmtp::{
     ConnId, Dealer, Router, RouterEvent, CONNECTION_INFLIGHT_MAX, PENDING_PER_SOURCE_MAX,
+    SEND_QUEUES_BYTES_MAX,
 };
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -128,6 +129,69 @@ async fn a_client_that_never_reads_is_dropped_not_buffered() {
     assert!(dropped, "never dropped");
     assert_eq!(router.stats().dropped_slow, 1);
     drop(dealer);
+}
+
+/// Several clients that never read, each under the per-connection bound: together they
+/// cannot hold more than the listener's bound, the one holding the most is dropped and its
+/// queue freed (its connection ends), and a peer that reads still gets its replies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_readers_together_cannot_pin_more_than_the_listener_bound() {
+    let mut router = Router::bind("tcp://127.0.0.1:0")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let addr = format!("tcp://{}", router.local_addr());
+    let mut slow = Vec::new();
+    let mut conns = Vec::new();
+    for _ in 0..6 {
+        let dealer = Dealer::connect(&addr, b"", T)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        dealer
+            .send(vec![b"status?".to_vec()])
+            .unwrap_or_else(|e| panic!("{e}"));
+        conns.push(message(&mut router).await.0);
+        slow.push(dealer);
+    }
+    let reply = vec![0u8; 4 << 20];
+    for _ in 0..20 {
+        for c in &conns {
+            let _ = router.send(*c, vec![reply.clone()]);
+            assert!(
+                router.queued_bytes() <= SEND_QUEUES_BYTES_MAX + reply.len(),
+                "{} bytes queued",
+                router.queued_bytes()
+            );
+        }
+        tokio::task::yield_now().await;
+    }
+    assert!(router.stats().dropped_slow >= 1, "{:?}", router.stats());
+    // The dropped connections ended: what they held left the total.
+    let until = tokio::time::Instant::now() + T;
+    while router.queued_bytes() > SEND_QUEUES_BYTES_MAX {
+        assert!(
+            tokio::time::Instant::now() < until,
+            "{}",
+            router.queued_bytes()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // A peer that reads is served.
+    let mut honest = Dealer::connect(&addr, b"", T)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    honest
+        .send(vec![b"status?".to_vec()])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let (conn, _) = message(&mut router).await;
+    router
+        .send(conn, vec![b"ok".to_vec()])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let got = tokio::time::timeout(T, honest.recv()).await;
+    assert!(
+        matches!(got, Ok(Some(ref f)) if *f == vec![b"ok".to_vec()]),
+        "{got:?}"
+    );
+    drop(slow);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -76,8 +76,14 @@ pub const CONNECTION_INFLIGHT_MAX: usize = 32;
 pub const SEND_QUEUE_MESSAGES_MAX: usize = 1024;
 
 /// Bytes queued to send on one connection: past it the peer does not read its replies and
-/// is dropped (counted, logged), not buffered. Worst case: 64 MiB per connection.
-pub const SEND_QUEUE_BYTES_MAX: usize = 64 << 20;
+/// is dropped at once (counted, logged, its queue freed), not buffered. Two of the largest
+/// messages fit.
+pub const SEND_QUEUE_BYTES_MAX: usize = 2 * ZMTP_FRAME_BYTES_MAX;
+
+/// Bytes queued to send on every connection of one listener together: past it the
+/// connection holding the most is dropped the same way, so slow readers cannot add up.
+/// Worst case: this plus one message.
+pub const SEND_QUEUES_BYTES_MAX: usize = 48 << 20;
 
 /// Messages received and not yet taken by the owner of a socket; readers wait (TCP
 /// backpressure) when it is full.
@@ -87,4 +93,5 @@ const _: () = assert!(ZMTP_FRAME_BYTES_MAX >= crate::wire::FRAME_BYTES_MAX);
 const _: () = assert!(PENDING_PER_SOURCE_MAX <= PENDING_CONNECTIONS_MAX);
 const _: () = assert!(PENDING_CONNECTIONS_MAX < CONNECTIONS_MAX);
 const _: () = assert!(SEND_QUEUE_BYTES_MAX >= 2 * ZMTP_FRAME_BYTES_MAX);
+const _: () = assert!(SEND_QUEUES_BYTES_MAX >= SEND_QUEUE_BYTES_MAX);
 const _: () = assert!(COMMAND_BYTES_MAX > IDENTITY_BYTES_MAX + 64);

@@ -12,15 +12,15 @@ use std::sync::{Arc, Mutex};
 
 use tokio::io::{AsyncRead, AsyncWrite, BufReader, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
 use super::codec::{self, Incoming, SocketType, ZmtpError};
 use super::{
     CONNECTIONS_MAX, CONNECTION_INFLIGHT_MAX, HANDSHAKE_TIMEOUT, PENDING_CONNECTIONS_MAX,
-    PENDING_IDLE_TIMEOUT, PENDING_PER_SOURCE_MAX, RECV_QUEUE_MESSAGES_MAX, SEND_QUEUE_BYTES_MAX,
-    SEND_QUEUE_MESSAGES_MAX,
+    PENDING_IDLE_TIMEOUT, PENDING_PER_SOURCE_MAX, RECV_QUEUE_MESSAGES_MAX, SEND_QUEUES_BYTES_MAX,
+    SEND_QUEUE_BYTES_MAX, SEND_QUEUE_MESSAGES_MAX,
 };
 use crate::admission::{admission, Bound, Limits};
 use crate::auth::Key;
@@ -83,6 +83,29 @@ struct Slot {
     admitted: Arc<AtomicBool>,
     /// Where it came from (for the per-source bound).
     peer: SocketAddr,
+    /// Ends the connection at once, unsent messages and all (an eviction, a peer that
+    /// does not read): removing the slot alone would leave its task holding both.
+    kill: Arc<Notify>,
+}
+
+impl Slot {
+    /// Ends the connection now (see `kill`); what it had queued leaves `total` at once.
+    fn kill(&self, total: &AtomicUsize) {
+        unqueue(&self.queued, total, usize::MAX);
+        self.kill.notify_one();
+    }
+}
+
+/// Takes up to `bytes` off a connection's queued count, and as much off the listener's
+/// `total`: once a connection's count was taken whole (it was dropped), its writer's later
+/// decrements take nothing more.
+fn unqueue(queued: &AtomicUsize, total: &AtomicUsize, bytes: usize) {
+    let old = queued
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| {
+            Some(q.saturating_sub(bytes))
+        })
+        .unwrap_or(0);
+    total.fetch_sub(old.min(bytes), Ordering::AcqRel);
 }
 
 type Senders = Arc<Mutex<BTreeMap<ConnId, Slot>>>;
@@ -96,6 +119,9 @@ struct Outbox {
     rx: mpsc::Receiver<Vec<Vec<u8>>>,
     queued: Arc<AtomicUsize>,
     admitted: Arc<AtomicBool>,
+    kill: Arc<Notify>,
+    /// Bytes queued on every connection of the listener together.
+    total: Arc<AtomicUsize>,
 }
 
 /// Events handed up, each with the permit its connection took (released when taken).
@@ -108,6 +134,8 @@ pub struct Router {
     senders: Senders,
     accept: JoinHandle<()>,
     stats: Arc<RouterCounters>,
+    /// Bytes queued on every connection together (bounded by [`SEND_QUEUES_BYTES_MAX`]).
+    total: Arc<AtomicUsize>,
 }
 
 /// Bounds a [`Router`] enforced, counted since it was bound (each also logged).
@@ -169,10 +197,11 @@ impl Router {
         let (tx, events) = mpsc::channel(RECV_QUEUE_MESSAGES_MAX);
         let senders: Senders = Arc::default();
         let stats = Arc::new(RouterCounters::default());
+        let total = Arc::new(AtomicUsize::new(0));
         let accept = tokio::spawn(accept_loop(
             listener,
             tx,
-            senders.clone(),
+            (senders.clone(), total.clone()),
             sealing,
             stats.clone(),
         ));
@@ -182,6 +211,7 @@ impl Router {
             senders,
             accept,
             stats,
+            total,
         })
     }
 
@@ -218,12 +248,29 @@ impl Router {
 
     /// Queues a message to one connection. Never waits. A connection whose queue is full,
     /// in messages or in bytes ([`SEND_QUEUE_BYTES_MAX`]), does not read what it is sent:
-    /// it is dropped (counted, logged) and `QueueFull` returned.
+    /// it is dropped at once (counted, logged), its queue freed, and `QueueFull` returned.
+    /// When every connection's queue together would pass [`SEND_QUEUES_BYTES_MAX`], the
+    /// one holding the most is dropped the same way (several slow readers cannot add up).
     pub fn send(&self, conn: ConnId, frames: Vec<Vec<u8>>) -> Result<(), ZmtpError> {
         let bytes: usize = frames.iter().map(Vec::len).sum();
         let mut slots = lock(&self.senders);
+        if self.total.load(Ordering::Acquire) + bytes > SEND_QUEUES_BYTES_MAX {
+            let most = slots
+                .iter()
+                .map(|(c, s)| (s.queued.load(Ordering::Acquire), *c))
+                .max();
+            if let Some((held, victim)) = most.filter(|(held, _)| *held > 0) {
+                if let Some(slot) = slots.remove(&victim) {
+                    self.stats.dropped_slow.fetch_add(1, Ordering::Relaxed);
+                    warn!(peer = %slot.peer, queued = held, max = SEND_QUEUES_BYTES_MAX,
+                        "replies queued on every connection together at their bound: dropping the connection that holds the most");
+                    slot.kill(&self.total);
+                }
+            }
+        }
         let slot = slots.get(&conn).ok_or(ZmtpError::Closed)?;
         let queued = slot.queued.fetch_add(bytes, Ordering::AcqRel);
+        self.total.fetch_add(bytes, Ordering::AcqRel);
         let sent = if queued + bytes > SEND_QUEUE_BYTES_MAX {
             Err(ZmtpError::QueueFull)
         } else {
@@ -233,15 +280,22 @@ impl Router {
             })
         };
         if sent.is_err() {
-            slot.queued.fetch_sub(bytes, Ordering::AcqRel);
+            unqueue(&slot.queued, &self.total, bytes);
         }
         if matches!(sent, Err(ZmtpError::QueueFull)) {
             self.stats.dropped_slow.fetch_add(1, Ordering::Relaxed);
             warn!(peer = %slot.peer, queued, max = SEND_QUEUE_BYTES_MAX,
                 "dropping a connection that does not read its replies");
-            slots.remove(&conn);
+            if let Some(slot) = slots.remove(&conn) {
+                slot.kill(&self.total);
+            }
         }
         sent
+    }
+
+    /// Bytes queued on every connection together, not yet written.
+    pub fn queued_bytes(&self) -> usize {
+        self.total.load(Ordering::Acquire)
     }
 
     /// Closes one connection.
@@ -258,7 +312,7 @@ impl Router {
 async fn accept_loop(
     listener: TcpListener,
     events: Events,
-    senders: Senders,
+    (senders, total): (Senders, Arc<AtomicUsize>),
     sealing: Option<Arc<Sealing>>,
     stats: Arc<RouterCounters>,
 ) {
@@ -287,7 +341,10 @@ async fn accept_loop(
                 Ok(None) => {}
                 Ok(Some((bound, evicted))) => {
                     counter(&bound).fetch_add(1, Ordering::Relaxed);
-                    let old = slots.remove(&evicted).map(|s| s.peer);
+                    let old = slots.remove(&evicted).map(|s| {
+                        s.kill(&total);
+                        s.peer
+                    });
                     warn!(%peer, ?bound, evicted = ?old,
                         "at a connection bound: evicted the oldest pending connection");
                 }
@@ -304,12 +361,15 @@ async fn accept_loop(
             rx,
             queued: Arc::default(),
             admitted: Arc::default(),
+            kill: Arc::default(),
+            total: total.clone(),
         };
         let slot = Slot {
             tx,
             queued: outbox.queued.clone(),
             admitted: outbox.admitted.clone(),
             peer,
+            kill: outbox.kill.clone(),
         };
         lock(&senders).insert(conn, slot);
         tokio::spawn(serve(
@@ -410,6 +470,11 @@ where
     C: FnOnce() -> CF,
     CF: std::future::Future<Output = ()>,
 {
+    // Whatever is still queued when the connection ends leaves the listener's total.
+    let _unsent = Unsent {
+        queued: outbox.queued.clone(),
+        total: outbox.total.clone(),
+    };
     let (read, write) = stream.into_split();
     let mut reader = BufReader::new(read);
     let mut writer = BufWriter::new(write);
@@ -449,7 +514,10 @@ where
         rx: mut outbox,
         queued,
         admitted,
+        kill,
+        total,
     } = outbox;
+
     let (pong_tx, mut pong_rx) = mpsc::channel::<Vec<u8>>(4);
     let write_half = async move {
         loop {
@@ -468,7 +536,7 @@ where
                         }
                         (None, _) => return Ok(()),
                     }
-                    queued.fetch_sub(bytes, Ordering::AcqRel);
+                    unqueue(&queued, &total, bytes);
                 }
             }
         }
@@ -506,8 +574,22 @@ where
     };
     tokio::select! {
         biased;
+        // Dropped by the owner (evicted, or not reading): already logged there.
+        () = kill.notified() => Err(ZmtpError::Closed),
         r = read_half => r,
         w = write_half => w,
+    }
+}
+
+/// Takes a connection's unsent bytes out of its listener's total when it ends.
+struct Unsent {
+    queued: Arc<AtomicUsize>,
+    total: Arc<AtomicUsize>,
+}
+
+impl Drop for Unsent {
+    fn drop(&mut self) {
+        unqueue(&self.queued, &self.total, usize::MAX);
     }
 }
 
@@ -616,6 +698,8 @@ impl Dealer {
             queued: Arc::default(),
             // Our own connection to a server: no pending bounds apply.
             admitted: Arc::new(AtomicBool::new(true)),
+            kill: Arc::default(),
+            total: Arc::default(),
         };
         let (in_tx, inbox) = mpsc::channel(RECV_QUEUE_MESSAGES_MAX);
         let sealing = key.map(|key| Sealing { key, refusal: None });

@@ -55,37 +55,52 @@ pub(crate) struct KeyShape {
     pub(crate) domains: u32,
 }
 
+/// What is wrong with a packed key's format.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum KeyFormatError {
+    /// Shorter than the domain map and the memory type.
+    #[error("{len} bytes, shorter than its domain map and memory type (9)")]
+    TooShort {
+        /// The key's length.
+        len: usize,
+    },
+    /// A memory type this runtime does not move.
+    #[error("memory type {found} (host is 0, CUDA 1; no other is moved)")]
+    MemoryType {
+        /// The byte found.
+        found: u8,
+    },
+    /// A domain's size byte or bytes lie past the key's end.
+    #[error("cut short: domain {domain}'s bytes would end at {end}, the key has {len}")]
+    CutShort {
+        /// The domain (its bit in the map).
+        domain: u32,
+        /// Where its bytes would end.
+        end: usize,
+        /// The key's length.
+        len: usize,
+    },
+}
+
 /// Walks a packed key: the domain map, the memory type, then every domain's size byte and
 /// bytes, all inside `packed`. Extensions after the last domain are UCX's own (it reads
-/// them only where a length is known) and are allowed. `Err` says what is wrong.
-pub(crate) fn check_format(packed: &[u8]) -> Result<KeyShape, String> {
-    let map = packed
-        .get(..8)
-        .and_then(|b| <[u8; 8]>::try_from(b).ok())
-        .map(u64::from_le_bytes)
-        .ok_or_else(|| format!("{} bytes, shorter than its domain map", packed.len()))?;
-    let memory_type = *packed
-        .get(8)
-        .ok_or_else(|| "9 bytes needed for the memory type, got 8".to_string())?;
+/// them only where a length is known) and are allowed.
+pub(crate) fn check_format(packed: &[u8]) -> Result<KeyShape, KeyFormatError> {
+    let len = packed.len();
+    let (Some(map), Some(&memory_type)) = (packed.first_chunk::<8>(), packed.get(8)) else {
+        return Err(KeyFormatError::TooShort { len });
+    };
+    let map = u64::from_le_bytes(*map);
     if !MEMORY_TYPES.contains(&memory_type) {
-        return Err(format!(
-            "memory type {memory_type} (host is 0, CUDA 1; no other is moved)"
-        ));
+        return Err(KeyFormatError::MemoryType { found: memory_type });
     }
     let mut at = 9usize;
     for domain in (0..64u32).filter(|d| map & (1 << d) != 0) {
-        let size = *packed.get(at).ok_or_else(|| {
-            format!(
-                "cut short: domain {domain}'s size byte would be at {at}, the key has {} bytes",
-                packed.len()
-            )
-        })?;
+        let cut = |end| KeyFormatError::CutShort { domain, end, len };
+        let size = *packed.get(at).ok_or(cut(at + 1))?;
         let end = at + 1 + usize::from(size);
-        if end > packed.len() {
-            return Err(format!(
-                "cut short: domain {domain}'s {size} bytes would end at {end}, the key has {}",
-                packed.len()
-            ));
+        if end > len {
+            return Err(cut(end));
         }
         at = end;
     }
@@ -246,7 +261,7 @@ pub(crate) fn vet(
                 }
             }))
         }
-        Err(e) => Err(VetError::Refused(e)), // `held` dropped: killed and reaped.
+        Err(e) => Err(e), // `held` dropped: killed and reaped.
     }
 }
 
@@ -269,13 +284,13 @@ fn close_from(first: i32, keep: [i32; 2]) {
 }
 
 /// `Ok(true)` when the child wrote its byte, `Ok(false)` when its end closed first.
-fn read_answer(answer: &OwnedFd, deadline: Instant) -> Result<bool, String> {
+fn read_answer(answer: &OwnedFd, deadline: Instant) -> Result<bool, VetError> {
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(format!(
+            return Err(VetError::Refused(format!(
                 "the vetting process did not unpack the keys within {VET_TIMEOUT:?}"
-            ));
+            )));
         }
         let mut wait = libc::pollfd {
             fd: answer.as_raw_fd(),
@@ -290,7 +305,7 @@ fn read_answer(answer: &OwnedFd, deadline: Instant) -> Result<bool, String> {
             if e.kind() == std::io::ErrorKind::Interrupted {
                 continue;
             }
-            return Err(format!("poll: {e}"));
+            return Err(VetError::Unavailable(format!("poll: {e}")));
         }
         if n == 0 {
             continue;
@@ -352,14 +367,18 @@ mod tests {
         for n in 0..key.len() {
             let err = check_format(&key[..n]).unwrap_err();
             assert!(
-                err.contains("cut short") || err.contains("bytes"),
+                matches!(
+                    err,
+                    KeyFormatError::CutShort { .. } | KeyFormatError::TooShort { .. }
+                ),
                 "{n}: {err}"
             );
         }
         for at in [9, 10, 11, 24] {
             let mut k = key.clone();
             k[at] = 0xff;
-            assert!(check_format(&k).unwrap_err().contains("cut short"), "{at}");
+            let err = check_format(&k).unwrap_err();
+            assert!(matches!(err, KeyFormatError::CutShort { .. }), "{at}");
         }
     }
 
@@ -367,7 +386,10 @@ mod tests {
     fn a_memory_type_no_one_moves_is_refused() {
         let mut k = honest();
         k[8] = 7;
-        assert!(check_format(&k).unwrap_err().contains("memory type 7"));
+        assert_eq!(
+            check_format(&k),
+            Err(KeyFormatError::MemoryType { found: 7 })
+        );
         k[8] = 1;
         assert_eq!(check_format(&k).map(|s| s.memory_type), Ok(1));
     }
@@ -377,7 +399,10 @@ mod tests {
         let mut k = u64::MAX.to_le_bytes().to_vec();
         k.push(0);
         k.extend([0u8; 63]);
-        assert!(check_format(&k).unwrap_err().contains("domain 63"));
+        assert!(matches!(
+            check_format(&k),
+            Err(KeyFormatError::CutShort { domain: 63, .. })
+        ));
         k.push(0);
         assert_eq!(check_format(&k).map(|s| s.domains), Ok(64));
     }

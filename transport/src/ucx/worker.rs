@@ -402,7 +402,9 @@ fn check_key(packed: &[u8], base: u64, len: u64) -> Result<rkey::KeyShape, UcxEr
             limit: u64::MAX,
         });
     }
-    rkey::check_format(packed).map_err(|detail| UcxError::MalformedKey { detail })
+    rkey::check_format(packed).map_err(|e| UcxError::MalformedKey {
+        detail: e.to_string(),
+    })
 }
 
 impl Endpoint {

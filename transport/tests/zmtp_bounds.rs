@@ -103,20 +103,32 @@ async fn an_idle_connection_flood_cannot_lock_out_an_admitted_peer() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_that_never_reads_is_dropped_not_buffered() {
-    let mut router = Router::bind("tcp://127.0.0.1:0")
+/// A router on loopback, and its address for dealers.
+async fn router() -> (Router, String) {
+    let router = Router::bind("tcp://127.0.0.1:0")
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let addr = format!("tcp://{}", router.local_addr());
-    // A dealer whose receiving half is never read: its inbox fills, then TCP backs up.
-    let dealer = Dealer::connect(&addr, b"", T)
+    (router, addr)
+}
+
+/// A dealer that asked one question, and its connection as the router sees it.
+async fn asked(router: &mut Router, addr: &str) -> (Dealer, ConnId) {
+    let dealer = Dealer::connect(addr, b"", T)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     dealer
         .send(vec![b"status?".to_vec()])
         .unwrap_or_else(|e| panic!("{e}"));
-    let (conn, _) = message(&mut router).await;
+    let (conn, _) = message(router).await;
+    (dealer, conn)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_never_reads_is_dropped_not_buffered() {
+    let (mut router, addr) = router().await;
+    // A dealer whose receiving half is never read: its inbox fills, then TCP backs up.
+    let (dealer, conn) = asked(&mut router, &addr).await;
     let reply = vec![0u8; 4 << 20];
     let mut dropped = false;
     for _ in 0..4096 {
@@ -136,20 +148,12 @@ async fn a_client_that_never_reads_is_dropped_not_buffered() {
 /// queue freed (its connection ends), and a peer that reads still gets its replies.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_readers_together_cannot_pin_more_than_the_listener_bound() {
-    let mut router = Router::bind("tcp://127.0.0.1:0")
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let addr = format!("tcp://{}", router.local_addr());
+    let (mut router, addr) = router().await;
     let mut slow = Vec::new();
     let mut conns = Vec::new();
     for _ in 0..6 {
-        let dealer = Dealer::connect(&addr, b"", T)
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-        dealer
-            .send(vec![b"status?".to_vec()])
-            .unwrap_or_else(|e| panic!("{e}"));
-        conns.push(message(&mut router).await.0);
+        let (dealer, conn) = asked(&mut router, &addr).await;
+        conns.push(conn);
         slow.push(dealer);
     }
     let reply = vec![0u8; 4 << 20];
@@ -176,13 +180,7 @@ async fn slow_readers_together_cannot_pin_more_than_the_listener_bound() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     // A peer that reads is served.
-    let mut honest = Dealer::connect(&addr, b"", T)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    honest
-        .send(vec![b"status?".to_vec()])
-        .unwrap_or_else(|e| panic!("{e}"));
-    let (conn, _) = message(&mut router).await;
+    let (mut honest, conn) = asked(&mut router, &addr).await;
     router
         .send(conn, vec![b"ok".to_vec()])
         .unwrap_or_else(|e| panic!("{e}"));

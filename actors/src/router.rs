@@ -338,6 +338,35 @@ pub enum Note {
     },
 }
 
+/// What a [`Router`] refused, dropped or answered late, counted since it was made: each
+/// bound it met, beside the log line its [`Note`] gives.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RouterStats {
+    /// Messages for ended requests, answered or dropped ([`Note::Late`]).
+    pub late: u64,
+    /// New ids refused: too many requests pending ([`Note::TooManyPending`]).
+    pub too_many_pending: u64,
+    /// Messages refused or dropped: the buffered bytes at their bound ([`Note::BytesFull`]).
+    pub bytes_full: u64,
+    /// Messages dropped: the request's buffer full ([`Note::BufferFull`]).
+    pub buffer_full: u64,
+    /// Requests never opened before their bootstrap deadline ([`Note::NeverOpened`]).
+    pub never_opened: u64,
+}
+
+impl RouterStats {
+    fn count(&mut self, note: &Note) {
+        let counter = match note {
+            Note::Late { .. } => &mut self.late,
+            Note::TooManyPending { .. } => &mut self.too_many_pending,
+            Note::BytesFull { .. } => &mut self.bytes_full,
+            Note::BufferFull { .. } => &mut self.buffer_full,
+            Note::NeverOpened { .. } => &mut self.never_opened,
+        };
+        *counter += 1;
+    }
+}
+
 /// The router's bounds (defaults: the named limits in [`crate::config`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RouterLimits {
@@ -418,6 +447,7 @@ pub struct Router {
     tombstone_order: VecDeque<RequestId>,
     /// Orphans, with the peers to tell when their fence bound passes.
     orphans: BTreeMap<RequestId, Vec<Peer>>,
+    stats: RouterStats,
 }
 
 impl Router {
@@ -433,6 +463,7 @@ impl Router {
             tombstones: BTreeMap::new(),
             tombstone_order: VecDeque::new(),
             orphans: BTreeMap::new(),
+            stats: RouterStats::default(),
         }
     }
 
@@ -496,7 +527,17 @@ impl Router {
                 }
             }
         }
+        for action in &out {
+            if let Action::Note(note) = action {
+                self.stats.count(note);
+            }
+        }
         out
+    }
+
+    /// What the router refused, dropped or answered late so far (each also a [`Note`]).
+    pub fn stats(&self) -> RouterStats {
+        self.stats
     }
 
     /// Live requests, in id order.

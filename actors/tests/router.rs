@@ -29,7 +29,8 @@ use std::time::{Duration, Instant};
 use handoff_actors::event::FenceEnd;
 use handoff_actors::machine::{Peer, PeerMessage, ReceiverEvent, SenderEvent, State};
 use handoff_actors::router::{
-    Action, Input, Local, MachineEvent, Note, Router, RouterConfig, RouterLimits, Timer,
+    Action, Input, Local, MachineEvent, Note, Router, RouterConfig, RouterLimits, RouterStats,
+    Timer,
 };
 use handoff_transport::{BlockId, FailureReason, RankInfo, RequestId, Role, TransferMode};
 use proptest::prelude::*;
@@ -201,10 +202,20 @@ impl Harness {
 
     /// Feeds one input; collects the timers it arms and checks the bounds.
     fn feed(&mut self, input: Input) -> Vec<Action> {
-        // Notes only log: the rules are in the other actions.
-        let actions: Vec<Action> = self
-            .router
-            .handle(self.now, input)
+        // Notes only log and count: the rules are in the other actions.
+        let before = self.router.stats();
+        let all = self.router.handle(self.now, input);
+        let notes = all.iter().filter(|a| matches!(a, Action::Note(_))).count() as u64;
+        let after = self.router.stats();
+        let counted = |s: RouterStats| {
+            s.late + s.too_many_pending + s.bytes_full + s.buffer_full + s.never_opened
+        };
+        assert_eq!(
+            counted(after) - counted(before),
+            notes,
+            "every note is counted"
+        );
+        let actions: Vec<Action> = all
             .into_iter()
             .filter(|a| !matches!(a, Action::Note(_)))
             .collect();

@@ -27,6 +27,9 @@ use crate::noise::{Opener, Sealer};
 use crate::region::Region;
 use crate::types::{BlockId, RankInfo, RequestId};
 
+/// The buffer a refused operation's data is read through and dropped.
+const DISCARD_CHUNK_BYTES: usize = 16 << 10;
+
 /// How long the server tries to deliver an `Error` frame to a peer it is about to drop.
 const ERROR_SEND_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -590,8 +593,20 @@ impl Conn<'_> {
             .ok_or_else(|| End::Error(self.protocol("operation before Hello"), None))
     }
 
+    /// Reads and drops `len` data bytes of a refused operation, through a small buffer: a
+    /// refused write never grows the staging buffer.
     async fn discard(&mut self, len: usize) -> Result<(), End> {
-        self.stage(len).await
+        let mut scratch = [0u8; DISCARD_CHUNK_BYTES];
+        let mut left = len;
+        while left > 0 {
+            let n = left.min(DISCARD_CHUNK_BYTES);
+            self.r
+                .read_exact(&mut scratch[..n])
+                .await
+                .map_err(|e| End::Error(io_error(&self.peer, "discarding data", e), None))?;
+            left -= n;
+        }
+        Ok(())
     }
 
     /// Reads `len` data bytes (at most [`OP_BYTES_MAX`], checked on the header) into staging.
@@ -607,6 +622,18 @@ impl Conn<'_> {
 
     async fn write(&mut self, head: &Header, request: &RequestId) -> Result<(), End> {
         let rank = self.hello_rank()?;
+        // Refused before its data is staged when the grant does not hold now (checked
+        // again, held, around the copy): a peer without a grant cannot make this
+        // connection stage up to OP_BYTES_MAX.
+        let grants = &self.shared.grants;
+        if let Err(why) = grants.with_grant(&rank, request, Access::Write, &self.blocks, &mut || {})
+        {
+            self.discard(head.data_len as usize).await?;
+            let why = why.to_string();
+            return self
+                .refuse(head.seq, RefusalCode::NotGranted, Some(request), &why)
+                .await;
+        }
         self.stage(head.data_len as usize).await?;
         let (region, segments, staging) = (&self.shared.region, &self.segments, &self.staging);
         let mut copied = Ok(false);

@@ -41,6 +41,11 @@ pub struct MemoryRegion {
     /// Heap memory we registered and own; freed after `ucp_mem_unmap` (field order: drop
     /// runs `Drop::drop` first, then the fields).
     _owned: Option<Box<[u8]>>,
+    /// Registered host memory not inherited by a forked child (`MADV_DONTFORK`, as verbs
+    /// registrations are), where UCX is old enough that peers' keys are vetted in one
+    /// (`rkey::vet`): a fork would otherwise mark every page copy-on-write, and the next
+    /// write to each (a transfer, the engine's own) would fault. Undone on drop.
+    dontfork: bool,
 }
 
 impl std::fmt::Debug for MemoryRegion {
@@ -160,7 +165,13 @@ impl MemoryRegion {
             len: params.length,
             mem_type,
             _owned: owned,
+            dontfork: registered
+                && mem_type == MemoryType::Host
+                && super::rkey::needs_vetting(api.version),
         };
+        if region.dontfork {
+            fork_advice(region.ptr, region.len, libc::MADV_DONTFORK);
+        }
         api.check("ucp_mem_query", status)?;
         let (start, end) = (
             attr.address as u64,
@@ -275,8 +286,24 @@ impl MemoryRegion {
     }
 }
 
+/// Gives `advice` (`MADV_DONTFORK` or `MADV_DOFORK`) for the whole pages inside
+/// `[ptr, ptr + len)`; best effort (a mapping that refuses it is left as it is).
+fn fork_advice(ptr: *mut u8, len: usize, advice: libc::c_int) {
+    const PAGE: usize = 4096;
+    let start = (ptr as usize).div_ceil(PAGE) * PAGE;
+    let end = (ptr as usize).saturating_add(len) / PAGE * PAGE;
+    if end > start {
+        // SAFETY: advice about whole pages of a range the caller registered and keeps
+        // mapped; it changes only whether a forked child inherits them.
+        unsafe { libc::madvise(start as *mut libc::c_void, end - start, advice) };
+    }
+}
+
 impl Drop for MemoryRegion {
     fn drop(&mut self) {
+        if self.dontfork {
+            fork_advice(self.ptr, self.len, libc::MADV_DOFORK);
+        }
         let api = self.ctx.api;
         // SAFETY: `memh` came from `ucp_mem_map` on this context, which the `Rc` keeps
         // alive; our operations never outlive their call (timeouts force-close the

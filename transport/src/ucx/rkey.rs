@@ -33,9 +33,12 @@ use super::{maps, sys};
 /// Zero bytes after a key handed to UCX: at least the most a size byte can say.
 pub(crate) const PAD_BYTES: usize = 256;
 
+/// `UCS_MEMORY_TYPE_HOST`, the memory type byte of a host key.
+pub(crate) const MEMORY_TYPE_HOST: u8 = 0;
+
 /// The memory types a key may carry: `UCS_MEMORY_TYPE_HOST` and `UCS_MEMORY_TYPE_CUDA`,
 /// the two this runtime moves (UCX indexes tables by this byte).
-const MEMORY_TYPES: [u8; 2] = [0, 1];
+const MEMORY_TYPES: [u8; 2] = [MEMORY_TYPE_HOST, 1];
 
 /// The first UCX whose failed unpack cleans up only what it unpacked.
 const CLEANUP_FIXED: (u32, u32) = (1, 19);
@@ -170,7 +173,7 @@ fn pipe() -> Result<(OwnedFd, OwnedFd), VetError> {
 pub(crate) fn vet(
     api: &'static sys::Api,
     ep: sys::ucp_ep_h,
-    keys: &[Vec<u8>],
+    keys: &[&[u8]],
     deadline: Instant,
 ) -> Result<Held, VetError> {
     let ptrs: Vec<*const std::ffi::c_void> = keys.iter().map(|k| k.as_ptr().cast()).collect();

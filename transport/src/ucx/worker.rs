@@ -442,7 +442,7 @@ impl Endpoint {
         for (i, &(packed, base, len)) in keys.iter().enumerate() {
             let shape = check_key(packed, base, len).map_err(|e| (i, e))?;
             padded.push(rkey::padded(packed));
-            if shape.memory_type == 0 {
+            if shape.memory_type == rkey::MEMORY_TYPE_HOST {
                 host.push(i);
             }
         }
@@ -450,7 +450,7 @@ impl Endpoint {
         // Held until every key is unpacked here: what the child attached stays attached.
         let _held = if rkey::needs_vetting(api.version) && !host.is_empty() {
             let ep = self.inner.live().map_err(|e| (host[0], e))?;
-            let vetted: Vec<Vec<u8>> = host.iter().map(|&i| padded[i].clone()).collect();
+            let vetted: Vec<&[u8]> = host.iter().map(|&i| padded[i].as_slice()).collect();
             let started = Instant::now();
             let held = rkey::vet(api, ep, &vetted, started + rkey::VET_TIMEOUT).map_err(|e| {
                 // Which key: the child does not say; the first host key stands for them.

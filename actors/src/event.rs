@@ -1,7 +1,7 @@
 //! Lifecycle events, collected without blocking by the engine once per step.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use std::fmt;
@@ -139,6 +139,9 @@ impl Event {
 pub struct EventQueue {
     events: Mutex<VecDeque<Event>>,
     open: AtomicUsize,
+    /// The runtime is stopping: blocks that never reached their request go back as
+    /// `Shutdown`, not `Late`.
+    stopping: AtomicBool,
 }
 
 /// Events one request can emit: four state changes, one release at the end, one for blocks
@@ -170,6 +173,16 @@ impl EventQueue {
         let _ = self
             .open
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+    }
+
+    /// Marks the runtime stopping (once it is, it does not start again).
+    pub(crate) fn stop(&self) {
+        self.stopping.store(true, Ordering::Release);
+    }
+
+    /// Whether the runtime is stopping.
+    pub(crate) fn stopping(&self) -> bool {
+        self.stopping.load(Ordering::Acquire)
     }
 
     /// Requests open now (live, or ended with their final event not drained).

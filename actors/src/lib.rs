@@ -11,7 +11,8 @@
 //! - [`router`]: the root actor's rules as plain data (routing, buffering, tombstones,
 //!   admission, what a dead request actor leaves behind).
 //! - `request`: the request actor that drives one machine.
-//! - `ledger`: the per-request record that makes "released exactly once" hold across panics.
+//! - `estate`: what a request owns (state, blocks, peers), one owner at a time: its actor
+//!   while it runs, the root after; blocks in transit travel as consignments.
 //! - [`event`]: lifecycle events and their bounded queue.
 //! - [`link`]: what the runtime needs from a transport; [`inproc`]: the in-process one.
 //! - [`net`]: the network transport: control channels over ZMTP, heartbeats, data-plane hooks.
@@ -24,10 +25,10 @@
 pub mod bootstrap;
 pub mod config;
 mod error;
+mod estate;
 pub mod event;
 pub mod exposure;
 pub mod inproc;
-mod ledger;
 pub mod link;
 pub mod machine;
 pub mod net;

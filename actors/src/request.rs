@@ -3,18 +3,19 @@
 //! It owns its request's machine and does nothing else: it feeds the machine the events
 //! the root routes to it, performs the actions the machine emits (control messages through
 //! the [`Link`], data transfers as tasks that report back, state and releases into the
-//! [`Ledger`]), and keeps exactly one timer armed at the machine's next deadline. When the
-//! machine is terminal it tells the root, which stops it.
+//! request's [`Estate`], which it alone owns while it runs), and keeps exactly one timer
+//! armed at the machine's next deadline. When the machine is terminal it tells the root,
+//! which stops it.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use handoff_transport::{EngineId, TransferMode};
+use handoff_transport::{EngineId, RequestId, Role, TransferMode};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
-use crate::ledger::Ledger;
+use crate::estate::{Consignment, Deed, Estate};
 use crate::link::{Link, ResolveError, TransferError, PLANE_ANSWER_GRACE};
 use crate::machine::{
     Action, ReceiverEvent, ReceiverMachine, SenderEvent, SenderMachine, State, Timeouts,
@@ -36,6 +37,12 @@ pub const ABORT_LOOKUP_TIMEOUT: Duration = Duration::from_secs(2);
 pub(crate) enum RequestMsg {
     /// Something happened to the request.
     Event(MachineEvent),
+    /// The engine handed the request's blocks over: `event` says so to the machine, and
+    /// `blocks` carries them to the estate.
+    HandOver {
+        event: MachineEvent,
+        blocks: Consignment,
+    },
     /// The armed deadline may have passed.
     Timeout,
     /// Fault injection: panic inside the handler (tests and the simulator).
@@ -44,7 +51,10 @@ pub(crate) enum RequestMsg {
 
 /// What a request actor is built from.
 pub(crate) struct RequestArgs {
-    pub(crate) ledger: Ledger,
+    pub(crate) id: RequestId,
+    pub(crate) role: Role,
+    /// The request's estate: this actor's alone while it runs.
+    pub(crate) deed: Deed,
     pub(crate) link: Arc<dyn Link>,
     pub(crate) root: ActorRef<RootMsg>,
     pub(crate) timeouts: Timeouts,
@@ -72,7 +82,9 @@ enum Machine {
 }
 
 pub(crate) struct RequestState {
-    ledger: Ledger,
+    id: RequestId,
+    role: Role,
+    deed: Deed,
     link: Arc<dyn Link>,
     root: ActorRef<RootMsg>,
     machine: Machine,
@@ -110,7 +122,9 @@ impl Actor for RequestActor {
             ),
         };
         let mut state = RequestState {
-            ledger: args.ledger,
+            id: args.id,
+            role: args.role,
+            deed: args.deed,
             link: args.link,
             root: args.root,
             machine,
@@ -150,11 +164,18 @@ impl Actor for RequestActor {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             RequestMsg::Event(event) => state.feed(now(), event),
+            RequestMsg::HandOver { event, blocks } => {
+                // Taken by the estate (the root's, if it took the estate: then the
+                // consignment is dropped and gives the blocks back).
+                if let Some(Some(_)) = state.deed.with(|e| e.receive(blocks)) {
+                    state.feed(now(), event);
+                }
+            }
             RequestMsg::Timeout => {
                 state.timer = None;
                 state.handle_timeout(now());
             }
-            RequestMsg::Panic => panic!("injected fault in request {}", state.ledger.id),
+            RequestMsg::Panic => panic!("injected fault in request {}", state.id),
         }
         state.pump(&myself);
         Ok(())
@@ -184,18 +205,16 @@ impl RequestState {
             // their loss must fail the request at once, not at a deadline.
             (Machine::Sender(m), MachineEvent::Sender(e)) => {
                 m.handle(now, e);
-                for peer in m.depends_on() {
-                    self.ledger.add_peer(peer);
-                }
+                self.deed
+                    .with(|estate| m.depends_on().for_each(|p| estate.add_peer(p)));
             }
             (Machine::Receiver(m), MachineEvent::Receiver(e)) => {
                 m.handle(now, e);
-                for peer in m.depends_on() {
-                    self.ledger.add_peer(peer);
-                }
+                self.deed
+                    .with(|estate| m.depends_on().for_each(|p| estate.add_peer(p)));
             }
             (_, event) => {
-                warn!(request = %self.ledger.id, ?event, "event for the other side dropped")
+                warn!(request = %self.id, ?event, "event for the other side dropped")
             }
         }
     }
@@ -237,7 +256,7 @@ impl RequestState {
                 Action::StateChanged(end) if end.is_terminal() => match self.poll_action() {
                     Some(Action::Release { blocks, why }) => {
                         self.announce(&end);
-                        self.ledger.end(end, &blocks, why);
+                        self.estate(|e| e.end(end, &blocks, why));
                     }
                     next => {
                         self.perform(myself, Action::StateChanged(end));
@@ -254,8 +273,13 @@ impl RequestState {
             self.ended = true;
             self.tell_unresolved_peers();
             // The root stops this actor; until then late events are absorbed by the machine.
+            let state = match &self.machine {
+                Machine::Sender(m) => m.state().clone(),
+                Machine::Receiver(m) => m.state().clone(),
+            };
             let _ = self.root.cast(RootMsg::Ended {
-                id: self.ledger.id.clone(),
+                id: self.id.clone(),
+                state,
             });
         }
     }
@@ -276,7 +300,7 @@ impl RequestState {
         }
         let (link, id, lookup) = (
             self.link.clone(),
-            self.ledger.id.clone(),
+            self.id.clone(),
             self.link.resolve(prefill, *dp),
         );
         tokio::spawn(async move {
@@ -294,15 +318,23 @@ impl RequestState {
         });
     }
 
+    /// Runs `f` on the estate while this actor owns it (the root takes it only once the
+    /// actor is gone, or the runtime stops: then there is nothing left to record).
+    fn estate(&self, f: impl FnOnce(&mut Estate)) {
+        if self.deed.with(f).is_none() {
+            debug!(request = %self.id, "the estate was taken: the runtime is stopping");
+        }
+    }
+
     fn perform(&mut self, myself: &ActorRef<RequestMsg>, action: Action) {
-        let id = &self.ledger.id;
+        let id = &self.id;
         match action {
             Action::Send { to, msg } => {
-                self.ledger.add_peer(&to);
+                self.deed.with(|e| e.add_peer(&to));
                 if let Err(e) = self.link.send(&to, id, msg) {
                     debug!(request = %id, peer = %to, error = %e, "send failed: peer lost");
                     let what = Local::PeerLost { peer: to };
-                    let event = MachineEvent::for_role(self.ledger.role, what);
+                    let event = MachineEvent::for_role(self.role, what);
                     // Delivered as a message so this pump's actions stay in order.
                     let _ = myself.cast(RequestMsg::Event(event));
                 }
@@ -313,7 +345,7 @@ impl RequestState {
                 dst,
                 deadline,
             } => {
-                self.ledger.add_peer(&to);
+                self.deed.with(|e| e.add_peer(&to));
                 let fut = self.link.write(id, &to, src, dst, deadline);
                 let done = |r: Result<(), TransferError>| match r {
                     Ok(()) => SenderEvent::TransferComplete,
@@ -342,20 +374,20 @@ impl RequestState {
                     MachineEvent::Receiver(done(r))
                 });
             }
-            Action::Release { blocks, why } => self.ledger.release(&blocks, why),
-            Action::Aux { from, bytes } => self.ledger.add_aux(from, bytes),
+            Action::Release { blocks, why } => self.estate(|e| e.release(&blocks, why)),
+            Action::Aux { from, bytes } => self.estate(|e| e.add_aux(from, bytes)),
             Action::StateChanged(state) => {
                 self.announce(&state);
-                self.ledger.transition(state);
+                self.estate(|e| e.transition(state));
             }
         }
     }
 
-    /// Logs a state change; at the end, revokes remote access before the ledger releases
+    /// Logs a state change; at the end, revokes remote access before the estate releases
     /// the blocks.
     fn announce(&self, state: &State) {
-        let id = &self.ledger.id;
-        debug!(request = %id, role = %self.ledger.role, %state, "state changed");
+        let id = &self.id;
+        debug!(request = %id, role = %self.role, %state, "state changed");
         if state.is_terminal() {
             self.link.request_ended(id);
         }
@@ -372,7 +404,7 @@ impl RequestState {
         report: impl FnOnce(Result<(), TransferError>) -> MachineEvent + Send + 'static,
     ) {
         let me = myself.clone();
-        let id = self.ledger.id.clone();
+        let id = self.id.clone();
         let until = tokio::time::Instant::from_std(deadline) + PLANE_ANSWER_GRACE;
         self.tasks.retain(|t| !t.is_finished());
         self.tasks.push(tokio::spawn(async move {

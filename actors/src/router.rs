@@ -7,7 +7,7 @@
 //! send a control message, arm a timer, fail, release or forget a request. It does no I/O
 //! and reads no clock, so property tests drive it directly (`actors/tests/router.rs`). The
 //! root actor only shuttles: it turns its mailbox into inputs and actions into calls on the
-//! request actors, the [`crate::Link`] and the request's ledger.
+//! request actors, the [`crate::Link`] and the estates of requests whose actor is gone.
 //!
 //! What the router remembers, each with a bound:
 //! - the live requests (opened, not yet ended) and whether the engine handed their blocks
@@ -284,7 +284,7 @@ pub enum Action {
         id: RequestId,
     },
     /// The request is settled here: drop what the root keeps for it (its actor handle and
-    /// ledger), and free its id for the engine.
+    /// deed to its estate), and free its id for the engine.
     Forget {
         /// Which.
         id: RequestId,

@@ -6,15 +6,17 @@
 //! policy out in `handle_supervisor_evt` rather than taking ractor's default (which would
 //! stop the root when any child stops):
 //! - a request actor that **fails** (a panic or an error in a handler) ends its request
-//!   `Failed(Internal)`: the request's ledger releases every block it held, the engine gets
+//!   `Failed(Internal)`: the root takes the request's estate from its deed and releases
+//!   every block it held (at once, or at the fence bound if writes may land), the engine gets
 //!   the events, the peers and sibling ranks get an `Abort`; the runtime and every other
 //!   request go on. Requests are never restarted: a restarted actor would not know what its
 //!   peer already did, and the engine can retry the whole request cheaply.
 //! - a request actor that **stops** before its request ended is treated the same way.
 //! - a request actor that stops after its request ended is the normal case and is ignored.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -26,9 +28,10 @@ use ractor::{Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef, Supervisio
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
+use crate::estate::{Consignment, Deed, Estate, View};
+
 use crate::config::{RuntimeConfig, TransportChoice, REQUESTS_OPEN_MAX_DEFAULT};
 use crate::event::{Event, EventQueue, ReleaseReason};
-use crate::ledger::{Ledger, Record};
 use crate::link::{Attach, Inbox, Link};
 use crate::machine::{Peer, PeerMessage, State, Timeouts};
 use crate::request::{Kind, RequestActor, RequestArgs, RequestMsg};
@@ -40,11 +43,17 @@ use crate::Error;
 /// Messages the root actor handles.
 #[derive(Debug)]
 pub(crate) enum RootMsg {
-    /// The engine opened a request.
-    Open { ledger: Ledger, kind: OpenKind },
-    /// The engine (or the control loop) says something about one request: blocks handed
-    /// over (already recorded in the ledger), an abort, a busy rejection, a peer's
-    /// malformed message.
+    /// The engine opened a request: its estate comes with it (dropped unhandled, it fails
+    /// the request and gives its blocks back).
+    Open { estate: Estate, kind: OpenKind },
+    /// The engine handed the request's blocks over (and prefill's payload for decode).
+    HandOver {
+        id: RequestId,
+        blocks: Consignment,
+        aux: Vec<u8>,
+    },
+    /// The engine (or the control loop) says something about one request: an abort, a
+    /// busy rejection, a peer's malformed message.
     Local { id: RequestId, what: Local },
     /// A peer sent a control message about a request.
     Inbound {
@@ -52,8 +61,8 @@ pub(crate) enum RootMsg {
         id: RequestId,
         msg: PeerMessage,
     },
-    /// A request actor's machine reached a terminal state.
-    Ended { id: RequestId },
+    /// A request actor's machine reached a terminal state, `state`, and has nothing in flight.
+    Ended { id: RequestId, state: State },
     /// A peer stopped answering: fail every request that depends on it.
     PeerLost { peer: Peer },
     /// Fault injection: make the request's actor panic.
@@ -71,17 +80,12 @@ pub(crate) enum OpenKind {
     },
 }
 
-impl std::fmt::Debug for Ledger {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Ledger({})", self.id)
-    }
-}
-
 /// What the root keeps for a request the router has not forgotten: its actor (none once
-/// it died or was stopped) and its ledger.
+/// it died or was stopped) and the deed to its estate (the actor's to use while it runs;
+/// the root's once it is gone).
 struct Entry {
     actor: Option<ActorRef<RequestMsg>>,
-    ledger: Ledger,
+    deed: Deed,
 }
 
 /// The root actor's state: the router decides, this performs.
@@ -94,31 +98,18 @@ struct RootState {
     by_actor: HashMap<ActorId, RequestId>,
 }
 
-/// State shared between the root actor and the engine's handles.
+/// What the root actor and the engine's handles share: the event queue and the ids in use.
 #[derive(Default)]
 pub(crate) struct Shared {
     pub(crate) events: Arc<EventQueue>,
-    /// Every request from `sender`/`receiver` returning until the root forgets it. Held
-    /// here, not only in the root's mailbox, so a request whose `Open` message is overtaken
-    /// by a stop still ends `Failed` with its blocks released.
-    open: Mutex<BTreeMap<RequestId, Ledger>>,
+    /// Ids from `sender`/`receiver` returning until the root forgets the request: an id is
+    /// not opened twice while the runtime still knows it.
+    ids: Mutex<BTreeSet<RequestId>>,
 }
 
 impl Shared {
-    fn open(&self) -> std::sync::MutexGuard<'_, BTreeMap<RequestId, Ledger>> {
-        self.open.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Fails every request still open (the runtime is stopping), in request-id order.
-    fn fail_all(&self, why: &str) {
-        let open = std::mem::take(&mut *self.open());
-        for ledger in open.values() {
-            let detail = why.to_string();
-            ledger.fail_if_live_as(FailureReason::Internal { detail }, ReleaseReason::Shutdown);
-            // Requests that ended but still held blocks (a fence, an orphan) give them back
-            // too: the runtime is going away, and nothing it started can land after this.
-            ledger.release_all(ReleaseReason::Shutdown);
-        }
+    fn ids(&self) -> std::sync::MutexGuard<'_, BTreeSet<RequestId>> {
+        self.ids.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -180,19 +171,17 @@ impl Actor for RootActor {
         state: &mut RootState,
     ) -> Result<(), ActorProcessingErr> {
         let input = match msg {
-            RootMsg::Open { ledger, kind } => {
-                state.open(&myself, ledger, kind).await;
+            RootMsg::Open { estate, kind } => {
+                state.open(&myself, estate, kind).await;
+                return Ok(());
+            }
+            RootMsg::HandOver { id, blocks, aux } => {
+                state.hand_over(&myself, id, blocks, aux);
                 return Ok(());
             }
             RootMsg::Local { id, what } => Input::Local { id, what },
             RootMsg::Inbound { from, id, msg } => Input::Inbound { from, id, msg },
-            RootMsg::Ended { id } => {
-                let Some(entry) = state.entries.get(&id) else {
-                    return Ok(());
-                };
-                let ended = entry.ledger.state();
-                Input::Ended { id, state: ended }
-            }
+            RootMsg::Ended { id, state } => Input::Ended { id, state },
             RootMsg::PeerLost { peer } => {
                 debug!(%peer, "peer lost");
                 Input::PeerLost { peer }
@@ -234,16 +223,23 @@ impl Actor for RootActor {
         _myself: ActorRef<RootMsg>,
         state: &mut RootState,
     ) -> Result<(), ActorProcessingErr> {
+        state.shared.events.stop();
         state.link.detach();
         // In request-id order, so a simulated shutdown replays the same way.
         for id in state.router.live() {
             state.link.request_ended(id);
         }
-        // Every ledger the router still knows (live requests and orphans) is in `open`.
-        state.shared.fail_all("runtime stopped");
+        // Every request the router still knows (live ones and orphans), in id order: its
+        // actor stops, and the root takes its estate to close it. Requests that ended but
+        // still held blocks (a fence, an orphan) give them back too: the runtime is going
+        // away, and nothing it started can land after this. Requests whose `Open` is still
+        // in the mailbox are closed when it is dropped.
         for (_, entry) in std::mem::take(&mut state.entries) {
             if let Some(actor) = entry.actor {
                 actor.stop(None);
+            }
+            if let Some(mut estate) = entry.deed.take() {
+                estate.close(ReleaseReason::Shutdown);
             }
         }
         state.by_actor.clear();
@@ -260,8 +256,9 @@ impl RootState {
         }
     }
 
-    async fn open(&mut self, myself: &ActorRef<RootMsg>, ledger: Ledger, kind: OpenKind) {
-        let id = ledger.id.clone();
+    async fn open(&mut self, myself: &ActorRef<RootMsg>, estate: Estate, kind: OpenKind) {
+        let id = estate.id().clone();
+        let mut estate = Some(estate);
         for action in self.router.handle(now(), Input::Open { id }) {
             match action {
                 Action::Spawn {
@@ -278,13 +275,16 @@ impl RootState {
                             prefill_dp_rank: *prefill_dp_rank,
                         },
                     };
-                    self.spawn(myself, ledger.clone(), kind, backlog, reject)
-                        .await;
+                    if let Some(estate) = estate.take() {
+                        self.spawn(myself, estate, kind, backlog, reject).await;
+                    }
                 }
                 Action::Refuse { id, reason } => {
                     warn!(request = %id, %reason, "request opened after it ended here");
-                    ledger.fail_if_live(reason);
-                    self.shared.open().remove(&id);
+                    if let Some(mut estate) = estate.take() {
+                        estate.fail_if_live(reason);
+                    }
+                    self.shared.ids().remove(&id);
                 }
                 other => self.perform(myself, other),
             }
@@ -294,14 +294,17 @@ impl RootState {
     async fn spawn(
         &mut self,
         myself: &ActorRef<RootMsg>,
-        ledger: Ledger,
+        estate: Estate,
         kind: Kind,
         backlog: Vec<MachineEvent>,
         reject: bool,
     ) {
-        let id = ledger.id.clone();
+        let id = estate.id().clone();
+        let deed = Deed::new(estate);
         let args = RequestArgs {
-            ledger: ledger.clone(),
+            id: id.clone(),
+            role: self.cfg.role,
+            deed: deed.clone(),
             link: self.link.clone(),
             root: myself.clone(),
             timeouts: self.cfg.timeouts,
@@ -317,29 +320,61 @@ impl RootState {
                 }
                 self.by_actor.insert(actor.get_id(), id.clone());
                 let actor = Some(actor);
-                self.entries.insert(id.clone(), Entry { actor, ledger });
+                self.entries.insert(id.clone(), Entry { actor, deed });
                 debug!(request = %id, role = %self.cfg.role, "request opened");
             }
             Err(e) => {
                 warn!(request = %id, error = %e, "could not start request actor");
-                ledger.fail_if_live(FailureReason::Internal {
-                    detail: format!("could not start request actor: {e}"),
+                let detail = format!("could not start request actor: {e}");
+                let state = deed.with(|estate| {
+                    estate.fail_if_live(FailureReason::Internal { detail });
+                    estate.state().clone()
                 });
-                let state = ledger.state();
-                self.entries.insert(
-                    id.clone(),
-                    Entry {
-                        actor: None,
-                        ledger,
-                    },
-                );
-                self.feed(myself, Input::Ended { id, state });
+                self.entries.insert(id.clone(), Entry { actor: None, deed });
+                if let Some(state) = state {
+                    self.feed(myself, Input::Ended { id, state });
+                }
             }
         }
     }
 
-    fn ledger(&self, id: &RequestId) -> Option<&Ledger> {
-        self.entries.get(id).map(|e| &e.ledger)
+    /// The engine handed a request's blocks over: the router says whether it is live (and
+    /// counts it for admission); the blocks travel to its actor in their consignment, and
+    /// go back to the engine if they cannot reach it.
+    fn hand_over(
+        &mut self,
+        myself: &ActorRef<RootMsg>,
+        id: RequestId,
+        blocks: Consignment,
+        aux: Vec<u8>,
+    ) {
+        let what = Local::HandedOver {
+            blocks: blocks.blocks().to_vec(),
+            aux,
+        };
+        let mut blocks = Some(blocks);
+        for action in self.router.handle(now(), Input::Local { id, what }) {
+            match action {
+                Action::Deliver { id, event } => {
+                    let actor = self.entries.get(&id).and_then(|e| e.actor.as_ref());
+                    if let (Some(actor), Some(blocks)) = (actor, blocks.take()) {
+                        let _ = actor.cast(RequestMsg::HandOver { event, blocks });
+                    }
+                }
+                other => self.perform(myself, other),
+            }
+        }
+        // Not delivered (the request is not live here): `blocks`, dropped, go back.
+    }
+
+    /// Runs `f` on the estate of a request whose actor is gone (the root owns it then).
+    fn estate<R>(&self, id: &RequestId, f: impl FnOnce(&mut Estate) -> R) -> Option<R> {
+        let entry = self.entries.get(id)?;
+        debug_assert!(
+            entry.actor.is_none(),
+            "request {id}: the root used the estate of a live actor"
+        );
+        entry.deed.with(f)
     }
 
     fn perform(&mut self, myself: &ActorRef<RootMsg>, action: Action) {
@@ -365,22 +400,18 @@ impl RootState {
             }
             Action::Revoke { id } => self.link.request_ended(&id),
             Action::Fail { id, reason, hold } => {
-                let Some(ledger) = self.ledger(&id) else {
-                    return;
-                };
                 warn!(request = %id, %reason, "request failed with its actor");
                 if hold {
                     let wait = self.cfg.timeouts.fence_max();
                     warn!(request = %id, ?wait, "holding the blocks of a request whose actor died, for the fence bound");
-                    ledger.transition(State::Failed(reason));
-                } else {
-                    ledger.fail_if_live(reason);
                 }
+                self.estate(&id, |estate| match hold {
+                    true => estate.fail_holding(reason),
+                    false => estate.fail_if_live(reason),
+                });
             }
             Action::Release { id, fence } => {
-                if let Some(ledger) = self.ledger(&id) {
-                    ledger.release_all(ledger.ended_why(fence));
-                }
+                self.estate(&id, |estate| estate.release_all(estate.ended_why(fence)));
             }
             Action::Retire { id } => {
                 let Some(entry) = self.entries.get_mut(&id) else {
@@ -390,17 +421,22 @@ impl RootState {
                     self.by_actor.remove(&actor.get_id());
                     actor.stop(None);
                 }
-                // Blocks handed over while the request was ending, never seen by its machine.
-                entry.ledger.release_all(ReleaseReason::Late);
+                // The root takes the estate from the stopping actor: blocks handed over
+                // while the request was ending, never seen by its machine, go back now.
+                if let Some(mut estate) = entry.deed.take() {
+                    estate.close(ReleaseReason::Late);
+                }
             }
             Action::Forget { id } => {
                 if let Some(entry) = self.entries.remove(&id) {
                     if let Some(actor) = entry.actor {
                         self.by_actor.remove(&actor.get_id());
                     }
-                    debug!(request = %id, state = %entry.ledger.state(), "request ended");
+                    if let Some(state) = entry.deed.with(|e| e.state().clone()) {
+                        debug!(request = %id, %state, "request ended");
+                    }
                 }
-                self.shared.open().remove(&id);
+                self.shared.ids().remove(&id);
             }
             Action::Note(note) => match note {
                 Note::Late { id, from } => {
@@ -440,7 +476,10 @@ impl RootState {
             return;
         };
         entry.actor = None;
-        let (state, peers) = (entry.ledger.state(), entry.ledger.peers());
+        let Some((state, peers)) = entry.deed.with(|e| (e.state().clone(), e.peers().to_vec()))
+        else {
+            return;
+        };
         if !state.is_terminal() {
             warn!(request = %id, %why, "request actor died");
         }
@@ -597,42 +636,37 @@ impl Runtime {
         &self.cfg.region
     }
 
-    fn open(&self, id: RequestId, kind: OpenKind) -> Result<Ledger, Error> {
+    /// Makes the request's estate and sends it to the root; the handles get its view.
+    fn open(&self, id: RequestId, kind: OpenKind) -> Result<Handle, Error> {
         use ractor::ActorStatus::{Draining, Stopped, Stopping};
         if matches!(self.root.get_status(), Stopping | Stopped | Draining) {
             return Err(Error::Stopped);
         }
-        let ledger = {
-            let mut open = self.shared.open();
-            if open.contains_key(&id) {
+        let (estate, view) = {
+            let mut ids = self.shared.ids();
+            if ids.contains(&id) {
                 return Err(Error::DuplicateRequest(id));
             }
             self.shared
                 .events
                 .admit(self.cfg.requests_open_max)
                 .map_err(|open| Error::TooManyRequests { open })?;
-            let ledger = Ledger::new(id.clone(), self.cfg.role, self.shared.events.clone());
-            open.insert(id.clone(), ledger.clone());
-            ledger
+            ids.insert(id.clone());
+            Estate::new(id.clone(), self.cfg.role, self.shared.events.clone())
         };
-        if self
-            .root
-            .cast(RootMsg::Open {
-                ledger: ledger.clone(),
-                kind,
-            })
-            .is_err()
-        {
-            self.shared.open().remove(&id);
-            ledger.fail_if_live_as(
-                FailureReason::Internal {
-                    detail: "runtime stopped".into(),
-                },
-                ReleaseReason::Shutdown,
-            );
+        // Refused, the message comes back and is dropped: the estate fails the request.
+        if self.root.cast(RootMsg::Open { estate, kind }).is_err() {
+            self.shared.ids().remove(&id);
             return Err(Error::Stopped);
         }
-        Ok(ledger)
+        Ok(Handle {
+            id,
+            view,
+            handed: Arc::new(AtomicBool::new(false)),
+            root: self.root.clone(),
+            region: self.cfg.region.clone(),
+            events: self.shared.events.clone(),
+        })
     }
 
     /// Opens a prefill request. Call [`SenderHandle::send`] when its KV cache is computed.
@@ -640,8 +674,7 @@ impl Runtime {
         if self.cfg.role != Role::Prefill {
             return Err(Error::WrongRole(self.cfg.role));
         }
-        let ledger = self.open(id.into(), OpenKind::Sender)?;
-        Ok(SenderHandle(Handle::new(ledger, self)))
+        Ok(SenderHandle(self.open(id.into(), OpenKind::Sender)?))
     }
 
     /// Opens a decode request that receives from `spec.prefill`.
@@ -660,7 +693,7 @@ impl Runtime {
             prefill: spec.prefill,
             prefill_dp_rank: spec.prefill_dp_rank,
         };
-        let handle = ReceiverHandle(Handle::new(self.open(id.into(), kind)?, self));
+        let handle = ReceiverHandle(self.open(id.into(), kind)?);
         if let Some(blocks) = spec.blocks {
             handle.allocate(blocks)?;
         }
@@ -692,35 +725,30 @@ impl Runtime {
     /// Stops the runtime: every live request fails with `Internal("runtime stopped")`, its
     /// blocks are released, and the runtime leaves its transport.
     pub async fn shutdown(&self) {
+        self.shared.events.stop();
         self.root.stop(Some("shutdown".into()));
         let join = self.join.lock().unwrap_or_else(|e| e.into_inner()).take();
+        // The root closed every request it knew; those whose `Open` it never handled were
+        // closed when their message was dropped.
         if let Some(join) = join {
             let _ = join.await;
         }
-        // Requests opened while the root was stopping never reached it.
-        self.shared.fail_all("runtime stopped");
     }
 }
 
-/// What both handles share.
+/// What both handles share: the request's published view, and whether the engine handed
+/// its blocks over (the engine's own fact, shared by the handle's clones).
 #[derive(Clone)]
 struct Handle {
-    ledger: Ledger,
-    rx: watch::Receiver<Record>,
+    id: RequestId,
+    view: watch::Receiver<View>,
+    handed: Arc<AtomicBool>,
     root: ActorRef<RootMsg>,
     region: Arc<Region>,
+    events: Arc<EventQueue>,
 }
 
 impl Handle {
-    fn new(ledger: Ledger, rt: &Runtime) -> Self {
-        Self {
-            rx: ledger.subscribe(),
-            ledger,
-            root: rt.root.clone(),
-            region: rt.cfg.region.clone(),
-        }
-    }
-
     fn hand_over(&self, blocks: Vec<BlockId>, aux: Vec<u8>) -> Result<(), Error> {
         self.region.check_blocks(&blocks)?;
         if aux.len() > AUX_BYTES_MAX {
@@ -729,48 +757,43 @@ impl Handle {
                 max: AUX_BYTES_MAX,
             });
         }
-        self.ledger.hand_over(blocks.clone())?;
-        let id = self.ledger.id.clone();
-        if self
-            .root
-            .cast(RootMsg::Local {
-                id,
-                what: Local::HandedOver { blocks, aux },
-            })
-            .is_err()
-        {
-            self.ledger.fail_if_live_as(
-                FailureReason::Internal {
-                    detail: "runtime stopped".into(),
-                },
-                ReleaseReason::Shutdown,
-            );
+        let state = self.poll();
+        if state.is_terminal() {
+            let id = self.id.clone();
+            return Err(Error::RequestEnded { id, state, blocks });
         }
+        if self.handed.swap(true, Ordering::AcqRel) {
+            return Err(Error::AlreadyHandedOver(self.id.clone()));
+        }
+        // From here the blocks are the runtime's: the request's owner takes them, or, if the
+        // request ended meanwhile (or the runtime stopped), they come back as `Late`.
+        let id = self.id.clone();
+        let blocks = Consignment::new(id.clone(), blocks, self.events.clone());
+        let _ = self.root.cast(RootMsg::HandOver { id, blocks, aux });
         Ok(())
     }
 
     fn poll(&self) -> State {
-        self.rx.borrow().state.clone()
+        self.view.borrow().state.clone()
     }
 
     fn completion(&self) -> impl Future<Output = State> + Send + 'static {
-        let mut rx = self.rx.clone();
+        let mut rx = self.view.clone();
         async move {
             let ended = rx
-                .wait_for(|r| r.state.is_terminal())
+                .wait_for(|v| v.state.is_terminal())
                 .await
-                .map(|r| r.state.clone());
-            // The ledger is gone only if every handle and actor is: report what we saw.
+                .map(|v| v.state.clone());
+            // The estate fails a live request before it is dropped, so a closed view holds
+            // the end: report what it says.
             ended.unwrap_or_else(|_| rx.borrow().state.clone())
         }
     }
 
-    fn abort(&self) {
-        let id = self.ledger.id.clone();
-        let what = Local::Abort;
-        if self.root.cast(RootMsg::Local { id, what }).is_err() {
-            self.ledger.fail_if_live(FailureReason::AbortedByEngine);
-        }
+    /// Tells the root `what`; a stopped runtime ended the request already.
+    fn tell(&self, what: Local) {
+        let id = self.id.clone();
+        let _ = self.root.cast(RootMsg::Local { id, what });
     }
 }
 
@@ -781,7 +804,7 @@ pub struct SenderHandle(Handle);
 impl SenderHandle {
     /// The request's id.
     pub fn id(&self) -> &RequestId {
-        &self.0.ledger.id
+        &self.0.id
     }
 
     /// The prefill KV cache is computed and lives in `blocks`: hand them to the runtime,
@@ -810,7 +833,7 @@ impl SenderHandle {
 
     /// Aborts the request: it fails `AbortedByEngine`, decode is told, blocks are released.
     pub fn abort(&self) {
-        self.0.abort()
+        self.0.tell(Local::Abort)
     }
 }
 
@@ -821,7 +844,7 @@ pub struct ReceiverHandle(Handle);
 impl ReceiverHandle {
     /// The request's id.
     pub fn id(&self) -> &RequestId {
-        &self.0.ledger.id
+        &self.0.id
     }
 
     /// The destination blocks are allocated: the runtime sends them to prefill and holds
@@ -834,7 +857,7 @@ impl ReceiverHandle {
     /// per rank that sent a non-empty one, in arrival order. Complete once the request is
     /// `Done`; a failed request's are not to be used.
     pub fn aux(&self) -> Vec<(RankInfo, Vec<u8>)> {
-        self.0.rx.borrow().aux.clone()
+        self.0.view.borrow().aux.clone()
     }
 
     /// The request's state now. Never blocks.
@@ -849,17 +872,13 @@ impl ReceiverHandle {
 
     /// Aborts the request: it fails `AbortedByEngine`, prefill is told, blocks are released.
     pub fn abort(&self) {
-        self.0.abort()
+        self.0.tell(Local::Abort)
     }
 
     /// Refuses the request because this decode is saturated: prefill is told `Rejected` at
     /// once (not after its bootstrap timeout) and the request fails `RejectedBusy`. Only
     /// meaningful before blocks are allocated.
     pub fn reject_busy(&self) {
-        let id = self.0.ledger.id.clone();
-        let what = Local::Reject;
-        if self.0.root.cast(RootMsg::Local { id, what }).is_err() {
-            self.0.ledger.fail_if_live(FailureReason::RejectedBusy);
-        }
+        self.0.tell(Local::Reject)
     }
 }

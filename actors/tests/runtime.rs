@@ -453,6 +453,76 @@ async fn a_panicking_request_actor_fails_only_its_request() {
     assert!(po.released("r0").is_empty(), "r0 still holds its blocks");
 }
 
+/// Blocks handed over while their request dies (its actor panics, the engine aborts it, the
+/// runtime stops) reach its owner or come back on their own: every block the runtime
+/// accepted is released exactly once, every block it refused stays the engine's, and every
+/// request ends.
+#[tokio::test(start_paused = true)]
+async fn blocks_handed_over_as_a_request_dies_come_back_exactly_once() {
+    let fabric = Fabric::new();
+    let p = start(&fabric, Role::Prefill, rank("P", 0, 1), TransferMode::Push).await;
+    let mut accepted: BTreeMap<RequestId, Vec<BlockId>> = BTreeMap::new();
+    let mut handles = Vec::new();
+    for i in 0..8u32 {
+        let id = RequestId::new(format!("r{i}"));
+        let s = p.sender(id.clone()).unwrap();
+        // Let some requests' actors start before the fault; others die before theirs run.
+        if i % 2 == 0 {
+            settle().await;
+        }
+        match i % 4 {
+            0 | 1 => p.inject_panic(&id),
+            _ => s.abort(),
+        }
+        if i % 3 == 0 {
+            settle().await;
+        }
+        match s.send(blocks(i * 4..i * 4 + 4)) {
+            Ok(()) => {
+                accepted.insert(id, blocks(i * 4..i * 4 + 4));
+            }
+            Err(Error::RequestEnded { blocks: b, .. }) => assert_eq!(b, blocks(i * 4..i * 4 + 4)),
+            Err(e) => panic!("r{i}: {e}"),
+        }
+        handles.push(s);
+    }
+    // And some the runtime's stop overtakes, handed over or not.
+    for i in 8..12u32 {
+        let s = p.sender(format!("r{i}").as_str()).unwrap();
+        if i % 2 == 0 {
+            s.send(blocks(i * 4..i * 4 + 4)).unwrap();
+            accepted.insert(RequestId::new(format!("r{i}")), blocks(i * 4..i * 4 + 4));
+        }
+        handles.push(s);
+    }
+    p.shutdown().await;
+    let events = p.drain_events();
+    let mut o = Outcomes::default();
+    o.absorb(events.clone());
+    for s in &handles {
+        assert!(s.poll().is_terminal(), "{}: {}", s.id(), s.poll());
+        let want = accepted.get(s.id()).cloned().unwrap_or_default();
+        assert_eq!(o.released(s.id().as_str()), want, "{}", s.id());
+    }
+    // Those the stop overtook say so; those that met their request's end say late.
+    let mut late = 0;
+    for e in &events {
+        if let Event::Released { id, why, .. } = e {
+            let n: u32 = id.as_str()[1..].parse().unwrap();
+            match why.as_str() {
+                "late" if n < 8 => late += 1,
+                "shutdown" => {}
+                other => panic!("{id}: released as {other}"),
+            }
+        }
+    }
+    assert!(late > 0, "no hand-over met its request's end: {events:?}");
+    assert!(
+        accepted.len() >= 2,
+        "the race never let a hand-over in: {accepted:?}"
+    );
+}
+
 /// A lost peer fails every request depending on it at once, not at each request's deadline.
 #[tokio::test(start_paused = true)]
 async fn a_lost_peer_fails_its_requests_at_once() {

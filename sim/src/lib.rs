@@ -1,7 +1,7 @@
 //! `handoff-sim`: a deterministic simulated P/D cluster.
 //!
 //! It runs the *real* runtimes of the actors crate (root actors, request actors, sans-IO
-//! machines, ledgers) for many prefill and decode workers, each a rank of a TP × PP (× DP)
+//! machines, estates) for many prefill and decode workers, each a rank of a TP × PP (× DP)
 //! engine, on one current-thread tokio runtime in paused time, over a simulated network,
 //! bootstrap server and data transport that move real bytes between [`Region`]s.
 //! Every fault is drawn from one seed, printed at the start; the same seed gives the same

@@ -1,0 +1,511 @@
+//! What a request owns: its announced state, the blocks it holds, the peers it dealt with,
+//! and the payloads prefill sent with its KV. One owner at a time, never two.
+//!
+//! - The engine's `sender`/`receiver` call makes the [`Estate`] and sends it to the root
+//!   actor inside the `Open` message; the root moves it into a [`Deed`] that the request's
+//!   actor alone reads and writes while it runs.
+//! - When the actor dies (a panic, a stop before its request ended), the root takes the
+//!   estate out of the deed ([`Deed::take`]) and owns it from then on: it fails the request,
+//!   holds its blocks until the fence bound or releases them, as the router decides. The
+//!   dead actor cannot write it any more; a stopping one finds its deed empty.
+//! - Blocks the engine hands over travel to the owner in a [`Consignment`]: whoever takes
+//!   them owns them; a consignment dropped on the way gives them back at once: `Late` when
+//!   its request ended or its actor died, `Shutdown` when the runtime stopped.
+//! - An estate dropped while its request is live (the runtime stopped before it was ever
+//!   run) fails the request and gives every block back (`Shutdown`).
+//!
+//! The engine's handles read a published [`View`] (state and payloads) that only the owner
+//! writes; lifecycle events go to the [`EventQueue`]. "Released exactly once" is decided
+//! by the owner alone: a block is released only while held ([`Estate::release`] checks
+//! before and after), never by deduplicating a second release.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use handoff_transport::{BlockId, FailureReason, RequestId, Role};
+use tokio::sync::watch;
+use tracing::{debug, error};
+
+use crate::event::{Event, EventQueue, FenceEnd, ReleaseReason};
+use crate::machine::{Peer, State};
+
+/// What the engine's handles see of a request: written by its owner alone.
+#[derive(Clone, Debug)]
+pub(crate) struct View {
+    pub(crate) state: State,
+    /// Decode: each prefill rank's per-request payload, in arrival order (one per rank).
+    pub(crate) aux: Vec<(Peer, Vec<u8>)>,
+}
+
+/// One request's state, blocks and peers (module docs).
+pub(crate) struct Estate {
+    id: RequestId,
+    role: Role,
+    state: State,
+    held: Vec<BlockId>,
+    peers: Vec<Peer>,
+    view: watch::Sender<View>,
+    events: Arc<EventQueue>,
+}
+
+impl std::fmt::Debug for Estate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Estate({}, {}, {} held)",
+            self.id,
+            self.state,
+            self.held.len()
+        )
+    }
+}
+
+impl Estate {
+    /// A new request, `Bootstrapping`, and the view its handles read.
+    pub(crate) fn new(
+        id: RequestId,
+        role: Role,
+        events: Arc<EventQueue>,
+    ) -> (Self, watch::Receiver<View>) {
+        let state = State::Bootstrapping;
+        events.push(Event::State {
+            id: id.clone(),
+            role,
+            state: state.clone(),
+        });
+        let (view, rx) = watch::channel(View {
+            state: state.clone(),
+            aux: Vec::new(),
+        });
+        let estate = Self {
+            id,
+            role,
+            state,
+            held: Vec::new(),
+            peers: Vec::new(),
+            view,
+            events,
+        };
+        (estate, rx)
+    }
+
+    pub(crate) fn id(&self) -> &RequestId {
+        &self.id
+    }
+
+    pub(crate) fn state(&self) -> &State {
+        &self.state
+    }
+
+    pub(crate) fn peers(&self) -> &[Peer] {
+        &self.peers
+    }
+
+    /// Takes the blocks a consignment carries. Live: they are held from now on and returned
+    /// for the machine. Ended: they are given back at once (`Late`) and `None` is returned.
+    pub(crate) fn receive(&mut self, consignment: Consignment) -> Option<Vec<BlockId>> {
+        let blocks = consignment.take();
+        if self.state.is_terminal() {
+            debug!(request = %self.id, n = blocks.len(), "blocks handed over after the end: given back");
+            self.give_back(blocks, ReleaseReason::Late);
+            return None;
+        }
+        self.held.extend_from_slice(&blocks);
+        Some(blocks)
+    }
+
+    /// Keeps a prefill rank's payload for the engine (the latest, if a rank sent twice).
+    pub(crate) fn add_aux(&mut self, from: Peer, bytes: Vec<u8>) {
+        self.view
+            .send_modify(|v| match v.aux.iter_mut().find(|(p, _)| *p == from) {
+                Some(slot) => slot.1 = bytes,
+                None => v.aux.push((from, bytes)),
+            });
+    }
+
+    pub(crate) fn add_peer(&mut self, peer: &Peer) {
+        if !self.peers.contains(peer) {
+            self.peers.push(peer.clone());
+        }
+    }
+
+    /// Records a state the machine moved to. Forward only. Entering a terminal state does
+    /// not release blocks by itself: the machine says when (a failed push request on decode
+    /// holds them until its prefill ranks stopped writing).
+    pub(crate) fn transition(&mut self, state: State) {
+        if self.enter(state) {
+            self.publish();
+        }
+    }
+
+    /// Enters a terminal `state` and releases `blocks` before publishing either: whoever the
+    /// end wakes (an engine waiting on the request) finds the blocks' `Released` event
+    /// beside it.
+    pub(crate) fn end(&mut self, state: State, blocks: &[BlockId], why: ReleaseReason) {
+        let entered = self.enter(state);
+        self.release(blocks, why);
+        if entered {
+            self.publish();
+        }
+    }
+
+    fn enter(&mut self, state: State) -> bool {
+        if self.state.is_terminal() || state.phase() <= self.state.phase() {
+            return false;
+        }
+        self.state = state;
+        self.events.push(Event::State {
+            id: self.id.clone(),
+            role: self.role,
+            state: self.state.clone(),
+        });
+        true
+    }
+
+    fn publish(&self) {
+        let state = self.state.clone();
+        self.view.send_modify(|v| v.state = state);
+    }
+
+    /// Releases `blocks`, each of which this request holds: a block not held here (released
+    /// already, or never handed over) is a bug in whoever asked, reported and not released
+    /// again.
+    pub(crate) fn release(&mut self, blocks: &[BlockId], why: ReleaseReason) {
+        let mut out = Vec::with_capacity(blocks.len());
+        for b in blocks {
+            match self.held.iter().position(|h| h == b) {
+                Some(i) => out.push(self.held.swap_remove(i)),
+                None => {
+                    error!(request = %self.id, block = %b, %why, "release of a block this request does not hold");
+                    debug_assert!(
+                        false,
+                        "request {} released block {b} it does not hold",
+                        self.id
+                    );
+                }
+            }
+        }
+        debug_assert!(
+            out.iter().all(|b| !self.held.contains(b)) || has_duplicates(&out),
+            "request {}: a released block is still held",
+            self.id
+        );
+        self.give_back(out, why);
+    }
+
+    /// Releases every block still held, for `why`.
+    pub(crate) fn release_all(&mut self, why: ReleaseReason) {
+        let all = std::mem::take(&mut self.held);
+        self.give_back(all, why);
+    }
+
+    /// Tells the engine `blocks` are its own again (they are no longer held here).
+    fn give_back(&self, blocks: Vec<BlockId>, why: ReleaseReason) {
+        if blocks.is_empty() {
+            return;
+        }
+        self.events.push(Event::Released {
+            id: self.id.clone(),
+            blocks,
+            why,
+        });
+    }
+
+    /// Why blocks released now go, judged by how the request ended: `Done`, or `Failed`
+    /// (`fence`: how a fence on them ended, if one held them). A request still live (which
+    /// its callers rule out) counts as failed internally.
+    pub(crate) fn ended_why(&self, fence: Option<FenceEnd>) -> ReleaseReason {
+        match &self.state {
+            State::Done => ReleaseReason::Done,
+            State::Failed(reason) => ReleaseReason::Failed {
+                reason: reason.clone(),
+                fence,
+            },
+            live => ReleaseReason::Failed {
+                reason: FailureReason::Internal {
+                    detail: format!("released while {live}"),
+                },
+                fence,
+            },
+        }
+    }
+
+    /// Fails the request unless it has ended already, its blocks going as `Failed { reason }`;
+    /// true if this call ended it.
+    pub(crate) fn fail_if_live(&mut self, reason: FailureReason) -> bool {
+        let why = ReleaseReason::Failed {
+            reason: reason.clone(),
+            fence: None,
+        };
+        self.fail_if_live_as(reason, why)
+    }
+
+    /// [`Estate::fail_if_live`], its blocks going for `why` (e.g. the runtime stopping).
+    pub(crate) fn fail_if_live_as(&mut self, reason: FailureReason, why: ReleaseReason) -> bool {
+        if !self.fail_holding(reason) {
+            return false;
+        }
+        self.release_all(why);
+        true
+    }
+
+    /// Fails the request unless it has ended already, keeping its blocks (an orphan's, until
+    /// its fence bound); true if this call ended it.
+    pub(crate) fn fail_holding(&mut self, reason: FailureReason) -> bool {
+        if self.state.is_terminal() {
+            return false;
+        }
+        self.state = State::Failed(reason);
+        self.events.push(Event::State {
+            id: self.id.clone(),
+            role: self.role,
+            state: self.state.clone(),
+        });
+        self.publish();
+        true
+    }
+
+    /// The runtime is done with the request (it stopped, or the request was retired): a
+    /// live request fails, and whatever is still held goes for `why`.
+    pub(crate) fn close(&mut self, why: ReleaseReason) {
+        let detail = "runtime stopped".to_string();
+        self.fail_holding(FailureReason::Internal { detail });
+        self.release_all(why);
+    }
+}
+
+fn has_duplicates(blocks: &[BlockId]) -> bool {
+    let mut seen = blocks.to_vec();
+    seen.sort_unstable();
+    seen.windows(2).any(|w| w[0] == w[1])
+}
+
+impl Drop for Estate {
+    /// The last owner let go without closing the request: the runtime stopped before it
+    /// ran (its `Open` never handled) or while the root held it.
+    fn drop(&mut self) {
+        if !self.state.is_terminal() || !self.held.is_empty() {
+            debug!(request = %self.id, state = %self.state, held = self.held.len(), "request dropped by the runtime: closed");
+            self.close(ReleaseReason::Shutdown);
+        }
+    }
+}
+
+/// Where a request's [`Estate`] lives while its actor runs: the actor alone uses it; the
+/// root takes it out only once the actor is gone (or the runtime stops).
+#[derive(Clone, Debug)]
+pub(crate) struct Deed(Arc<Mutex<Option<Estate>>>);
+
+impl Deed {
+    pub(crate) fn new(estate: Estate) -> Self {
+        Self(Arc::new(Mutex::new(Some(estate))))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Option<Estate>> {
+        // A panic while holding it leaves the estate as its last complete step left it.
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs `f` on the estate; `None` once the root took it.
+    pub(crate) fn with<R>(&self, f: impl FnOnce(&mut Estate) -> R) -> Option<R> {
+        self.lock().as_mut().map(f)
+    }
+
+    /// Takes the estate out: its owner from now on is the caller.
+    pub(crate) fn take(&self) -> Option<Estate> {
+        self.lock().take()
+    }
+}
+
+/// Blocks the engine handed over, on their way to the request's owner (module docs).
+#[derive(Debug)]
+pub(crate) struct Consignment {
+    id: RequestId,
+    blocks: Vec<BlockId>,
+    events: Arc<EventQueue>,
+}
+
+impl Consignment {
+    pub(crate) fn new(id: RequestId, blocks: Vec<BlockId>, events: Arc<EventQueue>) -> Self {
+        Self { id, blocks, events }
+    }
+
+    pub(crate) fn blocks(&self) -> &[BlockId] {
+        &self.blocks
+    }
+
+    /// The blocks, now the taker's.
+    pub(crate) fn take(mut self) -> Vec<BlockId> {
+        std::mem::take(&mut self.blocks)
+    }
+}
+
+impl Drop for Consignment {
+    fn drop(&mut self) {
+        if self.blocks.is_empty() {
+            return;
+        }
+        debug!(request = %self.id, n = self.blocks.len(), "blocks handed over never reached the request: given back");
+        let why = match self.events.stopping() {
+            true => ReleaseReason::Shutdown,
+            false => ReleaseReason::Late,
+        };
+        self.events.push(Event::Released {
+            id: self.id.clone(),
+            blocks: std::mem::take(&mut self.blocks),
+            why,
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn estate(events: &Arc<EventQueue>) -> (Estate, watch::Receiver<View>) {
+        Estate::new(RequestId::from("r"), Role::Decode, events.clone())
+    }
+
+    fn blocks(ids: &[u32]) -> Vec<BlockId> {
+        ids.iter().copied().map(BlockId).collect()
+    }
+
+    /// Every block in the queue's `Released` events, with why, in order.
+    fn released(events: &EventQueue) -> Vec<(BlockId, String)> {
+        let mut out = Vec::new();
+        for e in events.drain() {
+            if let Event::Released { blocks, why, .. } = e {
+                out.extend(blocks.into_iter().map(|b| (b, why.as_str().to_string())));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn the_owner_releases_what_it_holds_once_and_the_view_follows() {
+        let events = Arc::new(EventQueue::default());
+        let (mut e, view) = estate(&events);
+        let taken = e.receive(Consignment::new(
+            e.id().clone(),
+            blocks(&[1, 2, 3]),
+            events.clone(),
+        ));
+        assert_eq!(taken, Some(blocks(&[1, 2, 3])));
+        e.transition(State::Transferring);
+        assert_eq!(view.borrow().state, State::Transferring);
+        e.end(State::Done, &blocks(&[1, 2]), ReleaseReason::Done);
+        e.release_all(ReleaseReason::Done);
+        e.release_all(ReleaseReason::Done);
+        assert_eq!(view.borrow().state, State::Done);
+        let got = released(&events);
+        assert_eq!(got.len(), 3, "{got:?}");
+        assert!(got.iter().all(|(_, why)| why == "done"));
+        drop(e);
+        assert!(
+            released(&events).is_empty(),
+            "an ended, empty estate gives nothing back when dropped"
+        );
+    }
+
+    #[test]
+    #[should_panic(expected = "does not hold")]
+    fn a_second_release_of_a_block_is_a_bug_not_a_second_event() {
+        let events = Arc::new(EventQueue::default());
+        let (mut e, _view) = estate(&events);
+        e.receive(Consignment::new(
+            e.id().clone(),
+            blocks(&[7]),
+            events.clone(),
+        ));
+        e.release(&blocks(&[7]), ReleaseReason::Done);
+        e.release(&blocks(&[7]), ReleaseReason::Done);
+    }
+
+    #[test]
+    fn blocks_that_reach_an_ended_request_or_none_go_back_late() {
+        let events = Arc::new(EventQueue::default());
+        let (mut e, _view) = estate(&events);
+        e.fail_if_live(FailureReason::AbortedByEngine);
+        let late = Consignment::new(e.id().clone(), blocks(&[4]), events.clone());
+        assert_eq!(e.receive(late), None);
+        // A consignment no owner took (its message dropped on the way).
+        drop(Consignment::new(
+            e.id().clone(),
+            blocks(&[5]),
+            events.clone(),
+        ));
+        let got = released(&events);
+        assert_eq!(
+            got,
+            vec![(BlockId(4), "late".into()), (BlockId(5), "late".into())]
+        );
+    }
+
+    #[test]
+    fn an_estate_dropped_live_fails_its_request_and_gives_its_blocks_back() {
+        let events = Arc::new(EventQueue::default());
+        let (mut e, view) = estate(&events);
+        e.receive(Consignment::new(
+            e.id().clone(),
+            blocks(&[1, 2]),
+            events.clone(),
+        ));
+        drop(e);
+        assert!(matches!(
+            view.borrow().state,
+            State::Failed(FailureReason::Internal { .. })
+        ));
+        let all = events.drain();
+        assert!(all.iter().any(|ev| matches!(
+            ev,
+            Event::State {
+                state: State::Failed(_),
+                ..
+            }
+        )));
+        let why: Vec<_> = all
+            .iter()
+            .filter_map(|ev| match ev {
+                Event::Released { blocks: b, why, .. } => Some((b.clone(), why.clone())),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(why, vec![(blocks(&[1, 2]), ReleaseReason::Shutdown)]);
+    }
+
+    #[test]
+    fn an_orphan_fails_holding_its_blocks_until_the_root_releases_them() {
+        let events = Arc::new(EventQueue::default());
+        let (e, _view) = estate(&events);
+        let deed = Deed::new(e);
+        deed.with(|e| {
+            e.receive(Consignment::new(
+                e.id().clone(),
+                blocks(&[3]),
+                events.clone(),
+            ))
+        });
+        // The actor is gone: the root takes the estate, and the actor's deed is empty.
+        let mut taken = deed.take().expect("the estate");
+        assert!(deed.with(|_| ()).is_none());
+        let reason = FailureReason::Internal {
+            detail: "request actor failed".into(),
+        };
+        assert!(taken.fail_holding(reason));
+        assert!(released(&events).is_empty(), "held for the fence");
+        taken.release_all(taken.ended_why(Some(FenceEnd::Bound)));
+        let got = events.drain();
+        assert!(
+            matches!(
+                &got[..],
+                [Event::Released {
+                    why: ReleaseReason::Failed {
+                        fence: Some(FenceEnd::Bound),
+                        ..
+                    },
+                    ..
+                }]
+            ),
+            "{got:?}"
+        );
+    }
+}

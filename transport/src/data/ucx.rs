@@ -66,8 +66,8 @@ use crate::region::{BlockSlice, Region};
 use crate::same_host::{self, PeerProcess, Way};
 use crate::types::{BlockId, RankInfo, RequestId};
 use crate::ucx::{
-    Context, ContextOptions, Direction, Endpoint, MemoryRegion, MemoryType, RangeCoalescer,
-    RangeSegment, RemoteKey, UcxError, Worker,
+    ContextOptions, Direction, Endpoint, MemoryRegion, MemoryType, RangeCoalescer, RangeSegment,
+    RemoteKey, UcxError, Worker,
 };
 use crate::wire::limits::{DATA_DESCRIPTOR_BYTES_MAX, REMOTE_KEY_BYTES_MAX};
 use crate::wire::messages::LayoutDescriptor;
@@ -1128,8 +1128,7 @@ fn start_ucx(setup: Setup) -> Result<(State, Ready), DataError> {
     } = setup;
     // Before UCX starts: its CUDA transports look for a current context when they load.
     let cuda = cuda_device.map(bind_device_to_thread).transpose()?;
-    let ctx = Context::with_options(&options)?;
-    let worker = Worker::new(&ctx)?;
+    let (ctx, worker) = Worker::open(&options)?;
     let mut regions = Vec::new();
     let registered_host = matches!(
         &memory,

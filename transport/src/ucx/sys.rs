@@ -89,6 +89,9 @@ pub const UCS_OK: ucs_status_t = 0;
 pub const UCS_INPROGRESS: ucs_status_t = 1;
 /// `UCS_ERR_UNREACHABLE`: e.g. `ucp_rkey_ptr` for a key no shared-memory transport maps.
 pub const UCS_ERR_UNREACHABLE: ucs_status_t = -6;
+/// `UCS_ERR_NO_DEVICE`: e.g. `ucp_worker_create` when a network interface the context
+/// listed has no active address any more.
+pub const UCS_ERR_NO_DEVICE: ucs_status_t = -14;
 /// `UCS_ERR_CANCELED`.
 pub const UCS_ERR_CANCELED: ucs_status_t = -16;
 /// `UCS_ERR_LAST`: the most negative status; pointers in `[UCS_ERR_LAST, -1]` are errors.

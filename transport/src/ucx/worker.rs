@@ -5,7 +5,7 @@ use std::ffi::c_void;
 use std::rc::{Rc, Weak};
 use std::time::Instant;
 
-use super::context::{Context, ContextInner};
+use super::context::{Context, ContextInner, ContextOptions};
 use super::maps;
 use super::rkey;
 use super::sys::{self, Api};
@@ -162,7 +162,49 @@ impl std::fmt::Debug for Worker {
     }
 }
 
+/// Attempts at a context and its worker when an interface the context listed is gone by
+/// the time the worker opens it ([`Worker::open`]).
+pub const OPEN_ATTEMPTS: u32 = 3;
+
 impl Worker {
+    /// A context made with `options` and a single-thread-mode worker on it.
+    ///
+    /// `ucp_init` lists the host's network interfaces and `ucp_worker_create` opens each
+    /// one: an interface removed (or left without an address) in between fails the worker
+    /// with `UCS_ERR_NO_DEVICE`. Hosts whose interfaces come and go (containers, network
+    /// namespaces made and removed) open that window, so the context is made again, up to
+    /// [`OPEN_ATTEMPTS`] times in all; any other failure is returned at once.
+    pub fn open(options: &ContextOptions) -> Result<(Context, Worker), UcxError> {
+        Self::open_with(options, |_| {})
+    }
+
+    /// [`Worker::open`], calling `between(attempt)` after each context is made and before
+    /// its worker (tests change the host's interfaces there).
+    #[doc(hidden)]
+    pub fn open_with(
+        options: &ContextOptions,
+        mut between: impl FnMut(u32),
+    ) -> Result<(Context, Worker), UcxError> {
+        let mut attempt = 1;
+        loop {
+            let ctx = Context::with_options(options)?;
+            between(attempt);
+            match Worker::new(&ctx) {
+                Ok(worker) => return Ok((ctx, worker)),
+                Err(UcxError::Status { code, .. })
+                    if code == i32::from(sys::UCS_ERR_NO_DEVICE) && attempt < OPEN_ATTEMPTS =>
+                {
+                    tracing::warn!(
+                        attempt,
+                        "a network interface UCX listed went away before its worker opened it; listing again"
+                    );
+                    attempt += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
     /// Creates a single-thread-mode worker on `ctx`.
     pub fn new(ctx: &Context) -> Result<Self, UcxError> {
         let api = ctx.inner.api;

@@ -114,7 +114,8 @@ fn layered_bench_repeats_every_ucx_point_over_per_layer_ranges_with_its_ratio() 
     );
     let log = text(&out);
     if !out.status.success() && log.contains("UCX library not found") {
-        eprintln!("SKIP layered bench: libucp not usable here\n{log}");
+        let why = format!("libucp not usable here:\n{log}");
+        handoff_testkit::skip_this(handoff_testkit::Need::Ucx, &why);
         return;
     }
     assert!(out.status.success(), "{log}");

@@ -290,7 +290,8 @@ fn ucx_available() -> bool {
     match handoff::transport::ucx::sys::api() {
         Ok(_) => true,
         Err(e) => {
-            eprintln!("skipping: UCX is not available ({e}); install libucx0 to run the UCX tests");
+            let why = format!("UCX is not available ({e}); install libucx0");
+            handoff_testkit::skip_this(handoff_testkit::Need::Ucx, &why);
             false
         }
     }
@@ -1328,10 +1329,8 @@ impl Hosts {
         // SAFETY: geteuid has no preconditions.
         let root = unsafe { libc_geteuid() } == 0;
         if !root || !have("nft") || Command::new("ip").arg("-V").output().is_err() {
-            let line = format!(
-                "SKIP {test}: partitions need root, `ip` and `nft` (nftables) to make network namespaces and cut them\n"
-            );
-            let _ = std::io::stderr().write_all(line.as_bytes());
+            let why = "partitions need root, `ip` and `nft` (nftables) to make network namespaces and cut them";
+            handoff_testkit::skip(handoff_testkit::Need::Netns, test, why);
             return None;
         }
         // Unique per make in this process (names and subnet), and apart from other test

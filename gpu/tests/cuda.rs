@@ -21,15 +21,10 @@ fn gpu() -> Option<GpuInfo> {
     }
 }
 
-/// Says once per test binary, past the test harness's output capture (which only
-/// catches the `print!` macros), why the GPU tests do not run here.
+/// Says, past the test harness's output capture, why this test does not run here (a GPU
+/// skip: allowed by default, see `handoff_testkit`).
 fn skip(reason: &GpuError) {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        use std::io::Write;
-        let line = format!("handoff-gpu: GPU tests skipped: {reason}\n");
-        let _ = std::io::stderr().write_all(line.as_bytes());
-    });
+    handoff_testkit::skip_this(handoff_testkit::Need::Gpu, &reason.to_string());
 }
 
 fn device(len: usize) -> DeviceBuffer {

@@ -21,6 +21,26 @@ DEADLINE_S = 30.0
 PEER = Path(__file__).with_name("peer.py")
 
 
+def skip_or_fail(need: str, why: str) -> None:
+    """This test cannot run its real part here because it lacks `need`: it fails, unless the
+    run allows that skip (`HANDOFF_SKIP`, comma-separated, default `gpu`; as the Rust tests'
+    `handoff_testkit`); then it is skipped and recorded in `HANDOFF_SKIP_LOG` for the run's
+    summary."""
+    allowed = {n.strip() for n in os.environ.get("HANDOFF_SKIP", "gpu").split(",")}
+    test = os.environ.get("PYTEST_CURRENT_TEST", "a test").split(" ")[0]
+    if need not in allowed and "all" not in allowed:
+        pytest.fail(
+            f"{test} cannot run its real part here: {why}. Install what it needs "
+            f"(scripts/test.sh does, as root), or let this run skip it: HANDOFF_SKIP={need}"
+        )
+    log = os.environ.get("HANDOFF_SKIP_LOG")
+    if log:
+        with open(log, "a", encoding="utf-8") as f:
+            flat = why.replace("\t", " ").replace("\n", " ")
+            f.write(f"{need}\t{test}\t{flat}\n")
+    pytest.skip(f"({need}) {why}")
+
+
 @pytest.fixture
 def bootstrap():
     with handoff.bootstrap_server() as server:

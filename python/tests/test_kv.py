@@ -124,13 +124,10 @@ def test_pointer_tuples_split_into_blocks():
 
 
 def test_per_layer_ranges_register_or_say_why(bootstrap):
-    """Several ranges per block are one region (`Region::from_layout`); a data plane that
-    cannot move them yet refuses them by name at start, never guesses."""
+    """Several ranges per block are one region (`Region::from_layout`), which the TCP data
+    plane registers as it is."""
     layers = [np.zeros((2, 8, 64), np.uint8) for _ in range(2)]
     spec = handoff.vllm_kv_caches(layers, layout="kv_first")
-    try:
-        rt = handoff.Runtime("prefill", "P", bootstrap.address, spec, transport="tcp")
-    except handoff.DataPlaneError as e:
-        pytest.skip(f"per-layer ranges over TCP skipped: {e}")
+    rt = handoff.Runtime("prefill", "P", bootstrap.address, spec, transport="tcp")
     with rt:
         assert rt.block_bytes == spec.block_bytes == 4 * 64

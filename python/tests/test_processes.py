@@ -7,7 +7,7 @@ import time
 import handoff
 import numpy as np
 import pytest
-from conftest import until
+from conftest import skip_or_fail, until
 from peer import pattern
 
 BLOCKS, BLOCK_BYTES = 64, 4096
@@ -53,7 +53,7 @@ def test_blocks_hand_over_between_processes_over_ucx(bootstrap, peers):
     try:
         rt, kv = local("decode", "D", bootstrap, transport="ucx")
     except handoff.DataPlaneError as e:
-        pytest.skip(f"UCX transport skipped: {e}")
+        skip_or_fail("ucx", f"the UCX transport did not start: {e}")
     with rt:
         prefill = peers(role="prefill", engine="P", bootstrap=bootstrap.address, transport="ucx")
         r = rt.receiver("u", "P", blocks=[1, 2])

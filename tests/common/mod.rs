@@ -21,11 +21,6 @@ pub fn gpu_with_cuda_ucx() -> Option<()> {
         Err(e @ (GpuError::NoDriver { .. } | GpuError::NoDevice)) => e.to_string(),
         Err(other) => panic!("CUDA probe failed with a driver present: {other}"),
     };
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        use std::io::Write;
-        let line = format!("GPU tests skipped: {reason}\n");
-        let _ = std::io::stderr().write_all(line.as_bytes());
-    });
+    handoff_testkit::skip_this(handoff_testkit::Need::Gpu, &reason);
     None
 }

@@ -42,7 +42,8 @@ fn plane_or_skip(test: &str, name: &str) -> Option<UcxDataPlane> {
     match UcxDataPlane::start(BLOCKS, BLOCK_BYTES, &RankInfo::single(name), options()) {
         Ok(plane) => Some(plane),
         Err(e) if e.is_ucx_unavailable() => {
-            eprintln!("SKIP {test}: libucp not usable here: {e}");
+            let why = format!("libucp not usable here: {e}");
+            handoff_testkit::skip(handoff_testkit::Need::Ucx, test, &why);
             None
         }
         Err(e) => panic!("{test}: UCX data plane failed to start: {e}"),

@@ -33,14 +33,10 @@ const CHILD_LIFETIME: Duration = Duration::from_secs(300);
 const CHILD_ENV: &str = "HANDOFF_CUDA_PLANE_CHILD";
 const PREFIX: &str = "CUDA_PLANE_CHILD ";
 
-/// Says once per test binary, past the harness's capture, why these tests do not run.
+/// Says, past the harness's capture, why this test does not run (a GPU skip: allowed by
+/// default, see `handoff_testkit`).
 fn skip(reason: &str) {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        use std::io::Write;
-        let line = format!("handoff-transport: CUDA data-plane tests skipped: {reason}\n");
-        let _ = std::io::stderr().write_all(line.as_bytes());
-    });
+    handoff_testkit::skip_this(handoff_testkit::Need::Gpu, reason);
 }
 
 /// The GPU to use, or `None` (reason printed) where there is none or no CUDA-capable UCX.

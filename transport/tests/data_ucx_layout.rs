@@ -109,7 +109,8 @@ fn engine_plane(test: &str, name: &str, layout: KvLayout) -> Option<UcxDataPlane
     match UcxDataPlane::start_on_region(region, &RankInfo::single(name), options()) {
         Ok(plane) => Some(plane),
         Err(e) if e.is_ucx_unavailable() => {
-            eprintln!("SKIP {test}: libucp not usable here: {e}");
+            let why = format!("libucp not usable here: {e}");
+            handoff_testkit::skip(handoff_testkit::Need::Ucx, test, &why);
             None
         }
         Err(e) => panic!("{test}: UCX data plane failed to start: {e}"),

@@ -460,7 +460,8 @@ fn a_worker_opens_although_an_interface_went_away_after_the_context_listed_it() 
     let peer = format!("{name}p");
     let _ = ip(&["link", "del", &name]);
     if !ip(&["link", "add", &name, "type", "veth", "peer", "name", &peer]) {
-        eprintln!("SKIP a_worker_opens_although_an_interface_went_away: needs root and `ip` to make an interface");
+        let why = "needs root and `ip` to make an interface and remove it";
+        handoff_testkit::skip_this(handoff_testkit::Need::Netns, why);
         return;
     }
     let subnet = 200 + std::process::id() % 50;

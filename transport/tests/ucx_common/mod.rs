@@ -81,7 +81,8 @@ pub fn context_or_skip(test: &str, options: &ContextOptions) -> Option<Context> 
             | UcxError::VersionTooOld { .. }
             | UcxError::VersionUnsupported { .. }),
         ) => {
-            eprintln!("SKIP {test}: libucp not usable here: {e}");
+            let why = format!("libucp not usable here: {e}");
+            handoff_testkit::skip(handoff_testkit::Need::Ucx, test, &why);
             None
         }
         Err(e) => panic!("{test}: UCX context failed: {e}"),

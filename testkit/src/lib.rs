@@ -1,0 +1,109 @@
+//! What a test does when this machine lacks what its real part needs: it fails, unless the
+//! run names that need as one it may skip; then it says so, past the test harness's
+//! capture, and records one line for the run's summary.
+//!
+//! - `HANDOFF_SKIP`: the needs a run may skip, comma-separated (`ucx`, `gpu`, `netns`,
+//!   `pyzmq`, `lan`, or `all`). Unset, it is `gpu`: machines without a GPU are the common case;
+//!   `scripts/test.sh` adds `gpu` on machines without an NVIDIA driver.
+//! - `HANDOFF_SKIP_LOG`: a file each skip appends one line to (`need<TAB>test<TAB>why`);
+//!   `scripts/test.sh` ends with one line that groups them.
+//!
+//! A test that reports `ok` after skipping its real part without being allowed to is the
+//! failure this exists to prevent: `cargo test` on a machine without UCX used to pass its
+//! UCX tests in no time.
+
+use std::fmt;
+use std::io::Write;
+
+/// What a test's real part needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Need {
+    /// libucp (Debian `libucx0`, or `HANDOFF_UCX_LIB`).
+    Ucx,
+    /// An NVIDIA GPU, its driver, and (for the CUDA data plane) a CUDA-capable UCX.
+    Gpu,
+    /// Root, `ip` and `nft`, to make network namespaces and cut them.
+    Netns,
+    /// Python's `zmq` (pyzmq), for interop with real libzmq.
+    Pyzmq,
+    /// A network interface besides loopback, with a route.
+    Lan,
+}
+
+impl Need {
+    /// Its name in `HANDOFF_SKIP`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Need::Ucx => "ucx",
+            Need::Gpu => "gpu",
+            Need::Netns => "netns",
+            Need::Pyzmq => "pyzmq",
+            Need::Lan => "lan",
+        }
+    }
+}
+
+impl fmt::Display for Need {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Whether this run may skip tests that need `need` (`HANDOFF_SKIP`, default `gpu`).
+pub fn may_skip(need: Need) -> bool {
+    allowed(std::env::var("HANDOFF_SKIP").ok().as_deref(), need)
+}
+
+fn allowed(list: Option<&str>, need: Need) -> bool {
+    list.unwrap_or("gpu")
+        .split(',')
+        .map(str::trim)
+        .any(|n| n == need.name() || n == "all")
+}
+
+/// `test` cannot run its real part here because `why` (it lacks `need`). Returns if the run
+/// allows that skip, after saying so and recording it; panics otherwise, saying how to
+/// allow it or what to install.
+pub fn skip(need: Need, test: &str, why: &str) {
+    if !may_skip(need) {
+        panic!(
+            "{test} cannot run its real part here: {why}. Install what it needs (scripts/test.sh \
+             does, as root), or let this run skip it: HANDOFF_SKIP={need}"
+        );
+    }
+    let line = format!("SKIP ({need}) {test}: {why}\n");
+    // Straight to the process's stderr: libtest captures only the `print!` macros.
+    let _ = std::io::stderr().write_all(line.as_bytes());
+    if let Ok(path) = std::env::var("HANDOFF_SKIP_LOG") {
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+        {
+            let why = why.replace(['\t', '\n'], " ");
+            let _ = writeln!(f, "{need}\t{test}\t{why}");
+        }
+    }
+}
+
+/// [`skip`] for the test running on this thread (libtest names each test's thread after
+/// the test).
+pub fn skip_this(need: Need, why: &str) {
+    let thread = std::thread::current();
+    skip(need, thread.name().unwrap_or("a test"), why)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_gpu_may_be_skipped_unless_the_run_says_more() {
+        assert!(allowed(None, Need::Gpu));
+        assert!(!allowed(None, Need::Ucx));
+        assert!(!allowed(Some(""), Need::Gpu));
+        assert!(allowed(Some("netns, ucx"), Need::Ucx));
+        assert!(!allowed(Some("netns,ucx"), Need::Pyzmq));
+        assert!(allowed(Some("all"), Need::Pyzmq));
+    }
+}

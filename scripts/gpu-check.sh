@@ -15,7 +15,6 @@ set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 carry="$root/.carry"
-ucx_version="1.22.0"
 
 prepare() {
     cd "$root"
@@ -40,23 +39,7 @@ for line in sys.stdin:
     while read -r name exe; do
         cp "$exe" "$carry/bin/test-$name"
     done <<<"$built"
-    if ! ls "$carry"/wheels/libucx_cu12-"$ucx_version"-*.whl >/dev/null 2>&1; then
-        python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-            --implementation cp --platform manylinux_2_28_x86_64 \
-            -d "$carry/wheels" "libucx-cu12==$ucx_version"
-    fi
-    # Only the shared objects UCX loads (one name each), not the static archives or
-    # perftest's CUDA plugin.
-    python3 - "$carry"/wheels/libucx_cu12-"$ucx_version"-*.whl "$carry/ucx" <<'PY'
-import re, sys, zipfile
-wheel, dest = sys.argv[1], sys.argv[2]
-with zipfile.ZipFile(wheel) as z:
-    for name in z.namelist():
-        keep = re.search(r"libucx/lib/(ucx/)?lib[a-z_]+\.so\.0$", name) or \
-            name.startswith("libucx_cu12.libs/")
-        if keep and "perftest" not in name:
-            z.extract(name, dest)
-PY
+    "$root/scripts/fetch-ucx.sh" "$carry/ucx" "$carry/wheels"
     strip --strip-debug "$carry"/bin/* 2>/dev/null || true
     chmod +x "$carry"/bin/*
     du -sh "$carry/bin" "$carry/ucx"

@@ -48,6 +48,16 @@ if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
       || echo "test: could not install ${want[*]}; the tests that need them fail unless HANDOFF_SKIP names them"
   fi
 fi
+# Without root or apt, UCX 1.22 from PyPI's libucx-cu12 wheel, into a cache outside the repo.
+if [ -z "${HANDOFF_UCX_LIB:-}" ] && ! ldconfig -p | grep -q libucp.so; then
+  ucx_cache="${XDG_CACHE_HOME:-$HOME/.cache}/handoff/ucx-1.22.0"
+  if scripts/fetch-ucx.sh "$ucx_cache" >/dev/null; then
+    export HANDOFF_UCX_LIB="$ucx_cache/libucx/lib"
+    echo "test: UCX from the libucx-cu12 wheel: HANDOFF_UCX_LIB=$HANDOFF_UCX_LIB"
+  else
+    echo "test: could not fetch UCX; the UCX tests fail unless HANDOFF_SKIP=ucx"
+  fi
+fi
 # libzmq through pyzmq, for the ZeroMQ interop test.
 python3 -c "import zmq" 2>/dev/null || python3 -m pip install -q pyzmq >/dev/null 2>&1 \
   || echo "test: could not install pyzmq; the libzmq interop test fails unless HANDOFF_SKIP=pyzmq"

@@ -5,7 +5,8 @@
 //! count serve the same requests, as a router would arrange), fills each prefill block with
 //! a pattern derived from the request id and the block's position, verifies every block on
 //! decode, and prints one JSON line per event on stdout:
-//! - `{"event":"ready", "role", "rank", "control", "data", "transport", "incarnation"}` once registered;
+//! - `{"event":"ready", "role", "rank", "control", "data", "transport", "incarnation", "metrics"}` once
+//!   registered (`metrics`: where `--metrics-listen` serves, or null);
 //! - `{"event":"opened", "request", "blocks"}` per request opened, with the blocks it is
 //!   given (prefill hands them over after `--hold-ms`; a decode with `--no-alloc`, none);
 //! - `{"event":"state", "request", "state"}` as a request moves (`Bootstrapping`,
@@ -217,6 +218,10 @@ pub struct WorkerArgs {
     /// Without it, listening on or dialing such an address needs a secret.
     #[arg(long)]
     pub insecure: bool,
+    /// Serve Prometheus metrics at `http://HOST:PORT/metrics` (port 0 picks one; the
+    /// `ready` line's `metrics` field says where).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub metrics_listen: Option<String>,
     /// Decode: after the first requests, open as many more for this prefill engine...
     #[arg(long)]
     pub then_prefill: Option<String>,
@@ -329,7 +334,7 @@ async fn run_inner(a: WorkerArgs) -> Result<ExitCode, String> {
         transfer: secs(a.transfer_timeout_s),
         pull_ttl: secs(a.pull_ttl_s),
     };
-    let opts = EngineOptions {
+    let mut opts = EngineOptions {
         control_listen: a.control_listen.clone(),
         data_listen: a.data_listen.clone(),
         advertise_host: a.advertise_host.clone(),
@@ -360,6 +365,17 @@ async fn run_inner(a: WorkerArgs) -> Result<ExitCode, String> {
              --mode push is the fast mode on GPUs"
         );
     }
+    // The endpoint first: if it cannot bind, nothing has started.
+    let registry = handoff_actors::Metrics::new();
+    let metrics = match &a.metrics_listen {
+        None => None,
+        Some(listen) => Some(
+            handoff_actors::serve_metrics(listen, registry.clone())
+                .await
+                .map_err(|e| format!("--metrics-listen {listen}: {e}"))?,
+        ),
+    };
+    opts.metrics = Some(registry);
     let engine = start_engine_runtime(opts, memory(&a)?)
         .await
         .map_err(|e| e.to_string())?;
@@ -370,8 +386,9 @@ async fn run_inner(a: WorkerArgs) -> Result<ExitCode, String> {
         engine.transport,
         engine.incarnation,
     );
+    let metrics_at = metrics.as_ref().map(|m| m.local_addr().to_string());
     emit(
-        json!({"event": "ready", "role": role.to_string(), "rank": rank.to_string(), "control": control, "data": data_address, "transport": transport, "incarnation": incarnation}),
+        json!({"event": "ready", "role": role.to_string(), "rank": rank.to_string(), "control": control, "data": data_address, "transport": transport, "incarnation": incarnation, "metrics": metrics_at}),
     );
     tokio::time::sleep(Duration::from_millis(a.start_delay_ms)).await;
     let mut plan = Plan {

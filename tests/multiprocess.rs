@@ -1683,3 +1683,186 @@ fn a_control_plane_cut_between_prefill_and_decode_ends_every_request_without_a_l
 fn a_data_plane_cut_between_prefill_and_decode_ends_every_request_without_a_late_byte() {
     partitioned_each("data", &[("tcp", "push"), ("tcp", "pull"), ("ucx", "push")]);
 }
+
+// ---------------------------------------------------------------- metrics
+
+/// `GET /metrics` from `addr` (`HOST:PORT`): the body, or a panic naming what went wrong.
+fn scrape(addr: &str) -> String {
+    use std::io::Write as _;
+    let mut s = std::net::TcpStream::connect(addr).unwrap_or_else(|e| panic!("{addr}: {e}"));
+    s.set_read_timeout(Some(T)).expect("a read timeout");
+    write!(s, "GET /metrics HTTP/1.1\r\nHost: {addr}\r\n\r\n").expect("send the request");
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).expect("read the answer");
+    let (head, body) = answer.split_once("\r\n\r\n").expect("an HTTP answer");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(head.contains("text/plain; version=0.0.4"), "{head}");
+    body.to_string()
+}
+
+/// The value of the sample `series` (name and labels, as exposed) in `text`.
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+/// `promtool check metrics` on `text`: its complaints, or a skip when there is no promtool.
+fn promtool(text: &str) -> Option<String> {
+    use std::io::Write as _;
+    let child = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn();
+    let Ok(mut child) = child else {
+        let why = "no promtool (Debian package prometheus) to check the exposition";
+        handoff_testkit::skip_this(handoff_testkit::Need::Promtool, why);
+        return None;
+    };
+    child
+        .stdin
+        .take()
+        .expect("piped stdin")
+        .write_all(text.as_bytes())
+        .expect("feed promtool");
+    let out = child.wait_with_output().expect("promtool ends");
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some(if out.status.success() {
+        said
+    } else {
+        format!("promtool failed: {said}")
+    })
+}
+
+/// What an operator scrapes: the bootstrap server and both workers serve `/metrics` in the
+/// Prometheus text format that `promtool check metrics` accepts without a complaint, and
+/// the numbers are the run's: eight requests done on each side, every block given back,
+/// none held, eight writes over TCP on prefill, two registrations and decode's lookups.
+#[test]
+fn workers_and_the_bootstrap_server_serve_metrics_that_promtool_accepts() {
+    let boot = Proc::spawn(
+        "bootstrap",
+        &[
+            "bootstrap",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ],
+    );
+    let first = boot.line(Instant::now() + T).expect("the listen line");
+    let addr = first.rsplit(' ').next().expect("address").to_string();
+    let second = boot.line(Instant::now() + T).expect("the metrics line");
+    let boot_metrics = second
+        .strip_prefix("metrics at http://")
+        .and_then(|s| s.strip_suffix("/metrics"))
+        .unwrap_or_else(|| panic!("{second}"))
+        .to_string();
+    let start = |name: &str, role: &str, engine: &str, extra: &[&str]| {
+        let mut args = vec![
+            "worker",
+            "--role",
+            role,
+            "--engine",
+            engine,
+            "--bootstrap",
+            &addr,
+            "--requests",
+            "8",
+            "--transport",
+            "tcp",
+            "--serve",
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ];
+        args.extend_from_slice(extra);
+        let p = Proc::spawn(name, &args);
+        let ready = p.expect("ready", |v| v["event"] == "ready");
+        let at = ready["metrics"]
+            .as_str()
+            .expect("the ready line says where")
+            .to_string();
+        (p, at)
+    };
+    let (_p, p_metrics) = start("prefill", "prefill", "P", &[]);
+    let (d, d_metrics) = start(
+        "decode",
+        "decode",
+        "D",
+        &["--prefill", "P", "--mode", "push"],
+    );
+    // Serving, decode prints its summary only when stopped: its eight ends say it is done.
+    let seen = d.until("eight ends", |seen| {
+        seen.iter().filter(|v| v["event"] == "end").count() == 8
+    });
+    assert!(
+        seen.iter()
+            .filter(|l| l.contains(r#""event":"end""#))
+            .all(|l| l.contains(r#""state":"Done""#)),
+        "{seen:?}"
+    );
+
+    let decode = scrape(&d_metrics);
+    let done =
+        |role: &str| format!(r#"handoff_requests_total{{role="{role}",outcome="done",reason=""}}"#);
+    assert_eq!(sample(&decode, &done("decode")), Some(8.0), "{decode}");
+    assert_eq!(
+        sample(&decode, r#"handoff_blocks_held{role="decode"}"#),
+        Some(0.0),
+        "{decode}"
+    );
+    assert_eq!(
+        sample(
+            &decode,
+            r#"handoff_blocks_released_total{role="decode",why="done"}"#
+        ),
+        Some(32.0),
+        "{decode}"
+    );
+    // Prefill's side ends when decode's Done reaches it: wait for the eighth.
+    let deadline = Instant::now() + T;
+    let prefill = loop {
+        let text = scrape(&p_metrics);
+        if sample(&text, &done("prefill")) == Some(8.0) || Instant::now() > deadline {
+            break text;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(sample(&prefill, &done("prefill")), Some(8.0), "{prefill}");
+    let writes = r#"handoff_transfers_total{transport="tcp",op="write",outcome="ok"}"#;
+    assert_eq!(sample(&prefill, writes), Some(8.0), "{prefill}");
+    let moved = r#"handoff_transfer_blocks_total{transport="tcp",op="write"}"#;
+    assert_eq!(sample(&prefill, moved), Some(32.0), "{prefill}");
+    let timed = r#"handoff_transfer_seconds_count{transport="tcp",op="write"}"#;
+    assert_eq!(sample(&prefill, timed), Some(8.0), "{prefill}");
+    assert_eq!(
+        sample(&prefill, "handoff_block_bytes"),
+        Some(65536.0),
+        "{prefill}"
+    );
+
+    let bootstrap = scrape(&boot_metrics);
+    let added = r#"handoff_bootstrap_registrations_total{outcome="added"}"#;
+    assert_eq!(sample(&bootstrap, added), Some(2.0), "{bootstrap}");
+    let ready = r#"handoff_bootstrap_lookups_total{outcome="ready"}"#;
+    assert!(
+        sample(&bootstrap, ready).is_some_and(|n| n >= 1.0),
+        "{bootstrap}"
+    );
+
+    for (who, text) in [
+        ("decode", &decode),
+        ("prefill", &prefill),
+        ("bootstrap", &bootstrap),
+    ] {
+        if let Some(said) = promtool(text) {
+            assert!(said.trim().is_empty(), "{who}: {said}\n{text}");
+        }
+    }
+}

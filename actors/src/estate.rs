@@ -27,6 +27,7 @@ use tracing::{debug, error};
 
 use crate::event::{Event, EventQueue, FenceEnd, ReleaseReason};
 use crate::machine::{Peer, State};
+use crate::metrics::Metrics;
 
 /// What the engine's handles see of a request: written by its owner alone.
 #[derive(Clone, Debug)]
@@ -45,6 +46,9 @@ pub(crate) struct Estate {
     peers: Vec<Peer>,
     view: watch::Sender<View>,
     events: Arc<EventQueue>,
+    metrics: Arc<Metrics>,
+    /// Counted in `handoff_fences_pending`: ended, still holding blocks.
+    fenced: bool,
 }
 
 impl std::fmt::Debug for Estate {
@@ -65,8 +69,10 @@ impl Estate {
         id: RequestId,
         role: Role,
         events: Arc<EventQueue>,
+        metrics: Arc<Metrics>,
     ) -> (Self, watch::Receiver<View>) {
         let state = State::Bootstrapping;
+        metrics.moved(role, None, &state);
         events.push(Event::State {
             id: id.clone(),
             role,
@@ -84,6 +90,8 @@ impl Estate {
             peers: Vec::new(),
             view,
             events,
+            metrics,
+            fenced: false,
         };
         (estate, rx)
     }
@@ -106,10 +114,11 @@ impl Estate {
         let blocks = consignment.take();
         if self.state.is_terminal() {
             debug!(request = %self.id, n = blocks.len(), "blocks handed over after the end: given back");
-            self.give_back(blocks, ReleaseReason::Late);
+            self.give_back(blocks, 0, ReleaseReason::Late);
             return None;
         }
         self.held.extend_from_slice(&blocks);
+        self.metrics.held(self.role, blocks.len());
         Some(blocks)
     }
 
@@ -152,6 +161,7 @@ impl Estate {
         if self.state.is_terminal() || state.phase() <= self.state.phase() {
             return false;
         }
+        self.metrics.moved(self.role, Some(&self.state), &state);
         self.state = state;
         self.events.push(Event::State {
             id: self.id.clone(),
@@ -161,9 +171,19 @@ impl Estate {
         true
     }
 
-    fn publish(&self) {
+    fn publish(&mut self) {
         let state = self.state.clone();
         self.view.send_modify(|v| v.state = state);
+        self.count_fence();
+    }
+
+    /// Keeps `handoff_fences_pending` in step: an ended request still holding blocks.
+    fn count_fence(&mut self) {
+        let fenced = self.state.is_terminal() && !self.held.is_empty();
+        if fenced != self.fenced {
+            self.fenced = fenced;
+            self.metrics.fenced(self.role, fenced);
+        }
     }
 
     /// Releases `blocks`, each of which this request holds: a block not held here (released
@@ -189,20 +209,25 @@ impl Estate {
             "request {}: a released block is still held",
             self.id
         );
-        self.give_back(out, why);
+        let n = out.len();
+        self.give_back(out, n, why);
     }
 
     /// Releases every block still held, for `why`.
     pub(crate) fn release_all(&mut self, why: ReleaseReason) {
         let all = std::mem::take(&mut self.held);
-        self.give_back(all, why);
+        let n = all.len();
+        self.give_back(all, n, why);
     }
 
-    /// Tells the engine `blocks` are its own again (they are no longer held here).
-    fn give_back(&self, blocks: Vec<BlockId>, why: ReleaseReason) {
+    /// Tells the engine `blocks` are its own again (`held` of them were held here, and are
+    /// no longer).
+    fn give_back(&mut self, blocks: Vec<BlockId>, held: usize, why: ReleaseReason) {
         if blocks.is_empty() {
             return;
         }
+        self.metrics.released(self.role, blocks.len(), held, &why);
+        self.count_fence();
         self.events.push(Event::Released {
             id: self.id.clone(),
             blocks,
@@ -254,7 +279,9 @@ impl Estate {
         if self.state.is_terminal() {
             return false;
         }
-        self.state = State::Failed(reason);
+        let failed = State::Failed(reason);
+        self.metrics.moved(self.role, Some(&self.state), &failed);
+        self.state = failed;
         self.events.push(Event::State {
             id: self.id.clone(),
             role: self.role,
@@ -320,13 +347,27 @@ impl Deed {
 #[derive(Debug)]
 pub(crate) struct Consignment {
     id: RequestId,
+    role: Role,
     blocks: Vec<BlockId>,
     events: Arc<EventQueue>,
+    metrics: Arc<Metrics>,
 }
 
 impl Consignment {
-    pub(crate) fn new(id: RequestId, blocks: Vec<BlockId>, events: Arc<EventQueue>) -> Self {
-        Self { id, blocks, events }
+    pub(crate) fn new(
+        id: RequestId,
+        role: Role,
+        blocks: Vec<BlockId>,
+        events: Arc<EventQueue>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Self {
+            id,
+            role,
+            blocks,
+            events,
+            metrics,
+        }
     }
 
     pub(crate) fn blocks(&self) -> &[BlockId] {
@@ -349,6 +390,7 @@ impl Drop for Consignment {
             true => ReleaseReason::Shutdown,
             false => ReleaseReason::Late,
         };
+        self.metrics.released(self.role, self.blocks.len(), 0, &why);
         self.events.push(Event::Released {
             id: self.id.clone(),
             blocks: std::mem::take(&mut self.blocks),
@@ -362,7 +404,17 @@ mod tests {
     use super::*;
 
     fn estate(events: &Arc<EventQueue>) -> (Estate, watch::Receiver<View>) {
-        Estate::new(RequestId::from("r"), Role::Decode, events.clone())
+        Estate::new(
+            RequestId::from("r"),
+            Role::Decode,
+            events.clone(),
+            Metrics::new(),
+        )
+    }
+
+    fn consign(e: &Estate, ids: &[u32], events: &Arc<EventQueue>) -> Consignment {
+        let metrics = e.metrics.clone();
+        Consignment::new(e.id().clone(), e.role, blocks(ids), events.clone(), metrics)
     }
 
     fn blocks(ids: &[u32]) -> Vec<BlockId> {
@@ -384,11 +436,7 @@ mod tests {
     fn the_owner_releases_what_it_holds_once_and_the_view_follows() {
         let events = Arc::new(EventQueue::default());
         let (mut e, view) = estate(&events);
-        let taken = e.receive(Consignment::new(
-            e.id().clone(),
-            blocks(&[1, 2, 3]),
-            events.clone(),
-        ));
+        let taken = e.receive(consign(&e, &[1, 2, 3], &events));
         assert_eq!(taken, Some(blocks(&[1, 2, 3])));
         e.transition(State::Transferring);
         assert_eq!(view.borrow().state, State::Transferring);
@@ -411,11 +459,7 @@ mod tests {
     fn a_second_release_of_a_block_is_a_bug_not_a_second_event() {
         let events = Arc::new(EventQueue::default());
         let (mut e, _view) = estate(&events);
-        e.receive(Consignment::new(
-            e.id().clone(),
-            blocks(&[7]),
-            events.clone(),
-        ));
+        e.receive(consign(&e, &[7], &events));
         e.release(&blocks(&[7]), ReleaseReason::Done);
         e.release(&blocks(&[7]), ReleaseReason::Done);
     }
@@ -425,14 +469,10 @@ mod tests {
         let events = Arc::new(EventQueue::default());
         let (mut e, _view) = estate(&events);
         e.fail_if_live(FailureReason::AbortedByEngine);
-        let late = Consignment::new(e.id().clone(), blocks(&[4]), events.clone());
+        let late = consign(&e, &[4], &events);
         assert_eq!(e.receive(late), None);
         // A consignment no owner took (its message dropped on the way).
-        drop(Consignment::new(
-            e.id().clone(),
-            blocks(&[5]),
-            events.clone(),
-        ));
+        drop(consign(&e, &[5], &events));
         let got = released(&events);
         assert_eq!(
             got,
@@ -444,11 +484,7 @@ mod tests {
     fn an_estate_dropped_live_fails_its_request_and_gives_its_blocks_back() {
         let events = Arc::new(EventQueue::default());
         let (mut e, view) = estate(&events);
-        e.receive(Consignment::new(
-            e.id().clone(),
-            blocks(&[1, 2]),
-            events.clone(),
-        ));
+        e.receive(consign(&e, &[1, 2], &events));
         drop(e);
         assert!(matches!(
             view.borrow().state,
@@ -477,13 +513,7 @@ mod tests {
         let events = Arc::new(EventQueue::default());
         let (e, _view) = estate(&events);
         let deed = Deed::new(e);
-        deed.with(|e| {
-            e.receive(Consignment::new(
-                e.id().clone(),
-                blocks(&[3]),
-                events.clone(),
-            ))
-        });
+        deed.with(|e| e.receive(consign(e, &[3], &events)));
         // The actor is gone: the root takes the estate, and the actor's deed is empty.
         let mut taken = deed.take().expect("the estate");
         assert!(deed.with(|_| ()).is_none());

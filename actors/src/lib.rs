@@ -14,6 +14,8 @@
 //! - `estate`: what a request owns (state, blocks, peers), one owner at a time: its actor
 //!   while it runs, the root after; blocks in transit travel as consignments.
 //! - [`event`]: lifecycle events and their bounded queue.
+//! - [`metrics`]: Prometheus metrics of the runtime and the bootstrap server, and their
+//!   HTTP endpoint.
 //! - [`link`]: what the runtime needs from a transport; [`inproc`]: the in-process one.
 //! - [`net`]: the network transport: control channels over ZMTP, heartbeats, data-plane hooks.
 //! - [`exposure`]: secure by default on a network (a secret or `--insecure` off loopback),
@@ -31,6 +33,7 @@ pub mod exposure;
 pub mod inproc;
 pub mod link;
 pub mod machine;
+pub mod metrics;
 pub mod net;
 mod request;
 pub mod router;
@@ -46,4 +49,5 @@ pub use handoff_transport::{
 pub use inproc::Fabric;
 pub use link::{Attach, Inbox, Link};
 pub use machine::{merge, merge_all, State, Timeouts};
+pub use metrics::{serve_metrics, Metrics, MetricsServer};
 pub use runtime::{ReceiverHandle, ReceiverSpec, Runtime, RuntimeBuilder, SenderHandle};

@@ -169,6 +169,11 @@ pub trait Link: Send + Sync + 'static {
         false
     }
 
+    /// The data plane's name in logs and metrics (`ucx`, `tcp`, `inproc`, `sim`).
+    fn transport(&self) -> &'static str {
+        "inproc"
+    }
+
     /// The request has ended here: revoke whatever the transport granted peers for it
     /// (remote write or read access to its blocks). Called before the blocks are released,
     /// so no byte can land in a block the engine is about to reuse.

@@ -20,6 +20,7 @@ use crate::link::{Link, ResolveError, TransferError, PLANE_ANSWER_GRACE};
 use crate::machine::{
     Action, ReceiverEvent, ReceiverMachine, SenderEvent, SenderMachine, State, Timeouts,
 };
+use crate::metrics::Metrics;
 use crate::router::{Local, MachineEvent};
 use crate::runtime::RootMsg;
 
@@ -61,6 +62,7 @@ pub(crate) struct RequestArgs {
     pub(crate) kind: Kind,
     /// Events that arrived before the request existed.
     pub(crate) backlog: Vec<MachineEvent>,
+    pub(crate) metrics: Arc<Metrics>,
 }
 
 /// Which side, and what that side needs to start.
@@ -93,6 +95,7 @@ pub(crate) struct RequestState {
     ended: bool,
     /// Decode: the prefill engine (and dp rank) this request receives from.
     prefill: Option<(EngineId, Option<u32>)>,
+    metrics: Arc<Metrics>,
 }
 
 /// The actor (data-free; its state is [`RequestState`]).
@@ -132,6 +135,7 @@ impl Actor for RequestActor {
             tasks: Vec::new(),
             ended: false,
             prefill: None,
+            metrics: args.metrics,
         };
         if let Kind::Receiver {
             prefill,
@@ -346,6 +350,7 @@ impl RequestState {
                 deadline,
             } => {
                 self.deed.with(|e| e.add_peer(&to));
+                let n = src.len();
                 let fut = self.link.write(id, &to, src, dst, deadline);
                 let done = |r: Result<(), TransferError>| match r {
                     Ok(()) => SenderEvent::TransferComplete,
@@ -353,7 +358,7 @@ impl RequestState {
                         detail: e.to_string(),
                     },
                 };
-                self.spawn_transfer(myself, fut, deadline, move |r| {
+                self.spawn_transfer(myself, fut, ("write", n), deadline, move |r| {
                     MachineEvent::Sender(done(r))
                 });
             }
@@ -363,6 +368,7 @@ impl RequestState {
                 dst,
                 deadline,
             } => {
+                let n = dst.len();
                 let fut = self.link.read(id, &from, src, dst, deadline);
                 let done = move |r: Result<(), TransferError>| match r {
                     Ok(()) => ReceiverEvent::ReadComplete { from },
@@ -370,7 +376,7 @@ impl RequestState {
                         detail: e.to_string(),
                     },
                 };
-                self.spawn_transfer(myself, fut, deadline, move |r| {
+                self.spawn_transfer(myself, fut, ("read", n), deadline, move |r| {
                     MachineEvent::Receiver(done(r))
                 });
             }
@@ -400,14 +406,17 @@ impl RequestState {
         &mut self,
         myself: &ActorRef<RequestMsg>,
         fut: crate::link::TransferFuture,
+        (op, blocks): (&'static str, usize),
         deadline: Instant,
         report: impl FnOnce(Result<(), TransferError>) -> MachineEvent + Send + 'static,
     ) {
         let me = myself.clone();
         let id = self.id.clone();
         let until = tokio::time::Instant::from_std(deadline) + PLANE_ANSWER_GRACE;
+        let (metrics, transport) = (self.metrics.clone(), self.link.transport());
         self.tasks.retain(|t| !t.is_finished());
         self.tasks.push(tokio::spawn(async move {
+            let posted = tokio::time::Instant::now();
             let result = match tokio::time::timeout_at(until, fut).await {
                 Ok(r) => r,
                 Err(_) => {
@@ -417,6 +426,8 @@ impl RequestState {
                     })
                 }
             };
+            let took = posted.elapsed();
+            metrics.transfer(transport, op, blocks, took, result.is_ok());
             let _ = me.cast(RequestMsg::Event(report(result)));
         }));
     }

@@ -338,6 +338,20 @@ pub enum Note {
     },
 }
 
+impl Note {
+    /// A short, stable name for what happened (the `cause` label of
+    /// `handoff_messages_refused_total`).
+    pub fn cause(&self) -> &'static str {
+        match self {
+            Note::Late { .. } => "late",
+            Note::TooManyPending { .. } => "too_many_pending",
+            Note::BytesFull { .. } => "bytes_full",
+            Note::BufferFull { .. } => "buffer_full",
+            Note::NeverOpened { .. } => "never_opened",
+        }
+    }
+}
+
 /// What a [`Router`] refused, dropped or answered late, counted since it was made: each
 /// bound it met, beside the log line its [`Note`] gives.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -34,6 +34,7 @@ use crate::config::{RuntimeConfig, TransportChoice, REQUESTS_OPEN_MAX_DEFAULT};
 use crate::event::{Event, EventQueue, ReleaseReason};
 use crate::link::{Attach, Inbox, Link};
 use crate::machine::{Peer, PeerMessage, State, Timeouts};
+use crate::metrics::Metrics;
 use crate::request::{Kind, RequestActor, RequestArgs, RequestMsg};
 use crate::router::{
     Action, Input, Local, MachineEvent, Note, Router, RouterConfig, RouterLimits, Timer,
@@ -98,10 +99,11 @@ struct RootState {
     by_actor: HashMap<ActorId, RequestId>,
 }
 
-/// What the root actor and the engine's handles share: the event queue and the ids in use.
-#[derive(Default)]
+/// What the root actor and the engine's handles share: the event queue, the metrics and the
+/// ids in use.
 pub(crate) struct Shared {
     pub(crate) events: Arc<EventQueue>,
+    pub(crate) metrics: Arc<Metrics>,
     /// Ids from `sender`/`receiver` returning until the root forgets the request: an id is
     /// not opened twice while the runtime still knows it.
     ids: Mutex<BTreeSet<RequestId>>,
@@ -184,6 +186,7 @@ impl Actor for RootActor {
             RootMsg::Ended { id, state } => Input::Ended { id, state },
             RootMsg::PeerLost { peer } => {
                 debug!(%peer, "peer lost");
+                state.shared.metrics.peer_lost();
                 Input::PeerLost { peer }
             }
             RootMsg::Timer(timer) => Input::Timer(timer),
@@ -310,6 +313,7 @@ impl RootState {
             timeouts: self.cfg.timeouts,
             kind,
             backlog,
+            metrics: self.shared.metrics.clone(),
         };
         match Actor::spawn_linked(None, RequestActor, args, myself.get_cell()).await {
             Ok((actor, _)) => {
@@ -438,31 +442,38 @@ impl RootState {
                 }
                 self.shared.ids().remove(&id);
             }
-            Action::Note(note) => match note {
-                Note::Late { id, from } => {
-                    debug!(request = %id, peer = %from, "message for an ended request answered or dropped");
-                }
-                Note::TooManyPending { id, from } => {
-                    warn!(request = %id, peer = %from, "too many requests pending creation; refusing");
-                }
-                Note::BytesFull {
-                    id,
-                    from,
-                    held,
-                    bytes,
-                } => {
-                    warn!(request = %id, peer = %from, held, bytes, "messages for requests not yet opened would hold too many bytes; refused");
-                }
-                Note::BufferFull { id, from } => {
-                    warn!(request = %id, peer = %from, "too many messages for a request not yet opened; dropped");
-                }
-                Note::NeverOpened { id, peers } => {
-                    warn!(request = %id, ?peers, "request never opened here before its bootstrap deadline");
-                }
-            },
+            Action::Note(note) => {
+                self.shared.metrics.refused(note.cause());
+                self.log(note)
+            }
             // Only an open decides these, and `open` performs them itself.
             Action::Spawn { id, .. } | Action::Refuse { id, .. } => {
                 warn!(request = %id, "open decision outside an open dropped");
+            }
+        }
+    }
+
+    fn log(&self, note: Note) {
+        match note {
+            Note::Late { id, from } => {
+                debug!(request = %id, peer = %from, "message for an ended request answered or dropped");
+            }
+            Note::TooManyPending { id, from } => {
+                warn!(request = %id, peer = %from, "too many requests pending creation; refusing");
+            }
+            Note::BytesFull {
+                id,
+                from,
+                held,
+                bytes,
+            } => {
+                warn!(request = %id, peer = %from, held, bytes, "messages for requests not yet opened would hold too many bytes; refused");
+            }
+            Note::BufferFull { id, from } => {
+                warn!(request = %id, peer = %from, "too many messages for a request not yet opened; dropped");
+            }
+            Note::NeverOpened { id, peers } => {
+                warn!(request = %id, ?peers, "request never opened here before its bootstrap deadline");
             }
         }
     }
@@ -506,6 +517,7 @@ pub struct RuntimeBuilder {
     unallocated_max: Option<usize>,
     transport: Option<TransportChoice>,
     region: Option<Arc<Region>>,
+    metrics: Option<Arc<Metrics>>,
 }
 
 impl RuntimeBuilder {
@@ -542,6 +554,13 @@ impl RuntimeBuilder {
         self
     }
 
+    /// The metrics to record into (default: the runtime's own; see [`Runtime::metrics`]).
+    /// Share one between runtimes of a process to serve them on one endpoint.
+    pub fn metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
     /// The KV memory this worker registers (required).
     pub fn region(mut self, region: Arc<Region>) -> Self {
         self.region = Some(region);
@@ -569,7 +588,13 @@ impl RuntimeBuilder {
             transport,
             region,
         };
-        let shared = Arc::new(Shared::default());
+        let metrics = self.metrics.unwrap_or_else(Metrics::new);
+        metrics.set_block_bytes(cfg.region.block_bytes());
+        let shared = Arc::new(Shared {
+            events: Arc::default(),
+            metrics,
+            ids: Mutex::default(),
+        });
         let args = RootArgs {
             cfg: cfg.clone(),
             shared: shared.clone(),
@@ -623,6 +648,7 @@ impl Runtime {
             unallocated_max: None,
             transport: None,
             region: None,
+            metrics: None,
         }
     }
 
@@ -634,6 +660,12 @@ impl Runtime {
     /// The KV memory this worker registered.
     pub fn region(&self) -> &Arc<Region> {
         &self.cfg.region
+    }
+
+    /// The metrics this runtime records into (its own, or the one given to
+    /// [`RuntimeBuilder::metrics`]); serve them with [`crate::serve_metrics`].
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.shared.metrics
     }
 
     /// Makes the request's estate and sends it to the root; the handles get its view.
@@ -652,7 +684,8 @@ impl Runtime {
                 .admit(self.cfg.requests_open_max)
                 .map_err(|open| Error::TooManyRequests { open })?;
             ids.insert(id.clone());
-            Estate::new(id.clone(), self.cfg.role, self.shared.events.clone())
+            let (events, metrics) = (self.shared.events.clone(), self.shared.metrics.clone());
+            Estate::new(id.clone(), self.cfg.role, events, metrics)
         };
         // Refused, the message comes back and is dropped: the estate fails the request.
         if self.root.cast(RootMsg::Open { estate, kind }).is_err() {
@@ -665,7 +698,9 @@ impl Runtime {
             handed: Arc::new(AtomicBool::new(false)),
             root: self.root.clone(),
             region: self.cfg.region.clone(),
+            role: self.cfg.role,
             events: self.shared.events.clone(),
+            metrics: self.shared.metrics.clone(),
         })
     }
 
@@ -745,7 +780,9 @@ struct Handle {
     handed: Arc<AtomicBool>,
     root: ActorRef<RootMsg>,
     region: Arc<Region>,
+    role: Role,
     events: Arc<EventQueue>,
+    metrics: Arc<Metrics>,
 }
 
 impl Handle {
@@ -768,7 +805,8 @@ impl Handle {
         // From here the blocks are the runtime's: the request's owner takes them, or, if the
         // request ended meanwhile (or the runtime stopped), they come back as `Late`.
         let id = self.id.clone();
-        let blocks = Consignment::new(id.clone(), blocks, self.events.clone());
+        let (events, metrics) = (self.events.clone(), self.metrics.clone());
+        let blocks = Consignment::new(id.clone(), self.role, blocks, events, metrics);
         let _ = self.root.cast(RootMsg::HandOver { id, blocks, aux });
         Ok(())
     }

@@ -930,8 +930,14 @@ async fn serve_fails_fast_with_a_named_error_on_bad_input() {
             secret_file: secret,
             insecure: false,
             expire_after: Duration::from_secs(6),
+            metrics_listen: None,
         };
     let code = handoff_actors::bootstrap::run_serve(args("not an address", None)).await;
+    assert_eq!(code, std::process::ExitCode::FAILURE);
+    // A metrics endpoint that cannot bind stops the server it came with.
+    let mut bad_metrics = args("tcp://127.0.0.1:0", None);
+    bad_metrics.metrics_listen = Some("not an address".into());
+    let code = handoff_actors::bootstrap::run_serve(bad_metrics).await;
     assert_eq!(code, std::process::ExitCode::FAILURE);
     let missing = std::path::PathBuf::from("/nonexistent/handoff-secret");
     let code = handoff_actors::bootstrap::run_serve(args("tcp://127.0.0.1:0", Some(missing))).await;

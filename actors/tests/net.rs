@@ -24,6 +24,10 @@ use handoff_transport::zmtp::{Dealer, Router, RouterEvent};
 struct NoData(Arc<GrantTable>);
 
 impl DataPlane for NoData {
+    fn name(&self) -> &'static str {
+        "none"
+    }
+
     fn descriptor(&self) -> LayoutDescriptor {
         let layout = handoff_transport::KvLayout::contiguous(
             0x1000,

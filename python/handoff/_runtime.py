@@ -85,6 +85,10 @@ class Runtime:
     Secure by default: a listen, advertised or bootstrap address that is not loopback needs
     a shared secret (``secret_file``, else ``HANDOFF_SECRET_FILE`` or ``HANDOFF_SECRET`` from
     the environment) or ``insecure=True``; otherwise `InsecureRefused` is raised.
+
+    ``metrics_listen="HOST:PORT"`` serves the runtime's Prometheus metrics at
+    ``http://HOST:PORT/metrics`` (port 0 picks one: see ``metrics_address``); `metrics_text`
+    gives the same text without a listener.
     """
 
     def __init__(
@@ -117,6 +121,7 @@ class Runtime:
         admission: int | None = None,
         register_timeout_s: float = 30.0,
         insecure: bool = False,
+        metrics_listen: str | None = None,
     ) -> None:
         spec: KvSpec = kv_spec(kv_caches, num_blocks, device)
         t = dict(TIMEOUTS_DEFAULT)
@@ -172,6 +177,9 @@ class Runtime:
             admission=admission,
             keep=tuple(spec.owners),
             insecure=bool(insecure),
+            metrics_listen=None
+            if metrics_listen is None
+            else _str("metrics_listen", metrics_listen),
             **ints,
         )
         self.kv: KvSpec = spec
@@ -189,6 +197,14 @@ class Runtime:
     num_blocks = property(lambda self: self._native.num_blocks)
     block_bytes = property(lambda self: self._native.block_bytes)
     running = property(lambda self: self._native.running, doc="True until `shutdown`.")
+    metrics_address = property(
+        lambda self: self._native.metrics_address,
+        doc="Where ``metrics_listen`` serves Prometheus metrics (``HOST:PORT``), or None.",
+    )
+
+    def metrics_text(self) -> str:
+        """The runtime's metrics now, in the Prometheus text format (what ``/metrics`` serves)."""
+        return self._native.metrics_text()
 
     # --- requests ------------------------------------------------------------------------
 

@@ -61,6 +61,9 @@ Options (``kv_connector_extra_config``), every one optional but ``bootstrap``:
     ``true`` to run without a secret on non-loopback addresses (a trusted network only).
 ``admission``
     Decode: refuse new transfers while this many wait for blocks.
+``metrics_listen``
+    ``HOST:PORT``: serve this worker's Prometheus metrics at ``http://HOST:PORT/metrics``
+    (requests by outcome and reason, blocks held, transfers by transport; see ARCHITECTURE).
 ``engine_id``
     The name this instance registers under (default: vLLM's ``kv_transfer_config.engine_id``).
 ``load_wait_ms``, ``load_wait_ms_per_mib``
@@ -483,6 +486,7 @@ class _WorkerSide:
             secret_file=x.get("secret_file"),
             admission=x.get("admission"),
             insecure=bool(x.get("insecure", False)),
+            metrics_listen=x.get("metrics_listen"),
         )
         log.info(
             "handoff %s %s: %d KV ranges (layers %d..%d of %d), %d blocks of %d tokens",

@@ -390,6 +390,10 @@ struct Runtime {
     incarnation: u64,
     num_blocks: u32,
     block_bytes: usize,
+    /// The runtime's metrics, and their HTTP endpoint when `metrics_listen` asked for one
+    /// (served until this object goes, shutdown or not).
+    metrics: Arc<handoff_actors::Metrics>,
+    metrics_server: Option<handoff_actors::MetricsServer>,
 }
 
 /// Arguments of [`Runtime::new`] past who the worker is (all keyword-only in Python).
@@ -533,7 +537,8 @@ impl Runtime {
         pp_size=1, transport="auto", mode="pull", control_listen="tcp://127.0.0.1:0",
         data_listen="127.0.0.1:0", advertise_host=None, bootstrap_s=300.0, waiting_s=300.0,
         transfer_s=60.0, pull_ttl_s=480.0, register_timeout_s=30.0, heartbeat_ms=5000,
-        heartbeats_missed=6, secret_file=None, admission=None, keep=None, insecure=false
+        heartbeats_missed=6, secret_file=None, admission=None, keep=None, insecure=false,
+        metrics_listen=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -569,6 +574,7 @@ impl Runtime {
         admission: Option<usize>,
         keep: Option<PyObject>,
         insecure: bool,
+        metrics_listen: Option<String>,
     ) -> PyResult<Runtime> {
         let err = |f: Failure| f.into_py(py);
         let Settings {
@@ -610,6 +616,26 @@ impl Runtime {
         let (num_blocks, block_bytes) = (region.blocks(), region.block_bytes());
         let tokio = tokio_runtime().map_err(err)?;
         let (role, rank) = (opts.role, opts.rank.clone());
+        // The endpoint first: if it cannot bind, nothing has started.
+        let metrics = handoff_actors::Metrics::new();
+        opts.metrics = Some(metrics.clone());
+        let metrics_server = match metrics_listen {
+            None => None,
+            Some(listen) => {
+                let serve = handoff_actors::serve_metrics(&listen, metrics.clone());
+                match block_on(py, &tokio, start_timeout, serve)? {
+                    Some(Ok(server)) => Some(server),
+                    Some(Err(e)) => {
+                        let detail = format!("metrics_listen {listen}: {e}");
+                        return Err(err(Failure::new("bind_failed", detail)));
+                    }
+                    None => {
+                        let detail = format!("metrics_listen {listen}: no answer");
+                        return Err(err(Failure::new("bind_failed", detail)));
+                    }
+                }
+            }
+        };
         let started = block_on(
             py,
             &tokio,
@@ -631,6 +657,8 @@ impl Runtime {
         };
         let runtime = Arc::new(engine.runtime);
         Ok(Runtime {
+            metrics,
+            metrics_server,
             runtime: Mutex::new(Some(runtime.clone())),
             events: runtime,
             tokio,
@@ -874,6 +902,19 @@ impl Runtime {
         let Some(rt) = rt else { return Ok(true) };
         let stopped = block_on(py, &self.tokio, timeout, async move { rt.shutdown().await })?;
         Ok(stopped.is_some())
+    }
+
+    /// Where `metrics_listen` serves `/metrics` (`HOST:PORT`), or `None`.
+    #[getter]
+    fn metrics_address(&self) -> Option<String> {
+        self.metrics_server
+            .as_ref()
+            .map(|s| s.local_addr().to_string())
+    }
+
+    /// The runtime's metrics now, in the Prometheus text format (what `/metrics` serves).
+    fn metrics_text(&self) -> String {
+        self.metrics.encode()
     }
 
     /// True until `shutdown`.

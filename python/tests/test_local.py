@@ -235,3 +235,42 @@ def test_a_load_wait_grows_with_the_bytes_and_zero_means_never():
     assert LoadWait(2.0, 1.0).seconds(4 << 20) == pytest.approx(0.006)
     assert LoadWait(2.0, 0.0).seconds(1 << 30) == pytest.approx(0.002)
     assert LoadWait(0.0, 1.0).seconds(4 << 20) == 0.0
+
+
+def test_metrics_are_served_and_count_the_requests(bootstrap):
+    """``metrics_listen`` serves the runtime's Prometheus metrics over HTTP; the numbers are
+    the run's (requests done, blocks given back, none held) and ``metrics_text`` says the
+    same without a listener."""
+    import urllib.request
+
+    kv_p = np.zeros((BLOCKS, BLOCK_BYTES), np.uint8)
+    kv_d = np.zeros((BLOCKS, BLOCK_BYTES), np.uint8)
+    with (
+        runtime("prefill", "P", bootstrap, kv_p) as p,
+        runtime("decode", "D", bootstrap, kv_d, mode="pull", metrics_listen="127.0.0.1:0") as d,
+    ):
+        assert p.metrics_address is None
+        host, _, port = d.metrics_address.rpartition(":")
+        assert host == "127.0.0.1" and int(port) > 0
+        handles = []
+        for n in range(3):
+            r = d.receiver(f"m-{n}", "P", blocks=[10 + n])
+            p.sender(f"m-{n}").send([n])
+            handles.append(r)
+        assert d.wait(handles, timeout_s=30) == {f"m-{n}": "Done" for n in range(3)}
+        url = f"http://{d.metrics_address}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            assert answer.status == 200
+            assert answer.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            text = answer.read().decode()
+        samples = dict(
+            line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#")
+        )
+        assert samples['handoff_requests_total{role="decode",outcome="done",reason=""}'] == "3"
+        assert samples['handoff_blocks_held{role="decode"}'] == "0"
+        assert samples['handoff_blocks_released_total{role="decode",why="done"}'] == "3"
+        assert samples['handoff_transfers_total{transport="tcp",op="read",outcome="ok"}'] == "3"
+        assert samples["handoff_block_bytes"] == str(BLOCK_BYTES)
+        assert (
+            'handoff_requests_total{role="decode",outcome="done",reason=""} 3' in d.metrics_text()
+        )

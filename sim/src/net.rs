@@ -1233,6 +1233,10 @@ impl SimNet {
 }
 
 impl Link for SimLink {
+    fn transport(&self) -> &'static str {
+        "sim"
+    }
+
     fn me(&self) -> &RankInfo {
         &self.me
     }

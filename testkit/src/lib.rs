@@ -3,7 +3,7 @@
 //! capture, and records one line for the run's summary.
 //!
 //! - `HANDOFF_SKIP`: the needs a run may skip, comma-separated (`ucx`, `gpu`, `netns`,
-//!   `pyzmq`, `lan`, or `all`). Unset, it is `gpu`: machines without a GPU are the common case;
+//!   `pyzmq`, `lan`, `promtool`, or `all`). Unset, it is `gpu`: machines without a GPU are the common case;
 //!   `scripts/test.sh` adds `gpu` on machines without an NVIDIA driver.
 //! - `HANDOFF_SKIP_LOG`: a file each skip appends one line to (`need<TAB>test<TAB>why`);
 //!   `scripts/test.sh` ends with one line that groups them.
@@ -28,6 +28,8 @@ pub enum Need {
     Pyzmq,
     /// A network interface besides loopback, with a route.
     Lan,
+    /// Prometheus's `promtool` (Debian `prometheus`), to check exposed metrics.
+    Promtool,
 }
 
 impl Need {
@@ -39,6 +41,7 @@ impl Need {
             Need::Netns => "netns",
             Need::Pyzmq => "pyzmq",
             Need::Lan => "lan",
+            Need::Promtool => "promtool",
         }
     }
 }

@@ -62,6 +62,10 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SECS", value_parser = parse_secs,
           default_value = "6")]
     pub expire_after: Duration,
+    /// Serve Prometheus metrics (registrations and lookups by outcome) at
+    /// `http://HOST:PORT/metrics` (port 0 picks one; the address is printed).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub metrics_listen: Option<String>,
 }
 
 /// Arguments of `handoff bootstrap status`.
@@ -138,6 +142,20 @@ pub async fn run_serve(args: ServeArgs) -> ExitCode {
         Err(e) => return fail("serve", &e),
     };
     println!("bootstrap server listening on {}", server.address());
+    let _metrics = match &args.metrics_listen {
+        None => None,
+        Some(listen) => match crate::serve_metrics(listen, server.metrics().clone()).await {
+            Ok(m) => {
+                println!("metrics at http://{}/metrics", m.local_addr());
+                Some(m)
+            }
+            Err(e) => {
+                server.stop().await;
+                eprintln!("handoff bootstrap serve: --metrics-listen {listen}: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+    };
     tokio::select! {
         signal = shutdown_signal() => {
             info!(%signal, "stopping the bootstrap server");

@@ -36,6 +36,8 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tracing::{debug, error, info, warn};
 
+use crate::metrics::Metrics;
+
 use super::registry::{Origin, RegisterOutcome, Registry};
 use super::{
     BootstrapError, EXPIRE_AFTER_DEFAULT, SERVER_CALL_TIMEOUT, SERVER_EVENTS_INFLIGHT_MAX,
@@ -56,6 +58,9 @@ pub struct ServerConfig {
     /// Serve unauthenticated clients on a non-loopback address. Without it, and without
     /// `key`, such an address refuses to start (see [`crate::exposure`]).
     pub insecure: bool,
+    /// Where registrations and lookups are counted (default: the server's own; see
+    /// [`BootstrapServer::metrics`]).
+    pub metrics: Option<Arc<Metrics>>,
 }
 
 impl ServerConfig {
@@ -66,7 +71,14 @@ impl ServerConfig {
             key: None,
             expire_after: EXPIRE_AFTER_DEFAULT,
             insecure: false,
+            metrics: None,
         }
+    }
+
+    /// The same configuration, counting into `metrics` (shared with a runtime, say).
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> ServerConfig {
+        self.metrics = Some(metrics);
+        self
     }
 
     /// The same configuration, serving unauthenticated clients off loopback.
@@ -105,6 +117,7 @@ pub async fn serve(cfg: ServerConfig) -> Result<BootstrapServer, BootstrapError>
         cfg.key.is_some(),
         cfg.insecure,
     )?;
+    let metrics = cfg.metrics.clone().unwrap_or_else(Metrics::new);
     let router = Router::bind_with(
         &cfg.listen,
         cfg.key.clone(),
@@ -123,6 +136,7 @@ pub async fn serve(cfg: ServerConfig) -> Result<BootstrapServer, BootstrapError>
         router,
         cfg,
         incarnation,
+        metrics: metrics.clone(),
     };
     let (actor, join) =
         Actor::spawn(None, ServerActor, args)
@@ -134,6 +148,7 @@ pub async fn serve(cfg: ServerConfig) -> Result<BootstrapServer, BootstrapError>
         actor,
         join: Some(join),
         local,
+        metrics,
     })
 }
 
@@ -142,9 +157,16 @@ pub struct BootstrapServer {
     actor: ActorRef<ServerMsg>,
     join: Option<JoinHandle<()>>,
     local: SocketAddr,
+    metrics: Arc<Metrics>,
 }
 
 impl BootstrapServer {
+    /// What the server counts (registrations and lookups); serve them with
+    /// [`crate::serve_metrics`].
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
     /// The address the server listens on (with the port chosen, if 0 was asked for).
     pub fn local_addr(&self) -> SocketAddr {
         self.local
@@ -227,6 +249,7 @@ struct ServerArgs {
     router: Router,
     cfg: ServerConfig,
     incarnation: u64,
+    metrics: Arc<Metrics>,
 }
 
 /// The actor's messages.
@@ -254,6 +277,7 @@ struct ServerState {
     cfg: ServerConfig,
     incarnation: u64,
     registry: Registry,
+    metrics: Arc<Metrics>,
     /// Open connections and their peers' addresses, for logs.
     conns: BTreeMap<ConnId, SocketAddr>,
     outbox: mpsc::Sender<Outgoing>,
@@ -282,6 +306,7 @@ impl Actor for ServerActor {
             "bootstrap server listening"
         );
         Ok(ServerState {
+            metrics: args.metrics,
             cfg: args.cfg,
             incarnation: args.incarnation,
             registry: Registry::new(),
@@ -437,10 +462,18 @@ impl ServerState {
                 Some(reply) => reply,
                 None => return,
             },
-            Message::Query(q) => Message::QueryReply(QueryReply {
-                answer: self.registry.query(&q.engine_id),
-                engine_id: q.engine_id,
-            }),
+            Message::Query(q) => {
+                let answer = self.registry.query(&q.engine_id);
+                self.metrics.lookup(match &answer {
+                    QueryAnswer::Ready { .. } => "ready",
+                    QueryAnswer::NotReady { .. } => "not_ready",
+                    QueryAnswer::UnknownEngine => "unknown_engine",
+                });
+                Message::QueryReply(QueryReply {
+                    answer,
+                    engine_id: q.engine_id,
+                })
+            }
             Message::StatusRequest(_) => Message::StatusReply(self.registry.status()),
             Message::Unregister(u) => {
                 let removed = self.registry.unregister(&u.rank, u.incarnation);
@@ -480,6 +513,13 @@ impl ServerState {
         let (rank, role, incarnation) = (record.rank.clone(), record.role, record.incarnation);
         let control = record.control_address.clone();
         let outcome = self.registry.register(record, origin, now);
+        self.metrics.registration(match &outcome {
+            RegisterOutcome::Added => "added",
+            RegisterOutcome::Refreshed => "refreshed",
+            RegisterOutcome::Replaced { .. } => "replaced",
+            RegisterOutcome::Conflict(_) => "conflict",
+            RegisterOutcome::Refused(_) => "refused",
+        });
         if matches!(
             outcome,
             RegisterOutcome::Added | RegisterOutcome::Refreshed | RegisterOutcome::Replaced { .. }

@@ -22,6 +22,9 @@ pub use handoff_transport::data::Access;
 
 /// Moves blocks between this worker and its peers.
 pub trait DataPlane: Send + Sync + 'static {
+    /// Its name in logs and metrics: `ucx` or `tcp`.
+    fn name(&self) -> &'static str;
+
     /// This worker's KV memory as peers see it, and how to reach it: its layout's ranges
     /// (with a remote key per range on one-sided planes), layers and per-token facts.
     /// Carried once per peer, in `Hello`/`HelloAck`; per-request messages name only blocks.

@@ -142,6 +142,10 @@ pub struct EngineOptions {
     /// advertised). Without it, and without `key`, such an address refuses to start
     /// ([`NetError::Exposed`]).
     pub insecure: bool,
+    /// Where the runtime records its metrics (default: its own; see
+    /// [`crate::Runtime::metrics`]). Made first and served before the runtime starts, a bind
+    /// failure of the endpoint leaves nothing running.
+    pub metrics: Option<Arc<crate::Metrics>>,
 }
 
 impl EngineOptions {
@@ -165,6 +169,7 @@ impl EngineOptions {
             admission: None,
             key: None,
             insecure: false,
+            metrics: None,
         }
     }
 }
@@ -226,7 +231,11 @@ pub async fn start_engine_runtime(
             other => other,
         })?;
     let (control_address, incarnation) = (net.control_address().to_string(), net.incarnation());
-    let runtime = Runtime::builder(opts.role, opts.rank.clone())
+    let mut builder = Runtime::builder(opts.role, opts.rank.clone());
+    if let Some(metrics) = opts.metrics.clone() {
+        builder = builder.metrics(metrics);
+    }
+    let runtime = builder
         .timeouts(opts.timeouts)
         .mode(opts.mode)
         .admission(opts.admission)

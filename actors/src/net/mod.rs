@@ -501,6 +501,10 @@ impl Link for NetLink {
         self.data.one_sided()
     }
 
+    fn transport(&self) -> &'static str {
+        self.data.name()
+    }
+
     fn request_ended(&self, id: &RequestId) {
         self.data.grants().revoke(id);
     }

@@ -151,6 +151,10 @@ async fn client_for(
 }
 
 impl DataPlane for TcpDataPlane {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
     fn descriptor(&self) -> LayoutDescriptor {
         // Two-sided: peers name logical blocks and our server maps them onto our ranges,
         // so no remote keys; the ranges tell peers how our blocks are laid out.

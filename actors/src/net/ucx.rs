@@ -154,6 +154,10 @@ impl UcxPlane {
 }
 
 impl DataPlane for UcxPlane {
+    fn name(&self) -> &'static str {
+        "ucx"
+    }
+
     fn descriptor(&self) -> LayoutDescriptor {
         self.plane.layout_descriptor()
     }

@@ -22,7 +22,7 @@
 //! | `handoff_bootstrap_lookups_total` | counter | `outcome` | bootstrap server: lookups by outcome |
 
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -116,6 +116,8 @@ pub struct Metrics {
     refused: Family<CauseLabel, Counter>,
     registrations: Family<OutcomeLabel, Counter>,
     lookups: Family<OutcomeLabel, Counter>,
+    /// Prefill's and decode's [`Side`].
+    sides: [OnceLock<Side>; 2],
 }
 
 impl std::fmt::Debug for Metrics {
@@ -124,21 +126,30 @@ impl std::fmt::Debug for Metrics {
     }
 }
 
-fn role(role: Role) -> &'static str {
-    match role {
-        Role::Prefill => "prefill",
-        Role::Decode => "decode",
+/// The live states, as `state` labels, in [`live_index`] order.
+const LIVE_STATES: [&str; 3] = ["bootstrapping", "waiting_for_input", "transferring"];
+
+/// Every `ReleaseReason::as_str`, in [`Side::released`] order.
+const RELEASE_WHYS: [&str; 4] = ["done", "failed", "late", "shutdown"];
+
+fn live_index(state: &State) -> Option<usize> {
+    match state {
+        State::Bootstrapping => Some(0),
+        State::WaitingForInput => Some(1),
+        State::Transferring => Some(2),
+        State::Done | State::Failed(_) => None,
     }
 }
 
-fn state(state: &State) -> &'static str {
-    match state {
-        State::Bootstrapping => "bootstrapping",
-        State::WaitingForInput => "waiting_for_input",
-        State::Transferring => "transferring",
-        State::Done => "done",
-        State::Failed(_) => "failed",
-    }
+/// One role's series on the hot path (a state change, a hand-over, a release): handles
+/// into their families, so recording is an atomic add, not a labelled lookup.
+struct Side {
+    role: &'static str,
+    open: [Gauge; 3],
+    done: Counter,
+    held: Gauge,
+    released: [Counter; 4],
+    fences: Gauge,
 }
 
 impl Metrics {
@@ -241,6 +252,7 @@ impl Metrics {
             refused,
             registrations,
             lookups,
+            sides: [OnceLock::new(), OnceLock::new()],
         })
     }
 
@@ -252,61 +264,85 @@ impl Metrics {
         out
     }
 
+    /// The hot path's handles for role `r`, made the first time the role records (so a
+    /// worker exposes only its own role's series).
+    fn side(&self, r: Role) -> &Side {
+        let (slot, role) = match r {
+            Role::Prefill => (&self.sides[0], "prefill"),
+            Role::Decode => (&self.sides[1], "decode"),
+        };
+        slot.get_or_init(|| {
+            let open = LIVE_STATES.map(|state| {
+                let labels = StateLabels { role, state };
+                self.open.get_or_create(&labels).clone()
+            });
+            let released = RELEASE_WHYS.map(|why| {
+                let labels = ReleaseLabels { role, why };
+                self.released.get_or_create(&labels).clone()
+            });
+            let done = EndLabels {
+                role,
+                outcome: "done",
+                reason: "",
+            };
+            Side {
+                role,
+                open,
+                done: self.requests.get_or_create(&done).clone(),
+                held: self.blocks_held.get_or_create(&RoleLabel { role }).clone(),
+                released,
+                fences: self.fences.get_or_create(&RoleLabel { role }).clone(),
+            }
+        })
+    }
+
     /// A request of `r` entered `to` (from `from`, `None` when it was just opened).
     pub(crate) fn moved(&self, r: Role, from: Option<&State>, to: &State) {
-        let role = role(r);
-        if let Some(from) = from.filter(|s| !s.is_terminal()) {
-            let labels = StateLabels {
-                role,
-                state: state(from),
-            };
-            self.open.get_or_create(&labels).dec();
+        let side = self.side(r);
+        if let Some(i) = from.and_then(live_index) {
+            side.open[i].dec();
         }
         match to {
-            State::Done => self.ended(role, "done", ""),
-            State::Failed(reason) => self.ended(role, "failed", reason.kind()),
-            live => {
-                let labels = StateLabels {
-                    role,
-                    state: state(live),
+            State::Done => {
+                side.done.inc();
+            }
+            State::Failed(reason) => {
+                let labels = EndLabels {
+                    role: side.role,
+                    outcome: "failed",
+                    reason: reason.kind(),
                 };
-                self.open.get_or_create(&labels).inc();
+                self.requests.get_or_create(&labels).inc();
+            }
+            live => {
+                if let Some(i) = live_index(live) {
+                    side.open[i].inc();
+                }
             }
         }
     }
 
-    fn ended(&self, role: &'static str, outcome: &'static str, reason: &'static str) {
-        let labels = EndLabels {
-            role,
-            outcome,
-            reason,
-        };
-        self.requests.get_or_create(&labels).inc();
-    }
-
     /// `n` blocks handed over to a request of `r` are held from now.
     pub(crate) fn held(&self, r: Role, n: usize) {
-        let labels = RoleLabel { role: role(r) };
-        self.blocks_held.get_or_create(&labels).inc_by(n as i64);
+        self.side(r).held.inc_by(n as i64);
     }
 
     /// `n` blocks of a request of `r` go back for `why`; `held` of them were held.
     pub(crate) fn released(&self, r: Role, n: usize, held: usize, why: &ReleaseReason) {
-        let role = role(r);
-        let labels = ReleaseLabels {
-            role,
-            why: why.as_str(),
-        };
-        self.released.get_or_create(&labels).inc_by(n as u64);
+        let side = self.side(r);
+        let i = RELEASE_WHYS
+            .iter()
+            .position(|w| *w == why.as_str())
+            .unwrap_or(0);
+        side.released[i].inc_by(n as u64);
         if held > 0 {
-            let labels = RoleLabel { role };
-            self.blocks_held.get_or_create(&labels).dec_by(held as i64);
+            side.held.dec_by(held as i64);
         }
     }
 
     /// A request of `r` started (`true`) or stopped (`false`) waiting behind a fence.
     pub(crate) fn fenced(&self, r: Role, pending: bool) {
-        let gauge = self.fences.get_or_create(&RoleLabel { role: role(r) });
+        let gauge = &self.side(r).fences;
         if pending {
             gauge.inc();
         } else {

@@ -13,6 +13,18 @@ use handoff::transport::TransferMode;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// How logs (stderr) are written: `text` for people, `json` (one object per line, with
+    /// the request's span: id, role, rank, peer) for log shippers. `RUST_LOG` picks what
+    /// (`RUST_LOG=handoff=debug` follows every request through the actors, the network and
+    /// the data plane).
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Subcommand, Debug)]
@@ -88,13 +100,19 @@ fn main() -> ExitCode {
         Command::Sim(_) => "off",
         _ => "warn",
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| default_level.into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| default_level.into());
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Text => logs.init(),
+        LogFormat::Json => logs
+            .json()
+            .with_current_span(true)
+            .with_span_list(false)
+            .init(),
+    }
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -1866,3 +1866,55 @@ fn workers_and_the_bootstrap_server_serve_metrics_that_promtool_accepts() {
         }
     }
 }
+
+/// `--log-format json` with `RUST_LOG=handoff=debug`: every log line is one JSON object,
+/// and a request's lines (its states, its transfer) carry its span: id, role, rank, peer.
+#[test]
+fn json_logs_follow_each_request_in_its_span() {
+    let (_boot, addr) = bootstrap();
+    let env = [("RUST_LOG", Some("handoff=debug"))];
+    let common = [
+        "--requests",
+        "2",
+        "--transport",
+        "tcp",
+        "--log-format",
+        "json",
+    ];
+    let mut p_args = vec!["--serve"];
+    p_args.extend_from_slice(&common);
+    let _p = worker_env("prefill", "prefill", "P", &addr, &p_args, &env);
+    let mut d_args = vec!["--prefill", "P"];
+    d_args.extend_from_slice(&common);
+    let d = worker_env("decode", "decode", "D", &addr, &d_args, &env);
+    let (_, summary) = d.ends();
+    assert_eq!(summary["done"], 2);
+    // The summary comes after the runtime stopped: every log line is written by then.
+    let log = d.stderr.lock().unwrap().clone();
+    let lines: Vec<Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    for id in ["req-0", "req-1"] {
+        let inside: Vec<&Value> = lines.iter().filter(|v| v["span"]["id"] == id).collect();
+        let states = inside
+            .iter()
+            .filter(|v| v["fields"]["message"] == "state changed")
+            .count();
+        assert!(states >= 2, "{id}: {states} state lines in its span\n{log}");
+        assert!(
+            inside
+                .iter()
+                .any(|v| v["fields"]["message"] == "transfer answered"),
+            "{id}: no transfer in its span\n{log}"
+        );
+        for v in &inside {
+            assert_eq!(v["span"]["role"], "decode", "{v}");
+            assert_eq!(v["span"]["rank"], "D/dp0tp0pp0", "{v}");
+        }
+        assert!(
+            inside.iter().any(|v| v["span"]["peer"] == "P/dp0tp0pp0"),
+            "{id}: its peer is never named\n{log}"
+        );
+    }
+}

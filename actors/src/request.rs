@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use handoff_transport::{EngineId, RequestId, Role, TransferMode};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
-use tracing::{debug, warn};
+use tracing::{debug, warn, Instrument, Span};
 
 use crate::estate::{Consignment, Deed, Estate};
 use crate::link::{Link, ResolveError, TransferError, PLANE_ANSWER_GRACE};
@@ -96,6 +96,10 @@ pub(crate) struct RequestState {
     /// Decode: the prefill engine (and dp rank) this request receives from.
     prefill: Option<(EngineId, Option<u32>)>,
     metrics: Arc<Metrics>,
+    /// `request{id, role, rank, peer}`: every log line of this actor, its transfers and its
+    /// lookups is inside it (`peer`: the first peer the request deals with).
+    span: Span,
+    peer_named: std::cell::Cell<bool>,
 }
 
 /// The actor (data-free; its state is [`RequestState`]).
@@ -116,6 +120,14 @@ impl Actor for RequestActor {
         args: RequestArgs,
     ) -> Result<RequestState, ActorProcessingErr> {
         let t = now();
+        let span = tracing::info_span!(
+            "request",
+            id = %args.id,
+            role = %args.role,
+            rank = %args.link.me(),
+            peer = tracing::field::Empty,
+        );
+        let _inside = span.clone().entered();
         let machine = match &args.kind {
             Kind::Sender => Machine::Sender(
                 SenderMachine::new(t, args.timeouts).fence_reads(args.link.one_sided()),
@@ -136,6 +148,8 @@ impl Actor for RequestActor {
             ended: false,
             prefill: None,
             metrics: args.metrics,
+            span,
+            peer_named: std::cell::Cell::new(false),
         };
         if let Kind::Receiver {
             prefill,
@@ -145,13 +159,15 @@ impl Actor for RequestActor {
         {
             state.prefill = Some((prefill.clone(), prefill_dp_rank));
             let deadline = t + args.timeouts.bootstrap;
-            state.tasks.push(spawn_resolve(
+            let resolve = spawn_resolve(
                 &myself,
                 &state.link,
                 prefill,
                 prefill_dp_rank,
                 deadline,
-            ));
+                state.span.clone(),
+            );
+            state.tasks.push(resolve);
         }
         for event in args.backlog {
             state.feed(t, event);
@@ -166,6 +182,8 @@ impl Actor for RequestActor {
         msg: RequestMsg,
         state: &mut RequestState,
     ) -> Result<(), ActorProcessingErr> {
+        // No await below: the span is entered for the whole (synchronous) handling.
+        let _inside = state.span.clone().entered();
         match msg {
             RequestMsg::Event(event) => state.feed(now(), event),
             RequestMsg::HandOver { event, blocks } => {
@@ -334,6 +352,7 @@ impl RequestState {
         let id = &self.id;
         match action {
             Action::Send { to, msg } => {
+                self.name_peer(&to);
                 self.deed.with(|e| e.add_peer(&to));
                 if let Err(e) = self.link.send(&to, id, msg) {
                     debug!(request = %id, peer = %to, error = %e, "send failed: peer lost");
@@ -349,6 +368,7 @@ impl RequestState {
                 dst,
                 deadline,
             } => {
+                self.name_peer(&to);
                 self.deed.with(|e| e.add_peer(&to));
                 let n = src.len();
                 let fut = self.link.write(id, &to, src, dst, deadline);
@@ -386,6 +406,13 @@ impl RequestState {
                 self.announce(&state);
                 self.estate(|e| e.transition(state));
             }
+        }
+    }
+
+    /// Names the request's first peer in its span.
+    fn name_peer(&self, peer: &crate::machine::Peer) {
+        if !self.peer_named.replace(true) {
+            self.span.record("peer", tracing::field::display(peer));
         }
     }
 
@@ -428,8 +455,9 @@ impl RequestState {
             };
             let took = posted.elapsed();
             metrics.transfer(transport, op, blocks, took, result.is_ok());
+            debug!(op, blocks, ?took, ok = result.is_ok(), "transfer answered");
             let _ = me.cast(RequestMsg::Event(report(result)));
-        }));
+        }.instrument(self.span.clone())));
     }
 
     /// Keeps exactly one timer armed at the machine's deadline.
@@ -457,31 +485,37 @@ fn spawn_resolve(
     prefill: EngineId,
     dp_rank: Option<u32>,
     deadline: Instant,
+    span: Span,
 ) -> JoinHandle<()> {
     let me = myself.clone();
     let link = link.clone();
     let deadline = tokio::time::Instant::from_std(deadline);
-    tokio::spawn(async move {
-        let mut backoff = RESOLVE_BACKOFF_MIN;
-        loop {
-            let event = match tokio::time::timeout_at(deadline, link.resolve(&prefill, dp_rank))
-                .await
-            {
-                Err(_) => return,
-                Ok(Ok(peers)) => ReceiverEvent::PeersResolved { peers },
-                Ok(Err(ResolveError::Fatal(reason))) => ReceiverEvent::BootstrapFailed { reason },
-                Ok(Err(ResolveError::NotReady { detail })) => {
-                    debug!(%prefill, %detail, "bootstrap not ready; asking again");
-                    if tokio::time::Instant::now() + backoff >= deadline {
-                        return;
+    tokio::spawn(
+        async move {
+            let mut backoff = RESOLVE_BACKOFF_MIN;
+            loop {
+                let event = match tokio::time::timeout_at(deadline, link.resolve(&prefill, dp_rank))
+                    .await
+                {
+                    Err(_) => return,
+                    Ok(Ok(peers)) => ReceiverEvent::PeersResolved { peers },
+                    Ok(Err(ResolveError::Fatal(reason))) => {
+                        ReceiverEvent::BootstrapFailed { reason }
                     }
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(RESOLVE_BACKOFF_MAX);
-                    continue;
-                }
-            };
-            let _ = me.cast(RequestMsg::Event(MachineEvent::Receiver(event)));
-            return;
+                    Ok(Err(ResolveError::NotReady { detail })) => {
+                        debug!(%prefill, %detail, "bootstrap not ready; asking again");
+                        if tokio::time::Instant::now() + backoff >= deadline {
+                            return;
+                        }
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(RESOLVE_BACKOFF_MAX);
+                        continue;
+                    }
+                };
+                let _ = me.cast(RequestMsg::Event(MachineEvent::Receiver(event)));
+                return;
+            }
         }
-    })
+        .instrument(span),
+    )
 }

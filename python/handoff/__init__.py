@@ -24,9 +24,11 @@ from ._runtime import (
 __version__ = _native.__version__
 
 
-def init_logging(level: str = "warn") -> bool:
-    """Logs the runtime to stderr at ``level`` (``RUST_LOG`` syntax). Call once, first."""
-    return _native.init_logging(level)
+def init_logging(level: str = "warn", json: bool = False) -> bool:
+    """Logs the runtime to stderr at ``level`` (``RUST_LOG`` syntax; ``"handoff=debug"``
+    follows every request), as text or, with ``json``, one JSON object per line carrying the
+    request's span (id, role, rank, peer). Call once, first."""
+    return _native.init_logging(level, bool(json))
 
 
 __all__ = [

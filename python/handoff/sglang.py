@@ -399,7 +399,10 @@ class HandoffKVManager(BaseKVManager):
         # Reentrant: a request may conclude (and forget itself) from an event in pump().
         self.lock = threading.RLock()
         self.requests: dict[str, HandoffKVSender | HandoffKVReceiver] = {}
-        handoff.init_logging(os.environ.get("HANDOFF_LOG", "warn"))
+        handoff.init_logging(
+            os.environ.get("HANDOFF_LOG", "warn"),
+            json=os.environ.get("HANDOFF_LOG_FORMAT", "text") == "json",
+        )
         self.runtime = handoff.Runtime(
             role=self.role,
             engine=self.engine_id,

@@ -77,6 +77,9 @@ Options (``kv_connector_extra_config``), every one optional but ``bootstrap``:
     The runtime's own log filter (``RUST_LOG`` syntax, to stderr; default the
     ``HANDOFF_LOG`` environment variable, else ``warn``). Every line names its request
     id; ``handoff_actors=debug`` shows each request's states with timestamps.
+``log_format``
+    ``text`` (default; else the ``HANDOFF_LOG_FORMAT`` environment variable) or ``json``:
+    one JSON object per line, with the request's span (id, role, rank, peer).
 ``send_delay_ms``
     Fault injection for tests: prefill hands its blocks to handoff this long after decode
     asked for them, as a slow prefill would.
@@ -448,7 +451,10 @@ class _WorkerSide:
         x = self.extra
         device = "cpu" if first.device.type == "cpu" else f"cuda:{first.device.index or 0}"
         decode = self.role == "decode"
-        handoff.init_logging(str(x.get("log", os.environ.get("HANDOFF_LOG", "warn"))))
+        handoff.init_logging(
+            str(x.get("log", os.environ.get("HANDOFF_LOG", "warn"))),
+            json=str(x.get("log_format", os.environ.get("HANDOFF_LOG_FORMAT", "text"))) == "json",
+        )
         self.runtime = handoff.Runtime(
             role=self.role,
             engine=self.engine_id,

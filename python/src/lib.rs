@@ -1053,18 +1053,22 @@ impl Drop for BootstrapServer {
     }
 }
 
-/// Logs to stderr at `level` (`RUST_LOG` syntax, e.g. `"warn"` or `"handoff_actors=debug"`).
-/// Call once, before starting runtimes; later calls do nothing.
+/// Logs to stderr at `level` (`RUST_LOG` syntax, e.g. `"warn"` or `"handoff=debug"`), as
+/// text or, with `json`, one JSON object per line with the request's span (id, role, rank,
+/// peer). Call once, before starting runtimes; later calls do nothing.
 #[pyfunction]
-#[pyo3(signature = (level="warn"))]
-fn init_logging(level: &str) -> bool {
+#[pyo3(signature = (level="warn", json=false))]
+fn init_logging(level: &str, json: bool) -> bool {
     let filter = tracing_subscriber::EnvFilter::try_new(level)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    tracing_subscriber::fmt()
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init()
-        .is_ok()
+        .with_writer(std::io::stderr);
+    if json {
+        logs.json().with_current_span(true).try_init().is_ok()
+    } else {
+        logs.try_init().is_ok()
+    }
 }
 
 /// The extension module.

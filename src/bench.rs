@@ -179,6 +179,10 @@ pub struct BenchArgs {
     /// the `--layers` sizes).
     #[arg(long, value_delimiter = ',')]
     pub block_kib: Vec<usize>,
+    /// Draw throughput against block size as an SVG: one line per transport and operation,
+    /// the references (memcpy, ucx_perftest) dashed.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<PathBuf>,
     /// Internal: run as the peer process (`tcp:<blocks>:<block bytes>` or `ucx:...`).
     #[arg(long, hide = true)]
     pub peer: Option<String>,
@@ -207,6 +211,41 @@ pub struct Point {
     pub vs_one_range: Option<f64>,
     /// A remark printed with the row.
     pub note: String,
+}
+
+impl Report {
+    /// Throughput against block size, one line per (transport, operation, ranges), the
+    /// references dashed, as an SVG.
+    pub fn chart(&self) -> String {
+        use handoff_sim::chart::{svg, Panel, Series};
+        let mut lines: Vec<Series> = Vec::new();
+        for p in &self.points {
+            let mut name = format!("{} {}", p.transport, p.op);
+            if p.ranges > 1 {
+                name.push_str(&format!(" ({} ranges)", p.ranges));
+            }
+            let point = (p.block_bytes as f64, p.gbps());
+            match lines.iter_mut().find(|s| s.name == name) {
+                Some(s) => s.points.push(point),
+                None => lines.push(Series {
+                    dashed: p.transport == self.reference || p.transport.ends_with("perftest"),
+                    name,
+                    points: vec![point],
+                }),
+            }
+        }
+        for s in &mut lines {
+            s.points.sort_by(|a, b| a.0.total_cmp(&b.0));
+        }
+        let panel = Panel {
+            title: "Throughput by block size (dashed: references)".into(),
+            x_label: "block size".into(),
+            y_label: "GB/s".into(),
+            log_x: true,
+            series: lines,
+        };
+        svg("handoff bench", &[panel])
+    }
 }
 
 impl Point {
@@ -277,6 +316,13 @@ pub async fn run(args: BenchArgs) -> ExitCode {
                     eprintln!("handoff bench: cannot write {}: {e}", path.display());
                     return ExitCode::FAILURE;
                 }
+            }
+            if let Some(path) = &args.plot {
+                if let Err(e) = std::fs::write(path, report.chart()) {
+                    eprintln!("handoff bench: cannot write {}: {e}", path.display());
+                    return ExitCode::FAILURE;
+                }
+                eprintln!("handoff bench: plot written to {}", path.display());
             }
             let failed = report.points.iter().any(|p| p.verified == Some(false));
             if failed {
@@ -408,7 +454,11 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
     } else {
         resolve_transports(&args.transport, &mut report)?
     };
-    for &block in &plan.block_sizes {
+    // A progress line on a terminal: one step per block size and transport.
+    let steps = plan.block_sizes.len() * transports.len();
+    let mut progress = handoff_sim::chart::Progress::new("bench", steps as u64, "points");
+    for (n, &block) in plan.block_sizes.iter().enumerate() {
+        progress.set((n * transports.len()) as u64);
         report.points.push(if plan.uses_cuda() {
             cuda_memcpy_point(&plan, block)?
         } else {
@@ -419,13 +469,15 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
             with_one_range_ratios_against(&mut points, report.points.last());
             report.points.extend(points);
         }
-        for &t in &transports {
+        for (k, &t) in transports.iter().enumerate() {
             let layered = plan.layered_ranges.filter(|_| t == BenchTransport::Ucx);
             report
                 .points
                 .extend(transport_points(t, &plan, block, layered).await?);
+            progress.set((n * transports.len() + k + 1) as u64);
         }
     }
+    progress.finish();
     if transports.contains(&BenchTransport::Ucx) {
         report.notes.push(if plan.same_host() {
             format!("ucx rows between host memory are same-host copies (kernel cross-memory attach, process_vm_readv/writev), as the runtime makes them with a verified peer on its host; {}=0 measures UCX's own operations", handoff_actors::net::SAME_HOST_ENV)

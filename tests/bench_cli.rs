@@ -73,9 +73,35 @@ fn check_points(report: &Value, want: &[(&str, &str)], log: &str) {
 fn host_bench_verifies_every_point_against_the_memcpy_reference() {
     let dir = tempdir();
     let json = dir.join("host.json");
-    let (out, report) = run(&["--transport", "inproc,tcp"], &json);
+    let plot = dir.join("host.svg");
+    let plot_arg = plot.to_str().expect("a UTF-8 path");
+    let (out, report) = run(&["--transport", "inproc,tcp", "--plot", plot_arg], &json);
     let log = text(&out);
     assert!(out.status.success(), "{log}");
+    // The picture: one line per transport and operation, the reference dashed.
+    let svg = std::fs::read_to_string(&plot).expect("the plot");
+    assert!(
+        svg.starts_with("<svg ") && svg.trim_end().ends_with("</svg>"),
+        "{svg}"
+    );
+    for line in [
+        "memcpy copy",
+        "inproc write",
+        "inproc read",
+        "tcp write",
+        "tcp read",
+    ] {
+        assert!(
+            svg.contains(&format!(">{line}</text>")),
+            "{line} missing:\n{svg}"
+        );
+    }
+    assert_eq!(svg.matches("<polyline").count(), 5, "{svg}");
+    assert_eq!(
+        svg.matches("stroke-dasharray").count(),
+        2,
+        "the reference's line and legend"
+    );
     let report = report.expect("a JSON report");
     assert_eq!(report["reference"], "memcpy", "{log}");
     check_points(

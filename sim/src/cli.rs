@@ -5,9 +5,11 @@
 //! `replay: HANDOFF_SIM_SEED=<n>` and exit status 1. Without `--seed`, the seed comes from
 //! `HANDOFF_SIM_SEED`, else from the wall clock (outside the simulation), and is printed.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::process::ExitCode;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
+use crate::chart::{self, Panel, Progress, Series};
 use crate::config::{DataPlane, FaultPlan, Faults, LayoutChoice, ModeChoice, SimConfig};
 use crate::report::Report;
 use crate::{simulate, SimError};
@@ -88,6 +90,11 @@ pub struct SimArgs {
     /// Run the scale benchmark instead (growing clusters and request counts, faults off).
     #[arg(long)]
     pub bench: bool,
+    /// Draw the run as an SVG: each seed's requests done and failed (by reason), and its
+    /// latency percentiles. A progress line goes to stderr while a sweep runs, when stderr
+    /// is a terminal.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<std::path::PathBuf>,
 }
 
 /// The simulation `args` describe, for `seed`.
@@ -185,19 +192,35 @@ fn run_inner(args: &SimArgs) -> Result<bool, SimError> {
     let sweep = seeds.end - seeds.start > 1;
     let (mut passed, mut failed, mut requests) = (0u64, Vec::new(), 0u64);
     let started = Instant::now();
-    for seed in seeds {
+    let mut progress = Progress::new("sim", seeds.end - seeds.start, "seeds");
+    let mut plotted = Vec::new();
+    for (n, seed) in seeds.enumerate() {
+        progress.set(n as u64);
         let cfg = config(args, seed)?;
         if !(args.json || sweep && args.quiet) {
             print!("{cfg}");
         }
         let report = simulate(&cfg)?;
         requests += report.requests();
+        if sweep {
+            progress.finish();
+        }
         print_report(args, &report, sweep);
+        if args.plot.is_some() {
+            plotted.push(Plotted::of(&report));
+        }
         if report.ok() {
             passed += 1;
         } else {
             failed.push(seed);
         }
+    }
+    progress.finish();
+    if let Some(path) = &args.plot {
+        let svg = sweep_chart(&plotted);
+        std::fs::write(path, svg)
+            .map_err(|e| SimError::Config(format!("--plot {}: {e}", path.display())))?;
+        eprintln!("handoff sim: plot written to {}", path.display());
     }
     if sweep && !args.json {
         println!(
@@ -208,6 +231,92 @@ fn run_inner(args: &SimArgs) -> Result<bool, SimError> {
         );
     }
     Ok(failed.is_empty())
+}
+
+/// Failure reasons drawn as lines of their own in a sweep's picture (the rest are one line).
+const PLOT_REASONS_MAX: usize = 5;
+
+/// What the sweep's picture needs of one seed's report.
+struct Plotted {
+    seed: u64,
+    done: u64,
+    failed: BTreeMap<String, u64>,
+    latency: [u64; 3],
+}
+
+impl Plotted {
+    fn of(r: &Report) -> Self {
+        let mut failed = r.safety.failed.clone();
+        for (k, v) in &r.liveness.failed {
+            *failed.entry(k.clone()).or_default() += v;
+        }
+        Self {
+            seed: r.seed,
+            done: r.safety.done + r.liveness.done,
+            failed,
+            latency: [r.latency_ms.p50, r.latency_ms.p90, r.latency_ms.p99],
+        }
+    }
+}
+
+/// Outcomes per seed (done, and failed by reason) above latency per seed.
+fn sweep_chart(seeds: &[Plotted]) -> String {
+    let line = |name: &str, f: &dyn Fn(&Plotted) -> f64| Series {
+        name: name.to_string(),
+        points: seeds.iter().map(|p| (p.seed as f64, f(p))).collect(),
+        dashed: false,
+    };
+    let failed = |p: &Plotted| p.failed.values().sum::<u64>() as f64;
+    let mut outcomes = vec![line("done", &|p| p.done as f64), line("failed", &failed)];
+    // The most frequent reasons by name (one colour each), the rest together.
+    let mut totals: BTreeMap<&String, u64> = BTreeMap::new();
+    for p in seeds {
+        for (k, v) in &p.failed {
+            *totals.entry(k).or_default() += v;
+        }
+    }
+    let mut ranked: Vec<(&String, u64)> = totals.into_iter().collect();
+    ranked.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+    let named: BTreeSet<&String> = ranked.iter().take(PLOT_REASONS_MAX).map(|r| r.0).collect();
+    for (reason, _) in ranked.iter().take(PLOT_REASONS_MAX) {
+        outcomes.push(line(&format!("  {reason}"), &|p| {
+            p.failed.get(*reason).copied().unwrap_or(0) as f64
+        }));
+    }
+    if ranked.len() > PLOT_REASONS_MAX {
+        outcomes.push(line("  other reasons", &|p| {
+            let other = p.failed.iter().filter(|(k, _)| !named.contains(k));
+            other.map(|(_, v)| *v).sum::<u64>() as f64
+        }));
+    }
+    let latency = vec![
+        line("p50", &|p| p.latency[0] as f64),
+        line("p90", &|p| p.latency[1] as f64),
+        line("p99", &|p| p.latency[2] as f64),
+    ];
+    let (first, last) = (
+        seeds.first().map_or(0, |p| p.seed),
+        seeds.last().map_or(0, |p| p.seed),
+    );
+    chart::svg(
+        &format!("handoff sim, seeds {first}..={last}"),
+        &[
+            Panel {
+                title: "Requests per seed, by outcome".into(),
+                x_label: "seed".into(),
+                y_label: "requests".into(),
+                log_x: false,
+                series: outcomes,
+            },
+            Panel {
+                title: "Latency per seed (arrival to the last decode rank's Done)".into(),
+                x_label: "seed".into(),
+                y_label: "ms (virtual)".into(),
+                log_x: false,
+                series: latency,
+            },
+        ],
+    )
 }
 
 fn print_report(args: &SimArgs, report: &Report, sweep: bool) {
@@ -237,7 +346,9 @@ pub const SCALE_STEPS: [(u32, u32, u32, u64); 5] = [
 /// `requests_cap` bounds each step's requests (for quick runs).
 pub fn scale(steps: &[(u32, u32, u32, u64)], requests_cap: u64) {
     println!("workers  requests   wall_s   req_per_s  virtual_s  trace_hash        ok");
-    for &(p, d, tp, requests) in steps {
+    let mut progress = Progress::new("scale", steps.len() as u64, "steps");
+    for (n, &(p, d, tp, requests)) in steps.iter().enumerate() {
+        progress.set(n as u64);
         let mut cfg = SimConfig::new(1);
         cfg.shape.prefill_engines = p;
         cfg.shape.decode_engines = d;
@@ -247,7 +358,9 @@ pub fn scale(steps: &[(u32, u32, u32, u64)], requests_cap: u64) {
         cfg.workload.burst_max = burst_for(cfg.shape.workers());
         cfg.request_lines = false;
         let workers = cfg.shape.workers();
-        match simulate(&cfg) {
+        let result = simulate(&cfg);
+        progress.finish();
+        match result {
             Ok(r) => {
                 let wall = r.wall_ms.max(1) as f64 / 1000.0;
                 println!(

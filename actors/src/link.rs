@@ -200,7 +200,10 @@ pub trait Attach: Send + Sync + 'static {
 
 /// Where a transport delivers what arrives for one runtime. Cheap to clone.
 #[derive(Clone)]
-pub struct Inbox(pub(crate) ActorRef<RootMsg>);
+pub struct Inbox(
+    pub(crate) ActorRef<RootMsg>,
+    pub(crate) Arc<crate::metrics::Metrics>,
+);
 
 impl Inbox {
     /// Delivers a peer's control message about request `id`. False if the runtime is gone.

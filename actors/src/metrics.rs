@@ -18,6 +18,7 @@
 //! | `handoff_block_bytes` | gauge | | bytes of one local block (all of its layers): blocks × this is bytes |
 //! | `handoff_peers_lost_total` | counter | | peers declared lost (silent, restarted, unreachable) |
 //! | `handoff_messages_refused_total` | counter | `cause` | peer messages the runtime refused or dropped (`late`, `too_many_pending`, `bytes_full`, `buffer_full`, `never_opened`) |
+//! | `handoff_frames_refused_total` | counter | `cause` | control frames refused (`auth`, `oversized`, `truncated`, `version`, `unexpected`, `malformed`, `stale_incarnation`, `queue_full`) |
 //! | `handoff_bootstrap_registrations_total` | counter | `outcome` | bootstrap server: registrations by outcome |
 //! | `handoff_bootstrap_lookups_total` | counter | `outcome` | bootstrap server: lookups by outcome |
 
@@ -114,6 +115,7 @@ pub struct Metrics {
     block_bytes: Gauge,
     peers_lost: Counter,
     refused: Family<CauseLabel, Counter>,
+    frames_refused: Family<CauseLabel, Counter>,
     registrations: Family<OutcomeLabel, Counter>,
     lookups: Family<OutcomeLabel, Counter>,
     /// Prefill's and decode's [`Side`].
@@ -225,6 +227,12 @@ impl Metrics {
             "Peer messages refused or dropped, by cause",
             refused.clone(),
         );
+        let frames_refused = Family::default();
+        registry.register(
+            "frames_refused",
+            "Control frames refused, by cause",
+            frames_refused.clone(),
+        );
         let registrations = Family::default();
         registry.register(
             "bootstrap_registrations",
@@ -250,6 +258,7 @@ impl Metrics {
             block_bytes,
             peers_lost,
             refused,
+            frames_refused,
             registrations,
             lookups,
             sides: [OnceLock::new(), OnceLock::new()],
@@ -392,6 +401,14 @@ impl Metrics {
     /// A peer message refused or dropped for `cause`.
     pub(crate) fn refused(&self, cause: &'static str) {
         self.refused.get_or_create(&CauseLabel { cause }).inc();
+    }
+
+    /// A control frame refused for `cause` ([`handoff_transport::wire::WireError::cause`],
+    /// or the control loop's own).
+    pub(crate) fn frame_refused(&self, cause: &'static str) {
+        self.frames_refused
+            .get_or_create(&CauseLabel { cause })
+            .inc();
     }
 
     /// Bootstrap server: a registration ended as `outcome`.

@@ -141,7 +141,7 @@ impl Actor for RootActor {
             args.cfg.role,
             args.cfg.region.clone(),
         );
-        let inbox = Inbox(myself);
+        let inbox = Inbox(myself, args.shared.metrics.clone());
         let link: Arc<dyn Link> = match &args.cfg.transport {
             TransportChoice::InProcess(fabric) => fabric.attach(rank, role, inbox, region)?,
             TransportChoice::Custom(transport) => transport.attach(rank, role, inbox, region)?,

@@ -287,6 +287,12 @@ async fn a_peer_on_another_protocol_version_is_refused_by_name() {
         "{}",
         e.detail
     );
+    // Counted for operators, by cause.
+    let metrics = p.metrics().encode();
+    assert!(
+        metrics.contains(r#"handoff_frames_refused_total{cause="version"} 1"#),
+        "{metrics}"
+    );
     // The worker still serves a well-behaved peer.
     let mut ok = Dealer::connect(&addr, b"", T).await.unwrap();
     ok.send(vec![wire::encode(

@@ -201,6 +201,7 @@ impl Control {
             RouterEvent::Message { conn, peer, frames } => {
                 if let Err(e) = self.on_conn_message(conn, &frames) {
                     warn!(peer = %peer, error = %e, "refusing malformed control message");
+                    self.inbox.1.frame_refused(e.cause());
                     let reply = Message::ProtocolError(ProtocolError::new(e.to_string()));
                     if let Ok(bytes) = wire::encode(&reply, self.key()) {
                         let _ = self.router.send(conn, vec![bytes]);
@@ -349,6 +350,7 @@ impl Control {
         if !self.table.current(peer, incarnation) {
             let known = self.table.known_incarnation(peer);
             warn!(%peer, stale = incarnation, current = ?known, "dropping a message from an old incarnation");
+            self.inbox.1.frame_refused("stale_incarnation");
             return false;
         }
         true
@@ -516,6 +518,7 @@ impl Control {
                 };
                 if let Err(e) = result {
                     warn!(%peer, error = %e, "malformed message from a peer we dialed; dropping the connection");
+                    self.inbox.1.frame_refused(e.cause());
                     self.drop_out(&peer, generation);
                 }
             }
@@ -583,6 +586,7 @@ impl Control {
         let state = self.peers.entry(to.clone()).or_default();
         if state.queue.len() >= DIAL_QUEUE_MESSAGES_MAX {
             warn!(peer = %to, "too many messages waiting for a connection; peer treated as lost");
+            self.inbox.1.frame_refused("queue_full");
             return self.lose(to, "too many messages waiting for a connection");
         }
         state.queue.push_back(bytes);

@@ -172,6 +172,22 @@ pub enum WireError {
 }
 
 impl WireError {
+    /// A short, stable name for why a frame was refused (metrics' `cause` label): `auth`
+    /// (missing or wrong HMAC), `oversized`, `truncated`, `version`, `unexpected`, or
+    /// `malformed` for the rest.
+    pub fn cause(&self) -> &'static str {
+        match self {
+            WireError::AuthMissing | WireError::AuthMismatch => "auth",
+            WireError::Oversized { .. } | WireError::TooMany { .. } | WireError::TooLong { .. } => {
+                "oversized"
+            }
+            WireError::Incomplete { .. } | WireError::Truncated { .. } => "truncated",
+            WireError::UnsupportedVersion { .. } => "version",
+            WireError::UnexpectedMessage { .. } => "unexpected",
+            _ => "malformed",
+        }
+    }
+
     /// Names the peer the bytes came from (or were going to), for logs and failure reasons.
     pub fn with_peer(self, peer: impl Into<String>) -> PeerError {
         PeerError {

@@ -1839,6 +1839,8 @@ fn workers_and_the_bootstrap_server_serve_metrics_that_promtool_accepts() {
     assert_eq!(sample(&prefill, writes), Some(8.0), "{prefill}");
     let moved = r#"handoff_transfer_blocks_total{transport="tcp",op="write"}"#;
     assert_eq!(sample(&prefill, moved), Some(32.0), "{prefill}");
+    let bytes = r#"handoff_transfer_bytes_total{transport="tcp",op="write"}"#;
+    assert_eq!(sample(&prefill, bytes), Some(32.0 * 65536.0), "{prefill}");
     let timed = r#"handoff_transfer_seconds_count{transport="tcp",op="write"}"#;
     assert_eq!(sample(&prefill, timed), Some(8.0), "{prefill}");
     assert_eq!(

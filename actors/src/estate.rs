@@ -276,19 +276,12 @@ impl Estate {
     /// Fails the request unless it has ended already, keeping its blocks (an orphan's, until
     /// its fence bound); true if this call ended it.
     pub(crate) fn fail_holding(&mut self, reason: FailureReason) -> bool {
-        if self.state.is_terminal() {
-            return false;
+        // A live request's phase is always below `Failed`'s: `enter` takes it.
+        let entered = self.enter(State::Failed(reason));
+        if entered {
+            self.publish();
         }
-        let failed = State::Failed(reason);
-        self.metrics.moved(self.role, Some(&self.state), &failed);
-        self.state = failed;
-        self.events.push(Event::State {
-            id: self.id.clone(),
-            role: self.role,
-            state: self.state.clone(),
-        });
-        self.publish();
-        true
+        entered
     }
 
     /// The runtime is done with the request (it stopped, or the request was retired): a

@@ -14,6 +14,7 @@
 //! | `handoff_fences_pending` | gauge | `role` | ended requests whose blocks wait behind a fence |
 //! | `handoff_transfers_total` | counter | `transport`, `op`, `outcome` | data-plane transfers (`write`/`read`) that answered `ok` or `failed` |
 //! | `handoff_transfer_blocks_total` | counter | `transport`, `op` | blocks those transfers moved (ok ones) |
+//! | `handoff_transfer_bytes_total` | counter | `transport`, `op` | bytes they moved (network planes: each block's share both ranks hold) |
 //! | `handoff_transfer_seconds` | histogram | `transport`, `op` | how long each transfer took, ok or not |
 //! | `handoff_block_bytes` | gauge | | bytes of one local block (all of its layers): blocks × this is bytes |
 //! | `handoff_peers_lost_total` | counter | | peers declared lost (silent, restarted, unreachable) |
@@ -111,6 +112,7 @@ pub struct Metrics {
     fences: Family<RoleLabel, Gauge>,
     transfers: Family<TransferEnd, Counter>,
     transfer_blocks: Family<TransferLabels, Counter>,
+    transfer_bytes: Family<TransferLabels, Counter>,
     transfer_seconds: Family<TransferLabels, Histogram, fn() -> Histogram>,
     block_bytes: Gauge,
     peers_lost: Counter,
@@ -200,6 +202,12 @@ impl Metrics {
             "Blocks moved by transfers that succeeded",
             transfer_blocks.clone(),
         );
+        let transfer_bytes = Family::default();
+        registry.register(
+            "transfer_bytes",
+            "Bytes moved by transfers that succeeded",
+            transfer_bytes.clone(),
+        );
         let transfer_seconds =
             Family::<TransferLabels, Histogram, fn() -> Histogram>::new_with_constructor(
                 transfer_histogram,
@@ -254,6 +262,7 @@ impl Metrics {
             fences,
             transfers,
             transfer_blocks,
+            transfer_bytes,
             transfer_seconds,
             block_bytes,
             peers_lost,
@@ -385,6 +394,12 @@ impl Metrics {
                 .get_or_create(&labels)
                 .inc_by(blocks as u64);
         }
+    }
+
+    /// A transfer over `transport` (`op`) moved `bytes`.
+    pub(crate) fn bytes_moved(&self, transport: &'static str, op: &'static str, bytes: u64) {
+        let labels = TransferLabels { transport, op };
+        self.transfer_bytes.get_or_create(&labels).inc_by(bytes);
     }
 
     /// The local block size (bytes, all layers).

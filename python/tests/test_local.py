@@ -271,6 +271,8 @@ def test_metrics_are_served_and_count_the_requests(bootstrap):
         assert samples['handoff_blocks_released_total{role="decode",why="done"}'] == "3"
         assert samples['handoff_transfers_total{transport="tcp",op="read",outcome="ok"}'] == "3"
         assert samples["handoff_block_bytes"] == str(BLOCK_BYTES)
+        bytes_read = 'handoff_transfer_bytes_total{transport="tcp",op="read"}'
+        assert samples[bytes_read] == str(3 * BLOCK_BYTES)
         assert (
             'handoff_requests_total{role="decode",outcome="done",reason=""} 3' in d.metrics_text()
         )

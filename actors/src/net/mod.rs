@@ -307,6 +307,7 @@ impl Attach for NetTransport {
         })?;
         let (cmds, cmd_rx) = mpsc::channel(CONTROL_QUEUE_MESSAGES_MAX);
         let peer_data: PeerData = Arc::default();
+        let metrics = inbox.1.clone();
         let task = control::spawn(control::Setup {
             cfg: self.cfg.clone(),
             me: rank.clone(),
@@ -337,6 +338,7 @@ impl Attach for NetTransport {
             layout,
             data: self.data.clone(),
             task,
+            metrics,
         }))
     }
 }
@@ -353,6 +355,8 @@ struct NetLink {
     layout: KvLayout,
     data: Arc<dyn DataPlane>,
     task: tokio::task::JoinHandle<()>,
+    /// Counts the bytes each transfer moved (`handoff_transfer_bytes_total`).
+    metrics: Arc<crate::Metrics>,
 }
 
 /// The logical bytes of each block a transfer between this rank (holding `mine`) and
@@ -413,6 +417,8 @@ impl NetLink {
             Err(e) => return Box::pin(async move { Err(e) }),
         };
         let (data, id, peer) = (self.data.clone(), id.clone(), peer.clone());
+        let (metrics, op) = (self.metrics.clone(), if write { "write" } else { "read" });
+        let bytes = slice.map_or(0, |s| s.len as u64) * src.len() as u64;
         Box::pin(async move {
             let t = PlaneTransfer {
                 id: &id,
@@ -427,7 +433,11 @@ impl NetLink {
                 process,
             };
             let fut = if write { data.write(t) } else { data.read(t) };
-            fut.await
+            let result = fut.await;
+            if result.is_ok() {
+                metrics.bytes_moved(data.name(), op, bytes);
+            }
+            result
         })
     }
 }

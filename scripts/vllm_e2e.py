@@ -210,7 +210,7 @@ RUNTIME_LOG = (
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _STAMPED = re.compile(
-    r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+)Z\s+DEBUG \S+: "
+    r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+)Z\s+DEBUG (?:request\{[^}]*\}: )?\S+: "
     r"(request opened|state changed) request=(\S+) role=decode(?: state=(\w+))?"
 )
 

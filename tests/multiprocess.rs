@@ -1849,6 +1849,17 @@ fn workers_and_the_bootstrap_server_serve_metrics_that_promtool_accepts() {
         "{prefill}"
     );
 
+    // Each side has the other as its one live peer (counted at a heartbeat).
+    let deadline = Instant::now() + T;
+    let live = loop {
+        let text = scrape(&d_metrics);
+        if sample(&text, "handoff_peers_live") == Some(1.0) || Instant::now() > deadline {
+            break text;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(sample(&live, "handoff_peers_live"), Some(1.0), "{live}");
+
     let bootstrap = scrape(&boot_metrics);
     let added = r#"handoff_bootstrap_registrations_total{outcome="added"}"#;
     assert_eq!(sample(&bootstrap, added), Some(2.0), "{bootstrap}");

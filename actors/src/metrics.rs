@@ -18,6 +18,7 @@
 //! | `handoff_transfer_seconds` | histogram | `transport`, `op` | how long each transfer took, ok or not |
 //! | `handoff_block_bytes` | gauge | | bytes of one local block (all of its layers): blocks × this is bytes |
 //! | `handoff_peers_lost_total` | counter | | peers declared lost (silent, restarted, unreachable) |
+//! | `handoff_peers_live` | gauge | | peers with a live control connection (counted each heartbeat) |
 //! | `handoff_messages_refused_total` | counter | `cause` | peer messages the runtime refused or dropped (`late`, `too_many_pending`, `bytes_full`, `buffer_full`, `never_opened`) |
 //! | `handoff_frames_refused_total` | counter | `cause` | control frames refused (`auth`, `oversized`, `truncated`, `version`, `unexpected`, `malformed`, `stale_incarnation`, `queue_full`) |
 //! | `handoff_bootstrap_registrations_total` | counter | `outcome` | bootstrap server: registrations by outcome |
@@ -116,6 +117,7 @@ pub struct Metrics {
     transfer_seconds: Family<TransferLabels, Histogram, fn() -> Histogram>,
     block_bytes: Gauge,
     peers_lost: Counter,
+    peers_live: Gauge,
     refused: Family<CauseLabel, Counter>,
     frames_refused: Family<CauseLabel, Counter>,
     registrations: Family<OutcomeLabel, Counter>,
@@ -229,6 +231,12 @@ impl Metrics {
             "Peers declared lost (silent, restarted or unreachable)",
             peers_lost.clone(),
         );
+        let peers_live = Gauge::default();
+        registry.register(
+            "peers_live",
+            "Peers with a live control connection, counted each heartbeat",
+            peers_live.clone(),
+        );
         let refused = Family::default();
         registry.register(
             "messages_refused",
@@ -266,6 +274,7 @@ impl Metrics {
             transfer_seconds,
             block_bytes,
             peers_lost,
+            peers_live,
             refused,
             frames_refused,
             registrations,
@@ -411,6 +420,11 @@ impl Metrics {
     /// A peer was declared lost.
     pub(crate) fn peer_lost(&self) {
         self.peers_lost.inc();
+    }
+
+    /// `n` peers have a live control connection now.
+    pub(crate) fn set_peers_live(&self, n: usize) {
+        self.peers_live.set(i64::try_from(n).unwrap_or(i64::MAX));
     }
 
     /// A peer message refused or dropped for `cause`.

@@ -730,6 +730,7 @@ impl Control {
             .filter(|(_, s)| s.connected())
             .map(|(p, _)| p.clone())
             .collect();
+        self.inbox.1.set_peers_live(peers.len());
         let lease_ms = self.loss_timeout_ms();
         for peer in peers {
             let (seq, echo) = self.table.beat(&peer, std::time::Instant::now());

@@ -8,13 +8,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use handoff::actors::bootstrap::{serve, BootstrapClient, ClientConfig, ServerConfig};
-use handoff::actors::net::tcp::TcpDataPlane;
-use handoff::actors::net::{NetConfig, NetTransport};
 use handoff::actors::{
     BlockId, EngineId, RankInfo, ReceiverSpec, Region, RequestId, Role, Runtime, State,
     TransportChoice,
 };
+use handoff::bootstrap::{serve, BootstrapClient, ClientConfig, ServerConfig};
+use handoff::net::tcp::TcpDataPlane;
+use handoff::net::{NetConfig, NetTransport};
 
 const BLOCKS: u32 = 16;
 const BLOCK_BYTES: usize = 64 * 1024;

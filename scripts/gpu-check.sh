@@ -28,7 +28,7 @@ prepare() {
     built=$(cargo test --release --no-run --message-format=json \
         -p handoff-gpu --test cuda \
         -p handoff-transport --test data_ucx_cuda \
-        -p handoff --test bench_cli --test multiprocess 2>/dev/null |
+        -p handoff-cli --test bench_cli --test multiprocess 2>/dev/null |
         python3 -c '
 import json, sys
 for line in sys.stdin:

@@ -228,7 +228,7 @@ def start_server(args, name: str, backend: str, mode: str, cpu, env=None, extra=
     full_env = {
         "HANDOFF_BOOTSTRAP": f"tcp://127.0.0.1:{args.bootstrap_port}",
         # Says in the servers' logs whether peers copy directly (same-host copies).
-        "HANDOFF_LOG": os.environ.get("HANDOFF_E2E_LOG", "warn,handoff_actors::net::control=info"),
+        "HANDOFF_LOG": os.environ.get("HANDOFF_E2E_LOG", "warn,handoff_net::control=info"),
     }
     if backend == "handoff":
         full_env["HANDOFF_TRANSPORT"] = args.transport

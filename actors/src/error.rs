@@ -42,6 +42,16 @@ pub enum Error {
         /// The blocks the call tried to hand over, still the caller's.
         blocks: Vec<BlockId>,
     },
+    /// The same block was named twice in one hand-over; the blocks were not taken.
+    #[error("request {id}: block {block} is named twice; {} blocks returned to the caller", blocks.len())]
+    DuplicateBlock {
+        /// The request.
+        id: RequestId,
+        /// The first block named twice.
+        block: BlockId,
+        /// The blocks the call tried to hand over, still the caller's.
+        blocks: Vec<BlockId>,
+    },
     /// The blocks were handed over already (`send` or `allocate` called twice).
     #[error("request {0}: blocks were already handed over")]
     AlreadyHandedOver(RequestId),

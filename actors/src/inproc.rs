@@ -15,8 +15,8 @@ use crate::link::{
     Attach, Inbox, Link, LinkError, ResolveError, ResolveFuture, TransferError, TransferFuture,
 };
 use crate::machine::{Peer, PeerMessage};
-use crate::net::data::{Access, GrantTable};
 use crate::Error;
+use handoff_transport::data::{Access, GrantTable};
 
 struct Node {
     role: Role,

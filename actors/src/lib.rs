@@ -17,24 +17,19 @@
 //! - [`metrics`]: Prometheus metrics of the runtime and the bootstrap server, and their
 //!   HTTP endpoint.
 //! - [`link`]: what the runtime needs from a transport; [`inproc`]: the in-process one.
-//! - [`net`]: the network transport: control channels over ZMTP, heartbeats, data-plane hooks.
-//! - [`exposure`]: secure by default on a network (a secret or `--insecure` off loopback),
-//!   the secret from a file or the environment, the advertised host.
 //! - [`config`]: configuration and named limits; [`Error`]: the API's errors.
-//! - [`bootstrap`]: the bootstrap server (registry actor), its client, and the
-//!   `handoff bootstrap [status]` functions.
+//!
+//! The network transport (`handoff-net`) and the bootstrap service (`handoff-bootstrap`)
+//! are crates of their own, built on this one's [`link`].
 
-pub mod bootstrap;
 pub mod config;
 mod error;
 mod estate;
 pub mod event;
-pub mod exposure;
 pub mod inproc;
 pub mod link;
 pub mod machine;
 pub mod metrics;
-pub mod net;
 mod request;
 pub mod router;
 pub mod runtime;
@@ -49,5 +44,5 @@ pub use handoff_transport::{
 pub use inproc::Fabric;
 pub use link::{Attach, Inbox, Link};
 pub use machine::{merge, merge_all, State, Timeouts};
-pub use metrics::{serve_metrics, Metrics, MetricsServer};
+pub use metrics::Metrics;
 pub use runtime::{ReceiverHandle, ReceiverSpec, Runtime, RuntimeBuilder, SenderHandle};

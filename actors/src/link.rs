@@ -222,6 +222,11 @@ impl Inbox {
     pub fn peer_lost(&self, peer: Peer) -> bool {
         self.0.cast(RootMsg::PeerLost { peer }).is_ok()
     }
+
+    /// The runtime's metrics, for what the transport counts (frames refused, peers).
+    pub fn metrics(&self) -> &Arc<crate::metrics::Metrics> {
+        &self.1
+    }
 }
 
 /// The prefill ranks a decode rank receives from, out of an engine's registered ranks:

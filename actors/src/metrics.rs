@@ -1,5 +1,5 @@
-//! Prometheus metrics of a worker's runtime and of the bootstrap server, and the HTTP
-//! endpoint that serves them (`--metrics-listen HOST:PORT`, `GET /metrics`).
+//! Prometheus metrics of a worker's runtime, served at `--metrics-listen HOST:PORT`
+//! (`GET /metrics`).
 //!
 //! Every runtime records into a [`Metrics`] (its own, or one given to
 //! [`crate::RuntimeBuilder::metrics`] to share); recording is a few atomic adds, so it is
@@ -21,10 +21,10 @@
 //! | `handoff_peers_live` | gauge | | peers with a live control connection (counted each heartbeat) |
 //! | `handoff_messages_refused_total` | counter | `cause` | peer messages the runtime refused or dropped (`late`, `too_many_pending`, `bytes_full`, `buffer_full`, `never_opened`) |
 //! | `handoff_frames_refused_total` | counter | `cause` | control frames refused (`auth`, `oversized`, `truncated`, `version`, `unexpected`, `malformed`, `stale_incarnation`, `queue_full`) |
-//! | `handoff_bootstrap_registrations_total` | counter | `outcome` | bootstrap server: registrations by outcome |
-//! | `handoff_bootstrap_lookups_total` | counter | `outcome` | bootstrap server: lookups by outcome |
+//!
+//! The bootstrap server has its own (`handoff_bootstrap::BootstrapMetrics`); both are
+//! served by `handoff_transport::exposition::serve_metrics`.
 
-use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -34,22 +34,10 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
-use tokio::task::JoinHandle;
-use tracing::{debug, info, warn};
 
 use crate::event::ReleaseReason;
 use crate::machine::State;
 use handoff_transport::Role;
-
-/// Bytes of an HTTP request head the endpoint reads at most (a scrape's is ~200).
-pub const METRICS_REQUEST_BYTES_MAX: usize = 8 << 10;
-/// How long a scraper has to send its request and take the answer.
-pub const METRICS_IO_TIMEOUT: Duration = Duration::from_secs(5);
-/// Scrapes served at once; more wait for one to end.
-pub const METRICS_CONNECTIONS_MAX: usize = 16;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct EndLabels {
@@ -93,11 +81,6 @@ struct CauseLabel {
     cause: &'static str,
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct OutcomeLabel {
-    outcome: &'static str,
-}
-
 fn transfer_histogram() -> Histogram {
     // 50 µs .. ~1.6 s, doubling: a block on loopback to a whole request over a slow link.
     Histogram::new(exponential_buckets(50e-6, 2.0, 16))
@@ -120,8 +103,6 @@ pub struct Metrics {
     peers_live: Gauge,
     refused: Family<CauseLabel, Counter>,
     frames_refused: Family<CauseLabel, Counter>,
-    registrations: Family<OutcomeLabel, Counter>,
-    lookups: Family<OutcomeLabel, Counter>,
     /// Prefill's and decode's [`Side`].
     sides: [OnceLock<Side>; 2],
 }
@@ -135,8 +116,17 @@ impl std::fmt::Debug for Metrics {
 /// The live states, as `state` labels, in [`live_index`] order.
 const LIVE_STATES: [&str; 3] = ["bootstrapping", "waiting_for_input", "transferring"];
 
-/// Every `ReleaseReason::as_str`, in [`Side::released`] order.
+/// Every `ReleaseReason::as_str`, in [`release_index`] order.
 const RELEASE_WHYS: [&str; 4] = ["done", "failed", "late", "shutdown"];
+
+fn release_index(why: &ReleaseReason) -> usize {
+    match why {
+        ReleaseReason::Done => 0,
+        ReleaseReason::Failed { .. } => 1,
+        ReleaseReason::Late => 2,
+        ReleaseReason::Shutdown => 3,
+    }
+}
 
 fn live_index(state: &State) -> Option<usize> {
     match state {
@@ -249,18 +239,6 @@ impl Metrics {
             "Control frames refused, by cause",
             frames_refused.clone(),
         );
-        let registrations = Family::default();
-        registry.register(
-            "bootstrap_registrations",
-            "Bootstrap server: worker registrations, by outcome",
-            registrations.clone(),
-        );
-        let lookups = Family::default();
-        registry.register(
-            "bootstrap_lookups",
-            "Bootstrap server: lookups, by outcome",
-            lookups.clone(),
-        );
         Arc::new(Self {
             registry,
             requests,
@@ -277,8 +255,6 @@ impl Metrics {
             peers_live,
             refused,
             frames_refused,
-            registrations,
-            lookups,
             sides: [OnceLock::new(), OnceLock::new()],
         })
     }
@@ -324,7 +300,7 @@ impl Metrics {
     }
 
     /// A request of `r` entered `to` (from `from`, `None` when it was just opened).
-    pub(crate) fn moved(&self, r: Role, from: Option<&State>, to: &State) {
+    pub fn moved(&self, r: Role, from: Option<&State>, to: &State) {
         let side = self.side(r);
         if let Some(i) = from.and_then(live_index) {
             side.open[i].dec();
@@ -350,25 +326,21 @@ impl Metrics {
     }
 
     /// `n` blocks handed over to a request of `r` are held from now.
-    pub(crate) fn held(&self, r: Role, n: usize) {
+    pub fn held(&self, r: Role, n: usize) {
         self.side(r).held.inc_by(n as i64);
     }
 
     /// `n` blocks of a request of `r` go back for `why`; `held` of them were held.
-    pub(crate) fn released(&self, r: Role, n: usize, held: usize, why: &ReleaseReason) {
+    pub fn released(&self, r: Role, n: usize, held: usize, why: &ReleaseReason) {
         let side = self.side(r);
-        let i = RELEASE_WHYS
-            .iter()
-            .position(|w| *w == why.as_str())
-            .unwrap_or(0);
-        side.released[i].inc_by(n as u64);
+        side.released[release_index(why)].inc_by(n as u64);
         if held > 0 {
             side.held.dec_by(held as i64);
         }
     }
 
     /// A request of `r` started (`true`) or stopped (`false`) waiting behind a fence.
-    pub(crate) fn fenced(&self, r: Role, pending: bool) {
+    pub fn fenced(&self, r: Role, pending: bool) {
         let gauge = &self.side(r).fences;
         if pending {
             gauge.inc();
@@ -379,7 +351,7 @@ impl Metrics {
 
     /// A transfer over `transport` (`op`: `write` or `read`) of `blocks` answered after
     /// `took`, ok or not.
-    pub(crate) fn transfer(
+    pub fn transfer(
         &self,
         transport: &'static str,
         op: &'static str,
@@ -406,145 +378,43 @@ impl Metrics {
     }
 
     /// A transfer over `transport` (`op`) moved `bytes`.
-    pub(crate) fn bytes_moved(&self, transport: &'static str, op: &'static str, bytes: u64) {
+    pub fn bytes_moved(&self, transport: &'static str, op: &'static str, bytes: u64) {
         let labels = TransferLabels { transport, op };
         self.transfer_bytes.get_or_create(&labels).inc_by(bytes);
     }
 
     /// The local block size (bytes, all layers).
-    pub(crate) fn set_block_bytes(&self, bytes: usize) {
+    pub fn set_block_bytes(&self, bytes: usize) {
         self.block_bytes
             .set(i64::try_from(bytes).unwrap_or(i64::MAX));
     }
 
     /// A peer was declared lost.
-    pub(crate) fn peer_lost(&self) {
+    pub fn peer_lost(&self) {
         self.peers_lost.inc();
     }
 
     /// `n` peers have a live control connection now.
-    pub(crate) fn set_peers_live(&self, n: usize) {
+    pub fn set_peers_live(&self, n: usize) {
         self.peers_live.set(i64::try_from(n).unwrap_or(i64::MAX));
     }
 
     /// A peer message refused or dropped for `cause`.
-    pub(crate) fn refused(&self, cause: &'static str) {
+    pub fn refused(&self, cause: &'static str) {
         self.refused.get_or_create(&CauseLabel { cause }).inc();
     }
 
     /// A control frame refused for `cause` ([`handoff_transport::wire::WireError::cause`],
     /// or the control loop's own).
-    pub(crate) fn frame_refused(&self, cause: &'static str) {
+    pub fn frame_refused(&self, cause: &'static str) {
         self.frames_refused
             .get_or_create(&CauseLabel { cause })
             .inc();
     }
-
-    /// Bootstrap server: a registration ended as `outcome`.
-    pub(crate) fn registration(&self, outcome: &'static str) {
-        self.registrations
-            .get_or_create(&OutcomeLabel { outcome })
-            .inc();
-    }
-
-    /// Bootstrap server: a lookup ended as `outcome`.
-    pub(crate) fn lookup(&self, outcome: &'static str) {
-        self.lookups.get_or_create(&OutcomeLabel { outcome }).inc();
-    }
 }
 
-/// The HTTP endpoint serving one [`Metrics`]: stops when dropped.
-#[derive(Debug)]
-pub struct MetricsServer {
-    addr: SocketAddr,
-    task: JoinHandle<()>,
-}
-
-impl MetricsServer {
-    /// Where it listens (the port chosen, when asked for port 0).
-    pub fn local_addr(&self) -> SocketAddr {
-        self.addr
+impl handoff_transport::exposition::Exposition for Metrics {
+    fn encode(&self) -> String {
+        Metrics::encode(self)
     }
-}
-
-impl Drop for MetricsServer {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-/// Serves `metrics` at `http://listen/metrics` (`HOST:PORT`; port 0 picks one) on the
-/// current tokio runtime, until the returned server is dropped. Each scrape has
-/// [`METRICS_IO_TIMEOUT`] to send at most [`METRICS_REQUEST_BYTES_MAX`] bytes of request
-/// head and read the answer; at most [`METRICS_CONNECTIONS_MAX`] are served at once.
-///
-/// # Errors
-/// The listener could not bind `listen`.
-pub async fn serve_metrics(listen: &str, metrics: Arc<Metrics>) -> std::io::Result<MetricsServer> {
-    let listener = TcpListener::bind(listen).await?;
-    let addr = listener.local_addr()?;
-    info!(%addr, "metrics at http://{addr}/metrics");
-    let slots = Arc::new(Semaphore::new(METRICS_CONNECTIONS_MAX));
-    let task = tokio::spawn(async move {
-        loop {
-            let Ok(permit) = slots.clone().acquire_owned().await else {
-                return;
-            };
-            let (stream, peer) = match listener.accept().await {
-                Ok(accepted) => accepted,
-                Err(e) => {
-                    warn!(error = %e, "metrics: accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            };
-            let metrics = metrics.clone();
-            tokio::spawn(async move {
-                let served = tokio::time::timeout(METRICS_IO_TIMEOUT, scrape(stream, &metrics));
-                match served.await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => debug!(%peer, error = %e, "metrics: scrape failed"),
-                    Err(_) => debug!(%peer, "metrics: scrape timed out"),
-                }
-                drop(permit);
-            });
-        }
-    });
-    Ok(MetricsServer { addr, task })
-}
-
-/// Answers one HTTP/1.x request on `stream`, then closes it.
-async fn scrape(mut stream: TcpStream, metrics: &Metrics) -> std::io::Result<()> {
-    let mut head = Vec::with_capacity(512);
-    let mut buf = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-        if head.len() >= METRICS_REQUEST_BYTES_MAX {
-            return respond(&mut stream, "431 Request Header Fields Too Large", "").await;
-        }
-        let n = stream.read(&mut buf).await?;
-        if n == 0 {
-            return Ok(());
-        }
-        head.extend_from_slice(&buf[..n]);
-    }
-    let line = head.split(|b| *b == b'\r').next().unwrap_or_default();
-    let mut parts = line.split(|b| *b == b' ');
-    let (method, path) = (parts.next(), parts.next());
-    match (method, path) {
-        (Some(b"GET"), Some(b"/metrics")) => {
-            respond(&mut stream, "200 OK", &metrics.encode()).await
-        }
-        (Some(b"GET"), _) => respond(&mut stream, "404 Not Found", "see /metrics\n").await,
-        _ => respond(&mut stream, "405 Method Not Allowed", "").await,
-    }
-}
-
-async fn respond(stream: &mut TcpStream, status: &str, body: &str) -> std::io::Result<()> {
-    let head = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    stream.write_all(head.as_bytes()).await?;
-    stream.write_all(body.as_bytes()).await?;
-    stream.shutdown().await
 }

@@ -699,8 +699,7 @@ impl Runtime {
             root: self.root.clone(),
             region: self.cfg.region.clone(),
             role: self.cfg.role,
-            events: self.shared.events.clone(),
-            metrics: self.shared.metrics.clone(),
+            shared: self.shared.clone(),
         })
     }
 
@@ -760,7 +759,8 @@ impl Runtime {
     /// Stops the runtime: every live request fails with `Internal("runtime stopped")`, its
     /// blocks are released, and the runtime leaves its transport.
     pub async fn shutdown(&self) {
-        self.shared.events.stop();
+        // The root's `post_stop` marks the event queue stopping, before the mailbox (and any
+        // consignment in it) is dropped.
         self.root.stop(Some("shutdown".into()));
         let join = self.join.lock().unwrap_or_else(|e| e.into_inner()).take();
         // The root closed every request it knew; those whose `Open` it never handled were
@@ -769,6 +769,14 @@ impl Runtime {
             let _ = join.await;
         }
     }
+}
+
+/// A block id named twice in `blocks`, if any: given back twice, it would be freed twice by
+/// the engine.
+fn first_duplicate(blocks: &[BlockId]) -> Option<BlockId> {
+    let mut sorted = blocks.to_vec();
+    sorted.sort_unstable();
+    sorted.windows(2).find(|w| w[0] == w[1]).map(|w| w[0])
 }
 
 /// What both handles share: the request's published view, and whether the engine handed
@@ -781,13 +789,16 @@ struct Handle {
     root: ActorRef<RootMsg>,
     region: Arc<Region>,
     role: Role,
-    events: Arc<EventQueue>,
-    metrics: Arc<Metrics>,
+    shared: Arc<Shared>,
 }
 
 impl Handle {
     fn hand_over(&self, blocks: Vec<BlockId>, aux: Vec<u8>) -> Result<(), Error> {
         self.region.check_blocks(&blocks)?;
+        if let Some(block) = first_duplicate(&blocks) {
+            let id = self.id.clone();
+            return Err(Error::DuplicateBlock { id, block, blocks });
+        }
         if aux.len() > AUX_BYTES_MAX {
             return Err(Error::AuxTooLarge {
                 len: aux.len(),
@@ -805,8 +816,14 @@ impl Handle {
         // From here the blocks are the runtime's: the request's owner takes them, or, if the
         // request ended meanwhile (or the runtime stopped), they come back as `Late`.
         let id = self.id.clone();
-        let (events, metrics) = (self.events.clone(), self.metrics.clone());
-        let blocks = Consignment::new(id.clone(), self.role, blocks, events, metrics);
+        let (events, metrics) = (&self.shared.events, &self.shared.metrics);
+        let blocks = Consignment::new(
+            id.clone(),
+            self.role,
+            blocks,
+            events.clone(),
+            metrics.clone(),
+        );
         let _ = self.root.cast(RootMsg::HandOver { id, blocks, aux });
         Ok(())
     }

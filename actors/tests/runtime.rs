@@ -618,6 +618,13 @@ async fn bad_engine_calls_are_named_errors() {
     let s = p.sender("a").unwrap();
     assert!(matches!(p.sender("a"), Err(Error::DuplicateRequest(_))));
     assert!(matches!(s.send(vec![BlockId(8)]), Err(Error::Region(_))));
+    // A block named twice would come back twice (and be freed twice by the engine).
+    match s.send(vec![BlockId(2), BlockId(1), BlockId(2)]) {
+        Err(Error::DuplicateBlock { block, blocks, .. }) => {
+            assert_eq!((block, blocks.len()), (BlockId(2), 3));
+        }
+        other => panic!("expected DuplicateBlock, got {other:?}"),
+    }
     s.send(vec![BlockId(1)]).unwrap();
     assert!(matches!(
         s.send(vec![BlockId(2)]),

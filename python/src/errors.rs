@@ -7,8 +7,8 @@
 //! `.reason` and `.detail`. The Python objects are made only here, with the GIL held; code
 //! running without it returns a [`Failure`].
 
-use handoff_actors::net::NetError;
 use handoff_actors::{Error, FailureReason, RegionError};
+use handoff_net::NetError;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
@@ -53,7 +53,7 @@ impl Failure {
             Error::WrongRole(_) => "wrong_role",
             Error::RequestEnded { .. } => "request_ended",
             Error::AlreadyHandedOver(_) => "already_handed_over",
-            Error::AuxTooLarge { .. } => "invalid_argument",
+            Error::AuxTooLarge { .. } | Error::DuplicateBlock { .. } => "invalid_argument",
             Error::Region(r) => region_kind(r),
         };
         Failure::new(kind, e.to_string())

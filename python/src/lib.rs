@@ -21,15 +21,15 @@ mod memory;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use handoff_actors::bootstrap::{self, ServerConfig};
-use handoff_actors::net::engine::{
-    HEARTBEATS_MISSED_MAX, HEARTBEATS_MISSED_MIN, HEARTBEAT_INTERVAL_MAX, HEARTBEAT_INTERVAL_MIN,
-};
-use handoff_actors::net::{start_engine_runtime, DataTransport, EngineOptions};
 use handoff_actors::{
     BlockId, EngineId, Event, RankInfo, ReceiverSpec, RequestId, Role, State, Timeouts,
     TransferMode,
 };
+use handoff_bootstrap::{self as bootstrap, ServerConfig};
+use handoff_net::engine::{
+    HEARTBEATS_MISSED_MAX, HEARTBEATS_MISSED_MIN, HEARTBEAT_INTERVAL_MAX, HEARTBEAT_INTERVAL_MIN,
+};
+use handoff_net::{start_engine_runtime, DataTransport, EngineOptions};
 use handoff_transport::wire::limits::{ENGINE_ID_BYTES_MAX, REQUEST_ID_BYTES_MAX};
 use pyo3::exceptions::PyOverflowError;
 use pyo3::prelude::*;
@@ -393,7 +393,7 @@ struct Runtime {
     /// The runtime's metrics, and their HTTP endpoint when `metrics_listen` asked for one
     /// (served until this object goes, shutdown or not).
     metrics: Arc<handoff_actors::Metrics>,
-    metrics_server: Option<handoff_actors::MetricsServer>,
+    metrics_server: Option<handoff_transport::exposition::MetricsServer>,
 }
 
 /// Arguments of [`Runtime::new`] past who the worker is (all keyword-only in Python).
@@ -466,7 +466,7 @@ fn settings(
         }
     };
     let [bootstrap_s, waiting_s, transfer_s, pull_ttl_s, register_s] = timeouts;
-    let key = handoff_actors::exposure::resolve_key(secret_file.as_deref())
+    let key = handoff_bootstrap::exposure::resolve_key(secret_file.as_deref())
         .map_err(|e| Failure::invalid(e.to_string()))?;
     if admission == Some(0) {
         return Err(Failure::invalid("admission must be at least 1 (or None)"));
@@ -622,7 +622,7 @@ impl Runtime {
         let metrics_server = match metrics_listen {
             None => None,
             Some(listen) => {
-                let serve = handoff_actors::serve_metrics(&listen, metrics.clone());
+                let serve = handoff_transport::exposition::serve_metrics(&listen, metrics.clone());
                 match block_on(py, &tokio, start_timeout, serve)? {
                     Some(Ok(server)) => Some(server),
                     Some(Err(e)) => {
@@ -640,10 +640,7 @@ impl Runtime {
             py,
             &tokio,
             start_timeout,
-            start_engine_runtime(
-                opts,
-                handoff_actors::net::WorkerMemory::Engine(Arc::new(region)),
-            ),
+            start_engine_runtime(opts, handoff_net::WorkerMemory::Engine(Arc::new(region))),
         )?;
         let engine = match started {
             Some(Ok(engine)) => engine,
@@ -982,7 +979,7 @@ impl BootstrapServer {
     ) -> PyResult<BootstrapServer> {
         let make = || -> NativeResult<ServerConfig> {
             let mut cfg = ServerConfig::new(listen).with_insecure(insecure);
-            let key = handoff_actors::exposure::resolve_key(secret_file.as_deref())
+            let key = handoff_bootstrap::exposure::resolve_key(secret_file.as_deref())
                 .map_err(|e| Failure::invalid(e.to_string()))?;
             if let Some(key) = key {
                 cfg = cfg.with_key(key);

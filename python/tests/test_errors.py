@@ -57,6 +57,8 @@ def test_wrong_calls_are_named(prefill, decode):
     s = prefill.sender("one")
     with pytest.raises(handoff.DuplicateRequest):
         prefill.sender("one")
+    with pytest.raises(handoff.InvalidInput, match="named twice"):
+        s.send([1, 3, 1])
     s.send([1])
     with pytest.raises(handoff.AlreadyHandedOver):
         s.send([2])

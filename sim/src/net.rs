@@ -26,18 +26,18 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use handoff_actors::bootstrap::registry::{Origin, RegisterOutcome, Registry};
-use handoff_actors::bootstrap::{QueryAnswer, WorkerRecord};
 use handoff_actors::link::{
     select_prefill_peers, Attach, Inbox, Link, LinkError, ResolveError, ResolveFuture,
     TransferError, TransferFuture,
 };
 use handoff_actors::machine::{Peer, PeerMessage};
-use handoff_actors::net::data::{Access, GrantTable};
 use handoff_actors::{
     BlockId, BlockSlice, EngineId, Error as ActorError, FailureReason, RankInfo, Region, RequestId,
     Role,
 };
+use handoff_bootstrap::registry::{Origin, RegisterOutcome, Registry};
+use handoff_bootstrap::{QueryAnswer, WorkerRecord};
+use handoff_transport::data::{Access, GrantTable};
 use handoff_transport::zmtp::ConnId;
 use handoff_transport::Rank;
 use tokio::sync::{oneshot, Notify};

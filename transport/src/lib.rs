@@ -17,14 +17,16 @@
 //! - [`noise`]: Noise sessions (fresh keys per connection, sequence-bound frames).
 //! - [`zmtp`]: ZeroMQ's wire protocol (ZMTP 3.1), bounded: ROUTER and DEALER sockets.
 //! - [`ucx`]: our bindings to libucp (loaded at run time) and the batched RMA transfer.
-//! - [`data`]: the data plane's shared vocabulary ([`data::Grants`], [`data::DataError`]),
+//! - [`data`]: the data plane's shared vocabulary ([`data::Grants`], [`data::GrantTable`], [`data::DataError`]),
 //!   transfer planning, and the UCX data plane ([`data::UcxDataPlane`]).
 //! - [`tcp`]: the TCP data transport ([`tcp::DataServer`], [`tcp::DataClient`]).
+//! - [`exposition`]: the HTTP endpoint serving Prometheus metrics ([`exposition::serve_metrics`]).
 
 mod admission;
 pub mod auth;
 pub mod codec;
 pub mod data;
+pub mod exposition;
 pub mod layout;
 pub mod lease;
 pub mod noise;

@@ -22,12 +22,14 @@
 //! # Layout
 //! - this module: [`DataError`], [`Access`], [`Grants`], [`GrantError`], [`AllowAll`],
 //!   [`RefusalCode`].
+//! - [`grants`]: [`GrantTable`], a worker's grants by request (the runtime's [`Grants`]).
 //! - [`plan`]: block lists to coalesced, size-bounded operations.
 //! - [`ucx`]: [`UcxDataPlane`] and its descriptor [`UcxPeer`].
 //!
 //! [`Region`]: crate::region::Region
 //! [`RegionDescriptor`]: crate::wire::RegionDescriptor
 
+pub mod grants;
 pub mod plan;
 pub mod ucx;
 
@@ -38,6 +40,7 @@ use crate::region::RegionError;
 use crate::types::{BlockId, RankInfo, RequestId};
 use crate::ucx::UcxError;
 
+pub use grants::GrantTable;
 pub use ucx::{UcxDataPlane, UcxPeer, UcxPlaneOptions, UcxRange};
 
 /// Most blocks one transfer call may list: the wire protocol's bound on the blocks of one

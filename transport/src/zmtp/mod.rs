@@ -44,7 +44,7 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Connections one [`Router`] accepts at once: far more workers than one engine has, few
 /// enough that a flood of idle connections cannot exhaust file descriptors (the process
 /// raises its open-file soft limit to the hard limit at start; see
-/// `handoff_actors::exposure::raise_open_files`). Worst case per connection: its queues
+/// `handoff_bootstrap::exposure::raise_open_files`). Worst case per connection: its queues
 /// below, plus one frame being read (growing with the bytes that arrive).
 pub const CONNECTIONS_MAX: usize = 1024;
 

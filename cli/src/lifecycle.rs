@@ -1,0 +1,179 @@
+//! The full request lifecycle's latency, for `handoff bench`: a prefill and a decode
+//! runtime in this process on the real network transport (ZMTP control channels and the
+//! TCP or UCX data plane over loopback), peers already resolved and connected (the
+//! bootstrap answer cached), then one-block requests one after the other, each timed from
+//! opening both sides to decode's `Done`: transfer info, the write (or `Ready` and the
+//! read), `Done`, and every actor hop in between.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use handoff_actors::{
+    BlockId, EngineId, RankInfo, ReceiverSpec, Region, Role, Runtime, State, TransferMode,
+    TransportChoice,
+};
+use handoff_bootstrap::Key;
+use handoff_net::tcp::TcpDataPlane;
+use handoff_net::ucx::UcxPlane;
+use handoff_net::{DataPlane, NetConfig, NetTransport, StaticDirectory};
+
+/// Blocks each side's pool holds; requests cycle through them.
+const POOL_BLOCKS: u32 = 64;
+/// Longest one request may take before the measurement gives up on it.
+const REQUEST_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Which data plane the lifecycle runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Plane {
+    /// The TCP data plane.
+    Tcp,
+    /// The UCX data plane.
+    Ucx,
+}
+
+async fn side(
+    dir: &Arc<StaticDirectory>,
+    role: Role,
+    engine: &str,
+    plane: Plane,
+    block_bytes: usize,
+    key: Option<&Key>,
+) -> Result<Runtime, String> {
+    let rank = RankInfo::single(engine);
+    let (region, data): (Arc<Region>, Arc<dyn DataPlane>) = match plane {
+        Plane::Ucx => {
+            let p = UcxPlane::start(POOL_BLOCKS, block_bytes, &rank).map_err(|e| e.to_string())?;
+            (p.region(), Arc::new(p))
+        }
+        Plane::Tcp => {
+            let region =
+                Arc::new(Region::new(POOL_BLOCKS, block_bytes).map_err(|e| e.to_string())?);
+            let p = TcpDataPlane::bind(
+                "127.0.0.1:0",
+                None,
+                region.clone(),
+                rank.clone(),
+                key.cloned(),
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+            (region, Arc::new(p))
+        }
+    };
+    let cfg = NetConfig {
+        key: key.cloned(),
+        ..NetConfig::default()
+    };
+    let net = NetTransport::bind(cfg, rank.clone(), role, dir.clone(), data)
+        .await
+        .map_err(|e| e.to_string())?;
+    Runtime::builder(role, rank)
+        .mode(TransferMode::Push)
+        .transport(TransportChoice::Custom(Arc::new(net)))
+        .region(region)
+        .start()
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// Times `iters` one-block requests (after one warm-up request); the latencies, µs, sorted.
+/// With `key`, both sides authenticate every connection with it (Noise sessions).
+pub async fn measure(
+    plane: Plane,
+    block_bytes: usize,
+    iters: usize,
+    key: Option<&Key>,
+) -> Result<Vec<f64>, String> {
+    let dir = Arc::new(StaticDirectory::new());
+    let p = side(
+        &dir,
+        Role::Prefill,
+        "bench-prefill",
+        plane,
+        block_bytes,
+        key,
+    )
+    .await?;
+    let d = side(&dir, Role::Decode, "bench-decode", plane, block_bytes, key).await?;
+    let mut samples = Vec::with_capacity(iters);
+    for i in 0..=iters {
+        let id = format!("lat-{i}");
+        let block = vec![BlockId(i as u32 % POOL_BLOCKS)];
+        let started = Instant::now();
+        let spec = ReceiverSpec {
+            prefill: EngineId::new("bench-prefill"),
+            prefill_dp_rank: None,
+            blocks: Some(block.clone()),
+        };
+        let r = d.receiver(id.as_str(), spec).map_err(|e| e.to_string())?;
+        p.sender(id.as_str())
+            .map_err(|e| e.to_string())?
+            .send(block)
+            .map_err(|e| e.to_string())?;
+        let end = tokio::time::timeout(REQUEST_DEADLINE, r.completion())
+            .await
+            .map_err(|_| format!("request {id} took over {REQUEST_DEADLINE:?}"))?;
+        if end != State::Done {
+            return Err(format!("request {id} ended {end}"));
+        }
+        if i > 0 {
+            samples.push(started.elapsed().as_secs_f64() * 1e6);
+        }
+        // Keep the engines' event queues (and their admission counts) drained.
+        let _ = (p.drain_events(), d.drain_events());
+    }
+    p.shutdown().await;
+    d.shutdown().await;
+    samples.sort_by(f64::total_cmp);
+    Ok(samples)
+}
+
+/// Bytes of one loopback ping: the size of a small control frame.
+const PING_BYTES: usize = 64;
+
+/// The floor under the lifecycle: the round trip of a small message between two tasks of
+/// this runtime over loopback TCP (each request's transfer info and `Done` make one such
+/// round trip between the two runtimes), `iters` times after a warm-up, sorted, in µs.
+pub async fn loopback_rtt(iters: usize) -> Result<Vec<f64>, String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| format!("loopback ping: bind: {e}"))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| format!("loopback ping: {e}"))?;
+    let echo = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await?;
+        s.set_nodelay(true)?;
+        let mut buf = [0u8; PING_BYTES];
+        loop {
+            s.read_exact(&mut buf).await?;
+            s.write_all(&buf).await?;
+        }
+        #[allow(unreachable_code)]
+        Ok::<(), std::io::Error>(())
+    });
+    let result = tokio::time::timeout(REQUEST_DEADLINE, async {
+        let mut s = tokio::net::TcpStream::connect(addr).await?;
+        s.set_nodelay(true)?;
+        let mut buf = [1u8; PING_BYTES];
+        let warmup = (iters / 10).max(10);
+        let mut samples = Vec::with_capacity(iters);
+        for i in 0..warmup + iters {
+            let started = Instant::now();
+            s.write_all(&buf).await?;
+            s.read_exact(&mut buf).await?;
+            if i >= warmup {
+                samples.push(started.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+        Ok::<_, std::io::Error>(samples)
+    })
+    .await;
+    echo.abort();
+    let mut samples = result
+        .map_err(|_| format!("loopback ping took over {REQUEST_DEADLINE:?}"))?
+        .map_err(|e| format!("loopback ping: {e}"))?;
+    samples.sort_by(f64::total_cmp);
+    Ok(samples)
+}

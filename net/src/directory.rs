@@ -1,0 +1,147 @@
+//! Where a worker finds its peers: the bootstrap server in production (through its
+//! client), or a fixed list for static deployments and tests.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Mutex;
+
+use handoff_transport::wire::messages::WorkerRecord;
+use handoff_transport::{EngineId, RankInfo};
+
+use handoff_actors::link::ResolveError;
+use handoff_bootstrap::BootstrapError;
+
+/// A boxed future, as the directory's methods return.
+pub type DirectoryFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+/// The registry of workers, as the network transport uses it.
+pub trait Directory: Send + Sync + 'static {
+    /// Registers this worker (and keeps it registered). Resolves once the registration is
+    /// accepted, or with the reason it never was (naming the bootstrap address).
+    fn register(&self, record: WorkerRecord) -> DirectoryFuture<Result<(), BootstrapError>>;
+
+    /// Every worker of `engine`, once all its ranks have registered. `NotReady` while some
+    /// are missing; `Fatal` when asking again will not help.
+    fn lookup(&self, engine: &EngineId)
+        -> DirectoryFuture<Result<Vec<WorkerRecord>, ResolveError>>;
+
+    /// Forgets what is cached about `engine` (a peer of it was lost).
+    fn invalidate(&self, engine: &EngineId);
+
+    /// `peer` was lost at `incarnation`: besides forgetting its engine's cached answer,
+    /// lookups should not hand that incarnation out again.
+    fn lost(&self, peer: &RankInfo, incarnation: u64) {
+        let _ = incarnation;
+        self.invalidate(&peer.engine_id);
+    }
+}
+
+/// A directory with a fixed set of workers: every registration is kept in memory, and
+/// lookups answer from it. For static deployments (every address known in advance), and
+/// for tests of the transport without a bootstrap server.
+#[derive(Default)]
+pub struct StaticDirectory {
+    workers: Mutex<BTreeMap<EngineId, Vec<WorkerRecord>>>,
+}
+
+impl StaticDirectory {
+    /// An empty directory.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds (or replaces, by rank) a worker's record.
+    pub fn insert(&self, record: WorkerRecord) {
+        let mut workers = self.workers.lock().unwrap_or_else(|e| e.into_inner());
+        let list = workers.entry(record.rank.engine_id.clone()).or_default();
+        list.retain(|r| r.rank != record.rank);
+        list.push(record);
+    }
+}
+
+impl Directory for StaticDirectory {
+    fn register(&self, record: WorkerRecord) -> DirectoryFuture<Result<(), BootstrapError>> {
+        self.insert(record);
+        Box::pin(async { Ok(()) })
+    }
+
+    fn lookup(
+        &self,
+        engine: &EngineId,
+    ) -> DirectoryFuture<Result<Vec<WorkerRecord>, ResolveError>> {
+        let workers = self.workers.lock().unwrap_or_else(|e| e.into_inner());
+        let answer = match workers.get(engine) {
+            None => Err(ResolveError::NotReady {
+                detail: format!("no worker of {engine} registered"),
+            }),
+            Some(list) => {
+                let expected = list
+                    .first()
+                    .map_or(0, |r| r.rank.dp_size * r.rank.tp_size * r.rank.pp_size);
+                if list.len() as u32 >= expected {
+                    Ok(list.clone())
+                } else {
+                    Err(ResolveError::NotReady {
+                        detail: format!(
+                            "{} of {expected} ranks of {engine} registered",
+                            list.len()
+                        ),
+                    })
+                }
+            }
+        };
+        Box::pin(async move { answer })
+    }
+
+    fn invalidate(&self, _engine: &EngineId) {}
+}
+
+/// How long one lookup may keep retrying an unreachable or incomplete bootstrap server
+/// before it reports back: an unreachable server fails the waiting requests by name
+/// (`BootstrapUnavailable`, with the address and the last error) after this long, and an
+/// incomplete engine is asked about again by the request until its bootstrap deadline.
+pub const LOOKUP_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// How long a registration may keep retrying; [`crate::NetConfig::register_timeout`]
+/// bounds it again from outside.
+const REGISTER_DEADLINE: std::time::Duration = std::time::Duration::from_secs(300);
+
+impl Directory for handoff_bootstrap::BootstrapClient {
+    fn register(&self, record: WorkerRecord) -> DirectoryFuture<Result<(), BootstrapError>> {
+        let client = self.clone();
+        Box::pin(async move {
+            let deadline = std::time::Instant::now() + REGISTER_DEADLINE;
+            client.register(record, deadline).await
+        })
+    }
+
+    fn lookup(
+        &self,
+        engine: &EngineId,
+    ) -> DirectoryFuture<Result<Vec<WorkerRecord>, ResolveError>> {
+        let client = self.clone();
+        let engine = engine.clone();
+        Box::pin(async move {
+            use handoff_bootstrap::BootstrapError as E;
+            let deadline = std::time::Instant::now() + LOOKUP_DEADLINE;
+            match client.query(&engine, deadline).await {
+                Ok(records) => Ok(records),
+                Err(e @ (E::NotReady { .. } | E::UnknownEngine { .. })) => {
+                    Err(ResolveError::NotReady {
+                        detail: e.to_string(),
+                    })
+                }
+                Err(e) => Err(ResolveError::Fatal(e.failure_reason())),
+            }
+        })
+    }
+
+    fn invalidate(&self, engine: &EngineId) {
+        handoff_bootstrap::BootstrapClient::invalidate(self, engine);
+    }
+
+    fn lost(&self, peer: &RankInfo, incarnation: u64) {
+        self.mark_lost(peer, incarnation);
+    }
+}

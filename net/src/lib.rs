@@ -1,0 +1,562 @@
+//! The network transport: control messages between workers over ZMTP (ZeroMQ's protocol,
+//! our bounded implementation), peers found through a [`Directory`] (the bootstrap server),
+//! liveness by heartbeats, and bytes moved by a [`DataPlane`] (TCP or UCX).
+//!
+//! One [`NetTransport`] per worker process. It binds the worker's control port, registers
+//! the worker, and, once a runtime attaches, runs one control loop task that owns every
+//! connection to every peer:
+//! - peers are dialed lazily, on the first message for them, at the control address the
+//!   directory gives; every connection starts with `Hello` (protocol version, role, rank,
+//!   incarnation) and the version is checked there;
+//! - a reply goes back over whichever connection the peer is reachable on (the one it dialed
+//!   us on, or ours to it), so decode's first message is enough for prefill to answer;
+//! - heartbeats flow every `heartbeat_interval` on every connection; a peer whose
+//!   connections all close, or that is silent for `heartbeat_interval × heartbeats_missed_max`,
+//!   is lost: every request depending on it fails `PeerLost` at once, and its cached
+//!   directory entry is dropped;
+//! - a peer that comes back with a new incarnation is a new peer: the old one is lost, and
+//!   messages stamped with the old incarnation are dropped and logged;
+//! - every malformed frame is logged with the peer's address, answered with
+//!   `ProtocolError`, and costs that one connection.
+//!
+//! # Layout
+//! - `control`: the control loop.
+//! - [`directory`]: the [`Directory`] trait, [`StaticDirectory`].
+//! - [`data`]: the [`DataPlane`] trait, [`GrantTable`].
+//! - [`tcp`]: [`tcp::TcpDataPlane`], the data plane over TCP.
+//! - [`ucx`]: [`ucx::UcxPlane`], the data plane over UCX (one-sided, fenced).
+//! - [`engine`]: [`engine::start_engine_runtime`], a whole networked runtime assembled
+//!   (data plane, bootstrap client, control port, runtime): what embedders call.
+
+mod control;
+pub mod data;
+pub mod directory;
+pub mod engine;
+pub mod peers;
+pub mod tcp;
+pub mod ucx;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use handoff_transport::auth::Key;
+use handoff_transport::lease::Lease;
+use handoff_transport::same_host::PeerProcess;
+use handoff_transport::wire::messages::{LayoutDescriptor, WorkerRecord};
+use handoff_transport::zmtp::{Router, ZmtpError};
+use handoff_transport::{
+    BlockId, BlockSlice, EngineId, KvLayout, RankInfo, Region, RequestId, Role,
+};
+use tokio::sync::mpsc;
+
+pub use data::{Access, DataPlane, GrantTable, PlaneTransfer};
+pub use directory::{Directory, StaticDirectory};
+pub use engine::{start_engine_runtime, DataTransport, EngineOptions, EngineRuntime, WorkerMemory};
+pub use ucx::{same_host_copies_enabled, SAME_HOST_ENV};
+
+use handoff_actors::link::{
+    Attach, Inbox, Link, LinkError, ResolveError, ResolveFuture, TransferError, TransferFuture,
+};
+use handoff_actors::machine::{Peer, PeerMessage};
+use handoff_actors::Error;
+
+/// Default interval between heartbeats on a peer connection: NIXL's ~5 s.
+pub const HEARTBEAT_INTERVAL_DEFAULT: Duration = Duration::from_secs(5);
+
+/// Default heartbeats a peer may miss before it is lost: with the default interval, a 30 s
+/// lease (NIXL's). A closed connection is noticed at once, without waiting for this.
+pub const HEARTBEATS_MISSED_MAX_DEFAULT: u32 = 6;
+
+/// Default time to dial a peer (TCP connect, ZMTP handshake, `Hello`/`HelloAck`).
+pub const CONNECT_TIMEOUT_DEFAULT: Duration = Duration::from_secs(5);
+
+/// Default time to get the worker registered at start.
+pub const REGISTER_TIMEOUT_DEFAULT: Duration = Duration::from_secs(30);
+
+/// Control messages queued from request actors to the control loop. Request actors never
+/// wait on it; a full queue fails the send (and with it, that request).
+pub const CONTROL_QUEUE_MESSAGES_MAX: usize = 65_536;
+
+/// Messages held for one peer while it is being dialed.
+pub const DIAL_QUEUE_MESSAGES_MAX: usize = 4_096;
+
+/// How a [`NetTransport`] behaves.
+#[derive(Clone, Debug)]
+pub struct NetConfig {
+    /// Where the control port listens (`tcp://HOST:PORT`; port 0 picks one).
+    pub control_listen: String,
+    /// The host peers should dial, if not the listen host (needed when listening on 0.0.0.0).
+    pub advertise_host: Option<String>,
+    /// See [`HEARTBEAT_INTERVAL_DEFAULT`].
+    pub heartbeat_interval: Duration,
+    /// See [`HEARTBEATS_MISSED_MAX_DEFAULT`].
+    pub heartbeats_missed_max: u32,
+    /// See [`CONNECT_TIMEOUT_DEFAULT`].
+    pub connect_timeout: Duration,
+    /// See [`REGISTER_TIMEOUT_DEFAULT`].
+    pub register_timeout: Duration,
+    /// Shared secret: when set, every frame is authenticated and unauthenticated peers refused.
+    pub key: Option<Key>,
+}
+
+impl Default for NetConfig {
+    fn default() -> Self {
+        Self {
+            control_listen: "tcp://127.0.0.1:0".into(),
+            advertise_host: None,
+            heartbeat_interval: HEARTBEAT_INTERVAL_DEFAULT,
+            heartbeats_missed_max: HEARTBEATS_MISSED_MAX_DEFAULT,
+            connect_timeout: CONNECT_TIMEOUT_DEFAULT,
+            register_timeout: REGISTER_TIMEOUT_DEFAULT,
+            key: None,
+        }
+    }
+}
+
+/// Errors starting the network transport.
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    /// The control port could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: String,
+        /// Why.
+        source: ZmtpError,
+    },
+    /// The worker could not be registered before the deadline.
+    #[error("registration failed: {0}")]
+    Register(String),
+    /// No data plane could serve the worker's memory, or the chosen one failed to start.
+    #[error("data plane: {0}")]
+    DataPlane(String),
+    /// The runtime on top of the transport could not start.
+    #[error(transparent)]
+    Runtime(handoff_actors::Error),
+    /// A non-loopback address without a shared secret or an explicit `insecure` opt-out.
+    #[error(transparent)]
+    Exposed(#[from] handoff_bootstrap::exposure::Exposed),
+    /// Listening on every interface (`0.0.0.0`, `::`) without an advertised host, and no
+    /// interface could be found that reaches the bootstrap server: peers would not know
+    /// where to dial.
+    #[error("no host to advertise for {listen}: {detail}; pass an advertised host (--advertise-host, advertise_host=)")]
+    NoAdvertisedHost {
+        /// The listen address.
+        listen: String,
+        /// Why none was found.
+        detail: String,
+    },
+}
+
+/// What a peer told us about its data plane in `Hello`/`HelloAck`: where its blocks are
+/// and how to reach them, so running transfers never wait on the bootstrap server.
+#[derive(Clone, Debug)]
+pub(crate) struct PeerInfo {
+    /// Its [`DataPlane::data_descriptor`] (e.g. a UCX worker address).
+    pub(crate) data_descriptor: Vec<u8>,
+    /// Its layout as it sent it, and as checked ([`LayoutDescriptor::to_layout`]); `None`
+    /// when it sent none (a request with it then fails by name before a byte moves).
+    pub(crate) layout: Option<(LayoutDescriptor, KvLayout)>,
+    /// Our writer's lease with it on this connection (one-sided writes are posted only
+    /// while it holds): extended by the control loop when the peer proves it heard us,
+    /// revoked when we lose it.
+    pub(crate) lease: Arc<Lease>,
+    /// Its process, when the kernel shows it holds the other end of this connection on
+    /// this host and our plane copies between host memory directly
+    /// ([`DataPlane::same_host_copies`]).
+    pub(crate) process: Option<Arc<PeerProcess>>,
+}
+
+/// Peers' [`PeerInfo`], learned at connect; replaced when a peer reconnects.
+pub(crate) type PeerData = Arc<Mutex<BTreeMap<RankInfo, PeerInfo>>>;
+
+/// What the control loop is asked to do.
+pub(crate) enum Cmd {
+    Send {
+        to: Peer,
+        id: RequestId,
+        msg: PeerMessage,
+    },
+}
+
+/// One worker's network transport. Build with [`NetTransport::bind`], then hand it to the
+/// runtime as `TransportChoice::Custom(Arc::new(transport))`.
+pub struct NetTransport {
+    cfg: NetConfig,
+    rank: RankInfo,
+    role: Role,
+    incarnation: u64,
+    control_address: String,
+    directory: Arc<dyn Directory>,
+    data: Arc<dyn DataPlane>,
+    router: Mutex<Option<Router>>,
+}
+
+/// A number that grows every time a worker process starts: the wall clock in nanoseconds.
+/// It must grow, not merely differ: the bootstrap server takes a higher incarnation of a
+/// rank as a restart and refuses a lower one as a conflict. (This is the real-process path;
+/// the simulator has its own transport and never calls it.)
+fn new_incarnation() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| d.as_nanos() as u64)
+}
+
+impl NetTransport {
+    /// Binds the control port and registers this worker with the directory (retrying
+    /// within `register_timeout`). A worker that cannot register does not start: the
+    /// error names the bootstrap server and the last failure (seed 001: a registration
+    /// failure must not be logged and forgotten).
+    pub async fn bind(
+        cfg: NetConfig,
+        rank: RankInfo,
+        role: Role,
+        directory: Arc<dyn Directory>,
+        data: Arc<dyn DataPlane>,
+    ) -> Result<NetTransport, NetError> {
+        let router = Router::bind_with(
+            &cfg.control_listen,
+            cfg.key.clone(),
+            handoff_transport::wire::unauthenticated_refusal(),
+        )
+        .await
+        .map_err(|source| NetError::Bind {
+            addr: cfg.control_listen.clone(),
+            source,
+        })?;
+        let local = router.local_addr();
+        let host = match (&cfg.advertise_host, local.ip()) {
+            (Some(host), _) => host.clone(),
+            (None, ip) if ip.is_unspecified() => {
+                // Registering 127.0.0.1 would send peers on other hosts to themselves.
+                return Err(NetError::NoAdvertisedHost {
+                    listen: cfg.control_listen.clone(),
+                    detail: "listening on every interface".into(),
+                });
+            }
+            (None, ip) => ip.to_string(),
+        };
+        let control_address = format!("tcp://{host}:{}", local.port());
+        let incarnation = new_incarnation();
+        let record = WorkerRecord {
+            rank: rank.clone(),
+            role,
+            incarnation,
+            control_address: control_address.clone(),
+            data_address: data.address(),
+            data_descriptor: data.data_descriptor(),
+        };
+        match tokio::time::timeout(cfg.register_timeout, directory.register(record)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(NetError::Register(e.to_string())),
+            Err(_) => {
+                return Err(NetError::Register(format!(
+                    "no answer within {:?}",
+                    cfg.register_timeout
+                )))
+            }
+        }
+        tracing::info!(%rank, %role, %control_address, incarnation, "worker registered");
+        Ok(NetTransport {
+            cfg,
+            rank,
+            role,
+            incarnation,
+            control_address,
+            directory,
+            data,
+            router: Mutex::new(Some(router)),
+        })
+    }
+
+    /// Where peers reach this worker's control port.
+    pub fn control_address(&self) -> &str {
+        &self.control_address
+    }
+
+    /// This worker's incarnation.
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation
+    }
+}
+
+impl Attach for NetTransport {
+    fn attach(
+        &self,
+        rank: RankInfo,
+        role: Role,
+        inbox: Inbox,
+        _region: Arc<Region>,
+    ) -> Result<Arc<dyn Link>, Error> {
+        if rank != self.rank || role != self.role {
+            return Err(Error::Config(format!(
+                "runtime is {role} {rank} but its transport was bound for {} {}",
+                self.role, self.rank
+            )));
+        }
+        let router = self.router.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let router = router.ok_or_else(|| {
+            Error::Config("this transport is already attached to a runtime".into())
+        })?;
+        let descriptor = self.data.descriptor();
+        let layout = descriptor.to_layout().map_err(|e| {
+            Error::Config(format!(
+                "this worker's data plane describes a bad layout: {e}"
+            ))
+        })?;
+        let (cmds, cmd_rx) = mpsc::channel(CONTROL_QUEUE_MESSAGES_MAX);
+        let peer_data: PeerData = Arc::default();
+        let metrics = inbox.metrics().clone();
+        let task = control::spawn(control::Setup {
+            cfg: self.cfg.clone(),
+            me: rank.clone(),
+            role,
+            incarnation: self.incarnation,
+            inbox,
+            router,
+            directory: self.directory.clone(),
+            data: self.data.clone(),
+            descriptor,
+            layout: layout.clone(),
+            peer_data: peer_data.clone(),
+            cmds: cmd_rx,
+        });
+        let siblings = Arc::default();
+        tokio::spawn(find_siblings(
+            self.directory.clone(),
+            rank.clone(),
+            Arc::clone(&siblings),
+            self.cfg.register_timeout,
+        ));
+        Ok(Arc::new(NetLink {
+            peer_data,
+            me: rank,
+            siblings,
+            cmds,
+            directory: self.directory.clone(),
+            layout,
+            data: self.data.clone(),
+            task,
+            metrics,
+        }))
+    }
+}
+
+/// One runtime's view of the network transport.
+struct NetLink {
+    peer_data: PeerData,
+    me: RankInfo,
+    /// The other ranks of this engine at this dp rank, filled by a lookup at attach.
+    siblings: Arc<Mutex<Vec<Peer>>>,
+    cmds: mpsc::Sender<Cmd>,
+    directory: Arc<dyn Directory>,
+    /// This worker's layout (its data plane's descriptor).
+    layout: KvLayout,
+    data: Arc<dyn DataPlane>,
+    task: tokio::task::JoinHandle<()>,
+    /// Counts the bytes each transfer moved (`handoff_transfer_bytes_total`).
+    metrics: Arc<handoff_actors::Metrics>,
+}
+
+/// The logical bytes of each block a transfer between this rank (holding `mine`) and
+/// `peer` (holding `theirs`) moves: whole blocks between ranks holding the same layers,
+/// `Ok(None)` when the two hold no layer in common.
+pub(crate) fn layer_slice(
+    me: &RankInfo,
+    mine: &KvLayout,
+    peer: &RankInfo,
+    theirs: &KvLayout,
+    write: bool,
+) -> Result<Option<BlockSlice>, TransferError> {
+    let (src, src_layout, dst, dst_layout) = if write {
+        (me, mine, peer, theirs)
+    } else {
+        (peer, theirs, me, mine)
+    };
+    BlockSlice::for_ranks(src, src_layout, dst, dst_layout).map_err(|source| {
+        TransferError::Pairing {
+            src: src.to_string(),
+            dst: dst.to_string(),
+            source: Box::new(source),
+        }
+    })
+}
+
+impl NetLink {
+    /// One transfer, to or from the peer's memory as its hello described it.
+    fn transfer(
+        &self,
+        id: &RequestId,
+        peer: &Peer,
+        src: Vec<BlockId>,
+        dst: Vec<BlockId>,
+        write: bool,
+        deadline: std::time::Instant,
+    ) -> TransferFuture {
+        let known = self
+            .peer_data
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(peer)
+            .cloned();
+        let Some(PeerInfo {
+            data_descriptor,
+            layout: Some((descriptor, theirs)),
+            lease,
+            process,
+        }) = known
+        else {
+            let peer = peer.clone();
+            return Box::pin(async move { Err(TransferError::NoLayout { peer }) });
+        };
+        let slice = match layer_slice(&self.me, &self.layout, peer, &theirs, write) {
+            Ok(Some(slice)) => Some(slice),
+            // The two ranks hold no layer in common: nothing to move.
+            Ok(None) => return Box::pin(async { Ok(()) }),
+            Err(e) => return Box::pin(async move { Err(e) }),
+        };
+        let (data, id, peer) = (self.data.clone(), id.clone(), peer.clone());
+        let (metrics, op) = (self.metrics.clone(), if write { "write" } else { "read" });
+        let bytes = slice.map_or(0, |s| s.len as u64) * src.len() as u64;
+        Box::pin(async move {
+            let t = PlaneTransfer {
+                id: &id,
+                peer: &peer,
+                peer_data: &data_descriptor,
+                peer_layout: &descriptor,
+                src,
+                dst,
+                slice,
+                lease: Some(lease),
+                deadline,
+                process,
+            };
+            let fut = if write { data.write(t) } else { data.read(t) };
+            let result = fut.await;
+            if result.is_ok() {
+                metrics.bytes_moved(data.name(), op, bytes);
+            }
+            result
+        })
+    }
+}
+
+impl Link for NetLink {
+    fn me(&self) -> &RankInfo {
+        &self.me
+    }
+
+    fn send(&self, to: &Peer, id: &RequestId, msg: PeerMessage) -> Result<(), LinkError> {
+        // Grant before the message leaves: the peer may act on it at once.
+        match &msg {
+            PeerMessage::TransferInfo { blocks, .. } => {
+                self.data.grants().grant(to, id, Access::Write, blocks)
+            }
+            PeerMessage::Ready { blocks, .. } => {
+                self.data.grants().grant(to, id, Access::Read, blocks)
+            }
+            _ => {}
+        }
+        self.cmds
+            .try_send(Cmd::Send {
+                to: to.clone(),
+                id: id.clone(),
+                msg,
+            })
+            .map_err(|_| LinkError::PeerGone(format!("{to} (control queue full or closed)")))
+    }
+
+    fn siblings(&self) -> Vec<Peer> {
+        self.siblings
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn resolve(&self, prefill: &EngineId, dp_rank: Option<u32>) -> ResolveFuture {
+        let lookup = self.directory.lookup(prefill);
+        let me = self.me.clone();
+        let prefill = prefill.clone();
+        Box::pin(async move {
+            let records = lookup.await?;
+            let ranks = records.iter().map(|r| (&r.rank, r.role));
+            handoff_actors::link::select_prefill_peers(&me, &prefill, dp_rank, ranks)
+        })
+    }
+
+    fn write(
+        &self,
+        id: &RequestId,
+        to: &Peer,
+        src: Vec<BlockId>,
+        dst: Vec<BlockId>,
+        deadline: std::time::Instant,
+    ) -> TransferFuture {
+        self.transfer(id, to, src, dst, true, deadline)
+    }
+
+    fn read(
+        &self,
+        id: &RequestId,
+        from: &Peer,
+        src: Vec<BlockId>,
+        dst: Vec<BlockId>,
+        deadline: std::time::Instant,
+    ) -> TransferFuture {
+        self.transfer(id, from, src, dst, false, deadline)
+    }
+
+    fn one_sided(&self) -> bool {
+        self.data.one_sided()
+    }
+
+    fn transport(&self) -> &'static str {
+        self.data.name()
+    }
+
+    fn request_ended(&self, id: &RequestId) {
+        self.data.grants().revoke(id);
+    }
+
+    fn detach(&self) {
+        self.task.abort();
+    }
+}
+
+/// First wait between lookups of this worker's own engine while it is incomplete.
+const SIBLING_LOOKUP_BACKOFF_MIN: Duration = Duration::from_millis(50);
+
+/// Looks this worker's engine up until every rank is registered (or `limit` passes), and
+/// keeps the other ranks at this dp rank as siblings.
+async fn find_siblings(
+    directory: Arc<dyn Directory>,
+    me: RankInfo,
+    siblings: Arc<Mutex<Vec<Peer>>>,
+    limit: Duration,
+) {
+    let deadline = tokio::time::Instant::now() + limit;
+    let mut backoff = SIBLING_LOOKUP_BACKOFF_MIN;
+    while tokio::time::Instant::now() < deadline {
+        match directory.lookup(&me.engine_id).await {
+            Ok(records) => {
+                let found: Vec<Peer> = records
+                    .into_iter()
+                    .map(|r| r.rank)
+                    .filter(|r| r.dp_rank == me.dp_rank && *r != me)
+                    .collect();
+                *siblings.lock().unwrap_or_else(|e| e.into_inner()) = found;
+                return;
+            }
+            Err(ResolveError::Fatal(reason)) => {
+                tracing::warn!(rank = %me, %reason, "cannot look up sibling ranks");
+                return;
+            }
+            Err(ResolveError::NotReady { .. }) => {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+    tracing::warn!(rank = %me, "sibling ranks never all registered; failures will not be forwarded to them");
+}

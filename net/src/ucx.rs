@@ -1,0 +1,192 @@
+//! The UCX data plane under the network transport: one-sided puts and gets into
+//! UCX-allocated memory (shared memory between processes on one host, RDMA across hosts).
+//!
+//! A one-sided operation cannot be refused by the side whose memory it touches, so the
+//! grant table here is bookkeeping only; what keeps late operations out of reused blocks is
+//! the fence in the lifecycle machines (`one_sided()` is true: decode holds a failed push
+//! request's blocks until prefill says `AbortAck`, prefill holds a failed pull request's
+//! blocks until decode does), the bounds check of every block against the peer's region
+//! descriptor before anything is posted, and the remote key's scope.
+
+use std::sync::Arc;
+
+use handoff_gpu::DeviceBuffer;
+use handoff_transport::data::{DataError, UcxDataPlane, UcxPeer, UcxPlaneOptions};
+use handoff_transport::wire::messages::LayoutDescriptor;
+use handoff_transport::{RankInfo, Region};
+
+use super::data::{DataPlane, GrantTable, PlaneTransfer};
+use handoff_actors::link::TransferFuture;
+
+/// Moves blocks with UCX.
+pub struct UcxPlane {
+    plane: Arc<UcxDataPlane>,
+    grants: Arc<GrantTable>,
+    /// Same-host copies between host memory ([`DataPlane::same_host_copies`]): on unless
+    /// [`SAME_HOST_ENV`] says `0`/`off`, and only over host memory.
+    same_host: bool,
+}
+
+/// Environment variable that turns same-host copies off (`0`, `off`, `false`, `no`): UCX
+/// then moves every transfer (for comparisons, or a host whose kernel refuses them).
+pub const SAME_HOST_ENV: &str = "HANDOFF_SAME_HOST_COPIES";
+
+/// Whether [`SAME_HOST_ENV`] leaves same-host copies on.
+pub fn same_host_copies_enabled() -> bool {
+    !matches!(
+        std::env::var(SAME_HOST_ENV).map(|v| v.trim().to_ascii_lowercase()),
+        Ok(v) if matches!(v.as_str(), "0" | "off" | "false" | "no")
+    )
+}
+
+impl UcxPlane {
+    fn with_plane(plane: UcxDataPlane) -> UcxPlane {
+        let host = plane.region().memory_kind() == handoff_gpu::MemoryKind::Host;
+        UcxPlane {
+            plane: Arc::new(plane),
+            grants: Arc::default(),
+            same_host: host && same_host_copies_enabled(),
+        }
+    }
+}
+
+impl UcxPlane {
+    /// Starts the UCX thread and allocates the region through UCX (`blocks` × `block_bytes`).
+    /// With no loadable libucp this is `DataError::Ucx(LibraryNotFound ..)`
+    /// ([`DataError::is_ucx_unavailable`]).
+    pub fn start(blocks: u32, block_bytes: usize, me: &RankInfo) -> Result<UcxPlane, DataError> {
+        Self::start_with(blocks, block_bytes, me, None)
+    }
+
+    /// [`UcxPlane::start`], binding the UCX thread to `cuda_device` (when given) so that it
+    /// can read and write peers' device memory.
+    pub fn start_with(
+        blocks: u32,
+        block_bytes: usize,
+        me: &RankInfo,
+        cuda_device: Option<u32>,
+    ) -> Result<UcxPlane, DataError> {
+        let options = UcxPlaneOptions {
+            cuda_device,
+            ..UcxPlaneOptions::default()
+        };
+        let plane = UcxDataPlane::start(blocks, block_bytes, me, options)?;
+        Ok(UcxPlane::with_plane(plane))
+    }
+
+    /// Starts the UCX thread over the first `blocks` × `block_bytes` bytes of a CUDA
+    /// allocation (the engine's KV cache), registered as CUDA memory. Needs a UCX built
+    /// with CUDA (`HANDOFF_UCX_LIB`, e.g. the `libucx-cu12` wheel's `libucp.so`).
+    pub fn start_on_device(
+        buffer: Arc<DeviceBuffer>,
+        blocks: u32,
+        block_bytes: usize,
+        me: &RankInfo,
+    ) -> Result<UcxPlane, DataError> {
+        let plane = UcxDataPlane::start_on_device(
+            buffer,
+            blocks,
+            block_bytes,
+            me,
+            UcxPlaneOptions::default(),
+        )?;
+        Ok(UcxPlane::with_plane(plane))
+    }
+
+    /// Starts the UCX thread over an engine's KV memory as it is: every range of
+    /// `region`'s layout (host or CUDA) registered by address, one remote key per range;
+    /// nothing allocated or copied. `cuda_device` binds the UCX thread to a device for a
+    /// host region that exchanges with peers' device memory.
+    pub fn start_on_region(
+        region: Arc<Region>,
+        me: &RankInfo,
+        cuda_device: Option<u32>,
+    ) -> Result<UcxPlane, DataError> {
+        let options = UcxPlaneOptions {
+            cuda_device,
+            ..UcxPlaneOptions::default()
+        };
+        let plane = UcxDataPlane::start_on_region(region, me, options)?;
+        Ok(UcxPlane::with_plane(plane))
+    }
+
+    /// The region (UCX-allocated host memory, or the registered device buffer): give it
+    /// to the runtime and the engine.
+    pub fn region(&self) -> Arc<Region> {
+        self.plane.region().clone()
+    }
+
+    /// The loaded UCX version and library.
+    pub fn version(&self) -> &str {
+        self.plane.version()
+    }
+
+    fn transfer(&self, t: PlaneTransfer<'_>, write: bool) -> TransferFuture {
+        // The peer's layout from its hello: one remote key per range, checked by the
+        // plane (once per peer layout) before anything is posted.
+        // `process` is set only when `same_host_copies()` said yes at connect.
+        let peer = UcxPeer::from_layout(t.peer.to_string(), t.peer_data.to_vec(), t.peer_layout)
+            .with_process(t.process);
+        let (src, dst, slice, id, lease) = (t.src, t.dst, t.slice, t.id, t.lease);
+        let (plane, id, deadline) = (self.plane.clone(), id.clone(), t.deadline);
+        Box::pin(async move {
+            let result = match (write, lease) {
+                // A one-sided write into the peer's memory: fenced by our lease with it.
+                (true, Some(lease)) => {
+                    plane
+                        .write_leased(&id, &peer, &src, &dst, slice, deadline, lease)
+                        .await
+                }
+                (true, None) => {
+                    plane
+                        .write_slice(&id, &peer, &src, &dst, slice, deadline)
+                        .await
+                }
+                (false, _) => {
+                    plane
+                        .read_slice(&id, &peer, &src, &dst, slice, deadline)
+                        .await
+                }
+            };
+            Ok(result?)
+        })
+    }
+}
+
+impl DataPlane for UcxPlane {
+    fn name(&self) -> &'static str {
+        "ucx"
+    }
+
+    fn descriptor(&self) -> LayoutDescriptor {
+        self.plane.layout_descriptor()
+    }
+
+    fn address(&self) -> String {
+        format!("ucx:{}", self.plane.descriptor().name)
+    }
+
+    fn data_descriptor(&self) -> Vec<u8> {
+        self.plane.descriptor().worker_address.clone()
+    }
+
+    fn one_sided(&self) -> bool {
+        true
+    }
+
+    fn same_host_copies(&self) -> bool {
+        self.same_host
+    }
+
+    fn grants(&self) -> &Arc<GrantTable> {
+        &self.grants
+    }
+
+    fn write(&self, t: PlaneTransfer<'_>) -> TransferFuture {
+        self.transfer(t, true)
+    }
+
+    fn read(&self, t: PlaneTransfer<'_>) -> TransferFuture {
+        self.transfer(t, false)
+    }
+}

@@ -1,0 +1,165 @@
+//! [`GrantTable`]: a worker's grants, by request. A worker only lets a peer touch blocks it
+//! granted for one request: decode grants its prefill peer *write* access to the
+//! destination blocks when it sends its transfer info; prefill grants *read* access to its
+//! source blocks when it says `Ready`. Grants are revoked when the request ends, before its
+//! blocks are released, and revoking waits for a copy in flight under that grant to finish,
+//! so no byte lands in a block after the engine got it back.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+
+use super::{Access, GrantError};
+use crate::types::{BlockId, RankInfo, RequestId};
+
+/// One request's grants: a request has one peer per pipeline rank of the other side
+/// (decode grants each prefill pipeline rank write access to the same blocks), so each
+/// peer's grant is its own entry.
+#[derive(Default)]
+struct RequestGrants {
+    by_peer: BTreeMap<(RankInfo, Access), BTreeSet<BlockId>>,
+    revoked: bool,
+}
+
+/// Peers one request may grant to: the pipeline ranks of one engine at most.
+const GRANTS_PER_REQUEST_MAX: usize = 64;
+
+/// The grants of one worker, by request.
+#[derive(Default)]
+pub struct GrantTable {
+    grants: Mutex<BTreeMap<RequestId, Arc<Mutex<RequestGrants>>>>,
+}
+
+impl GrantTable {
+    fn map(&self) -> std::sync::MutexGuard<'_, BTreeMap<RequestId, Arc<Mutex<RequestGrants>>>> {
+        self.grants.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Grants `peer` `access` to `blocks` for request `id` (replacing that peer's earlier
+    /// grant of that access; other peers' grants stand).
+    pub fn grant(&self, peer: &RankInfo, id: &RequestId, access: Access, blocks: &[BlockId]) {
+        let entry = self.map().entry(id.clone()).or_default().clone();
+        let mut grants = entry.lock().unwrap_or_else(|e| e.into_inner());
+        let key = (peer.clone(), access);
+        if grants.by_peer.len() >= GRANTS_PER_REQUEST_MAX && !grants.by_peer.contains_key(&key) {
+            tracing::warn!(request = %id, %peer, "too many peers granted for one request; grant dropped");
+            return;
+        }
+        grants.by_peer.insert(key, blocks.iter().copied().collect());
+    }
+
+    /// Revokes every grant of request `id`; waits for a copy in flight under it to finish.
+    pub fn revoke(&self, id: &RequestId) {
+        let grant = self.map().remove(id);
+        if let Some(grant) = grant {
+            grant.lock().unwrap_or_else(|e| e.into_inner()).revoked = true;
+        }
+    }
+
+    /// Runs `copy` if `peer` holds `access` to all of `blocks` for request `id`, holding the
+    /// grant for the copy's duration; a named refusal otherwise.
+    pub fn check_and_copy(
+        &self,
+        peer: &RankInfo,
+        id: &RequestId,
+        access: Access,
+        blocks: &[BlockId],
+        copy: &mut dyn FnMut(),
+    ) -> Result<(), GrantError> {
+        let grant = self
+            .map()
+            .get(id)
+            .cloned()
+            .ok_or_else(|| GrantError::NoGrant {
+                request: id.clone(),
+            })?;
+        let grants = grant.lock().unwrap_or_else(|e| e.into_inner());
+        if grants.revoked {
+            return Err(GrantError::Revoked {
+                request: id.clone(),
+            });
+        }
+        let Some(granted) = grants.by_peer.get(&(peer.clone(), access)) else {
+            return Err(GrantError::NotHeld {
+                request: id.clone(),
+                peer: peer.clone(),
+                access,
+            });
+        };
+        if let Some(b) = blocks.iter().find(|b| !granted.contains(b)) {
+            return Err(GrantError::Block {
+                request: id.clone(),
+                block: *b,
+                peer: peer.clone(),
+            });
+        }
+        copy();
+        Ok(())
+    }
+
+    /// Requests with a live grant.
+    pub fn len(&self) -> usize {
+        self.map().len()
+    }
+
+    /// True with no live grant.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The data servers call this for every remote write or read.
+impl super::Grants for GrantTable {
+    fn with_grant(
+        &self,
+        peer: &RankInfo,
+        request: &RequestId,
+        access: Access,
+        blocks: &[BlockId],
+        f: &mut dyn FnMut(),
+    ) -> Result<(), GrantError> {
+        self.check_and_copy(peer, request, access, blocks, f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grants_are_per_request_peer_access_and_block() {
+        let t = GrantTable::default();
+        let (p, q) = (RankInfo::single("P"), RankInfo::single("Q"));
+        let id = RequestId::new("r");
+        t.grant(&p, &id, Access::Write, &[BlockId(1), BlockId(2)]);
+        let mut copies = 0;
+        assert!(t
+            .check_and_copy(&p, &id, Access::Write, &[BlockId(2)], &mut || copies += 1)
+            .is_ok());
+        assert!(t
+            .check_and_copy(&q, &id, Access::Write, &[BlockId(2)], &mut || copies += 1)
+            .is_err());
+        assert!(t
+            .check_and_copy(&p, &id, Access::Read, &[BlockId(2)], &mut || copies += 1)
+            .is_err());
+        assert!(t
+            .check_and_copy(&p, &id, Access::Write, &[BlockId(3)], &mut || copies += 1)
+            .is_err());
+        // A second peer's grant for the same request (another pipeline rank) stands
+        // beside the first.
+        t.grant(&q, &id, Access::Write, &[BlockId(2)]);
+        assert!(t
+            .check_and_copy(&q, &id, Access::Write, &[BlockId(2)], &mut || copies += 1)
+            .is_ok());
+        assert!(t
+            .check_and_copy(&p, &id, Access::Write, &[BlockId(1)], &mut || copies += 1)
+            .is_ok());
+        t.revoke(&id);
+        for peer in [&p, &q] {
+            assert!(t
+                .check_and_copy(peer, &id, Access::Write, &[BlockId(2)], &mut || copies += 1)
+                .is_err());
+        }
+        assert_eq!(copies, 3);
+        assert!(t.is_empty());
+    }
+}

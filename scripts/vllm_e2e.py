@@ -204,8 +204,7 @@ def pd_round(args, size: int, salt: int) -> dict:
 
 #: The runtime's log filter on the HandoffConnector servers: request opened / state lines.
 RUNTIME_LOG = (
-    "warn,handoff_actors::runtime=debug,handoff_actors::request=debug,"
-    "handoff_net::control=info"
+    "warn,handoff_actors::runtime=debug,handoff_actors::request=debug,handoff_net::control=info"
 )
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -6,13 +6,23 @@
 //! request's [`Estate`], which it alone owns while it runs), and keeps exactly one timer
 //! armed at the machine's next deadline. When the machine is terminal it tells the root,
 //! which stops it.
+//!
+//! It is one tokio task reading one unbounded mailbox (bounded in practice by admission:
+//! the root delivers a request's events, its transfers and lookups answer once each), not
+//! a ractor actor: per request that saves an actor's four ports, its registration, its
+//! supervision link and a timer task per deadline (the loop waits for the machine's next
+//! deadline beside its mailbox). Supervision stays the root's: a panic in a handler is
+//! caught here, the task ends, and the root is told ([`RootMsg::ChildGone`]) as ractor
+//! would have told it; stopping is aborting the task, which drops its state and with it
+//! every task it started.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use handoff_transport::{EngineId, RequestId, Role, TransferMode};
-use ractor::{Actor, ActorProcessingErr, ActorRef};
-use tokio::task::JoinHandle;
+use ractor::ActorRef;
+use tokio::sync::mpsc;
+use tokio::task::{AbortHandle, JoinHandle};
 use tracing::{debug, warn, Instrument, Span};
 
 use crate::estate::{Consignment, Deed, Estate};
@@ -75,8 +85,109 @@ pub(crate) enum Kind {
     },
 }
 
-/// The task `send_after` spawns for the armed deadline.
-type TimerHandle = JoinHandle<Result<(), ractor::MessagingErr<RequestMsg>>>;
+/// A request actor's mailbox, for whoever reports to it (the root, its own transfers and
+/// lookups). A send to an actor that is gone gives the message back (and a consignment in
+/// it gives its blocks back to the engine when dropped).
+#[derive(Clone)]
+pub(crate) struct RequestRef(mpsc::UnboundedSender<RequestMsg>);
+
+impl RequestRef {
+    /// False if the actor is gone (the message, dropped, gave back what it carried).
+    pub(crate) fn cast(&self, msg: RequestMsg) -> bool {
+        self.0.send(msg).is_ok()
+    }
+}
+
+/// A running request actor, as the root holds it.
+pub(crate) struct RequestTask {
+    pub(crate) addr: RequestRef,
+    /// Which spawn this is: a `ChildGone` of another one is stale.
+    pub(crate) serial: u64,
+    abort: AbortHandle,
+}
+
+impl RequestTask {
+    /// Stops the actor: its state (and every task it started) is dropped, and what is
+    /// left in its mailbox with it.
+    pub(crate) fn stop(&self) {
+        self.abort.abort();
+    }
+}
+
+/// Starts a request actor on the current tokio runtime.
+pub(crate) fn spawn(args: RequestArgs, serial: u64) -> RequestTask {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let addr = RequestRef(tx);
+    let task = tokio::spawn(run(args, addr.clone(), rx, serial));
+    RequestTask {
+        addr,
+        serial,
+        abort: task.abort_handle(),
+    }
+}
+
+/// The actor's life: start, then one message (or deadline) at a time, each handled
+/// synchronously under `catch_unwind`, until it is stopped or panics.
+async fn run(
+    args: RequestArgs,
+    myself: RequestRef,
+    mut rx: mpsc::UnboundedReceiver<RequestMsg>,
+    serial: u64,
+) {
+    let (id, root) = (args.id.clone(), args.root.clone());
+    let gone = |why: String| {
+        let _ = root.cast(RootMsg::ChildGone {
+            id: id.clone(),
+            serial,
+            why,
+        });
+    };
+    let started = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        RequestState::start(&myself, args)
+    }));
+    let mut state = match started {
+        Ok(state) => state,
+        Err(panic) => return gone(panic_text(panic.as_ref())),
+    };
+    // Reset to the machine's deadline whenever there is one; never reached otherwise.
+    let sleep = tokio::time::sleep_until(tokio::time::Instant::now() + IDLE_SLEEP);
+    tokio::pin!(sleep);
+    loop {
+        let msg = match state.timer {
+            Some(at) => {
+                let at = tokio::time::Instant::from_std(at);
+                if sleep.deadline() != at {
+                    sleep.as_mut().reset(at);
+                }
+                tokio::select! {
+                    biased;
+                    msg = rx.recv() => msg,
+                    () = &mut sleep => Some(RequestMsg::Timeout),
+                }
+            }
+            None => rx.recv().await,
+        };
+        // Every sender gone: the root forgot the request and nothing reports to it.
+        let Some(msg) = msg else { return };
+        let handled =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| state.handle(&myself, msg)));
+        if let Err(panic) = handled {
+            return gone(panic_text(panic.as_ref()));
+        }
+    }
+}
+
+/// The placeholder deadline of an actor whose machine has none (it is never awaited).
+const IDLE_SLEEP: Duration = Duration::from_secs(3600);
+
+fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    let text = panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic".to_string());
+    format!("request actor failed: panicked: {text}")
+}
 
 enum Machine {
     Sender(SenderMachine),
@@ -90,7 +201,8 @@ pub(crate) struct RequestState {
     link: Arc<dyn Link>,
     root: ActorRef<RootMsg>,
     machine: Machine,
-    timer: Option<(Instant, TimerHandle)>,
+    /// The machine's next deadline, which the actor's loop waits for beside its mailbox.
+    timer: Option<Instant>,
     tasks: Vec<JoinHandle<()>>,
     ended: bool,
     /// Decode: the prefill engine (and dp rank) this request receives from.
@@ -102,23 +214,21 @@ pub(crate) struct RequestState {
     peer_named: std::cell::Cell<bool>,
 }
 
-/// The actor (data-free; its state is [`RequestState`]).
-pub(crate) struct RequestActor;
-
 fn now() -> Instant {
     tokio::time::Instant::now().into_std()
 }
 
-impl Actor for RequestActor {
-    type Msg = RequestMsg;
-    type State = RequestState;
-    type Arguments = RequestArgs;
+impl Drop for RequestState {
+    /// Stopped, failed or done: nothing it started outlives it.
+    fn drop(&mut self) {
+        for task in self.tasks.drain(..) {
+            task.abort();
+        }
+    }
+}
 
-    async fn pre_start(
-        &self,
-        myself: ActorRef<RequestMsg>,
-        args: RequestArgs,
-    ) -> Result<RequestState, ActorProcessingErr> {
+impl RequestState {
+    fn start(myself: &RequestRef, args: RequestArgs) -> RequestState {
         let t = now();
         let span = tracing::info_span!(
             "request",
@@ -160,7 +270,7 @@ impl Actor for RequestActor {
             state.prefill = Some((prefill.clone(), prefill_dp_rank));
             let deadline = t + args.timeouts.bootstrap;
             let resolve = spawn_resolve(
-                &myself,
+                myself,
                 &state.link,
                 prefill,
                 prefill_dp_rank,
@@ -172,49 +282,26 @@ impl Actor for RequestActor {
         for event in args.backlog {
             state.feed(t, event);
         }
-        state.pump(&myself);
-        Ok(state)
+        state.pump(myself);
+        state
     }
 
-    async fn handle(
-        &self,
-        myself: ActorRef<RequestMsg>,
-        msg: RequestMsg,
-        state: &mut RequestState,
-    ) -> Result<(), ActorProcessingErr> {
-        // No await below: the span is entered for the whole (synchronous) handling.
-        let _inside = state.span.clone().entered();
+    /// One message, synchronously (the span is entered for all of it).
+    fn handle(&mut self, myself: &RequestRef, msg: RequestMsg) {
+        let _inside = self.span.clone().entered();
         match msg {
-            RequestMsg::Event(event) => state.feed(now(), event),
+            RequestMsg::Event(event) => self.feed(now(), event),
             RequestMsg::HandOver { event, blocks } => {
                 // Taken by the estate (the root's, if it took the estate: then the
                 // consignment is dropped and gives the blocks back).
-                if let Some(Some(_)) = state.deed.with(|e| e.receive(blocks)) {
-                    state.feed(now(), event);
+                if let Some(Some(_)) = self.deed.with(|e| e.receive(blocks)) {
+                    self.feed(now(), event);
                 }
             }
-            RequestMsg::Timeout => {
-                state.timer = None;
-                state.handle_timeout(now());
-            }
-            RequestMsg::Panic => panic!("injected fault in request {}", state.id),
+            RequestMsg::Timeout => self.handle_timeout(now()),
+            RequestMsg::Panic => panic!("injected fault in request {}", self.id),
         }
-        state.pump(&myself);
-        Ok(())
-    }
-
-    async fn post_stop(
-        &self,
-        _myself: ActorRef<RequestMsg>,
-        state: &mut RequestState,
-    ) -> Result<(), ActorProcessingErr> {
-        if let Some((_, timer)) = state.timer.take() {
-            timer.abort();
-        }
-        for task in state.tasks.drain(..) {
-            task.abort();
-        }
-        Ok(())
+        self.pump(myself);
     }
 }
 
@@ -271,7 +358,7 @@ impl RequestState {
     }
 
     /// Performs every pending action, re-arms the timer, and reports the end.
-    fn pump(&mut self, myself: &ActorRef<RequestMsg>) {
+    fn pump(&mut self, myself: &RequestRef) {
         while let Some(action) = self.poll_action() {
             match action {
                 // The end and the release that comes with it reach the engine together.
@@ -290,7 +377,7 @@ impl RequestState {
                 action => self.perform(myself, action),
             }
         }
-        self.arm(myself);
+        self.arm();
         if self.settled() && !self.ended {
             self.ended = true;
             self.tell_unresolved_peers();
@@ -348,7 +435,7 @@ impl RequestState {
         }
     }
 
-    fn perform(&mut self, myself: &ActorRef<RequestMsg>, action: Action) {
+    fn perform(&mut self, myself: &RequestRef, action: Action) {
         let id = &self.id;
         match action {
             Action::Send { to, msg } => {
@@ -431,7 +518,7 @@ impl RequestState {
     /// before reporting a failure itself, which only a stuck plane makes it do.
     fn spawn_transfer(
         &mut self,
-        myself: &ActorRef<RequestMsg>,
+        myself: &RequestRef,
         fut: crate::link::TransferFuture,
         (op, blocks): (&'static str, usize),
         deadline: Instant,
@@ -460,27 +547,16 @@ impl RequestState {
         }.instrument(self.span.clone())));
     }
 
-    /// Keeps exactly one timer armed at the machine's deadline.
-    fn arm(&mut self, myself: &ActorRef<RequestMsg>) {
-        let want = self.poll_timeout();
-        if self.timer.as_ref().map(|(at, _)| *at) == want {
-            return;
-        }
-        if let Some((_, old)) = self.timer.take() {
-            old.abort();
-        }
-        if let Some(at) = want {
-            let wait = at.saturating_duration_since(now());
-            let handle = myself.send_after(wait, || RequestMsg::Timeout);
-            self.timer = Some((at, handle));
-        }
+    /// The deadline the actor's loop waits for next: the machine's.
+    fn arm(&mut self) {
+        self.timer = self.poll_timeout();
     }
 }
 
 /// Asks the bootstrap for the prefill ranks until it answers, fails for good, or the
 /// bootstrap deadline passes (then the machine's own deadline fails the request).
 fn spawn_resolve(
-    myself: &ActorRef<RequestMsg>,
+    myself: &RequestRef,
     link: &Arc<dyn Link>,
     prefill: EngineId,
     dp_rank: Option<u32>,

@@ -2,29 +2,27 @@
 //! engine-facing [`Runtime`] handle.
 //!
 //! # Supervision policy
-//! The root actor is the supervisor of every request actor (`spawn_linked`) and writes its
-//! policy out in `handle_supervisor_evt` rather than taking ractor's default (which would
-//! stop the root when any child stops):
+//! The root actor is the supervisor of every request actor (a task of its own, see
+//! `request`), and writes its policy out in `child_gone`:
 //! - a request actor that **fails** (a panic or an error in a handler) ends its request
 //!   `Failed(Internal)`: the root takes the request's estate from its deed and releases
 //!   every block it held (at once, or at the fence bound if writes may land), the engine gets
 //!   the events, the peers and sibling ranks get an `Abort`; the runtime and every other
 //!   request go on. Requests are never restarted: a restarted actor would not know what its
 //!   peer already did, and the engine can retry the whole request cheaply.
-//! - a request actor that **stops** before its request ended is treated the same way.
+//! - a request actor is only ever stopped by the root (it retires ended requests, and
+//!   stops them all when the runtime stops).
 //! - a request actor that stops after its request ended is the normal case and is ignored.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use handoff_transport::wire::AUX_BYTES_MAX;
-use handoff_transport::{
-    BlockId, EngineId, FailureReason, RankInfo, Region, RequestId, Role, TransferMode,
-};
-use ractor::{Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef, SupervisionEvent};
+use handoff_transport::{BlockId, EngineId, RankInfo, Region, RequestId, Role, TransferMode};
+use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
@@ -35,7 +33,7 @@ use crate::event::{Event, EventQueue, ReleaseReason};
 use crate::link::{Attach, Inbox, Link};
 use crate::machine::{Peer, PeerMessage, State, Timeouts};
 use crate::metrics::Metrics;
-use crate::request::{Kind, RequestActor, RequestArgs, RequestMsg};
+use crate::request::{self, Kind, RequestArgs, RequestMsg, RequestTask};
 use crate::router::{
     Action, Input, Local, MachineEvent, Note, Router, RouterConfig, RouterLimits, Timer,
 };
@@ -68,6 +66,12 @@ pub(crate) enum RootMsg {
     PeerLost { peer: Peer },
     /// Fault injection: make the request's actor panic.
     InjectPanic { id: RequestId },
+    /// The request actor of spawn `serial` failed (a panic in a handler) and is gone.
+    ChildGone {
+        id: RequestId,
+        serial: u64,
+        why: String,
+    },
     /// A timer the router asked for fired.
     Timer(Timer),
 }
@@ -85,7 +89,7 @@ pub(crate) enum OpenKind {
 /// it died or was stopped) and the deed to its estate (the actor's to use while it runs;
 /// the root's once it is gone).
 struct Entry {
-    actor: Option<ActorRef<RequestMsg>>,
+    actor: Option<RequestTask>,
     deed: Deed,
 }
 
@@ -96,7 +100,8 @@ struct RootState {
     shared: Arc<Shared>,
     router: Router,
     entries: BTreeMap<RequestId, Entry>,
-    by_actor: HashMap<ActorId, RequestId>,
+    /// The serial of the next request actor spawned.
+    serial: u64,
 }
 
 /// What the root actor and the engine's handles share: the event queue, the metrics and the
@@ -162,7 +167,7 @@ impl Actor for RootActor {
             shared: args.shared,
             router,
             entries: BTreeMap::new(),
-            by_actor: HashMap::new(),
+            serial: 0,
         })
     }
 
@@ -174,7 +179,7 @@ impl Actor for RootActor {
     ) -> Result<(), ActorProcessingErr> {
         let input = match msg {
             RootMsg::Open { estate, kind } => {
-                state.open(&myself, estate, kind).await;
+                state.open(&myself, estate, kind);
                 return Ok(());
             }
             RootMsg::HandOver { id, blocks, aux } => {
@@ -192,32 +197,16 @@ impl Actor for RootActor {
             RootMsg::Timer(timer) => Input::Timer(timer),
             RootMsg::InjectPanic { id } => {
                 if let Some(actor) = state.entries.get(&id).and_then(|e| e.actor.as_ref()) {
-                    let _ = actor.cast(RequestMsg::Panic);
+                    let _ = actor.addr.cast(RequestMsg::Panic);
                 }
+                return Ok(());
+            }
+            RootMsg::ChildGone { id, serial, why } => {
+                state.child_gone(&myself, id, serial, why);
                 return Ok(());
             }
         };
         state.feed(&myself, input);
-        Ok(())
-    }
-
-    async fn handle_supervisor_evt(
-        &self,
-        myself: ActorRef<RootMsg>,
-        evt: SupervisionEvent,
-        state: &mut RootState,
-    ) -> Result<(), ActorProcessingErr> {
-        match evt {
-            SupervisionEvent::ActorFailed(cell, err) => {
-                state.child_gone(&myself, &cell, format!("request actor failed: {err}"));
-            }
-            SupervisionEvent::ActorTerminated(cell, _, reason) => {
-                let why = reason.unwrap_or_else(|| "no reason given".into());
-                let why = format!("request actor stopped before the request ended: {why}");
-                state.child_gone(&myself, &cell, why);
-            }
-            _ => {}
-        }
         Ok(())
     }
 
@@ -239,13 +228,12 @@ impl Actor for RootActor {
         // in the mailbox are closed when it is dropped.
         for (_, entry) in std::mem::take(&mut state.entries) {
             if let Some(actor) = entry.actor {
-                actor.stop(None);
+                actor.stop();
             }
             if let Some(mut estate) = entry.deed.take() {
                 estate.close(ReleaseReason::Shutdown);
             }
         }
-        state.by_actor.clear();
         info!(rank = %state.cfg.rank, "runtime stopped");
         Ok(())
     }
@@ -259,7 +247,7 @@ impl RootState {
         }
     }
 
-    async fn open(&mut self, myself: &ActorRef<RootMsg>, estate: Estate, kind: OpenKind) {
+    fn open(&mut self, myself: &ActorRef<RootMsg>, estate: Estate, kind: OpenKind) {
         let id = estate.id().clone();
         let mut estate = Some(estate);
         for action in self.router.handle(now(), Input::Open { id }) {
@@ -279,7 +267,7 @@ impl RootState {
                         },
                     };
                     if let Some(estate) = estate.take() {
-                        self.spawn(myself, estate, kind, backlog, reject).await;
+                        self.spawn(myself, estate, kind, backlog, reject);
                     }
                 }
                 Action::Refuse { id, reason } => {
@@ -294,7 +282,7 @@ impl RootState {
         }
     }
 
-    async fn spawn(
+    fn spawn(
         &mut self,
         myself: &ActorRef<RootMsg>,
         estate: Estate,
@@ -315,31 +303,16 @@ impl RootState {
             backlog,
             metrics: self.shared.metrics.clone(),
         };
-        match Actor::spawn_linked(None, RequestActor, args, myself.get_cell()).await {
-            Ok((actor, _)) => {
-                if reject {
-                    warn!(request = %id, "decode saturated: rejecting");
-                    let event = MachineEvent::for_role(self.cfg.role, Local::Reject);
-                    let _ = actor.cast(RequestMsg::Event(event));
-                }
-                self.by_actor.insert(actor.get_id(), id.clone());
-                let actor = Some(actor);
-                self.entries.insert(id.clone(), Entry { actor, deed });
-                debug!(request = %id, role = %self.cfg.role, "request opened");
-            }
-            Err(e) => {
-                warn!(request = %id, error = %e, "could not start request actor");
-                let detail = format!("could not start request actor: {e}");
-                let state = deed.with(|estate| {
-                    estate.fail_if_live(FailureReason::Internal { detail });
-                    estate.state().clone()
-                });
-                self.entries.insert(id.clone(), Entry { actor: None, deed });
-                if let Some(state) = state {
-                    self.feed(myself, Input::Ended { id, state });
-                }
-            }
+        self.serial += 1;
+        let actor = request::spawn(args, self.serial);
+        if reject {
+            warn!(request = %id, "decode saturated: rejecting");
+            let event = MachineEvent::for_role(self.cfg.role, Local::Reject);
+            let _ = actor.addr.cast(RequestMsg::Event(event));
         }
+        let actor = Some(actor);
+        self.entries.insert(id.clone(), Entry { actor, deed });
+        debug!(request = %id, role = %self.cfg.role, "request opened");
     }
 
     /// The engine handed a request's blocks over: the router says whether it is live (and
@@ -362,7 +335,7 @@ impl RootState {
                 Action::Deliver { id, event } => {
                     let actor = self.entries.get(&id).and_then(|e| e.actor.as_ref());
                     if let (Some(actor), Some(blocks)) = (actor, blocks.take()) {
-                        let _ = actor.cast(RequestMsg::HandOver { event, blocks });
+                        let _ = actor.addr.cast(RequestMsg::HandOver { event, blocks });
                     }
                 }
                 other => self.perform(myself, other),
@@ -385,7 +358,7 @@ impl RootState {
         match action {
             Action::Deliver { id, event } => {
                 if let Some(actor) = self.entries.get(&id).and_then(|e| e.actor.as_ref()) {
-                    let _ = actor.cast(RequestMsg::Event(event));
+                    let _ = actor.addr.cast(RequestMsg::Event(event));
                 }
             }
             Action::Send { to, id, msg } => {
@@ -422,8 +395,7 @@ impl RootState {
                     return;
                 };
                 if let Some(actor) = entry.actor.take() {
-                    self.by_actor.remove(&actor.get_id());
-                    actor.stop(None);
+                    actor.stop();
                 }
                 // The root takes the estate from the stopping actor: blocks handed over
                 // while the request was ending, never seen by its machine, go back now.
@@ -434,7 +406,7 @@ impl RootState {
             Action::Forget { id } => {
                 if let Some(entry) = self.entries.remove(&id) {
                     if let Some(actor) = entry.actor {
-                        self.by_actor.remove(&actor.get_id());
+                        actor.stop();
                     }
                     if let Some(state) = entry.deed.with(|e| e.state().clone()) {
                         debug!(request = %id, %state, "request ended");
@@ -479,13 +451,13 @@ impl RootState {
     }
 
     /// A request actor died: the router decides what its request leaves behind.
-    fn child_gone(&mut self, myself: &ActorRef<RootMsg>, cell: &ActorCell, why: String) {
-        let Some(id) = self.by_actor.remove(&cell.get_id()) else {
-            return;
-        };
+    fn child_gone(&mut self, myself: &ActorRef<RootMsg>, id: RequestId, serial: u64, why: String) {
         let Some(entry) = self.entries.get_mut(&id) else {
             return;
         };
+        if entry.actor.as_ref().map(|a| a.serial) != Some(serial) {
+            return; // an actor the root stopped already
+        }
         entry.actor = None;
         let Some((state, peers)) = entry.deed.with(|e| (e.state().clone(), e.peers().to_vec()))
         else {

@@ -1,6 +1,6 @@
 //! Panics, recorded per simulation thread.
 //!
-//! ractor catches a panic inside an actor and turns it into a supervision event, so a
+//! A request actor catches a panic in its handler and tells the root (`ChildGone`), so a
 //! panic that the runtime survives would go unseen. A process-wide hook (installed once)
 //! records every panic on a thread that is running a simulation; the simulation then
 //! separates the ones it injected (`inject_panic`) from the rest, which break "no crash".

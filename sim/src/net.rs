@@ -15,26 +15,29 @@
 //! Failure detection is the real control loop's: each worker owns the actors crate's
 //! [`PeerTable`] with the control loop's loss timeout (heartbeat interval × beats missed,
 //! [`Timing::loss_timeout_ms`]), and sees virtual time only (a fixed epoch plus the virtual
-//! ms). A worker connects with a peer as the control loop does: when it first sends to it
-//! (the dial: the incarnation its hello's answer would announce is adopted at once), or when
-//! a message of a peer it holds no connection with arrives (the peer's hello). On its tick,
-//! every heartbeat interval ([`Timing::heartbeat_interval_ms`]; one agenda event per worker,
-//! not per pair), a worker loses the connected peers the table says are silent
+//! ms). A worker connects with a peer as the control loop does: when it sends to a peer it
+//! holds no connection with, a lost one included (the dial: the incarnation its hello's
+//! answer would announce is adopted at once, and a peer that never answers is lost by the
+//! timeout), or when a message of a peer it holds no connection with arrives (the peer's
+//! hello). Sends never fail for a lost peer: they dial again, as the control loop does. On
+//! its tick, every heartbeat interval ([`Timing::heartbeat_interval_ms`]; one agenda event
+//! per worker, not per pair), a worker loses the connected peers the table says are silent
 //! (`PeerTable::silent`, then `lose`, then [`Inbox::peer_lost`], as `control.rs` does) and
 //! sends every connected peer a heartbeat (`PeerTable::beat`), the beats of one tick
 //! travelling together as control messages: delayed as any, cut by control-plane
 //! partitions, lost with a crashed or restarted end (a connection dies with its process),
-//! never lost or duplicated on their own (a connection is a stream). A received message
-//! or beat is heard (`heard`, `heartbeat`); one from a new incarnation is that incarnation's
+//! never lost or duplicated on their own (a connection is a stream). A received message or
+//! beat is heard (`heard`, `heartbeat`); one from a new incarnation is that incarnation's
 //! hello (`incarnation`, then `adopt`: a `Restarted` peer is lost first, a `Back` one is
 //! not), and one from an incarnation the table no longer holds (`current`) is dropped as
 //! stale. A frozen worker neither sends nor hears nor ticks; its missed tick runs as it
 //! resumes, before anything reaches it, so the peers it stopped hearing are lost then. The
 //! simulator does not answer a beat at once (the control loop does, only to shorten its
-//! lease's proof; the simulated lease is the grant's connection, below), and closes a
-//! connection that carried no request message for longer than a request lives, on both
-//! ends and without a loss ([`NetState::tick`]), so that only pairs that talked recently
-//! are beaten.
+//! lease's proof; the simulated lease is the grant's connection, `NetState::rkeys`), and
+//! closes a connection that carried no request message for longer than a request lives, on
+//! both ends and without a loss (`NetState::tick`), so that only pairs that talked recently
+//! are beaten. When the faults end, the liveness phase waits [`SimNet::settle_ms`] for the
+//! tables to decide about what they stopped hearing.
 //!
 //! The data transport moves real bytes between [`Region`]s with RDMA semantics: once
 //! posted, a write or read lands when its transfer time is over whether or not the request
@@ -96,9 +99,17 @@ struct Node {
     grants: Arc<GrantTable>,
     /// The control loop's liveness decisions, in virtual time. Fresh for every incarnation.
     table: PeerTable,
-    /// The peers it holds a control connection with, and when one last carried a request's
-    /// message (virtual ms): these are beaten every tick.
-    conns: BTreeMap<usize, u64>,
+    /// The peers it holds a control connection with: these are beaten every tick.
+    conns: BTreeMap<usize, Conn>,
+}
+
+/// One control connection, as one end holds it.
+#[derive(Clone, Copy)]
+struct Conn {
+    /// The peer's incarnation it was opened with (the one the table adopted).
+    inc: u32,
+    /// When it last carried a request's message, virtual ms.
+    last: u64,
 }
 
 struct Partition {
@@ -289,7 +300,10 @@ pub struct NetNote {
 }
 
 struct NetState {
-    nodes: BTreeMap<RankInfo, Node>,
+    /// Every worker, by index.
+    nodes: Vec<Node>,
+    /// Each worker's index, by rank.
+    index: BTreeMap<RankInfo, usize>,
     ranks: Vec<RankInfo>,
     siblings: Vec<Vec<RankInfo>>,
     /// The bootstrap server's own registry (its rules: incarnations replace, conflicts and
@@ -347,7 +361,8 @@ impl SimNet {
         drops: Vec<MessageKind>,
         data_plane: DataPlane,
     ) -> Arc<Self> {
-        let mut nodes = BTreeMap::new();
+        let mut nodes = Vec::with_capacity(ranks.len());
+        let mut index = BTreeMap::new();
         for (idx, (rank, role)) in ranks.iter().enumerate() {
             let node = Node {
                 idx,
@@ -361,10 +376,12 @@ impl SimNet {
                 table: peer_table(&timing),
                 conns: BTreeMap::new(),
             };
-            nodes.insert(rank.clone(), node);
+            nodes.push(node);
+            index.insert(rank.clone(), idx);
         }
         let state = NetState {
             nodes,
+            index,
             ranks: ranks.into_iter().map(|(r, _)| r).collect(),
             siblings,
             registry: Registry::new(),
@@ -433,8 +450,7 @@ impl SimNet {
     /// Gives worker `idx` (incarnation `inc`) its memory before its runtime attaches.
     pub fn set_memory(&self, idx: usize, inc: u32, region: Arc<Region>, pool: Arc<Mutex<Pool>>) {
         let mut st = self.lock();
-        let rank = st.ranks[idx].clone();
-        if let Some(n) = st.nodes.get_mut(&rank) {
+        if let Some(n) = st.node_mut(idx) {
             n.inc = inc;
             n.region = Some(region);
             n.pool = Some(pool);
@@ -466,7 +482,7 @@ impl SimNet {
                     .map(move |w| (engine.clone(), w.rank, w.incarnation))
             })
             .collect();
-        st.nodes.iter().all(|(rank, n)| {
+        st.ranks.iter().zip(&st.nodes).all(|(rank, n)| {
             n.role != Role::Prefill
                 || !n.up
                 || held.contains(&(rank.engine_id.clone(), rank.rank(), u64::from(n.inc)))
@@ -674,8 +690,12 @@ impl NetState {
         self.notes.push(NetNote { t_ms, req, text });
     }
 
+    fn node_of(&self, rank: &RankInfo) -> Option<&Node> {
+        self.index.get(rank).and_then(|i| self.nodes.get(*i))
+    }
+
     fn node_at(&self, idx: usize) -> Option<&Node> {
-        self.ranks.get(idx).and_then(|r| self.nodes.get(r))
+        self.nodes.get(idx)
     }
 
     fn alive(&self, (idx, inc): (usize, u32)) -> bool {
@@ -944,7 +964,7 @@ impl NetState {
             return Some(backoff_ms);
         }
         let rank = self.ranks[who.0].clone();
-        let role = self.nodes.get(&rank).map(|n| n.role)?;
+        let role = self.node_at(who.0).map(|n| n.role)?;
         let record = WorkerRecord {
             rank,
             role,
@@ -988,12 +1008,11 @@ impl NetState {
     }
 
     fn node_mut(&mut self, idx: usize) -> Option<&mut Node> {
-        let rank = self.ranks.get(idx)?;
-        self.nodes.get_mut(rank)
+        self.nodes.get_mut(idx)
     }
 
     fn index_of(&self, peer: &Peer) -> Option<usize> {
-        self.nodes.get(peer).map(|n| n.idx)
+        self.index.get(peer).copied()
     }
 
     /// What worker `worker`'s control loop does on its heartbeat tick at `t`: lose the
@@ -1014,7 +1033,7 @@ impl NetState {
         let idle: Vec<usize> = node
             .conns
             .iter()
-            .filter(|(_, last)| t.saturating_sub(**last) > self.idle_ms)
+            .filter(|(_, c)| t.saturating_sub(c.last) > self.idle_ms)
             .map(|(p, _)| *p)
             .collect();
         let timeout = node.table.loss_timeout();
@@ -1025,15 +1044,13 @@ impl NetState {
             self.close(worker, peer);
         }
         let NetState { nodes, ranks, .. } = self;
-        let node = nodes.get_mut(ranks.get(worker)?)?;
+        let node = nodes.get_mut(worker)?;
         let mut beats = Vec::with_capacity(node.conns.len());
-        for &to in node.conns.keys() {
-            let to_rank = &ranks[to];
-            let to_inc = node.table.known_incarnation(to_rank).unwrap_or(0);
-            let (seq, echo) = node.table.beat(to_rank, now);
+        for (&to, conn) in &node.conns {
+            let (seq, echo) = node.table.beat(&ranks[to], now);
             beats.push(Beat {
                 to,
-                to_inc: u32::try_from(to_inc).unwrap_or(u32::MAX),
+                to_inc: conn.inc,
                 seq,
                 echo,
             });
@@ -1067,7 +1084,7 @@ impl NetState {
             }
             self.stats.heartbeats_heard += 1;
             let NetState { nodes, ranks, .. } = self;
-            if let Some(node) = ranks.get(beat.to).and_then(|r| nodes.get_mut(r)) {
+            if let Some(node) = nodes.get_mut(beat.to) {
                 let _answer = node
                     .table
                     .heartbeat(&ranks[from.0], beat.seq, beat.echo, lease_for);
@@ -1085,27 +1102,29 @@ impl NetState {
         let Some(node) = self.node_at(at) else {
             return false;
         };
-        let from_rank = &self.ranks[from.0];
-        let known = node.table.known_incarnation(from_rank);
-        let hello = known.is_none_or(|k| k <= inc)
-            && (known != Some(inc) || !node.conns.contains_key(&from.0));
-        if hello {
-            self.connect(t, at, from.0, inc);
+        // On a connection with this very incarnation (the table adopted it): current.
+        if node.conns.get(&from.0).map(|c| c.inc) != Some(from.1) {
+            let known = node.table.known_incarnation(&self.ranks[from.0]);
+            if known.is_none_or(|k| k <= inc) {
+                self.connect(t, at, from.0, inc);
+            }
+            let Some(node) = self.node_at(at) else {
+                return false;
+            };
+            if !node.table.current(&self.ranks[from.0], inc) {
+                self.stats.stale += 1;
+                return false;
+            }
         }
         let now = self.at(t);
         let NetState { nodes, ranks, .. } = self;
-        let Some(node) = ranks.get(at).and_then(|r| nodes.get_mut(r)) else {
+        let Some(node) = nodes.get_mut(at) else {
             return false;
         };
-        let from_rank = &ranks[from.0];
-        if !node.table.current(from_rank, inc) {
-            self.stats.stale += 1;
-            return false;
-        }
-        node.table.heard(from_rank, now);
+        node.table.heard(&ranks[from.0], now);
         if request {
-            if let Some(last) = node.conns.get_mut(&from.0) {
-                *last = t;
+            if let Some(conn) = node.conns.get_mut(&from.0) {
+                conn.last = t;
             }
         }
         true
@@ -1131,13 +1150,14 @@ impl NetState {
         }
         let now = self.at(t);
         let NetState { nodes, ranks, .. } = self;
-        let Some(node) = ranks.get(at).and_then(|r| nodes.get_mut(r)) else {
+        let Some(node) = nodes.get_mut(at) else {
             return;
         };
         let peer_rank = &ranks[peer];
         node.table.adopt(peer_rank, inc);
         node.table.connected(peer_rank, now, Arc::new(Lease::new()));
-        node.conns.insert(peer, t);
+        let inc = u32::try_from(inc).unwrap_or(u32::MAX);
+        node.conns.insert(peer, Conn { inc, last: t });
     }
 
     /// Worker `at` sends a request's message to `peer` (incarnation `inc` now): over its
@@ -1149,7 +1169,7 @@ impl NetState {
             return;
         };
         match node.conns.get_mut(&peer) {
-            Some(last) => *last = t,
+            Some(conn) => conn.last = t,
             None => self.connect(t, at, peer, u64::from(inc)),
         }
     }
@@ -1222,7 +1242,12 @@ impl Attach for SimAttach {
         let mut st = net.lock();
         let now = net.now_ms();
         let table = peer_table(&st.timing);
-        let Some(node) = st.nodes.get_mut(&rank) else {
+        let Some(node) = st
+            .index
+            .get(&rank)
+            .copied()
+            .and_then(|i| st.nodes.get_mut(i))
+        else {
             return Err(ActorError::Config(format!(
                 "{rank} is not part of the simulated cluster"
             )));
@@ -1350,8 +1375,8 @@ impl SimNet {
         let write = st.ranks.get(by) == Some(&src_node);
         let owner_blocks = if write { &src } else { &dst }.clone();
         let mut ends = (
-            st.nodes.get(&src_node).map(|n| (n.idx, n.inc)),
-            st.nodes.get(&dst_node).map(|n| (n.idx, n.inc)),
+            st.node_of(&src_node).map(|n| (n.idx, n.inc)),
+            st.node_of(&dst_node).map(|n| (n.idx, n.inc)),
         );
         let mut lease_ended = None;
         if st.data_plane == DataPlane::Rdma {
@@ -1462,7 +1487,7 @@ impl Link for SimLink {
         }
         let now = net.now_ms();
         st.stats.sent += 1;
-        let Some(dest) = st.nodes.get(to).map(|n| (n.idx, n.inc)) else {
+        let Some(dest) = st.node_of(to).map(|n| (n.idx, n.inc)) else {
             return Err(LinkError::PeerGone(to.to_string()));
         };
         // Over its connection with the peer, or a new one (a frozen worker does nothing
@@ -1587,8 +1612,7 @@ impl Link for SimLink {
 
     fn detach(&self) {
         let mut st = self.net.lock();
-        let rank = self.me.clone();
-        if let Some(n) = st.nodes.get_mut(&rank) {
+        if let Some(n) = st.node_mut(self.idx) {
             if n.inc == self.inc {
                 n.up = false;
                 n.inbox = None;

@@ -146,7 +146,7 @@ fn seed_002_decode_dies_before_reading_and_prefill_frees_its_blocks() {
     });
     let report = run(&cfg);
     assert_eq!(report.safety.done, 0, "{report}");
-    // Prefill ranks paired with the dead decode fail PeerLost one heartbeat later, or at their
+    // Prefill ranks paired with the dead decode fail PeerLost one loss window later, or at their
     // TTL; either way their blocks are released (the no-leak invariant checked every pool).
     let freed = ranks(&report, "prefill:peer_lost") + ranks(&report, "prefill:ttl_expired");
     assert!(freed > 0, "{report}");

@@ -230,8 +230,8 @@ pub struct Timing {
     /// The loss window: each worker's real `PeerTable` loses a connected peer it has not
     /// heard from for longer (its loss timeout, the control loop's heartbeat interval ×
     /// beats missed: [`Timing::loss_timeout_ms`], this rounded up to whole intervals), at
-    /// its next heartbeat tick. A control-plane cut shorter than the window less an interval
-    /// and two hops loses nobody.
+    /// its next heartbeat tick. A control-plane cut shorter than the window less two
+    /// intervals and a hop loses nobody (without delay spikes).
     pub heartbeat_ms: u64,
     /// One control message's delay, uniform in the range (jitter reorders messages).
     pub delay_ms: (u64, u64),

@@ -399,7 +399,7 @@ fn a_worker_frozen_past_the_window_loses_its_peers_as_it_resumes() {
     assert!(checked > 0, "no request was still open on P0 as it resumed");
 }
 
-/// A control-plane cut shorter than the loss window (less an interval and two hops) loses
+/// A control-plane cut shorter than the loss window (less two intervals and a hop) loses
 /// nobody: heartbeats are cut, but the peer tables hear them again in time. The same cut
 /// past the window loses peers.
 #[test]

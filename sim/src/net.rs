@@ -309,7 +309,7 @@ struct NetState {
     /// The bootstrap server's own registry (its rules: incarnations replace, conflicts and
     /// bounds refuse, an engine is ready once every rank registered).
     registry: Registry,
-    /// The registry's clock: virtual ms after this.
+    /// The registry's and the peer tables' clock: virtual ms after this (a fixed instant).
     epoch: Instant,
     bootstrap_up: bool,
     partitions: BTreeMap<u64, Partition>,

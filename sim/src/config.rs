@@ -227,7 +227,11 @@ pub struct Timing {
     /// The runtimes' deadlines.
     #[serde(skip)]
     pub timeouts: Timeouts,
-    /// A lost peer is reported this long after it stops answering (simulated heartbeats).
+    /// The loss window: each worker's real `PeerTable` loses a connected peer it has not
+    /// heard from for longer (its loss timeout, the control loop's heartbeat interval ×
+    /// beats missed: [`Timing::loss_timeout_ms`], this rounded up to whole intervals), at
+    /// its next heartbeat tick. A control-plane cut shorter than the window less two
+    /// intervals and a hop loses nobody (without delay spikes).
     pub heartbeat_ms: u64,
     /// One control message's delay, uniform in the range (jitter reorders messages).
     pub delay_ms: (u64, u64),
@@ -237,6 +241,31 @@ pub struct Timing {
     pub transfer_base_ms: u64,
     /// See `transfer_base_ms`.
     pub blocks_per_ms: u64,
+}
+
+/// Heartbeats each worker sends a peer per loss window ([`Timing::heartbeat_ms`]), as the
+/// control loop's `heartbeats_missed_max` (6 in production, fewer here: each beat costs
+/// the simulator an event).
+pub const HEARTBEATS_PER_WINDOW: u64 = 4;
+
+impl Timing {
+    /// The control loop's heartbeat interval, virtual ms: `heartbeat_ms /`
+    /// [`HEARTBEATS_PER_WINDOW`], at least 1.
+    pub fn heartbeat_interval_ms(&self) -> u64 {
+        (self.heartbeat_ms / HEARTBEATS_PER_WINDOW).max(1)
+    }
+
+    /// The beats a peer may miss before it is lost: the window in whole intervals.
+    pub fn heartbeats_missed_max(&self) -> u64 {
+        self.heartbeat_ms.div_ceil(self.heartbeat_interval_ms())
+    }
+
+    /// The peer tables' loss timeout, virtual ms: interval × beats missed, as the control
+    /// loop's (`heartbeat_ms` exactly when [`HEARTBEATS_PER_WINDOW`] divides it, else
+    /// rounded up to whole intervals).
+    pub fn loss_timeout_ms(&self) -> u64 {
+        self.heartbeat_interval_ms() * self.heartbeats_missed_max()
+    }
 }
 
 /// The scaled-down deadlines every simulation starts from.

@@ -12,9 +12,32 @@
 //! incarnation, readiness of an engine) and the runtime's own `select_prefill_peers`; only
 //! its availability and the network between it and the workers are simulated.
 //!
-//! Failure detection is simulated heartbeats: a peer that crashed, or that a partition has
-//! cut off for longer than one heartbeat window, is reported with [`Inbox::peer_lost`] one
-//! window later, and sends to it fail with [`LinkError::PeerGone`] until it is back.
+//! Failure detection is the real control loop's: each worker owns the actors crate's
+//! [`PeerTable`] with the control loop's loss timeout (heartbeat interval × beats missed,
+//! [`Timing::loss_timeout_ms`]), and sees virtual time only (a fixed epoch plus the virtual
+//! ms). A worker connects with a peer as the control loop does: when it sends to a peer it
+//! holds no connection with, a lost one included (the dial: the incarnation its hello's
+//! answer would announce is adopted at once, and a peer that never answers is lost by the
+//! timeout), or when a message of a peer it holds no connection with arrives (the peer's
+//! hello). Sends never fail for a lost peer: they dial again, as the control loop does. On
+//! its tick, every heartbeat interval ([`Timing::heartbeat_interval_ms`]; one agenda event
+//! per worker, not per pair), a worker loses the connected peers the table says are silent
+//! (`PeerTable::silent`, then `lose`, then [`Inbox::peer_lost`], as `control.rs` does) and
+//! sends every connected peer a heartbeat (`PeerTable::beat`), the beats of one tick
+//! travelling together as control messages: delayed as any, cut by control-plane
+//! partitions, lost with a crashed or restarted end (a connection dies with its process),
+//! never lost or duplicated on their own (a connection is a stream). A received message or
+//! beat is heard (`heard`, `heartbeat`); one from a new incarnation is that incarnation's
+//! hello (`incarnation`, then `adopt`: a `Restarted` peer is lost first, a `Back` one is
+//! not), and one from an incarnation the table no longer holds (`current`) is dropped as
+//! stale. A frozen worker neither sends nor hears nor ticks; its missed tick runs as it
+//! resumes, before anything reaches it, so the peers it stopped hearing are lost then. The
+//! simulator does not answer a beat at once (the control loop does, only to shorten its
+//! lease's proof; the simulated lease is the grant's connection, `NetState::rkeys`), and
+//! closes a connection that carried no request message for longer than a request lives, on
+//! both ends and without a loss (`NetState::tick`), so that only pairs that talked recently
+//! are beaten. When the faults end, the liveness phase waits [`SimNet::settle_ms`] for the
+//! tables to decide about what they stopped hearing.
 //!
 //! The data transport moves real bytes between [`Region`]s with RDMA semantics: once
 //! posted, a write or read lands when its transfer time is over whether or not the request
@@ -37,7 +60,9 @@ use handoff_actors::{
 };
 use handoff_bootstrap::registry::{Origin, RegisterOutcome, Registry};
 use handoff_bootstrap::{QueryAnswer, WorkerRecord};
+use handoff_net::peers::{Incarnation, PeerTable};
 use handoff_transport::data::{Access, GrantTable};
+use handoff_transport::lease::Lease;
 use handoff_transport::zmtp::ConnId;
 use handoff_transport::Rank;
 use tokio::sync::{oneshot, Notify};
@@ -72,14 +97,25 @@ struct Node {
     /// The runtime's own grant table, as the TCP plane keeps it: on the fenced plane every
     /// transfer is checked against it where it lands. Fresh for every incarnation.
     grants: Arc<GrantTable>,
+    /// The control loop's liveness decisions, in virtual time. Fresh for every incarnation.
+    table: PeerTable,
+    /// The peers it holds a control connection with: these are beaten every tick.
+    conns: BTreeMap<usize, Conn>,
+}
+
+/// One control connection, as one end holds it.
+#[derive(Clone, Copy)]
+struct Conn {
+    /// The peer's incarnation it was opened with (the one the table adopted).
+    inc: u32,
+    /// When it last carried a request's message, virtual ms.
+    last: u64,
 }
 
 struct Partition {
     group: BTreeSet<usize>,
     one_way: bool,
     plane: Plane,
-    /// (observer, peer) pairs this partition's failure detection marked lost.
-    lost: Vec<(usize, usize)>,
 }
 
 impl Partition {
@@ -106,8 +142,13 @@ pub struct NetStats {
     pub duplicated: u64,
     /// Delayed by a spike.
     pub spiked: u64,
-    /// Sends refused because the sender's failure detector had declared the peer lost.
-    pub refused: u64,
+    /// Heartbeats sent (one per connected peer per tick).
+    pub heartbeats: u64,
+    /// Heartbeats heard (the rest were cut by a partition or lost with an end).
+    pub heartbeats_heard: u64,
+    /// Messages and heartbeats dropped because the receiver's peer table holds another
+    /// incarnation of the sender (`PeerTable::current`).
+    pub stale: u64,
     /// Data transfers that landed.
     pub transfers_ok: u64,
     /// Data transfers that failed (an end gone, partitioned, a bad block list).
@@ -124,7 +165,8 @@ pub struct NetStats {
     pub queries_failed: u64,
     /// Registration attempts that failed and were retried.
     pub registrations_retried: u64,
-    /// Peer-lost reports delivered.
+    /// Peers lost by a worker's peer table (silent past the loss timeout, or restarted),
+    /// each reported to the worker's runtime.
     pub peer_lost: u64,
     /// One-sided writes refused before posting: the writer's lease with the peer had ended
     /// (a loss was declared between them since the peer granted the blocks).
@@ -193,10 +235,15 @@ enum NetEvent {
         who: (usize, u32),
         backoff_ms: u64,
     },
-    Detect {
-        peer: usize,
-        peer_inc: u32,
-        partition: Option<u64>,
+    /// A worker's heartbeat tick (its control loop's interval).
+    Tick {
+        worker: usize,
+        inc: u32,
+    },
+    /// The heartbeats one worker sent on one tick, arriving.
+    Beats {
+        from: (usize, u32),
+        beats: Vec<Beat>,
     },
     Heal {
         partition: u64,
@@ -226,6 +273,14 @@ struct Post {
     reply: oneshot::Sender<Result<(), String>>,
 }
 
+/// One heartbeat on the connection with the `to_inc` incarnation of worker `to`.
+struct Beat {
+    to: usize,
+    to_inc: u32,
+    seq: u64,
+    echo: u64,
+}
+
 /// Which registration granted a worker access for a request, and the loss count between
 /// the two when it did: the writer's lease with the peer for that grant.
 #[derive(Clone, Copy)]
@@ -245,17 +300,19 @@ pub struct NetNote {
 }
 
 struct NetState {
-    nodes: BTreeMap<RankInfo, Node>,
+    /// Every worker, by index.
+    nodes: Vec<Node>,
+    /// Each worker's index, by rank.
+    index: BTreeMap<RankInfo, usize>,
     ranks: Vec<RankInfo>,
     siblings: Vec<Vec<RankInfo>>,
     /// The bootstrap server's own registry (its rules: incarnations replace, conflicts and
     /// bounds refuse, an engine is ready once every rank registered).
     registry: Registry,
-    /// The registry's clock: virtual ms after this.
+    /// The registry's and the peer tables' clock: virtual ms after this (a fixed instant).
     epoch: Instant,
     bootstrap_up: bool,
     partitions: BTreeMap<u64, Partition>,
-    lost: BTreeMap<(usize, usize), u32>,
     faults_on: bool,
     faults: Faults,
     timing: Timing,
@@ -273,6 +330,8 @@ struct NetState {
     losses: BTreeMap<(usize, usize), u64>,
     /// Frozen workers, and when they resume.
     frozen: BTreeMap<usize, u64>,
+    /// A connection that carried no request message for longer than this closes (ms).
+    idle_ms: u64,
     rng: Rng,
     agenda: BTreeMap<(u64, u64), NetEvent>,
     seq: u64,
@@ -302,7 +361,8 @@ impl SimNet {
         drops: Vec<MessageKind>,
         data_plane: DataPlane,
     ) -> Arc<Self> {
-        let mut nodes = BTreeMap::new();
+        let mut nodes = Vec::with_capacity(ranks.len());
+        let mut index = BTreeMap::new();
         for (idx, (rank, role)) in ranks.iter().enumerate() {
             let node = Node {
                 idx,
@@ -313,20 +373,28 @@ impl SimNet {
                 region: None,
                 pool: None,
                 grants: Arc::default(),
+                table: peer_table(&timing),
+                conns: BTreeMap::new(),
             };
-            nodes.insert(rank.clone(), node);
+            nodes.push(node);
+            index.insert(rank.clone(), idx);
         }
         let state = NetState {
             nodes,
+            index,
             ranks: ranks.into_iter().map(|(r, _)| r).collect(),
             siblings,
             registry: Registry::new(),
             epoch: Instant::now(),
             bootstrap_up: true,
             partitions: BTreeMap::new(),
-            lost: BTreeMap::new(),
             faults_on: true,
             faults,
+            // No request lives longer than its lifetime: a connection idle for longer is
+            // one no request waits on.
+            idle_ms: u64::try_from(timing.timeouts.lifetime_max().as_millis())
+                .unwrap_or(u64::MAX)
+                .saturating_add(timing.loss_timeout_ms()),
             timing,
             drops,
             data_plane,
@@ -382,8 +450,7 @@ impl SimNet {
     /// Gives worker `idx` (incarnation `inc`) its memory before its runtime attaches.
     pub fn set_memory(&self, idx: usize, inc: u32, region: Arc<Region>, pool: Arc<Mutex<Pool>>) {
         let mut st = self.lock();
-        let rank = st.ranks[idx].clone();
-        if let Some(n) = st.nodes.get_mut(&rank) {
+        if let Some(n) = st.node_mut(idx) {
             n.inc = inc;
             n.region = Some(region);
             n.pool = Some(pool);
@@ -415,33 +482,16 @@ impl SimNet {
                     .map(move |w| (engine.clone(), w.rank, w.incarnation))
             })
             .collect();
-        st.nodes.iter().all(|(rank, n)| {
+        st.ranks.iter().zip(&st.nodes).all(|(rank, n)| {
             n.role != Role::Prefill
                 || !n.up
                 || held.contains(&(rank.engine_id.clone(), rank.rank(), u64::from(n.inc)))
         })
     }
 
-    /// Worker `idx` crashed (its runtime has detached): peers learn it one heartbeat later.
-    pub fn crashed(&self, idx: usize) {
-        let mut st = self.lock();
-        let now = self.now_ms();
-        let rank = st.ranks[idx].clone();
-        let inc = st.nodes.get(&rank).map_or(0, |n| n.inc);
-        let at = now + st.timing.heartbeat_ms;
-        self.push(
-            &mut st,
-            at,
-            NetEvent::Detect {
-                peer: idx,
-                peer_inc: inc,
-                partition: None,
-            },
-        );
-    }
-
     /// Starts partition `id` cutting `group` off (only its outgoing side if `one_way`) for
-    /// `for_ms`. Longer than a heartbeat window, it is also detected as lost peers.
+    /// `for_ms`. A cut of the control plane stops heartbeats too: the peer tables on either
+    /// side lose the peers they stop hearing for longer than the loss timeout.
     pub fn partition(
         &self,
         id: u64,
@@ -457,22 +507,8 @@ impl SimNet {
                 group,
                 one_way,
                 plane,
-                lost: Vec::new(),
             },
         );
-        // Heartbeats travel on the control plane: only its cut is seen as lost peers.
-        if for_ms > st.timing.heartbeat_ms && plane.cuts_control() {
-            let at = now + st.timing.heartbeat_ms;
-            self.push(
-                &mut st,
-                at,
-                NetEvent::Detect {
-                    peer: usize::MAX,
-                    peer_inc: 0,
-                    partition: Some(id),
-                },
-            );
-        }
         self.push(&mut st, now + for_ms, NetEvent::Heal { partition: id });
     }
 
@@ -488,13 +524,23 @@ impl SimNet {
         self.push(&mut st, at, NetEvent::Thaw { worker, at });
     }
 
-    /// Ends every partition and forgets every lost peer that is up (liveness phase).
+    /// Ends every partition and freeze (liveness phase). The peer tables go on deciding:
+    /// what they had stopped hearing is lost within [`SimNet::settle_ms`].
     pub fn heal_all(&self) {
         let mut st = self.lock();
         st.partitions.clear();
         st.frozen.clear();
-        st.lost.clear();
         st.bootstrap_up = true;
+    }
+
+    /// How long after [`SimNet::heal_all`] every peer table has decided about what it
+    /// stopped hearing during the faults: a peer silent since before the heal is lost by a
+    /// tick within one loss timeout and an interval; the other end, which then stops
+    /// hearing it, within another; plus a hop.
+    pub fn settle_ms(&self) -> u64 {
+        let st = self.lock();
+        let t = &st.timing;
+        2 * (t.loss_timeout_ms() + t.heartbeat_interval_ms()) + t.delay_ms.1
     }
 
     /// Counters so far.
@@ -600,19 +646,22 @@ impl SimNet {
                     );
                 }
             }
-            NetEvent::Detect {
-                peer,
-                peer_inc,
-                partition,
-            } => match partition {
-                None => st.detect_crash(t, peer, peer_inc),
-                Some(id) => st.detect_partition(t, id),
-            },
-            NetEvent::Heal { partition } => {
-                if let Some(p) = st.partitions.remove(&partition) {
-                    for pair in p.lost {
-                        st.unlose(pair);
+            NetEvent::Tick { worker, inc } => {
+                if !st.alive((worker, inc)) {
+                    return; // the incarnation's control loop is gone
+                }
+                let next = t + st.timing.heartbeat_interval_ms();
+                self.push(st, next, NetEvent::Tick { worker, inc });
+                // A frozen worker's tick waits for it to resume (`Thaw`).
+                if st.frozen.get(&worker).is_none_or(|until| *until <= t) {
+                    if let Some((at, beats)) = st.tick(t, worker) {
+                        self.push(st, at, beats);
                     }
+                }
+            }
+            NetEvent::Beats { from, beats } => st.hear_beats(t, from, beats),
+            NetEvent::Heal { partition } => {
+                if st.partitions.remove(&partition).is_some() {
                     st.note(t, None, format!("partition {partition} healed"));
                 }
             }
@@ -620,6 +669,10 @@ impl SimNet {
                 if st.frozen.get(&worker) == Some(&at) {
                     st.frozen.remove(&worker);
                     st.note(t, None, format!("w{worker} resumes"));
+                    // The tick it missed runs at once, before anything reaches it.
+                    if let Some((at, beats)) = st.tick(t, worker) {
+                        self.push(st, at, beats);
+                    }
                 }
             }
             NetEvent::Post(post) => self.post(st, t, *post),
@@ -627,13 +680,22 @@ impl SimNet {
     }
 }
 
+/// A worker's peer table, with the control loop's loss timeout.
+fn peer_table(timing: &Timing) -> PeerTable {
+    PeerTable::new(Duration::from_millis(timing.loss_timeout_ms()))
+}
+
 impl NetState {
     fn note(&mut self, t_ms: u64, req: Option<u64>, text: String) {
         self.notes.push(NetNote { t_ms, req, text });
     }
 
+    fn node_of(&self, rank: &RankInfo) -> Option<&Node> {
+        self.index.get(rank).and_then(|i| self.nodes.get(*i))
+    }
+
     fn node_at(&self, idx: usize) -> Option<&Node> {
-        self.ranks.get(idx).and_then(|r| self.nodes.get(r))
+        self.nodes.get(idx)
     }
 
     fn alive(&self, (idx, inc): (usize, u32)) -> bool {
@@ -657,15 +719,6 @@ impl NetState {
     fn losses_between(&self, a: usize, b: usize) -> u64 {
         let count = |k| self.losses.get(&k).copied().unwrap_or(0);
         count((a, b)) + count((b, a))
-    }
-
-    fn unlose(&mut self, pair: (usize, usize)) {
-        if let Some(n) = self.lost.get_mut(&pair) {
-            *n -= 1;
-            if *n == 0 {
-                self.lost.remove(&pair);
-            }
-        }
     }
 
     fn deliver(
@@ -694,6 +747,16 @@ impl NetState {
                 from.0,
                 to.0,
                 MessageKind::of(&msg)
+            );
+            return self.note(t, req, text);
+        }
+        if !self.hear(t, to.0, from, true) {
+            let text = format!(
+                "drop w{}->w{} {:?}: stale incarnation {}",
+                from.0,
+                to.0,
+                MessageKind::of(&msg),
+                from.1
             );
             return self.note(t, req, text);
         }
@@ -901,7 +964,7 @@ impl NetState {
             return Some(backoff_ms);
         }
         let rank = self.ranks[who.0].clone();
-        let role = self.nodes.get(&rank).map(|n| n.role)?;
+        let role = self.node_at(who.0).map(|n| n.role)?;
         let record = WorkerRecord {
             rank,
             role,
@@ -937,64 +1000,215 @@ impl NetState {
         None
     }
 
-    fn report_lost(&mut self, t: u64, observer: usize, peer: usize) -> bool {
-        let peer_rank = self.ranks[peer].clone();
-        let Some(inbox) = self
-            .node_at(observer)
-            .filter(|n| n.up)
-            .and_then(|n| n.inbox.clone())
-        else {
+    // ---- liveness: the control loop's peer table, fed in virtual time ----
+
+    /// The instant the peer tables see at virtual `t` ms.
+    fn at(&self, t: u64) -> Instant {
+        self.epoch + Duration::from_millis(t)
+    }
+
+    fn node_mut(&mut self, idx: usize) -> Option<&mut Node> {
+        self.nodes.get_mut(idx)
+    }
+
+    fn index_of(&self, peer: &Peer) -> Option<usize> {
+        self.index.get(peer).copied()
+    }
+
+    /// What worker `worker`'s control loop does on its heartbeat tick at `t`: lose the
+    /// connected peers its table says are silent, then beat every connected peer. Returns
+    /// the beats' arrival. Also closes its connections idle for longer than a request
+    /// lives (the simulator's economy; no request waits on them, so nobody is told).
+    fn tick(&mut self, t: u64, worker: usize) -> Option<(u64, NetEvent)> {
+        let now = self.at(t);
+        let node = self.node_at(worker).filter(|n| n.up)?;
+        let inc = node.inc;
+        let silent: Vec<usize> = node
+            .table
+            .silent(now)
+            .iter()
+            .filter_map(|p| self.index_of(p))
+            .filter(|p| node.conns.contains_key(p))
+            .collect();
+        let idle: Vec<usize> = node
+            .conns
+            .iter()
+            .filter(|(_, c)| t.saturating_sub(c.last) > self.idle_ms)
+            .map(|(p, _)| *p)
+            .collect();
+        let timeout = node.table.loss_timeout();
+        for peer in silent {
+            self.lose(t, worker, peer, &format!("no heartbeat for {timeout:?}"));
+        }
+        for peer in idle {
+            self.close(worker, peer);
+        }
+        let NetState { nodes, ranks, .. } = self;
+        let node = nodes.get_mut(worker)?;
+        let mut beats = Vec::with_capacity(node.conns.len());
+        for (&to, conn) in &node.conns {
+            let (seq, echo) = node.table.beat(&ranks[to], now);
+            beats.push(Beat {
+                to,
+                to_inc: conn.inc,
+                seq,
+                echo,
+            });
+        }
+        if beats.is_empty() {
+            return None;
+        }
+        self.stats.heartbeats += beats.len() as u64;
+        let arrives = t + self.delay();
+        let event = NetEvent::Beats {
+            from: (worker, inc),
+            beats,
+        };
+        Some((arrives, event))
+    }
+
+    /// One tick's heartbeats arrive: each is heard by its receiver, if the connection's two
+    /// ends are still the incarnations it joined and no partition cuts the control plane
+    /// between them. (Not answered: see the module docs.)
+    fn hear_beats(&mut self, t: u64, from: (usize, u32), beats: Vec<Beat>) {
+        if !self.alive(from) {
+            return;
+        }
+        let lease_for = Duration::from_millis(self.timing.loss_timeout_ms());
+        for beat in beats {
+            if !self.alive((beat.to, beat.to_inc)) || self.partitioned(true, from.0, beat.to) {
+                continue;
+            }
+            if !self.hear(t, beat.to, from, false) {
+                continue;
+            }
+            self.stats.heartbeats_heard += 1;
+            let NetState { nodes, ranks, .. } = self;
+            if let Some(node) = nodes.get_mut(beat.to) {
+                let _answer = node
+                    .table
+                    .heartbeat(&ranks[from.0], beat.seq, beat.echo, lease_for);
+            }
+        }
+    }
+
+    /// Worker `at` receives a message (a request's, if `request`) or a heartbeat from
+    /// `from`, as its control loop does: a message of a peer it holds no connection with,
+    /// or of a newer incarnation, comes with that connection's hello (the incarnation is
+    /// noted, a restarted peer lost first); one of an incarnation its table no longer holds
+    /// is stale. False: dropped as stale.
+    fn hear(&mut self, t: u64, at: usize, from: (usize, u32), request: bool) -> bool {
+        let inc = u64::from(from.1);
+        let Some(node) = self.node_at(at) else {
             return false;
         };
-        *self.lost.entry((observer, peer)).or_insert(0) += 1;
-        *self.losses.entry((observer, peer)).or_insert(0) += 1;
-        self.stats.peer_lost += 1;
-        inbox.peer_lost(peer_rank);
-        let _ = t;
+        // On a connection with this very incarnation (the table adopted it): current.
+        if node.conns.get(&from.0).map(|c| c.inc) != Some(from.1) {
+            let known = node.table.known_incarnation(&self.ranks[from.0]);
+            if known.is_none_or(|k| k <= inc) {
+                self.connect(t, at, from.0, inc);
+            }
+            let Some(node) = self.node_at(at) else {
+                return false;
+            };
+            if !node.table.current(&self.ranks[from.0], inc) {
+                self.stats.stale += 1;
+                return false;
+            }
+        }
+        let now = self.at(t);
+        let NetState { nodes, ranks, .. } = self;
+        let Some(node) = nodes.get_mut(at) else {
+            return false;
+        };
+        node.table.heard(&ranks[from.0], now);
+        if request {
+            if let Some(conn) = node.conns.get_mut(&from.0) {
+                conn.last = t;
+            }
+        }
         true
     }
 
-    fn detect_crash(&mut self, t: u64, peer: usize, peer_inc: u32) {
-        if self.alive((peer, peer_inc)) {
-            return; // it came back already (never, with down time >= one window)
-        }
-        let observers: Vec<usize> = (0..self.ranks.len()).filter(|i| *i != peer).collect();
-        let mut told = 0;
-        for o in observers {
-            told += usize::from(self.report_lost(t, o, peer));
-        }
-        self.note(t, None, format!("w{peer} declared lost by {told} peers"));
-    }
-
-    fn detect_partition(&mut self, t: u64, id: u64) {
-        let Some(p) = self.partitions.get(&id) else {
+    /// Worker `at` connects with incarnation `inc` of `peer` (a hello, or the answer to
+    /// its own): `PeerTable::incarnation` and `adopt` (a `Restarted` peer is lost first),
+    /// then `connected`, as `on_hello` does.
+    fn connect(&mut self, t: u64, at: usize, peer: usize, inc: u64) {
+        let Some(node) = self.node_at(at) else {
             return;
         };
-        let n = self.ranks.len();
-        let mut pairs = Vec::new();
-        for from in 0..n {
-            for to in 0..n {
-                if from != to && p.blocks(from, to) {
-                    // `to` stops hearing `from`'s heartbeats.
-                    pairs.push((to, from));
+        let peer_rank = &self.ranks[peer];
+        match node.table.incarnation(peer_rank, inc) {
+            Incarnation::First | Incarnation::Unchanged => {}
+            Incarnation::Back { old } => {
+                self.note(t, None, format!("w{at}: w{peer} back ({old} -> {inc})"));
+            }
+            Incarnation::Restarted { old } => {
+                let why = format!("it restarted ({old} -> {inc})");
+                self.lose(t, at, peer, &why);
+            }
+        }
+        let now = self.at(t);
+        let NetState { nodes, ranks, .. } = self;
+        let Some(node) = nodes.get_mut(at) else {
+            return;
+        };
+        let peer_rank = &ranks[peer];
+        node.table.adopt(peer_rank, inc);
+        node.table.connected(peer_rank, now, Arc::new(Lease::new()));
+        let inc = u32::try_from(inc).unwrap_or(u32::MAX);
+        node.conns.insert(peer, Conn { inc, last: t });
+    }
+
+    /// Worker `at` sends a request's message to `peer` (incarnation `inc` now): over its
+    /// connection, or a new one it dials. The dial's answer would announce `inc`; the
+    /// simulator adopts it at once (an unreachable peer is then lost by the table's
+    /// timeout, as a dial that gets no answer is).
+    fn dial(&mut self, t: u64, at: usize, (peer, inc): (usize, u32)) {
+        let Some(node) = self.node_mut(at) else {
+            return;
+        };
+        match node.conns.get_mut(&peer) {
+            Some(conn) => conn.last = t,
+            None => self.connect(t, at, peer, u64::from(inc)),
+        }
+    }
+
+    /// Worker `observer` loses `peer`, as the control loop's `lose` does: the table forgets
+    /// it (its incarnation kept, marked lost), the connection closes, and every request of
+    /// the runtime that depends on it fails (`Inbox::peer_lost`). Counted as a loss
+    /// declared between the two (the grants' leases).
+    fn lose(&mut self, t: u64, observer: usize, peer: usize, why: &str) {
+        let peer_rank = self.ranks[peer].clone();
+        let Some(node) = self.node_mut(observer).filter(|n| n.up) else {
+            return;
+        };
+        let known = node.table.lose(&peer_rank);
+        let connected = node.conns.remove(&peer).is_some();
+        if !known && !connected {
+            return;
+        }
+        let inbox = node.inbox.clone();
+        *self.losses.entry((observer, peer)).or_insert(0) += 1;
+        self.stats.peer_lost += 1;
+        self.note(t, None, format!("w{observer} loses w{peer}: {why}"));
+        if let Some(inbox) = inbox {
+            inbox.peer_lost(peer_rank);
+        }
+    }
+
+    /// The connection between `a` and `b` closes on both ends, quietly: idle for longer
+    /// than any request lives, nothing depends on it (only its incarnation is kept, as
+    /// for a lost peer; the next message opens a new one).
+    fn close(&mut self, a: usize, b: usize) {
+        for (x, y) in [(a, b), (b, a)] {
+            let rank = self.ranks[y].clone();
+            if let Some(node) = self.node_mut(x) {
+                if node.conns.remove(&y).is_some() {
+                    node.table.lose(&rank);
                 }
             }
         }
-        let mut marked = Vec::new();
-        for (observer, peer) in pairs {
-            if self.report_lost(t, observer, peer) {
-                marked.push((observer, peer));
-            }
-        }
-        let count = marked.len();
-        if let Some(p) = self.partitions.get_mut(&id) {
-            p.lost = marked;
-        }
-        self.note(
-            t,
-            None,
-            format!("partition {id} detected: {count} peer-lost reports"),
-        );
     }
 
     fn delay(&mut self) -> u64 {
@@ -1027,7 +1241,13 @@ impl Attach for SimAttach {
         let net = &self.0;
         let mut st = net.lock();
         let now = net.now_ms();
-        let Some(node) = st.nodes.get_mut(&rank) else {
+        let table = peer_table(&st.timing);
+        let Some(node) = st
+            .index
+            .get(&rank)
+            .copied()
+            .and_then(|i| st.nodes.get_mut(i))
+        else {
             return Err(ActorError::Config(format!(
                 "{rank} is not part of the simulated cluster"
             )));
@@ -1053,9 +1273,12 @@ impl Attach for SimAttach {
         node.up = true;
         node.inbox = Some(inbox);
         node.grants = Arc::default();
+        // A new process: a new control loop, knowing no peer.
+        node.table = table;
+        node.conns.clear();
         let (idx, inc) = (node.idx, node.inc);
-        // A new incarnation: nobody holds the old one as lost any more.
-        st.lost.retain(|(_, peer), _| *peer != idx);
+        let tick = now + st.timing.heartbeat_interval_ms();
+        net.push(&mut st, tick, NetEvent::Tick { worker: idx, inc });
         if role == Role::Prefill {
             let at = now + st.timing.delay_ms.0;
             net.push(
@@ -1152,8 +1375,8 @@ impl SimNet {
         let write = st.ranks.get(by) == Some(&src_node);
         let owner_blocks = if write { &src } else { &dst }.clone();
         let mut ends = (
-            st.nodes.get(&src_node).map(|n| (n.idx, n.inc)),
-            st.nodes.get(&dst_node).map(|n| (n.idx, n.inc)),
+            st.node_of(&src_node).map(|n| (n.idx, n.inc)),
+            st.node_of(&dst_node).map(|n| (n.idx, n.inc)),
         );
         let mut lease_ended = None;
         if st.data_plane == DataPlane::Rdma {
@@ -1264,12 +1487,14 @@ impl Link for SimLink {
         }
         let now = net.now_ms();
         st.stats.sent += 1;
-        let Some(dest) = st.nodes.get(to).map(|n| (n.idx, n.inc)) else {
+        let Some(dest) = st.node_of(to).map(|n| (n.idx, n.inc)) else {
             return Err(LinkError::PeerGone(to.to_string()));
         };
-        if st.lost.contains_key(&(self.idx, dest.0)) {
-            st.stats.refused += 1;
-            return Err(LinkError::PeerGone(to.to_string()));
+        // Over its connection with the peer, or a new one (a frozen worker does nothing
+        // until it resumes: what it sends meanwhile is cut off with it).
+        let frozen = st.frozen.get(&self.idx).is_some_and(|until| *until > now);
+        if !frozen && st.alive((self.idx, self.inc)) {
+            st.dial(now, self.idx, dest);
         }
         let kind = MessageKind::of(&msg);
         let req = req_index(id);
@@ -1387,8 +1612,7 @@ impl Link for SimLink {
 
     fn detach(&self) {
         let mut st = self.net.lock();
-        let rank = self.me.clone();
-        if let Some(n) = st.nodes.get_mut(&rank) {
+        if let Some(n) = st.node_mut(self.idx) {
             if n.inc == self.inc {
                 n.up = false;
                 n.inbox = None;

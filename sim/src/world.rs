@@ -176,6 +176,9 @@ pub(crate) struct World {
     scripted_outages: BTreeMap<u64, u64>,
     scripted_partitions: Vec<ScriptedPartition>,
     awaiting_registration: bool,
+    /// Liveness requests arrive no earlier: the peer tables have decided about what they
+    /// stopped hearing during the faults (`SimNet::settle_ms`).
+    settled_at: u64,
     outcomes: Vec<RequestOutcome>,
 }
 
@@ -372,6 +375,7 @@ impl World {
             scripted_outages: BTreeMap::new(),
             scripted_partitions: Vec::new(),
             awaiting_registration: false,
+            settled_at: 0,
             outcomes: Vec::new(),
         };
         world.trace.echo(world.cfg.echo_trace);
@@ -1466,7 +1470,7 @@ impl World {
             }
             self.settle_if_done(req);
         }
-        self.net.crashed(w);
+        // Its peers stop hearing it: their peer tables lose it.
         let down = down_ms.max(self.cfg.timing.heartbeat_ms + 1);
         self.schedule(now + down, Action::Restart { worker: w });
     }
@@ -1504,7 +1508,7 @@ impl World {
                 self.start_liveness(now).await;
             }
             Phase::Liveness if self.awaiting_registration => {
-                if self.net.all_registered() {
+                if self.net.all_registered() && now >= self.settled_at {
                     self.awaiting_registration = false;
                     self.last_progress_ms = now;
                     let req = self.safety_end;
@@ -1581,6 +1585,7 @@ impl World {
         self.phase = Phase::Liveness;
         self.net.set_faults_on(false);
         self.net.heal_all();
+        self.settled_at = now + self.net.settle_ms();
         self.agenda
             .retain(|_, a| !matches!(a, Action::FaultTick(_) | Action::BootstrapUp));
         self.trace

@@ -2,19 +2,20 @@
 //!
 //! It owns its request's machine and does nothing else: it feeds the machine the events
 //! the root routes to it, performs the actions the machine emits (control messages through
-//! the [`Link`], data transfers as tasks that report back, state and releases into the
-//! request's [`Estate`], which it alone owns while it runs), and keeps exactly one timer
-//! armed at the machine's next deadline. When the machine is terminal it tells the root,
-//! which stops it.
+//! the [`Link`], data transfers, state and releases into the request's [`Estate`], which
+//! it alone owns while it runs), and waits for whichever comes first: a message, a
+//! transfer's answer, or the machine's next deadline. When the machine is terminal it
+//! tells the root, which stops it.
 //!
 //! It is one tokio task reading one unbounded mailbox (bounded in practice by admission:
-//! the root delivers a request's events, its transfers and lookups answer once each), not
-//! a ractor actor: per request that saves an actor's four ports, its registration, its
-//! supervision link and a timer task per deadline (the loop waits for the machine's next
-//! deadline beside its mailbox). Supervision stays the root's: a panic in a handler is
-//! caught here, the task ends, and the root is told ([`RootMsg::ChildGone`]) as ractor
-//! would have told it; stopping is aborting the task, which drops its state and with it
-//! every task it started.
+//! the root delivers a request's events, its lookups answer once each), not a ractor actor:
+//! per request that saves an actor's four ports, its registration and supervision link, a
+//! timer task per deadline and a task per transfer (the loop polls its transfers and waits
+//! for the deadline itself). A bootstrap lookup the directory answers from its cache is
+//! taken at once, without a task. Supervision stays the root's: a panic in a handler (or
+//! in a transfer the loop polls) is caught here, the task ends, and the root is told
+//! ([`RootMsg::ChildGone`]) as ractor would have told it; stopping is aborting the task,
+//! which drops its state and with it every transfer and lookup it started.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -58,6 +59,8 @@ pub(crate) enum RequestMsg {
     Timeout,
     /// Fault injection: panic inside the handler (tests and the simulator).
     Panic,
+    /// A transfer's future panicked while the actor polled it (its text).
+    PlanePanicked(String),
 }
 
 /// What a request actor is built from.
@@ -159,10 +162,23 @@ async fn run(
                 if sleep.deadline() != at {
                     sleep.as_mut().reset(at);
                 }
+                let transfers = &mut state.transfers;
+                // The machine's deadline before a transfer's answer due at the same instant:
+                // a plane answers a transfer past its deadline at that deadline, and the
+                // request fails for the deadline, not for the plane's answer.
                 tokio::select! {
                     biased;
                     msg = rx.recv() => msg,
                     () = &mut sleep => Some(RequestMsg::Timeout),
+                    answer = next_answer(transfers), if !transfers.is_empty() => Some(answer),
+                }
+            }
+            None if !state.transfers.is_empty() => {
+                let transfers = &mut state.transfers;
+                tokio::select! {
+                    biased;
+                    msg = rx.recv() => msg,
+                    answer = next_answer(transfers) => Some(answer),
                 }
             }
             None => rx.recv().await,
@@ -177,16 +193,49 @@ async fn run(
     }
 }
 
+/// A transfer in flight, as the actor polls it: its answer, as the machine's event.
+type Transfer = std::pin::Pin<Box<dyn std::future::Future<Output = MachineEvent> + Send>>;
+
+/// The first transfer to answer, removed from `transfers`, as a message; a transfer that
+/// panics (a bug in a plane) is reported as the actor's own panic.
+async fn next_answer(transfers: &mut Vec<Transfer>) -> RequestMsg {
+    std::future::poll_fn(|cx| {
+        for i in 0..transfers.len() {
+            let polled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                transfers[i].as_mut().poll(cx)
+            }));
+            match polled {
+                Ok(std::task::Poll::Pending) => {}
+                Ok(std::task::Poll::Ready(event)) => {
+                    drop(transfers.swap_remove(i));
+                    return std::task::Poll::Ready(RequestMsg::Event(event));
+                }
+                Err(panic) => {
+                    drop(transfers.swap_remove(i));
+                    let text = panic_payload(panic.as_ref());
+                    return std::task::Poll::Ready(RequestMsg::PlanePanicked(text));
+                }
+            }
+        }
+        std::task::Poll::Pending
+    })
+    .await
+}
+
 /// The placeholder deadline of an actor whose machine has none (it is never awaited).
 const IDLE_SLEEP: Duration = Duration::from_secs(3600);
 
-fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
-    let text = panic
+/// What a panic said.
+fn panic_payload(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
         .downcast_ref::<&str>()
         .map(|s| (*s).to_string())
         .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a panic".to_string());
-    format!("request actor failed: panicked: {text}")
+        .unwrap_or_else(|| "a panic".to_string())
+}
+
+fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    format!("request actor failed: panicked: {}", panic_payload(panic))
 }
 
 enum Machine {
@@ -204,6 +253,8 @@ pub(crate) struct RequestState {
     /// The machine's next deadline, which the actor's loop waits for beside its mailbox.
     timer: Option<Instant>,
     tasks: Vec<JoinHandle<()>>,
+    /// Transfers in flight, polled by the actor's loop; each ends as the event it reports.
+    transfers: Vec<Transfer>,
     ended: bool,
     /// Decode: the prefill engine (and dp rank) this request receives from.
     prefill: Option<(EngineId, Option<u32>)>,
@@ -255,6 +306,7 @@ impl RequestState {
             machine,
             timer: None,
             tasks: Vec::new(),
+            transfers: Vec::new(),
             ended: false,
             prefill: None,
             metrics: args.metrics,
@@ -268,16 +320,36 @@ impl RequestState {
         } = args.kind
         {
             state.prefill = Some((prefill.clone(), prefill_dp_rank));
-            let deadline = t + args.timeouts.bootstrap;
-            let resolve = spawn_resolve(
-                myself,
-                &state.link,
-                prefill,
-                prefill_dp_rank,
-                deadline,
-                state.span.clone(),
-            );
-            state.tasks.push(resolve);
+            // A lookup the directory answers at once (its cache) needs no task: the machine
+            // learns its peers before its first pump.
+            let mut lookup = state.link.resolve(&prefill, prefill_dp_rank);
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            let first = match lookup.as_mut().poll(&mut cx) {
+                std::task::Poll::Ready(Ok(peers)) => {
+                    let event = ReceiverEvent::PeersResolved { peers };
+                    state.feed(t, MachineEvent::Receiver(event));
+                    None
+                }
+                std::task::Poll::Ready(Err(ResolveError::Fatal(reason))) => {
+                    let event = ReceiverEvent::BootstrapFailed { reason };
+                    state.feed(t, MachineEvent::Receiver(event));
+                    None
+                }
+                std::task::Poll::Ready(Err(ResolveError::NotReady { .. })) => Some(None),
+                std::task::Poll::Pending => Some(Some(lookup)),
+            };
+            if let Some(pending) = first {
+                let deadline = t + args.timeouts.bootstrap;
+                let resolve = spawn_resolve(
+                    myself,
+                    &state.link,
+                    (prefill, prefill_dp_rank),
+                    pending,
+                    deadline,
+                    state.span.clone(),
+                );
+                state.tasks.push(resolve);
+            }
         }
         for event in args.backlog {
             state.feed(t, event);
@@ -300,6 +372,9 @@ impl RequestState {
             }
             RequestMsg::Timeout => self.handle_timeout(now()),
             RequestMsg::Panic => panic!("injected fault in request {}", self.id),
+            RequestMsg::PlanePanicked(text) => {
+                panic!("request {}: a transfer panicked: {text}", self.id)
+            }
         }
         self.pump(myself);
     }
@@ -465,7 +540,7 @@ impl RequestState {
                         detail: e.to_string(),
                     },
                 };
-                self.spawn_transfer(myself, fut, ("write", n), deadline, move |r| {
+                self.start_transfer(fut, ("write", n), deadline, move |r| {
                     MachineEvent::Sender(done(r))
                 });
             }
@@ -483,7 +558,7 @@ impl RequestState {
                         detail: e.to_string(),
                     },
                 };
-                self.spawn_transfer(myself, fut, ("read", n), deadline, move |r| {
+                self.start_transfer(fut, ("read", n), deadline, move |r| {
                     MachineEvent::Receiver(done(r))
                 });
             }
@@ -515,21 +590,20 @@ impl RequestState {
 
     /// Runs a transfer and reports its outcome to the machine. The plane answers by the
     /// transfer's deadline (`Link::write`); this waits [`PLANE_ANSWER_GRACE`] past it
-    /// before reporting a failure itself, which only a stuck plane makes it do.
-    fn spawn_transfer(
+    /// before reporting a failure itself, which only a stuck plane makes it do. The
+    /// transfer is polled by the actor's own loop (no task of its own): its answer is the
+    /// next message.
+    fn start_transfer(
         &mut self,
-        myself: &RequestRef,
         fut: crate::link::TransferFuture,
         (op, blocks): (&'static str, usize),
         deadline: Instant,
         report: impl FnOnce(Result<(), TransferError>) -> MachineEvent + Send + 'static,
     ) {
-        let me = myself.clone();
         let id = self.id.clone();
         let until = tokio::time::Instant::from_std(deadline) + PLANE_ANSWER_GRACE;
         let (metrics, transport) = (self.metrics.clone(), self.link.transport());
-        self.tasks.retain(|t| !t.is_finished());
-        self.tasks.push(tokio::spawn(async move {
+        self.transfers.push(Box::pin(async move {
             let posted = tokio::time::Instant::now();
             let result = match tokio::time::timeout_at(until, fut).await {
                 Ok(r) => r,
@@ -543,7 +617,7 @@ impl RequestState {
             let took = posted.elapsed();
             metrics.transfer(transport, op, blocks, took, result.is_ok());
             debug!(op, blocks, ?took, ok = result.is_ok(), "transfer answered");
-            let _ = me.cast(RequestMsg::Event(report(result)));
+            report(result)
         }.instrument(self.span.clone())));
     }
 
@@ -554,12 +628,14 @@ impl RequestState {
 }
 
 /// Asks the bootstrap for the prefill ranks until it answers, fails for good, or the
-/// bootstrap deadline passes (then the machine's own deadline fails the request).
+/// bootstrap deadline passes (then the machine's own deadline fails the request). `first`
+/// is the lookup already started and still pending, or `None` when it answered "not
+/// ready" (then this waits before asking again).
 fn spawn_resolve(
     myself: &RequestRef,
     link: &Arc<dyn Link>,
-    prefill: EngineId,
-    dp_rank: Option<u32>,
+    (prefill, dp_rank): (EngineId, Option<u32>),
+    first: Option<crate::link::ResolveFuture>,
     deadline: Instant,
     span: Span,
 ) -> JoinHandle<()> {
@@ -569,10 +645,22 @@ fn spawn_resolve(
     tokio::spawn(
         async move {
             let mut backoff = RESOLVE_BACKOFF_MIN;
+            let mut first = match first {
+                Some(lookup) => Some(lookup),
+                None => {
+                    if tokio::time::Instant::now() + backoff >= deadline {
+                        return;
+                    }
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(RESOLVE_BACKOFF_MAX);
+                    None
+                }
+            };
             loop {
-                let event = match tokio::time::timeout_at(deadline, link.resolve(&prefill, dp_rank))
-                    .await
-                {
+                let lookup = first
+                    .take()
+                    .unwrap_or_else(|| link.resolve(&prefill, dp_rank));
+                let event = match tokio::time::timeout_at(deadline, lookup).await {
                     Err(_) => return,
                     Ok(Ok(peers)) => ReceiverEvent::PeersResolved { peers },
                     Ok(Err(ResolveError::Fatal(reason))) => {

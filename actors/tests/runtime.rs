@@ -6,11 +6,12 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use handoff_actors::machine::PeerMessage;
+use handoff_actors::link::{LinkError, ResolveFuture, TransferFuture};
+use handoff_actors::machine::{Peer, PeerMessage};
 use handoff_actors::{
-    merge, BlockId, EngineId, Error, Event, Fabric, FailureReason, KvLayout, KvShape, LayerSpan,
-    RankInfo, ReceiverSpec, Region, RequestId, Role, Runtime, State, Timeouts, TransferMode,
-    TransportChoice,
+    merge, Attach, BlockId, EngineId, Error, Event, Fabric, FailureReason, Inbox, KvLayout,
+    KvShape, LayerSpan, Link, RankInfo, ReceiverSpec, Region, RequestId, Role, Runtime, State,
+    Timeouts, TransferMode, TransportChoice,
 };
 
 const BLOCKS: u32 = 64;
@@ -1033,4 +1034,153 @@ async fn layouts_that_do_not_pair_fail_by_name_before_a_byte_moves() {
         "{on_prefill}"
     );
     assert_eq!(d.region().read_block(BlockId(5)).unwrap(), vec![0; 128]);
+}
+
+/// The in-process link, except that the transfers of one request panic inside the plane's
+/// future (a bug in a data plane, as the request actor polls it).
+struct PanickyTransfers {
+    inner: Arc<dyn Link>,
+    victim: RequestId,
+}
+
+impl Link for PanickyTransfers {
+    fn me(&self) -> &RankInfo {
+        self.inner.me()
+    }
+    fn send(&self, to: &Peer, id: &RequestId, msg: PeerMessage) -> Result<(), LinkError> {
+        self.inner.send(to, id, msg)
+    }
+    fn siblings(&self) -> Vec<Peer> {
+        self.inner.siblings()
+    }
+    fn resolve(&self, prefill: &EngineId, dp_rank: Option<u32>) -> ResolveFuture {
+        self.inner.resolve(prefill, dp_rank)
+    }
+    fn write(
+        &self,
+        id: &RequestId,
+        to: &Peer,
+        src: Vec<BlockId>,
+        dst: Vec<BlockId>,
+        deadline: std::time::Instant,
+    ) -> TransferFuture {
+        if *id == self.victim {
+            return Box::pin(async { panic!("a plane bug") });
+        }
+        self.inner.write(id, to, src, dst, deadline)
+    }
+    fn read(
+        &self,
+        id: &RequestId,
+        from: &Peer,
+        src: Vec<BlockId>,
+        dst: Vec<BlockId>,
+        deadline: std::time::Instant,
+    ) -> TransferFuture {
+        if *id == self.victim {
+            return Box::pin(async { panic!("a plane bug") });
+        }
+        self.inner.read(id, from, src, dst, deadline)
+    }
+    fn request_ended(&self, id: &RequestId) {
+        self.inner.request_ended(id)
+    }
+    fn detach(&self) {
+        self.inner.detach()
+    }
+}
+
+struct PanickyAttach {
+    fabric: Arc<Fabric>,
+    victim: RequestId,
+}
+
+impl Attach for PanickyAttach {
+    fn attach(
+        &self,
+        rank: RankInfo,
+        role: Role,
+        inbox: Inbox,
+        region: Arc<Region>,
+    ) -> Result<Arc<dyn Link>, Error> {
+        let inner = self.fabric.attach(rank, role, inbox, region)?;
+        let victim = self.victim.clone();
+        Ok(Arc::new(PanickyTransfers { inner, victim }))
+    }
+}
+
+/// A runtime on the fabric whose transfers for request `bad` panic.
+async fn start_panicky(
+    fabric: &Arc<Fabric>,
+    role: Role,
+    rank: RankInfo,
+    mode: TransferMode,
+) -> Runtime {
+    let attach = PanickyAttach {
+        fabric: fabric.clone(),
+        victim: RequestId::new("bad"),
+    };
+    let region = Arc::new(Region::new(BLOCKS, BLOCK_BYTES).unwrap());
+    Runtime::builder(role, rank)
+        .timeouts(timeouts())
+        .mode(mode)
+        .transport(TransportChoice::Custom(Arc::new(attach)))
+        .region(region)
+        .start()
+        .await
+        .unwrap()
+}
+
+/// A transfer whose future panics (the request actor polls its transfers itself) fails
+/// only its request, `Internal`, with its blocks given back once on both sides; the
+/// runtime, and the next request, go on.
+#[tokio::test(start_paused = true)]
+async fn a_transfer_that_panics_fails_only_its_request() {
+    for mode in [TransferMode::Push, TransferMode::Pull] {
+        let fabric = Fabric::new();
+        let p = start_panicky(&fabric, Role::Prefill, rank("P", 0, 1), mode).await;
+        let d = start_panicky(&fabric, Role::Decode, rank("D", 0, 1), mode).await;
+        let mut outcomes = (Outcomes::default(), Outcomes::default());
+        for (i, id) in ["bad", "good"].into_iter().enumerate() {
+            let i = i as u32;
+            let s = p.sender(id).unwrap();
+            let r = d
+                .receiver(id, spec("P", Some(blocks(10 + i * 2..12 + i * 2))))
+                .unwrap();
+            s.send(blocks(i * 2..i * 2 + 2)).unwrap();
+            let (sent, got) = (s.completion().await, r.completion().await);
+            if id == "good" {
+                assert_eq!((&sent, &got), (&State::Done, &State::Done), "{mode:?}");
+            } else {
+                // Push: prefill's write panics; pull: decode's read does.
+                let (mine, theirs) = match mode {
+                    TransferMode::Push => (&sent, &got),
+                    TransferMode::Pull => (&got, &sent),
+                };
+                assert!(
+                    matches!(mine, State::Failed(FailureReason::Internal { .. })),
+                    "{mode:?}: {mine}"
+                );
+                assert!(matches!(theirs, State::Failed(_)), "{mode:?}: {theirs}");
+            }
+        }
+        // A reader that died mid-read holds its blocks until the fence bound (as any dead
+        // actor whose transfer may still land).
+        tokio::time::sleep(timeouts().fence_max() + Duration::from_secs(1)).await;
+        settle().await;
+        outcomes.0.absorb(p.drain_events());
+        outcomes.1.absorb(d.drain_events());
+        for (id, i) in [("bad", 0u32), ("good", 1)] {
+            assert_eq!(
+                outcomes.0.released(id),
+                blocks(i * 2..i * 2 + 2),
+                "{mode:?}"
+            );
+            assert_eq!(
+                outcomes.1.released(id),
+                blocks(10 + i * 2..12 + i * 2),
+                "{mode:?}"
+            );
+        }
+    }
 }

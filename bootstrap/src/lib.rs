@@ -31,6 +31,7 @@
 //! - [`exposure`]: secure by default on a network (a secret or `--insecure` off loopback),
 //!   the secret from a file or the environment ([`load_key`]), the advertised host.
 //! - [`metrics`]: the server's Prometheus metrics ([`BootstrapMetrics`]).
+//! - [`status`]: the registry as `handoff bootstrap status` shows it (table, JSON).
 //! - `error`: [`BootstrapError`].
 //! - this file: the named limits and defaults.
 
@@ -40,6 +41,7 @@ pub mod exposure;
 pub mod metrics;
 pub mod registry;
 pub mod server;
+pub mod status;
 
 pub use client::{BootstrapClient, ClientConfig};
 pub use error::BootstrapError;

@@ -7,6 +7,7 @@ use std::io::Write as _;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use handoff_bootstrap::status::{render_table, status_json};
 use handoff_bootstrap::{
     serve, BootstrapClient, BootstrapError, BootstrapServer, ClientConfig, Key, QueryAnswer,
     ServerConfig, WorkerRecord,
@@ -865,6 +866,47 @@ async fn one_client_serves_many_concurrent_callers() {
     for t in tasks {
         assert_eq!(t.await.expect("join"), Ok(4));
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_renders_as_an_aligned_table_and_stable_json() {
+    let server = server().await;
+    let c = client(&server);
+    c.register(record("p", (0, 1), (0, 2), 12), soon())
+        .await
+        .expect("register");
+    client(&server)
+        .register(record("zz-decode", (3, 1), (0, 1), 5), soon())
+        .await
+        .expect("register");
+    let status = c.status(soon()).await.expect("status");
+    let table = render_table(&status);
+    let lines: Vec<&str> = table.lines().collect();
+    assert_eq!(lines.len(), 3, "{table}");
+    assert!(lines[0].starts_with("ENGINE"), "{table}");
+    assert!(lines[1].contains("1 of 2 registered"), "{table}");
+    assert!(
+        lines[2].contains("complete") && lines[2].contains("3/0/0"),
+        "{table}"
+    );
+    let col = |line: &str, word: &str| line.find(word);
+    assert_eq!(col(lines[0], "INCARNATION"), col(lines[1], "12"), "{table}");
+    let json = status_json(&server.address(), &status);
+    assert_eq!(json["server"], server.address());
+    assert_eq!(json["engines"][0]["engine_id"], "p");
+    assert_eq!(json["engines"][0]["complete"], false);
+    assert_eq!(json["engines"][0]["registered"], 1);
+    assert_eq!(json["engines"][0]["expected"], 2);
+    assert_eq!(json["engines"][1]["workers"][0]["dp_rank"], 3);
+    assert_eq!(json["engines"][1]["workers"][0]["incarnation"], 5);
+    assert_eq!(
+        json["engines"][1]["workers"][0]["control_address"],
+        "tcp://10.0.3.0:5000"
+    );
+    assert_eq!(
+        render_table(&handoff_bootstrap::StatusReply { engines: vec![] }),
+        "no workers registered\n"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -110,6 +110,11 @@ pub(crate) struct RequestTask {
 }
 
 impl RequestTask {
+    /// Sends the actor a message; false once it is gone (its mailbox dropped with it).
+    pub(crate) fn cast(&self, msg: RequestMsg) -> bool {
+        self.addr.cast(msg)
+    }
+
     /// Stops the actor: its state (and every task it started) is dropped, and what is
     /// left in its mailbox with it.
     pub(crate) fn stop(&self) {
@@ -156,32 +161,22 @@ async fn run(
     let sleep = tokio::time::sleep_until(tokio::time::Instant::now() + IDLE_SLEEP);
     tokio::pin!(sleep);
     loop {
-        let msg = match state.timer {
-            Some(at) => {
-                let at = tokio::time::Instant::from_std(at);
-                if sleep.deadline() != at {
-                    sleep.as_mut().reset(at);
-                }
-                let transfers = &mut state.transfers;
-                // The machine's deadline before a transfer's answer due at the same instant:
-                // a plane answers a transfer past its deadline at that deadline, and the
-                // request fails for the deadline, not for the plane's answer.
-                tokio::select! {
-                    biased;
-                    msg = rx.recv() => msg,
-                    () = &mut sleep => Some(RequestMsg::Timeout),
-                    answer = next_answer(transfers), if !transfers.is_empty() => Some(answer),
-                }
+        if let Some(at) = state.timer {
+            let at = tokio::time::Instant::from_std(at);
+            if sleep.deadline() != at {
+                sleep.as_mut().reset(at);
             }
-            None if !state.transfers.is_empty() => {
-                let transfers = &mut state.transfers;
-                tokio::select! {
-                    biased;
-                    msg = rx.recv() => msg,
-                    answer = next_answer(transfers) => Some(answer),
-                }
-            }
-            None => rx.recv().await,
+        }
+        let timed = state.timer.is_some();
+        let transfers = &mut state.transfers;
+        // The machine's deadline before a transfer's answer due at the same instant: a
+        // plane answers a transfer past its deadline at that deadline, and the request
+        // fails for the deadline, not for the plane's answer.
+        let msg = tokio::select! {
+            biased;
+            msg = rx.recv() => msg,
+            () = &mut sleep, if timed => Some(RequestMsg::Timeout),
+            answer = next_answer(transfers), if !transfers.is_empty() => Some(answer),
         };
         // Every sender gone: the root forgot the request and nothing reports to it.
         let Some(msg) = msg else { return };
@@ -252,7 +247,8 @@ pub(crate) struct RequestState {
     machine: Machine,
     /// The machine's next deadline, which the actor's loop waits for beside its mailbox.
     timer: Option<Instant>,
-    tasks: Vec<JoinHandle<()>>,
+    /// The bootstrap lookup's task, when the directory could not answer at once.
+    resolve: Option<JoinHandle<()>>,
     /// Transfers in flight, polled by the actor's loop; each ends as the event it reports.
     transfers: Vec<Transfer>,
     ended: bool,
@@ -272,7 +268,7 @@ fn now() -> Instant {
 impl Drop for RequestState {
     /// Stopped, failed or done: nothing it started outlives it.
     fn drop(&mut self) {
-        for task in self.tasks.drain(..) {
+        if let Some(task) = self.resolve.take() {
             task.abort();
         }
     }
@@ -305,7 +301,7 @@ impl RequestState {
             root: args.root,
             machine,
             timer: None,
-            tasks: Vec::new(),
+            resolve: None,
             transfers: Vec::new(),
             ended: false,
             prefill: None,
@@ -348,7 +344,7 @@ impl RequestState {
                     deadline,
                     state.span.clone(),
                 );
-                state.tasks.push(resolve);
+                state.resolve = Some(resolve);
             }
         }
         for event in args.backlog {

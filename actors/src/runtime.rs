@@ -197,7 +197,7 @@ impl Actor for RootActor {
             RootMsg::Timer(timer) => Input::Timer(timer),
             RootMsg::InjectPanic { id } => {
                 if let Some(actor) = state.entries.get(&id).and_then(|e| e.actor.as_ref()) {
-                    let _ = actor.addr.cast(RequestMsg::Panic);
+                    actor.cast(RequestMsg::Panic);
                 }
                 return Ok(());
             }
@@ -308,7 +308,7 @@ impl RootState {
         if reject {
             warn!(request = %id, "decode saturated: rejecting");
             let event = MachineEvent::for_role(self.cfg.role, Local::Reject);
-            let _ = actor.addr.cast(RequestMsg::Event(event));
+            actor.cast(RequestMsg::Event(event));
         }
         let actor = Some(actor);
         self.entries.insert(id.clone(), Entry { actor, deed });
@@ -335,7 +335,7 @@ impl RootState {
                 Action::Deliver { id, event } => {
                     let actor = self.entries.get(&id).and_then(|e| e.actor.as_ref());
                     if let (Some(actor), Some(blocks)) = (actor, blocks.take()) {
-                        let _ = actor.addr.cast(RequestMsg::HandOver { event, blocks });
+                        actor.cast(RequestMsg::HandOver { event, blocks });
                     }
                 }
                 other => self.perform(myself, other),
@@ -358,7 +358,7 @@ impl RootState {
         match action {
             Action::Deliver { id, event } => {
                 if let Some(actor) = self.entries.get(&id).and_then(|e| e.actor.as_ref()) {
-                    let _ = actor.addr.cast(RequestMsg::Event(event));
+                    actor.cast(RequestMsg::Event(event));
                 }
             }
             Action::Send { to, id, msg } => {

@@ -45,9 +45,6 @@ pub enum Incarnation {
 struct Liveness {
     /// The incarnation the peer announced.
     incarnation: Option<u64>,
-    /// This incarnation was lost and its requests failed: kept only so that its late
-    /// messages are known stale.
-    lost: bool,
     last_heard: Option<Instant>,
     /// Our heartbeats not yet echoed: `(seq, when sent)`, oldest first, at most
     /// [`BEATS_REMEMBERED`].
@@ -59,21 +56,30 @@ struct Liveness {
 }
 
 /// The liveness of every peer a worker has heard of. See the [module docs](self).
+///
+/// Peers are named by `P`: a [`Peer`] in the control loop; the simulator, which runs this
+/// very table for a thousand workers, names them by index (cheaper to compare).
 #[derive(Debug)]
-pub struct PeerTable {
+pub struct PeerTable<P = Peer> {
     /// How long a peer may stay silent before it is lost.
     loss_timeout: Duration,
-    peers: BTreeMap<Peer, Liveness>,
+    /// Peers whose current incarnation was not lost: those a tick looks at.
+    peers: BTreeMap<P, Liveness>,
+    /// Peers whose current incarnation was lost and its requests failed: kept only so
+    /// that its late messages are known stale. Apart, so that a tick never walks them (a
+    /// worker that served a thousand peers in turn keeps them all).
+    lost: BTreeMap<P, Liveness>,
     /// Heartbeat seqs, for all peers, so an echo never matches a beat of another connection.
     beat_seq: u64,
 }
 
-impl PeerTable {
+impl<P: Ord + Clone> PeerTable<P> {
     /// A table that takes a peer silent for longer than `loss_timeout` as lost.
     pub fn new(loss_timeout: Duration) -> Self {
         Self {
             loss_timeout,
             peers: BTreeMap::new(),
+            lost: BTreeMap::new(),
             beat_seq: 0,
         }
     }
@@ -83,61 +89,71 @@ impl PeerTable {
         self.loss_timeout
     }
 
+    /// The peer's entry, lost or not.
+    fn get(&self, peer: &P) -> Option<&Liveness> {
+        self.peers.get(peer).or_else(|| self.lost.get(peer))
+    }
+
+    /// The peer's entry, lost or not; a new one (not lost) for a peer never heard of.
+    fn entry(&mut self, peer: &P) -> &mut Liveness {
+        if self.peers.contains_key(peer) {
+            return self.peers.entry(peer.clone()).or_default();
+        }
+        match self.lost.get_mut(peer) {
+            Some(entry) => entry,
+            None => self.peers.entry(peer.clone()).or_default(),
+        }
+    }
+
     /// What `incarnation`, announced by `peer`, means; changes nothing (a `Restarted`
     /// peer is lost first, then [`adopt`](Self::adopt)ed).
-    pub fn incarnation(&self, peer: &Peer, incarnation: u64) -> Incarnation {
-        match self.peers.get(peer) {
-            Some(Liveness {
-                incarnation: Some(old),
-                lost,
-                ..
-            }) if *old != incarnation => {
-                if *lost {
-                    Incarnation::Back { old: *old }
-                } else {
-                    Incarnation::Restarted { old: *old }
-                }
-            }
-            Some(Liveness {
-                incarnation: Some(_),
-                ..
-            }) => Incarnation::Unchanged,
-            _ => Incarnation::First,
+    pub fn incarnation(&self, peer: &P, incarnation: u64) -> Incarnation {
+        if let Some(old) = self.lost.get(peer).and_then(|l| l.incarnation) {
+            return if old != incarnation {
+                Incarnation::Back { old }
+            } else {
+                Incarnation::Unchanged
+            };
+        }
+        match self.peers.get(peer).and_then(|l| l.incarnation) {
+            Some(old) if old != incarnation => Incarnation::Restarted { old },
+            Some(_) => Incarnation::Unchanged,
+            None => Incarnation::First,
         }
     }
 
     /// Takes `incarnation` as the peer's, live.
-    pub fn adopt(&mut self, peer: &Peer, incarnation: u64) {
-        let entry = self.peers.entry(peer.clone()).or_default();
-        entry.lost = false;
+    pub fn adopt(&mut self, peer: &P, incarnation: u64) {
+        let entry = match self.lost.remove(peer) {
+            Some(was_lost) => self.peers.entry(peer.clone()).or_insert(was_lost),
+            None => self.entry(peer),
+        };
         entry.incarnation = Some(incarnation);
     }
 
     /// False for a message stamped with an incarnation the peer no longer has.
-    pub fn current(&self, peer: &Peer, incarnation: u64) -> bool {
-        self.peers
-            .get(peer)
-            .and_then(|l| l.incarnation)
+    pub fn current(&self, peer: &P, incarnation: u64) -> bool {
+        self.known_incarnation(peer)
             .is_none_or(|known| known == incarnation)
     }
 
     /// The incarnation the peer announced last, if any.
-    pub fn known_incarnation(&self, peer: &Peer) -> Option<u64> {
-        self.peers.get(peer).and_then(|l| l.incarnation)
+    pub fn known_incarnation(&self, peer: &P) -> Option<u64> {
+        self.get(peer).and_then(|l| l.incarnation)
     }
 
     /// A new connection with the peer, heard `now`, with its new writer's lease. Echoes
     /// of beats sent before it prove nothing about this connection: they are forgotten.
-    pub fn connected(&mut self, peer: &Peer, now: Instant, lease: Arc<Lease>) {
-        let entry = self.peers.entry(peer.clone()).or_default();
+    pub fn connected(&mut self, peer: &P, now: Instant, lease: Arc<Lease>) {
+        let entry = self.entry(peer);
         entry.last_heard = Some(now);
         entry.lease = Some(lease);
         entry.beats.clear();
     }
 
     /// Anything heard from a connected peer `now` (a lost one stays lost).
-    pub fn heard(&mut self, peer: &Peer, now: Instant) {
-        if let Some(entry) = self.peers.get_mut(peer).filter(|e| !e.lost) {
+    pub fn heard(&mut self, peer: &P, now: Instant) {
+        if let Some(entry) = self.peers.get_mut(peer) {
             if let Some(t) = entry.last_heard.as_mut() {
                 *t = (*t).max(now);
             }
@@ -146,13 +162,12 @@ impl PeerTable {
 
     /// Peers heard from once, not lost, and silent for longer than the loss timeout at
     /// `now`: to be lost.
-    pub fn silent(&self, now: Instant) -> Vec<Peer> {
+    pub fn silent(&self, now: Instant) -> Vec<P> {
         self.peers
             .iter()
             .filter(|(_, l)| {
-                !l.lost
-                    && l.last_heard
-                        .is_some_and(|t| now.saturating_duration_since(t) > self.loss_timeout)
+                l.last_heard
+                    .is_some_and(|t| now.saturating_duration_since(t) > self.loss_timeout)
             })
             .map(|(p, _)| p.clone())
             .collect()
@@ -160,10 +175,14 @@ impl PeerTable {
 
     /// Our next heartbeat to the peer, sent `now`: its seq and the seq it echoes (the
     /// peer's latest). Remembered, so its echo extends our lease.
-    pub fn beat(&mut self, peer: &Peer, now: Instant) -> (u64, u64) {
+    pub fn beat(&mut self, peer: &P, now: Instant) -> (u64, u64) {
         self.beat_seq += 1;
         let seq = self.beat_seq;
-        let entry = self.peers.entry(peer.clone()).or_default();
+        // Beaten every interval: look it up before cloning a key for a first beat.
+        let entry = match self.peers.get_mut(peer) {
+            Some(entry) => entry,
+            None => self.entry(peer),
+        };
         if entry.beats.len() >= BEATS_REMEMBERED {
             entry.beats.pop_front();
         }
@@ -176,14 +195,11 @@ impl PeerTable {
     /// `t` proves the peer heard us at or after `t`, so it will not take us as lost before
     /// `t + lease_for`: our lease extends to that. Returns the seq to echo in an answer
     /// owed now (so the peer's proof lags by a round trip, not an interval).
-    pub fn heartbeat(
-        &mut self,
-        peer: &Peer,
-        seq: u64,
-        echo: u64,
-        lease_for: Duration,
-    ) -> Option<u64> {
-        let entry = self.peers.get_mut(peer)?;
+    pub fn heartbeat(&mut self, peer: &P, seq: u64, echo: u64, lease_for: Duration) -> Option<u64> {
+        let entry = match self.peers.get_mut(peer) {
+            Some(entry) => entry,
+            None => self.lost.get_mut(peer)?,
+        };
         if echo != 0 {
             while entry.beats.front().is_some_and(|(s, _)| *s < echo) {
                 entry.beats.pop_front();
@@ -206,19 +222,18 @@ impl PeerTable {
     /// The peer is lost: our lease with it is revoked (no write of ours is posted into its
     /// memory from now on), and only its incarnation is kept, marked lost, so its late
     /// messages are known stale. Returns whether the peer was known.
-    pub fn lose(&mut self, peer: &Peer) -> bool {
-        let Some(entry) = self.peers.remove(peer) else {
+    pub fn lose(&mut self, peer: &P) -> bool {
+        let Some(entry) = self.peers.remove(peer).or_else(|| self.lost.remove(peer)) else {
             return false;
         };
         if let Some(lease) = &entry.lease {
             lease.revoke();
         }
         if let Some(incarnation) = entry.incarnation {
-            self.peers.insert(
+            self.lost.insert(
                 peer.clone(),
                 Liveness {
                     incarnation: Some(incarnation),
-                    lost: true,
                     ..Liveness::default()
                 },
             );
@@ -227,12 +242,12 @@ impl PeerTable {
     }
 
     /// Whether the peer's current incarnation was lost.
-    pub fn is_lost(&self, peer: &Peer) -> bool {
-        self.peers.get(peer).is_some_and(|l| l.lost)
+    pub fn is_lost(&self, peer: &P) -> bool {
+        self.lost.contains_key(peer)
     }
 
     /// Beats remembered for the peer (bounded by [`BEATS_REMEMBERED`]).
-    pub fn beats_remembered(&self, peer: &Peer) -> usize {
-        self.peers.get(peer).map_or(0, |l| l.beats.len())
+    pub fn beats_remembered(&self, peer: &P) -> usize {
+        self.get(peer).map_or(0, |l| l.beats.len())
     }
 }

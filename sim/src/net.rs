@@ -12,8 +12,8 @@
 //! incarnation, readiness of an engine) and the runtime's own `select_prefill_peers`; only
 //! its availability and the network between it and the workers are simulated.
 //!
-//! Failure detection is the real control loop's: each worker owns the actors crate's
-//! [`PeerTable`] with the control loop's loss timeout (heartbeat interval × beats missed,
+//! Failure detection is the real control loop's: each worker owns the net crate's
+//! [`PeerTable`] (keyed by worker index) with the control loop's loss timeout (heartbeat interval × beats missed,
 //! [`Timing::loss_timeout_ms`]), and sees virtual time only (a fixed epoch plus the virtual
 //! ms). A worker connects with a peer as the control loop does: when it sends to a peer it
 //! holds no connection with, a lost one included (the dial: the incarnation its hello's
@@ -34,9 +34,11 @@
 //! resumes, before anything reaches it, so the peers it stopped hearing are lost then. The
 //! simulator does not answer a beat at once (the control loop does, only to shorten its
 //! lease's proof; the simulated lease is the grant's connection, `NetState::rkeys`), and
-//! closes a connection that carried no request message for longer than a request lives, on
-//! both ends and without a loss (`NetState::tick`), so that only pairs that talked recently
-//! are beaten. When the faults end, the liveness phase waits [`SimNet::settle_ms`] for the
+//! closes a connection that carried no request message for longer than a request lives, or
+//! for a loss window when the two share no live request ([`SimNet::engage`], the world's
+//! count), on both ends and without a loss (`NetState::tick`), so that only pairs a request
+//! depends on, or that talked very recently, are beaten: a thousand workers that beat every
+//! peer they ever served spent most of the scale run on heartbeats. When the faults end, the liveness phase waits [`SimNet::settle_ms`] for the
 //! tables to decide about what they stopped hearing.
 //!
 //! The data transport moves real bytes between [`Region`]s with RDMA semantics: once
@@ -98,9 +100,14 @@ struct Node {
     /// transfer is checked against it where it lands. Fresh for every incarnation.
     grants: Arc<GrantTable>,
     /// The control loop's liveness decisions, in virtual time. Fresh for every incarnation.
-    table: PeerTable,
+    /// Keyed by worker index (the ranks' order), as cheap to compare as a key can be.
+    table: PeerTable<usize>,
     /// The peers it holds a control connection with: these are beaten every tick.
     conns: BTreeMap<usize, Conn>,
+    /// Peers it shares a live request with, and how many (the world's count, from a
+    /// request's arrival to its settling): a connection to any other closes once idle
+    /// for a loss window. Kept across incarnations (the requests outlive them).
+    engaged: BTreeMap<usize, u32>,
 }
 
 /// One control connection, as one end holds it.
@@ -332,6 +339,8 @@ struct NetState {
     frozen: BTreeMap<usize, u64>,
     /// A connection that carried no request message for longer than this closes (ms).
     idle_ms: u64,
+    /// One between workers that share no live request closes sooner: once idle this long.
+    idle_free_ms: u64,
     rng: Rng,
     agenda: BTreeMap<(u64, u64), NetEvent>,
     seq: u64,
@@ -375,6 +384,7 @@ impl SimNet {
                 grants: Arc::default(),
                 table: peer_table(&timing),
                 conns: BTreeMap::new(),
+                engaged: BTreeMap::new(),
             };
             nodes.push(node);
             index.insert(rank.clone(), idx);
@@ -395,6 +405,7 @@ impl SimNet {
             idle_ms: u64::try_from(timing.timeouts.lifetime_max().as_millis())
                 .unwrap_or(u64::MAX)
                 .saturating_add(timing.loss_timeout_ms()),
+            idle_free_ms: timing.loss_timeout_ms(),
             timing,
             drops,
             data_plane,
@@ -465,6 +476,30 @@ impl SimNet {
     /// Bootstrap server up or down.
     pub fn set_bootstrap_up(&self, up: bool) {
         self.lock().bootstrap_up = up;
+    }
+
+    /// A request between workers `a` and `b` arrives (`on`) or settles: while any does,
+    /// their connection stays open however idle (up to a request's lifetime), so that the
+    /// peer tables watch what the request depends on. Connections between workers that
+    /// share none close after a loss window idle: a thousand workers would otherwise beat
+    /// every peer they ever served, most of the simulator's work at that scale.
+    pub fn engage(&self, pairs: impl IntoIterator<Item = (usize, usize)>, on: bool) {
+        let mut st = self.lock();
+        for (a, b) in pairs {
+            for (x, y) in [(a, b), (b, a)] {
+                let Some(node) = st.nodes.get_mut(x) else {
+                    continue;
+                };
+                if on {
+                    *node.engaged.entry(y).or_insert(0) += 1;
+                } else if let Some(n) = node.engaged.get_mut(&y) {
+                    *n -= 1;
+                    if *n == 0 {
+                        node.engaged.remove(&y);
+                    }
+                }
+            }
+        }
     }
 
     /// True when every prefill worker that is up has registered.
@@ -681,7 +716,7 @@ impl SimNet {
 }
 
 /// A worker's peer table, with the control loop's loss timeout.
-fn peer_table(timing: &Timing) -> PeerTable {
+fn peer_table(timing: &Timing) -> PeerTable<usize> {
     PeerTable::new(Duration::from_millis(timing.loss_timeout_ms()))
 }
 
@@ -1011,10 +1046,6 @@ impl NetState {
         self.nodes.get_mut(idx)
     }
 
-    fn index_of(&self, peer: &Peer) -> Option<usize> {
-        self.index.get(peer).copied()
-    }
-
     /// What worker `worker`'s control loop does on its heartbeat tick at `t`: lose the
     /// connected peers its table says are silent, then beat every connected peer. Returns
     /// the beats' arrival. Also closes its connections idle for longer than a request
@@ -1026,14 +1057,16 @@ impl NetState {
         let silent: Vec<usize> = node
             .table
             .silent(now)
-            .iter()
-            .filter_map(|p| self.index_of(p))
+            .into_iter()
             .filter(|p| node.conns.contains_key(p))
             .collect();
         let idle: Vec<usize> = node
             .conns
             .iter()
-            .filter(|(_, c)| t.saturating_sub(c.last) > self.idle_ms)
+            .filter(|(p, c)| {
+                let idle = t.saturating_sub(c.last);
+                idle > self.idle_ms || idle > self.idle_free_ms && !node.engaged.contains_key(p)
+            })
             .map(|(p, _)| *p)
             .collect();
         let timeout = node.table.loss_timeout();
@@ -1043,11 +1076,10 @@ impl NetState {
         for peer in idle {
             self.close(worker, peer);
         }
-        let NetState { nodes, ranks, .. } = self;
-        let node = nodes.get_mut(worker)?;
+        let node = self.nodes.get_mut(worker)?;
         let mut beats = Vec::with_capacity(node.conns.len());
         for (&to, conn) in &node.conns {
-            let (seq, echo) = node.table.beat(&ranks[to], now);
+            let (seq, echo) = node.table.beat(&to, now);
             beats.push(Beat {
                 to,
                 to_inc: conn.inc,
@@ -1083,11 +1115,10 @@ impl NetState {
                 continue;
             }
             self.stats.heartbeats_heard += 1;
-            let NetState { nodes, ranks, .. } = self;
-            if let Some(node) = nodes.get_mut(beat.to) {
+            if let Some(node) = self.nodes.get_mut(beat.to) {
                 let _answer = node
                     .table
-                    .heartbeat(&ranks[from.0], beat.seq, beat.echo, lease_for);
+                    .heartbeat(&from.0, beat.seq, beat.echo, lease_for);
             }
         }
     }
@@ -1104,24 +1135,23 @@ impl NetState {
         };
         // On a connection with this very incarnation (the table adopted it): current.
         if node.conns.get(&from.0).map(|c| c.inc) != Some(from.1) {
-            let known = node.table.known_incarnation(&self.ranks[from.0]);
+            let known = node.table.known_incarnation(&from.0);
             if known.is_none_or(|k| k <= inc) {
                 self.connect(t, at, from.0, inc);
             }
             let Some(node) = self.node_at(at) else {
                 return false;
             };
-            if !node.table.current(&self.ranks[from.0], inc) {
+            if !node.table.current(&from.0, inc) {
                 self.stats.stale += 1;
                 return false;
             }
         }
         let now = self.at(t);
-        let NetState { nodes, ranks, .. } = self;
-        let Some(node) = nodes.get_mut(at) else {
+        let Some(node) = self.nodes.get_mut(at) else {
             return false;
         };
-        node.table.heard(&ranks[from.0], now);
+        node.table.heard(&from.0, now);
         if request {
             if let Some(conn) = node.conns.get_mut(&from.0) {
                 conn.last = t;
@@ -1137,8 +1167,7 @@ impl NetState {
         let Some(node) = self.node_at(at) else {
             return;
         };
-        let peer_rank = &self.ranks[peer];
-        match node.table.incarnation(peer_rank, inc) {
+        match node.table.incarnation(&peer, inc) {
             Incarnation::First | Incarnation::Unchanged => {}
             Incarnation::Back { old } => {
                 self.note(t, None, format!("w{at}: w{peer} back ({old} -> {inc})"));
@@ -1149,13 +1178,11 @@ impl NetState {
             }
         }
         let now = self.at(t);
-        let NetState { nodes, ranks, .. } = self;
-        let Some(node) = nodes.get_mut(at) else {
+        let Some(node) = self.nodes.get_mut(at) else {
             return;
         };
-        let peer_rank = &ranks[peer];
-        node.table.adopt(peer_rank, inc);
-        node.table.connected(peer_rank, now, Arc::new(Lease::new()));
+        node.table.adopt(&peer, inc);
+        node.table.connected(&peer, now, Arc::new(Lease::new()));
         let inc = u32::try_from(inc).unwrap_or(u32::MAX);
         node.conns.insert(peer, Conn { inc, last: t });
     }
@@ -1179,11 +1206,10 @@ impl NetState {
     /// the runtime that depends on it fails (`Inbox::peer_lost`). Counted as a loss
     /// declared between the two (the grants' leases).
     fn lose(&mut self, t: u64, observer: usize, peer: usize, why: &str) {
-        let peer_rank = self.ranks[peer].clone();
         let Some(node) = self.node_mut(observer).filter(|n| n.up) else {
             return;
         };
-        let known = node.table.lose(&peer_rank);
+        let known = node.table.lose(&peer);
         let connected = node.conns.remove(&peer).is_some();
         if !known && !connected {
             return;
@@ -1193,19 +1219,19 @@ impl NetState {
         self.stats.peer_lost += 1;
         self.note(t, None, format!("w{observer} loses w{peer}: {why}"));
         if let Some(inbox) = inbox {
-            inbox.peer_lost(peer_rank);
+            inbox.peer_lost(self.ranks[peer].clone());
         }
     }
 
     /// The connection between `a` and `b` closes on both ends, quietly: idle for longer
-    /// than any request lives, nothing depends on it (only its incarnation is kept, as
-    /// for a lost peer; the next message opens a new one).
+    /// than any request lives, or for a loss window with no live request between the two,
+    /// nothing depends on it (only its incarnation is kept, as for a lost peer; the next
+    /// message opens a new one).
     fn close(&mut self, a: usize, b: usize) {
         for (x, y) in [(a, b), (b, a)] {
-            let rank = self.ranks[y].clone();
             if let Some(node) = self.node_mut(x) {
                 if node.conns.remove(&y).is_some() {
-                    node.table.lose(&rank);
+                    node.table.lose(&y);
                 }
             }
         }

@@ -108,6 +108,7 @@ struct ReqRec {
     liveness: bool,
     faults: ReqFaults,
     pgroup: usize,
+    dgroup: usize,
     opens_pending: u32,
     ranks: Vec<RankRec>,
     /// Ranks that could not open (worker down, runtime refused).
@@ -641,6 +642,7 @@ impl World {
         let (_, _, pworkers) = self.prefill_groups[pg].clone();
         let (_, _, dworkers) = self.decode_groups[dg].clone();
         let mode = self.workers[dworkers[0]].mode;
+        self.net.engage(self.pairs(pg, dg), true);
         let mut opens: Vec<usize> = Vec::new();
         if !rf.skip_prefill && !rf.ghost {
             opens.extend(&pworkers);
@@ -692,6 +694,7 @@ impl World {
                 liveness,
                 faults: rf,
                 pgroup: pg,
+                dgroup: dg,
                 opens_pending: opens.len() as u32,
                 ranks: Vec::new(),
                 unopened: 0,
@@ -797,6 +800,15 @@ impl World {
     }
 
     /// The prefill engine and dp rank that serve `req`.
+    /// The workers a request of prefill group `pg` and decode group `dg` may connect:
+    /// every prefill rank with every decode rank (a superset of the pairs it uses).
+    fn pairs(&self, pg: usize, dg: usize) -> Vec<(usize, usize)> {
+        let (ps, ds) = (&self.prefill_groups[pg].2, &self.decode_groups[dg].2);
+        ps.iter()
+            .flat_map(|&p| ds.iter().map(move |&d| (p, d)))
+            .collect()
+    }
+
     fn prefill_of(&self, req: u64) -> (u32, u32) {
         let pg = self.reqs.get(&req).map_or(0, |r| r.pgroup);
         (self.prefill_groups[pg].0, self.prefill_groups[pg].1)
@@ -1111,6 +1123,7 @@ impl World {
         let Some(rec) = self.reqs.remove(&req) else {
             return;
         };
+        self.net.engage(self.pairs(rec.pgroup, rec.dgroup), false);
         for r in &rec.ranks {
             let w = &mut self.workers[r.worker];
             if w.inc == r.inc {

@@ -98,9 +98,17 @@ pub const UCX_IDLE_PROGRESS_INTERVAL: Duration = Duration::from_millis(1);
 
 /// [`UCX_IDLE_PROGRESS_INTERVAL`] for a plane over registered host memory (an engine's
 /// CPU tensors): UCX 1.13 emulates peers' RMA into it with active messages this thread
-/// must serve, so an idle sleep is the first operation's latency. 100 µs bounds that, for
-/// a few percent of a core while idle (each wake-up is a few microseconds).
+/// must serve, so an idle sleep is the first operation's latency. Only where the worker
+/// has no event fd to wait on ([`UCX_WAKE_TIMEOUT`]): polling every 100 µs cost 14% of a
+/// core per idle runtime here, taken from the engine's compute.
 pub const UCX_IDLE_PROGRESS_INTERVAL_REGISTERED_HOST: Duration = Duration::from_micros(100);
+
+/// A plane over host memory asks UCX for wakeup support: idle, its thread blocks on the
+/// worker's event fd (a peer's operation, wireup, a keepalive wakes it) and on the plane's
+/// doorbell (a job queued), for at most this long, then progresses anyway (UCX's timers).
+/// Idle, it then costs nothing measurable. A device plane, or a UCX that cannot arm its
+/// worker, polls on a timer as before.
+pub const UCX_WAKE_TIMEOUT: Duration = Duration::from_millis(100);
 
 /// After a job, or after progress that handled something (a peer's operation that needs
 /// this side's progress), the thread polls without sleeping this long: back-to-back small
@@ -297,6 +305,8 @@ enum Cmd {
 /// The thread's handle; dropping the last one stops the thread, which then unmaps the memory.
 struct PlaneThread {
     tx: mpsc::Sender<Cmd>,
+    /// Rung after every command, to wake the thread blocked on its worker's event fd.
+    bell: Arc<Doorbell>,
     slots: Arc<Semaphore>,
     /// Disconnects when the thread has torn UCX down (its sender is the thread's last
     /// value to drop).
@@ -314,6 +324,7 @@ impl Drop for PlaneThread {
     /// handlers (seen on a GPU: heap corruption at a peer's exit, `malloc_consolidate`).
     fn drop(&mut self) {
         let _ = self.tx.send(Cmd::Stop);
+        self.bell.ring();
         if std::thread::current().id() == self.id {
             return;
         }
@@ -527,6 +538,8 @@ impl UcxDataPlane {
         let (tx, rx) = mpsc::channel();
         let (done_tx, done) = mpsc::channel::<()>();
         let context = options.context.clone();
+        let bell = Arc::new(Doorbell::new());
+        let thread_bell = Arc::clone(&bell);
         let name = format!("handoff-ucx-{me}");
         let spawned = std::thread::Builder::new()
             .name(name.chars().take(15).collect())
@@ -536,6 +549,7 @@ impl UcxDataPlane {
                     blocks,
                     cuda_device,
                     options: context,
+                    bell: thread_bell,
                 };
                 thread_main(setup, ready_tx, rx);
                 drop(done_tx);
@@ -550,6 +564,7 @@ impl UcxDataPlane {
         };
         let thread = Arc::new(PlaneThread {
             tx,
+            bell,
             slots: Arc::new(Semaphore::new(UCX_JOBS_QUEUED_MAX)),
             done: Mutex::new(done),
             id,
@@ -846,6 +861,7 @@ impl UcxDataPlane {
             .map_err(|_| DataError::PlaneStopped {
                 detail: "the UCX thread has exited".into(),
             })?;
+        self.thread.bell.ring();
         // A small transfer answers within microseconds: poll for it (yielding to other
         // tasks) before parking, which would add a thread wake-up to its latency.
         let mut answer = answer;
@@ -1017,6 +1033,7 @@ struct Setup {
     /// The device whose context the thread binds before starting UCX.
     cuda_device: Option<u32>,
     options: ContextOptions,
+    bell: Arc<Doorbell>,
 }
 
 /// A peer's ranges as the thread uses them: the layout checked, and one key per range,
@@ -1047,8 +1064,11 @@ struct PeerConn {
 /// after its registrations.
 struct State {
     worker: Worker,
-    /// How long the idle thread sleeps between progress calls.
+    /// How long the idle thread sleeps between progress calls (no `wake`).
     idle: Duration,
+    /// The worker's event fd and the plane's doorbell, when UCX gave one: the idle thread
+    /// blocks on both instead of sleeping `idle`.
+    wake: Option<Wake>,
     memory: ManuallyDrop<Vec<MemoryRegion>>,
     keep: ManuallyDrop<Option<Box<dyn Send>>>,
     /// The bound CUDA context, retained while the thread runs.
@@ -1097,6 +1117,18 @@ fn thread_main(
                 Err(mpsc::TryRecvError::Empty) => continue,
                 Err(mpsc::TryRecvError::Disconnected) => break,
             }
+        } else if let Some(wake) = &state.wake {
+            match rx.try_recv() {
+                Ok(cmd) => cmd,
+                Err(mpsc::TryRecvError::Disconnected) => break,
+                Err(mpsc::TryRecvError::Empty) => {
+                    if let Err(error) = wake.sleep(&state.worker) {
+                        tracing::warn!(%error, "UCX worker cannot be armed; polling on a timer from now on");
+                        state.wake = None;
+                    }
+                    continue;
+                }
+            }
         } else {
             match rx.recv_timeout(state.idle) {
                 Ok(cmd) => cmd,
@@ -1124,12 +1156,11 @@ fn start_ucx(setup: Setup) -> Result<(State, Ready), DataError> {
         memory,
         blocks,
         cuda_device,
-        options,
+        mut options,
+        bell,
     } = setup;
     // Before UCX starts: its CUDA transports look for a current context when they load.
     let cuda = cuda_device.map(bind_device_to_thread).transpose()?;
-    let (ctx, worker) = Worker::open(&options)?;
-    let mut regions = Vec::new();
     let registered_host = matches!(
         &memory,
         Memory::Register {
@@ -1137,6 +1168,29 @@ fn start_ucx(setup: Setup) -> Result<(State, Ready), DataError> {
             ..
         }
     );
+    let host = cuda.is_none() && (registered_host || matches!(&memory, Memory::Allocate(_)));
+    options.wakeup |= host;
+    let (ctx, worker) = match Worker::open(&options) {
+        Ok(opened) => opened,
+        Err(error) if options.wakeup => {
+            tracing::warn!(%error, "UCX without wakeup support; its thread polls on a timer");
+            options.wakeup = false;
+            Worker::open(&options)?
+        }
+        Err(error) => return Err(error.into()),
+    };
+    let wake = if options.wakeup {
+        match worker.event_fd() {
+            Ok(efd) => Some(Wake { efd, bell }),
+            Err(error) => {
+                tracing::warn!(%error, "UCX worker has no event fd; its thread polls on a timer");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let mut regions = Vec::new();
     let (specs, keep) = match memory {
         Memory::Allocate(specs) => {
             for spec in &specs {
@@ -1230,6 +1284,7 @@ fn start_ucx(setup: Setup) -> Result<(State, Ready), DataError> {
     };
     let state = State {
         worker,
+        wake,
         idle: if registered_host {
             UCX_IDLE_PROGRESS_INTERVAL_REGISTERED_HOST
         } else {
@@ -1243,6 +1298,87 @@ fn start_ucx(setup: Setup) -> Result<(State, Ready), DataError> {
         rkeys: 0,
     };
     Ok((state, up))
+}
+
+/// An eventfd rung by whoever queues a command for the thread, so that a thread blocked
+/// on its worker's event fd wakes for it too. Owned here (not UCX's), so ringing it after
+/// the thread is gone is harmless.
+struct Doorbell(Option<std::os::fd::OwnedFd>);
+
+impl Doorbell {
+    /// A doorbell; one that could not get an eventfd never rings (the thread then has no
+    /// `Wake` and polls on a timer).
+    fn new() -> Self {
+        // SAFETY: plain syscall; a non-negative result is a new fd we own.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Self(None);
+        }
+        // SAFETY: `fd` was just returned by eventfd and is owned by nobody else.
+        Self(Some(unsafe {
+            <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd)
+        }))
+    }
+
+    fn raw(&self) -> Option<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        self.0.as_ref().map(|fd| fd.as_raw_fd())
+    }
+
+    fn ring(&self) {
+        if let Some(fd) = self.raw() {
+            let one: u64 = 1;
+            // SAFETY: writes 8 bytes from a live u64 to our eventfd; a full counter (never,
+            // at 2^64 - 1) only fails the write (EAGAIN), and the thread is awake anyway.
+            let _ = unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
+        }
+    }
+
+    fn clear(&self) {
+        if let Some(fd) = self.raw() {
+            let mut n: u64 = 0;
+            // SAFETY: reads 8 bytes into a live u64 from our non-blocking eventfd.
+            let _ = unsafe { libc::read(fd, (&mut n as *mut u64).cast(), 8) };
+        }
+    }
+}
+
+/// What the idle thread blocks on: the worker's event fd and the plane's doorbell.
+struct Wake {
+    /// UCX's, valid while the worker lives (the thread's whole life); never closed here.
+    efd: std::os::fd::RawFd,
+    bell: Arc<Doorbell>,
+}
+
+impl Wake {
+    /// Blocks until the worker has an event, a command is queued, or [`UCX_WAKE_TIMEOUT`]
+    /// passes; at once when events are already pending (the caller progresses next).
+    fn sleep(&self, worker: &Worker) -> Result<(), UcxError> {
+        let Some(bell) = self.bell.raw() else {
+            std::thread::sleep(UCX_IDLE_PROGRESS_INTERVAL_REGISTERED_HOST);
+            return Ok(());
+        };
+        if !worker.arm()? {
+            return Ok(());
+        }
+        let mut fds = [
+            libc::pollfd {
+                fd: self.efd,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: bell,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        let timeout = i32::try_from(UCX_WAKE_TIMEOUT.as_millis()).unwrap_or(i32::MAX);
+        // SAFETY: two initialised pollfds over fds that live through the call.
+        let _ = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout) };
+        self.bell.clear();
+        Ok(())
+    }
 }
 
 fn teardown(mut state: State) {

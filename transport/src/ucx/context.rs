@@ -48,6 +48,10 @@ pub struct ContextOptions {
     pub config: Vec<(String, String)>,
     /// Expected number of endpoints (`estimated_num_eps`), a sizing hint for UCX.
     pub estimated_endpoints: Option<usize>,
+    /// Ask for wakeup support (`UCP_FEATURE_WAKEUP`): the worker gets an event fd that an
+    /// idle thread blocks on ([`super::Worker::event_fd`]) instead of polling on a timer.
+    /// Default: off.
+    pub wakeup: bool,
 }
 
 impl Default for ContextOptions {
@@ -57,6 +61,7 @@ impl Default for ContextOptions {
             keepalive_interval: Some(KEEPALIVE_INTERVAL_DEFAULT),
             config: Vec::new(),
             estimated_endpoints: None,
+            wakeup: false,
         }
     }
 }
@@ -165,6 +170,9 @@ impl Context {
             estimated_num_ppn: 0,
             name: std::ptr::null(),
         };
+        if options.wakeup {
+            params.features |= sys::UCP_FEATURE_WAKEUP;
+        }
         if let Some(eps) = options.estimated_endpoints {
             params.field_mask |= sys::UCP_PARAM_FIELD_ESTIMATED_NUM_EPS;
             params.estimated_num_eps = eps;

@@ -206,6 +206,16 @@ pub(crate) fn vet(
             // its two pipes stays open, and every shared mapping (UCX's FIFOs, the peers'
             // segments) becomes private zeros; what the unpacking maps anew is its own.
             close_from(3, [answer_w.as_raw_fd(), release_r.as_raw_fd()]);
+            // What UCX says in here is about the sandbox (segments it cannot attach, its
+            // wakeup fd closed above), not about anything real: the verdict is the exit
+            // status. Its stdout (UCX logs there) and stderr go to /dev/null so that users
+            // never read it.
+            let null = libc::open(c"/dev/null".as_ptr(), libc::O_WRONLY);
+            if null >= 0 {
+                libc::dup2(null, 1);
+                libc::dup2(null, 2);
+                libc::close(null);
+            }
             for m in &shared {
                 libc::mmap(
                     m.start as *mut libc::c_void,

@@ -92,6 +92,8 @@ pub const UCS_ERR_UNREACHABLE: ucs_status_t = -6;
 /// `UCS_ERR_NO_DEVICE`: e.g. `ucp_worker_create` when a network interface the context
 /// listed has no active address any more.
 pub const UCS_ERR_NO_DEVICE: ucs_status_t = -14;
+/// `UCS_ERR_BUSY`: `ucp_worker_arm` when events are pending (progress before waiting).
+pub const UCS_ERR_BUSY: ucs_status_t = -15;
 /// `UCS_ERR_CANCELED`.
 pub const UCS_ERR_CANCELED: ucs_status_t = -16;
 /// `UCS_ERR_LAST`: the most negative status; pointers in `[UCS_ERR_LAST, -1]` are errors.
@@ -106,6 +108,8 @@ pub const UCP_PARAM_FIELD_MT_WORKERS_SHARED: u64 = 1 << 5;
 pub const UCP_PARAM_FIELD_ESTIMATED_NUM_EPS: u64 = 1 << 6;
 /// `UCP_FEATURE_RMA`.
 pub const UCP_FEATURE_RMA: u64 = 1 << 1;
+/// `UCP_FEATURE_WAKEUP`: a worker event fd to block on instead of polling.
+pub const UCP_FEATURE_WAKEUP: u64 = 1 << 4;
 /// `UCP_FEATURE_AM`.
 pub const UCP_FEATURE_AM: u64 = 1 << 6;
 
@@ -389,6 +393,8 @@ pub struct Api {
         unsafe extern "C" fn(ucp_worker_h, *mut *mut ucp_address, *mut usize) -> ucs_status_t,
     pub ucp_worker_release_address: unsafe extern "C" fn(ucp_worker_h, *mut ucp_address),
     pub ucp_worker_progress: unsafe extern "C" fn(ucp_worker_h) -> c_uint,
+    pub ucp_worker_get_efd: unsafe extern "C" fn(ucp_worker_h, *mut c_int) -> ucs_status_t,
+    pub ucp_worker_arm: unsafe extern "C" fn(ucp_worker_h) -> ucs_status_t,
     pub ucp_worker_flush_nbx:
         unsafe extern "C" fn(ucp_worker_h, *const ucp_request_param_t) -> ucs_status_ptr_t,
     pub ucp_ep_create:
@@ -638,6 +644,8 @@ fn resolve(
             ucp_worker_get_address: sym(ucp, "ucp_worker_get_address")?,
             ucp_worker_release_address: sym(ucp, "ucp_worker_release_address")?,
             ucp_worker_progress: sym(ucp, "ucp_worker_progress")?,
+            ucp_worker_get_efd: sym(ucp, "ucp_worker_get_efd")?,
+            ucp_worker_arm: sym(ucp, "ucp_worker_arm")?,
             ucp_worker_flush_nbx: sym(ucp, "ucp_worker_flush_nbx")?,
             ucp_ep_create: sym(ucp, "ucp_ep_create")?,
             ucp_ep_close_nbx: sym(ucp, "ucp_ep_close_nbx")?,

@@ -226,6 +226,30 @@ impl Worker {
         })
     }
 
+    /// The worker's event file descriptor (its context made with
+    /// [`ContextOptions::wakeup`](super::ContextOptions::wakeup)): it becomes readable when
+    /// the worker has something to progress, once [`Worker::arm`] armed it. Owned by the
+    /// worker: valid while it lives, never to be closed.
+    pub fn event_fd(&self) -> Result<std::os::fd::RawFd, UcxError> {
+        let mut fd: std::ffi::c_int = -1;
+        // SAFETY: live worker; `fd` is written on OK.
+        let status = unsafe { (self.inner.api.ucp_worker_get_efd)(self.inner.handle, &mut fd) };
+        self.inner.api.check("ucp_worker_get_efd", status)?;
+        Ok(fd)
+    }
+
+    /// Arms the event fd for the next event. True: armed, nothing pending, so blocking on
+    /// [`Worker::event_fd`] is safe; false: events are pending, progress first.
+    pub fn arm(&self) -> Result<bool, UcxError> {
+        // SAFETY: live worker made on a context with wakeup support (else UCX says so).
+        let status = unsafe { (self.inner.api.ucp_worker_arm)(self.inner.handle) };
+        if status == sys::UCS_ERR_BUSY {
+            return Ok(false);
+        }
+        self.inner.api.check("ucp_worker_arm", status)?;
+        Ok(true)
+    }
+
     /// This worker's address, to send to peers that will [`Worker::connect`] to it.
     pub fn address(&self) -> Result<Vec<u8>, UcxError> {
         let api = self.inner.api;

@@ -60,6 +60,10 @@ pub const LATENCY_BLOCK_BYTES: usize = 16 << 10;
 /// Deadline of one timed transfer call (a whole pass over the region).
 const CALL_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// How long the lifecycle's two runtimes sit idle, connected, while the bench measures the
+/// CPU the process spends (a note of the report): what an engine pays between requests.
+const IDLE_WINDOW: Duration = Duration::from_secs(2);
+
 /// Time for a peer process to start, answer a command, or exit.
 const PEER_STEP_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -514,22 +518,33 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
     if let Some(plane) = network {
         let floor = crate::lifecycle::loopback_rtt(plan.latency_iters).await?;
         let floor = percentiles("loopback", "rtt", &floor, String::new());
-        let samples = crate::lifecycle::measure(plane, 16 << 10, plan.latency_iters, None).await?;
+        let measured =
+            crate::lifecycle::measure(plane, 16 << 10, plan.latency_iters, None, Some(IDLE_WINDOW))
+                .await?;
         let mut lifecycle = percentiles(
             "lifecycle",
             &format!("{plane:?}").to_lowercase(),
-            &samples,
+            &measured.samples,
             String::new(),
         );
+        if let Some(share) = measured.idle_core_share {
+            report.notes.push(format!(
+                "idle: a connected prefill and decode runtime ({}) left idle for {:?} cost this process {:.2}% of one core",
+                format!("{plane:?}").to_lowercase(),
+                IDLE_WINDOW,
+                share * 100.0
+            ));
+        }
         // The same, every connection authenticated (Noise sessions), in the same run.
         let key = handoff_bootstrap::Key::new(b"handoff bench secret, 32 bytes..")
             .map_err(|e| e.to_string())?;
         let keyed =
-            crate::lifecycle::measure(plane, 16 << 10, plan.latency_iters, Some(&key)).await?;
+            crate::lifecycle::measure(plane, 16 << 10, plan.latency_iters, Some(&key), None)
+                .await?;
         let mut keyed = percentiles(
             "lifecycle+secret",
             &format!("{plane:?}").to_lowercase(),
-            &keyed,
+            &keyed.samples,
             String::new(),
         );
         keyed.note = format!(

@@ -76,14 +76,27 @@ async fn side(
         .map_err(|e| e.to_string())
 }
 
+/// What [`measure`] measured.
+#[derive(Clone, Debug, Default)]
+pub struct Measured {
+    /// Each request's latency, µs, sorted.
+    pub samples: Vec<f64>,
+    /// The CPU this process spent, as a share of one core, while the two runtimes sat idle
+    /// after the requests (connected, heartbeating) for the window asked; `None` when not
+    /// asked or not readable (`/proc/self/task/*/schedstat`).
+    pub idle_core_share: Option<f64>,
+}
+
 /// Times `iters` one-block requests (after one warm-up request); the latencies, µs, sorted.
-/// With `key`, both sides authenticate every connection with it (Noise sessions).
+/// With `key`, both sides authenticate every connection with it (Noise sessions). With
+/// `idle`, then leaves both runtimes idle that long and measures what the process spends.
 pub async fn measure(
     plane: Plane,
     block_bytes: usize,
     iters: usize,
     key: Option<&Key>,
-) -> Result<Vec<f64>, String> {
+    idle: Option<Duration>,
+) -> Result<Measured, String> {
     let dir = Arc::new(StaticDirectory::new());
     let p = side(
         &dir,
@@ -122,10 +135,43 @@ pub async fn measure(
         // Keep the engines' event queues (and their admission counts) drained.
         let _ = (p.drain_events(), d.drain_events());
     }
+    let mut idle_core_share = None;
+    if let Some(window) = idle {
+        // Past the planes' busy-poll windows first.
+        tokio::time::sleep(IDLE_SETTLE).await;
+        let (cpu0, t0) = (process_cpu(), Instant::now());
+        tokio::time::sleep(window).await;
+        if let (Some(a), Some(b)) = (cpu0, process_cpu()) {
+            let wall = t0.elapsed().as_secs_f64();
+            idle_core_share = Some(b.saturating_sub(a).as_secs_f64() / wall.max(f64::MIN_POSITIVE));
+        }
+    }
     p.shutdown().await;
     d.shutdown().await;
     samples.sort_by(f64::total_cmp);
-    Ok(samples)
+    Ok(Measured {
+        samples,
+        idle_core_share,
+    })
+}
+
+/// How long the runtimes rest after the requests before their idle CPU is measured.
+const IDLE_SETTLE: Duration = Duration::from_millis(200);
+
+/// The CPU time every thread of this process has run so far (Linux: the sum of
+/// `/proc/self/task/*/schedstat`, nanoseconds; threads that already exited are not
+/// counted, so only differences over a window where none exits mean anything).
+fn process_cpu() -> Option<Duration> {
+    let mut ns: u64 = 0;
+    for task in std::fs::read_dir("/proc/self/task").ok()? {
+        let Ok(task) = task else { continue };
+        let Ok(text) = std::fs::read_to_string(task.path().join("schedstat")) else {
+            continue;
+        };
+        let ran = text.split_whitespace().next()?.parse::<u64>().ok()?;
+        ns = ns.saturating_add(ran);
+    }
+    Some(Duration::from_nanos(ns))
 }
 
 /// Bytes of one loopback ping: the size of a small control frame.

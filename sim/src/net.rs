@@ -153,6 +153,9 @@ pub struct NetStats {
     pub heartbeats: u64,
     /// Heartbeats heard (the rest were cut by a partition or lost with an end).
     pub heartbeats_heard: u64,
+    /// Connections closed after a loss window idle because their ends shared no live
+    /// request ([`SimNet::engage`]); counted at the end that closed them.
+    pub closed_unengaged: u64,
     /// Messages and heartbeats dropped because the receiver's peer table holds another
     /// incarnation of the sender (`PeerTable::current`).
     pub stale: u64,
@@ -1060,21 +1063,27 @@ impl NetState {
             .into_iter()
             .filter(|p| node.conns.contains_key(p))
             .collect();
-        let idle: Vec<usize> = node
+        // (peer, closed only because no live request is shared)
+        let idle: Vec<(usize, bool)> = node
             .conns
             .iter()
-            .filter(|(p, c)| {
+            .filter_map(|(p, c)| {
                 let idle = t.saturating_sub(c.last);
-                idle > self.idle_ms || idle > self.idle_free_ms && !node.engaged.contains_key(p)
+                if idle > self.idle_ms {
+                    Some((*p, false))
+                } else {
+                    let free = idle > self.idle_free_ms && !node.engaged.contains_key(p);
+                    free.then_some((*p, true))
+                }
             })
-            .map(|(p, _)| *p)
             .collect();
         let timeout = node.table.loss_timeout();
         for peer in silent {
             self.lose(t, worker, peer, &format!("no heartbeat for {timeout:?}"));
         }
-        for peer in idle {
-            self.close(worker, peer);
+        for (peer, unengaged) in idle {
+            let closed = self.close(worker, peer);
+            self.stats.closed_unengaged += u64::from(unengaged && closed);
         }
         let node = self.nodes.get_mut(worker)?;
         let mut beats = Vec::with_capacity(node.conns.len());
@@ -1227,14 +1236,18 @@ impl NetState {
     /// than any request lives, or for a loss window with no live request between the two,
     /// nothing depends on it (only its incarnation is kept, as for a lost peer; the next
     /// message opens a new one).
-    fn close(&mut self, a: usize, b: usize) {
+    /// True when `a` still held the connection (not lost just before).
+    fn close(&mut self, a: usize, b: usize) -> bool {
+        let mut held = false;
         for (x, y) in [(a, b), (b, a)] {
             if let Some(node) = self.node_mut(x) {
                 if node.conns.remove(&y).is_some() {
                     node.table.lose(&y);
+                    held |= x == a;
                 }
             }
         }
+        held
     }
 
     fn delay(&mut self) -> u64 {

@@ -425,6 +425,26 @@ fn a_control_cut_shorter_than_the_window_loses_nobody() {
     }
 }
 
+/// Connections between workers that share no live request close after a loss window idle
+/// (the simulator's economy: `SimNet::engage`), and no request notices: nobody is lost and
+/// every request of a fault-free run ends Done.
+#[test]
+fn idle_connections_without_a_live_request_close_and_no_request_notices() {
+    let mut cfg = base(8501);
+    cfg.shape.prefill_engines = 6;
+    cfg.shape.decode_engines = 6;
+    cfg.workload.requests = 120;
+    cfg.workload.arrival_gap_ms_max = 40;
+    let report = run(&cfg);
+    assert!(report.net.closed_unengaged > 0, "{report}");
+    assert_eq!(report.net.peer_lost, 0, "{report}");
+    assert_eq!(report.safety.done, cfg.workload.requests, "{report}");
+    assert_eq!(
+        report.liveness.done, cfg.workload.liveness_requests,
+        "{report}"
+    );
+}
+
 #[test]
 fn fenced_data_plane_refuses_transfers_into_released_blocks() {
     let mut fenced = 0;

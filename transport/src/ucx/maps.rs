@@ -12,11 +12,15 @@
 
 use std::sync::Mutex;
 
-/// One mapping: `[start, end)` in this address space.
+/// One mapping: `[start, end)` in this address space, of the file `(dev, inode)`. The file
+/// tells a mapping from another that took its place at the same addresses (a segment
+/// unmapped by another thread between two snapshots, the unpacking's at the same spot).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Mapping {
     pub(crate) start: u64,
     pub(crate) end: u64,
+    pub(crate) dev: u64,
+    pub(crate) inode: u64,
 }
 
 /// Serializes snapshot, unpack, snapshot across every UCX thread of the process, so the
@@ -41,9 +45,19 @@ pub(crate) fn parse_shared(text: &str) -> Vec<Mapping> {
             if perms.as_bytes().get(3) != Some(&b's') {
                 return None;
             }
+            let _offset = words.next()?;
+            let (major, minor) = words.next()?.split_once(':')?;
+            let dev = (u64::from_str_radix(major, 16).ok()? << 32)
+                | u64::from_str_radix(minor, 16).ok()?;
+            let inode = words.next()?.parse::<u64>().ok()?;
             let start = u64::from_str_radix(start, 16).ok()?;
             let end = u64::from_str_radix(end, 16).ok()?;
-            (start < end).then_some(Mapping { start, end })
+            (start < end).then_some(Mapping {
+                start,
+                end,
+                dev,
+                inode,
+            })
         })
         .collect();
     out.sort_by_key(|m| m.start);
@@ -118,7 +132,12 @@ garbage line
 ";
 
     fn m(start: u64, end: u64) -> Mapping {
-        Mapping { start, end }
+        Mapping {
+            start,
+            end,
+            dev: 0,
+            inode: 0,
+        }
     }
 
     #[test]
@@ -126,8 +145,16 @@ garbage line
         assert_eq!(
             parse_shared(MAPS),
             vec![
-                m(0x7f00_0000_0000, 0x7f00_0040_0000),
-                m(0x7f10_0000_0000, 0x7f10_0010_0000)
+                Mapping {
+                    dev: 0x19,
+                    inode: 777,
+                    ..m(0x7f00_0000_0000, 0x7f00_0040_0000)
+                },
+                Mapping {
+                    dev: 0x1,
+                    inode: 9,
+                    ..m(0x7f10_0000_0000, 0x7f10_0010_0000)
+                }
             ]
         );
     }
@@ -149,6 +176,13 @@ garbage line
         // A peer in this process: its own address, in an existing shared mapping.
         assert!(check_mapped(&old, &new, 0x2000, 0x2000, 0x100).is_ok());
         assert!(check_mapped(&old, &new, 0x2000, 0x2000, 0x8000).is_err());
+        // Another file at the very addresses of one that was there before (unmapped by
+        // another thread meanwhile): new, the peer's segment.
+        let replaced = vec![Mapping {
+            inode: 5,
+            ..m(0x1000, 0x9000)
+        }];
+        assert!(check_mapped(&old, &replaced, 0xa000, 0x2000, 0x100).is_ok());
     }
 
     #[test]

@@ -799,7 +799,6 @@ impl World {
         }
     }
 
-    /// The prefill engine and dp rank that serve `req`.
     /// The workers a request of prefill group `pg` and decode group `dg` may connect:
     /// every prefill rank with every decode rank (a superset of the pairs it uses).
     fn pairs(&self, pg: usize, dg: usize) -> Vec<(usize, usize)> {
@@ -809,6 +808,7 @@ impl World {
             .collect()
     }
 
+    /// The prefill engine and dp rank that serve `req`.
     fn prefill_of(&self, req: u64) -> (u32, u32) {
         let pg = self.reqs.get(&req).map_or(0, |r| r.pgroup);
         (self.prefill_groups[pg].0, self.prefill_groups[pg].1)

@@ -1179,16 +1179,15 @@ fn start_ucx(setup: Setup) -> Result<(State, Ready), DataError> {
         }
         Err(error) => return Err(error.into()),
     };
-    let wake = if options.wakeup {
-        match worker.event_fd() {
-            Ok(efd) => Some(Wake { efd, bell }),
+    let wake = match (options.wakeup, bell.raw()) {
+        (true, Some(bell_fd)) => match worker.event_fd() {
+            Ok(efd) => Some(Wake { efd, bell_fd, bell }),
             Err(error) => {
                 tracing::warn!(%error, "UCX worker has no event fd; its thread polls on a timer");
                 None
             }
-        }
-    } else {
-        None
+        },
+        _ => None,
     };
     let mut regions = Vec::new();
     let (specs, keep) = match memory {
@@ -1347,6 +1346,8 @@ impl Doorbell {
 struct Wake {
     /// UCX's, valid while the worker lives (the thread's whole life); never closed here.
     efd: std::os::fd::RawFd,
+    /// The doorbell's eventfd, which it keeps open.
+    bell_fd: std::os::fd::RawFd,
     bell: Arc<Doorbell>,
 }
 
@@ -1354,10 +1355,6 @@ impl Wake {
     /// Blocks until the worker has an event, a command is queued, or [`UCX_WAKE_TIMEOUT`]
     /// passes; at once when events are already pending (the caller progresses next).
     fn sleep(&self, worker: &Worker) -> Result<(), UcxError> {
-        let Some(bell) = self.bell.raw() else {
-            std::thread::sleep(UCX_IDLE_PROGRESS_INTERVAL_REGISTERED_HOST);
-            return Ok(());
-        };
         if !worker.arm()? {
             return Ok(());
         }
@@ -1368,7 +1365,7 @@ impl Wake {
                 revents: 0,
             },
             libc::pollfd {
-                fd: bell,
+                fd: self.bell_fd,
                 events: libc::POLLIN,
                 revents: 0,
             },

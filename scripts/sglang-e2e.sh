@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Real SGLang prefill/decode through handoff's SGLang backend (python/handoff/sglang.py), on
-# CPU, without a GPU or a model download; then the same prompts through SGLang's mooncake TCP
-# backend, side by side.
+# CPU, without a GPU or a model download; and the same prompts through SGLang's mooncake TCP
+# backend, side by side (both pairs up at once, their requests taking turns).
 #
 #   scripts/sglang-e2e.sh            set up (idempotent, cached) and run every check
 #   scripts/sglang-e2e.sh --setup    set up only

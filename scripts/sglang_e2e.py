@@ -1,4 +1,4 @@
-"""Real SGLang P/D through handoff's backend, then through mooncake's TCP backend, side by side.
+"""Real SGLang P/D through handoff's backend and through mooncake's TCP backend, side by side.
 
 Run by scripts/sglang-e2e.sh inside its venv (standard library only here; the SGLang servers
 are separate processes). Prints one line per check (`PASS`/`FAIL`), then a table of timings
@@ -30,6 +30,11 @@ import e2e_common as common
 from e2e_common import SIZES, TINY_CONFIG, ServerProcess, check, free_port, prompt, until
 
 DECODE_TOKENS = 8
+#: The first round of each prompt size is checked, not timed (it warms the pair up).
+ROUNDS_UNTIMED = 1
+#: The sizes' servers sleep while idle, so that one backend's idle pair does not spin a core
+#: while the other's request runs.
+SIZES_EXTRA = ["--sleep-on-idle"]
 #: Seconds an SGLang server may take to come up on a 2-core machine.
 STARTUP_S_MAX = 300
 #: Seconds within which decode must answer a request whose prefill died.
@@ -236,23 +241,39 @@ def start_server(args, name: str, backend: str, mode: str, cpu, env=None, extra=
     return Server(args, name, port, cpu, extra, full_env)
 
 
-def run_sizes(args, backend: str, refs) -> dict[int, list[dict]]:
-    rows: dict[int, list[dict]] = {}
+def run_sizes(pairs: dict[str, argparse.Namespace], refs) -> dict[str, dict[int, list[dict]]]:
+    """Every prompt size through every backend's pair, round by round: the backends take
+    turns (which goes first alternates), so a slower or busier stretch of the machine falls
+    on both alike."""
+    rows: dict[str, dict[int, list[dict]]] = {b: {} for b in pairs}
+    order = list(pairs)
     for si, size in enumerate(SIZES):
-        rows[size] = []
-        for rep in range(args.reps + 1):  # the first round is checked, not timed
-            r = pd_round(args, prompt(size, 1000 * si + rep))
-            ref = refs.get((size, rep))
-            ok = not r["error"] and r["tokens"] == ref
-            if rep == 0 or not ok:
-                check(
-                    f"{backend}: {size}-token prompt round {rep}, decode's greedy tokens equal "
-                    "a single server's",
-                    ok, r["error"] or f"decode {r['tokens']} reference {ref}",
-                )  # fmt: skip
-            if rep > 0 and not r["error"]:
-                rows[size].append(r)
+        for backend in order:
+            rows[backend][size] = []
+        for rep in range(ROUNDS_UNTIMED + pairs[order[0]].reps):
+            turn = order if rep % 2 == 0 else order[::-1]
+            for backend in turn:
+                r = pd_round(pairs[backend], prompt(size, 1000 * si + rep))
+                ref = refs.get((size, rep))
+                ok = not r["error"] and r["tokens"] == ref
+                if rep == 0 or not ok:
+                    check(
+                        f"{backend}: {size}-token prompt round {rep}, decode's greedy tokens "
+                        "equal a single server's",
+                        ok, r["error"] or f"decode {r['tokens']} reference {ref}",
+                    )  # fmt: skip
+                if rep >= ROUNDS_UNTIMED and not r["error"]:
+                    r["round"] = rep
+                    rows[backend][size].append(r)
     return rows
+
+
+def pair_args(args) -> argparse.Namespace:
+    """The run's options with ports of a server pair of its own."""
+    pair = argparse.Namespace(**vars(args))
+    pair.prefill_port, pair.decode_port = free_port(), free_port()
+    pair.bootstrap_port = free_port()
+    return pair
 
 
 def decode_serves(args) -> tuple[bool, str]:
@@ -547,8 +568,11 @@ def summarize(rows: dict[str, dict[int, list[dict]]]) -> None:
         return f"{statistics.median(xs) * 1000:.1f} ({min(xs) * 1000:.1f}-{max(xs) * 1000:.1f})"
 
     print("\nTimings, ms: median (min-max) over the timed requests of each size")
-    print("| prompt | metric | handoff | mooncake (tcp) | ratio (mooncake/handoff) |")
-    print("|---|---|---|---|---|")
+    print(
+        "| prompt | metric | handoff | mooncake (tcp) | ratio (mooncake/handoff) "
+        "| rounds handoff was faster |"
+    )
+    print("|---|---|---|---|---|---|")
     for size in SIZES:
         h, m = (
             rows.get("handoff", {}).get(size, []),
@@ -563,12 +587,21 @@ def summarize(rows: dict[str, dict[int, list[dict]]]) -> None:
             ratio = "n/a"
             if hv and mv:
                 ratio = f"{statistics.median(mv) / statistics.median(hv):.2f}"
-            print(f"| {size} | {name} | {med(hv)} | {med(mv)} | {ratio} |")
+            # Paired: the two backends' requests of one round ran back to back.
+            theirs = {r["round"]: r[key] for r in m if r[key] is not None}
+            pairs = [(r[key], theirs[r["round"]]) for r in h if r[key] is not None
+                     and r["round"] in theirs]  # fmt: skip
+            faster = sum(ours < other for ours, other in pairs)
+            won = f"{faster} of {len(pairs)}" if pairs else "n/a"
+            print(f"| {size} | {name} | {med(hv)} | {med(mv)} | {ratio} | {won} |")
     print(
         "\nTTFT: first streamed token of decode's request, both requests sent at once as"
         " SGLang's router does (prefill's compute, the transfer and decode's first step)."
         " Transfer: SGLang's own sglang:kv_transfer_latency_ms on prefill, the same code for"
         " both backends (the last chunk queued for transfer to the transfer's success)."
+        " Both pairs ran at once, with --sleep-on-idle, their rounds taking turns (which"
+        " backend goes first alternates); the last column compares the two requests of each"
+        " round."
     )
 
 
@@ -576,7 +609,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--dir", required=True, help="the venv's folder (logs go under logs/)")
     ap.add_argument("--transport", default="auto", help="handoff: auto | ucx | tcp")
-    ap.add_argument("--reps", type=int, default=3, help="timed requests per prompt size")
+    ap.add_argument("--reps", type=int, default=10, help="timed rounds per prompt size")
     ap.add_argument("--skip-mooncake", action="store_true", help="only the handoff backend")
     ap.add_argument("--only", choices=("sizes", "faults", "seed3"), action="append",
                     help="run only these parts (repeatable; default: all)")  # fmt: skip
@@ -591,30 +624,39 @@ def main() -> int:
     try:
         refs = references(args)
         if parts & {"sizes", "faults"}:
-            # 1. The handoff backend: tokens and timings.
-            p = start_server(args, "handoff-prefill", "handoff", "prefill", 0)
-            d = start_server(args, "handoff-decode", "handoff", "decode", 1)
-            servers += [p, d]
-            wait_up([p, d])
+            # 1. Both backends' pairs up at once; their rounds interleaved: tokens and
+            # timings.
+            backends = [("handoff", "handoff", 0)]
+            if "sizes" in parts and not args.skip_mooncake:
+                backends.append(("mooncake", "mooncake_tcp", 0))
+            pairs: dict[str, argparse.Namespace] = {}
+            up: dict[str, tuple[Server, Server]] = {}
+            for label, backend, _ in backends:
+                pairs[label] = pair_args(args)
+                extra = SIZES_EXTRA if "sizes" in parts else []
+                up[label] = (
+                    start_server(pairs[label], f"{label}-prefill", backend, "prefill", 0,
+                                 extra=extra),
+                    start_server(pairs[label], f"{label}-decode", backend, "decode", 1,
+                                 extra=extra),
+                )  # fmt: skip
+                servers += up[label]
+            wait_up([s for pair in up.values() for s in pair])
             if "sizes" in parts:
-                rows["handoff"] = run_sizes(args, "handoff", refs)
-            p.stop()
+                rows = run_sizes(pairs, refs)
+            for label, (p, d) in up.items():
+                p.stop()
+                if label != "handoff":
+                    d.stop()
             if "faults" in parts:
                 # 2. Prefill killed after its prefill; 3. decode killed while prefill
                 # computes.
-                servers.append(prefill_loss(args, d))
-                servers.append(decode_loss(args, d))
+                hargs = pairs["handoff"]
+                d = up["handoff"][1]
+                servers.append(prefill_loss(hargs, d))
+                servers.append(decode_loss(hargs, d))
             for s in servers:
                 s.stop()
-        # 4. Mooncake's TCP backend on the same prompts.
-        if "sizes" in parts and not args.skip_mooncake:
-            p = start_server(args, "mooncake-prefill", "mooncake_tcp", "prefill", 0)
-            d = start_server(args, "mooncake-decode", "mooncake_tcp", "decode", 1)
-            servers += [p, d]
-            wait_up([p, d])
-            rows["mooncake"] = run_sizes(args, "mooncake", refs)
-            p.stop()
-            d.stop()
         # 5. Seed 003: pipeline-parallel prefill and a saturated decode, both backends.
         if "seed3" in parts:
             seed3(args, refs)

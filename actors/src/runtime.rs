@@ -24,7 +24,7 @@ use handoff_transport::wire::AUX_BYTES_MAX;
 use handoff_transport::{BlockId, EngineId, RankInfo, Region, RequestId, Role, TransferMode};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::watch;
-use tracing::{debug, info, warn};
+use tracing::{debug, info, trace, warn};
 
 use crate::estate::{Consignment, Deed, Estate, View};
 
@@ -187,7 +187,10 @@ impl Actor for RootActor {
                 return Ok(());
             }
             RootMsg::Local { id, what } => Input::Local { id, what },
-            RootMsg::Inbound { from, id, msg } => Input::Inbound { from, id, msg },
+            RootMsg::Inbound { from, id, msg } => {
+                trace!(request = %id, peer = %from, "root: peer message");
+                Input::Inbound { from, id, msg }
+            }
             RootMsg::Ended { id, state } => Input::Ended { id, state },
             RootMsg::PeerLost { peer } => {
                 debug!(%peer, "peer lost");

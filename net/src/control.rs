@@ -21,7 +21,7 @@ use handoff_transport::zmtp::{ConnId, Dealer, DealerReceiver, DealerSender, Rout
 use handoff_transport::{BlockId, KvLayout, RankInfo, RequestId, Role};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
-use tracing::{debug, info, warn};
+use tracing::{debug, info, trace, warn};
 
 use super::peers::{Incarnation, PeerTable};
 use super::{
@@ -341,6 +341,7 @@ impl Control {
                 });
             }
         };
+        trace!(request = %id, %peer, message = ?std::mem::discriminant(&outbound), "control message in");
         self.inbox.deliver(peer.clone(), id, outbound);
         Ok(())
     }
@@ -571,6 +572,7 @@ impl Control {
     }
 
     fn send(&mut self, to: &Peer, id: &RequestId, msg: PeerMessage) {
+        trace!(request = %id, peer = %to, "control message out");
         let bytes = match self.encode(id, msg) {
             Ok(bytes) => bytes,
             Err(e) => {

@@ -119,6 +119,12 @@ pub struct EngineOptions {
     /// With host memory over UCX, a CUDA device the UCX thread binds, so that it can reach
     /// peers' device memory.
     pub cuda_device: Option<u32>,
+    /// The nice value of the data plane's own thread (UCX), so that a busy engine does
+    /// not keep it from a core (`handoff_transport::priority`). The tokio runtime's
+    /// threads are the caller's: give them one with
+    /// `handoff_transport::priority::apply` in `on_thread_start`. Default: none (left as
+    /// born).
+    pub thread_nice: Option<i32>,
     /// Heartbeat interval on peer connections (clamped to [`HEARTBEAT_INTERVAL_MIN`] ..
     /// [`HEARTBEAT_INTERVAL_MAX`]).
     pub heartbeat_interval: Duration,
@@ -149,6 +155,15 @@ pub struct EngineOptions {
 }
 
 impl EngineOptions {
+    /// The UCX thread's options.
+    fn ucx(&self) -> handoff_transport::data::UcxPlaneOptions {
+        handoff_transport::data::UcxPlaneOptions {
+            cuda_device: self.cuda_device,
+            thread_nice: self.thread_nice,
+            ..Default::default()
+        }
+    }
+
     /// Defaults for everything but who the worker is and where the bootstrap server is:
     /// loopback listeners on any port, `auto` transport, pull, the default deadlines.
     pub fn new(role: Role, rank: RankInfo, bootstrap: impl Into<String>) -> EngineOptions {
@@ -161,6 +176,7 @@ impl EngineOptions {
             advertise_host: None,
             transport: DataTransport::Auto,
             cuda_device: None,
+            thread_nice: None,
             heartbeat_interval: HEARTBEAT_INTERVAL_DEFAULT,
             heartbeats_missed_max: HEARTBEATS_MISSED_MAX_DEFAULT,
             register_timeout: REGISTER_TIMEOUT_DEFAULT,
@@ -317,8 +333,9 @@ async fn data_plane(
                 ));
             }
             let device = buffer.ordinal();
-            let plane = UcxPlane::start_on_device(buffer, blocks, block_bytes, &opts.rank)
-                .map_err(|e| plane_error("UCX data plane on device memory", e))?;
+            let plane =
+                UcxPlane::start_on_device(buffer, blocks, block_bytes, &opts.rank, opts.ucx())
+                    .map_err(|e| plane_error("UCX data plane on device memory", e))?;
             tracing::info!(
                 version = plane.version(),
                 device,
@@ -331,7 +348,7 @@ async fn data_plane(
             block_bytes,
         } => {
             if opts.transport != DataTransport::Tcp {
-                match UcxPlane::start_with(blocks, block_bytes, &opts.rank, opts.cuda_device) {
+                match UcxPlane::start_with(blocks, block_bytes, &opts.rank, opts.ucx()) {
                     Ok(plane) => {
                         tracing::info!(version = plane.version(), "data plane: UCX");
                         return Ok((plane.region(), Arc::new(plane), "ucx"));
@@ -347,7 +364,7 @@ async fn data_plane(
         WorkerMemory::Engine(region) => {
             // The engine's memory as it is: UCX registers every range by address.
             if opts.transport != DataTransport::Tcp {
-                match UcxPlane::start_on_region(region.clone(), &opts.rank, opts.cuda_device) {
+                match UcxPlane::start_on_region(region.clone(), &opts.rank, opts.ucx()) {
                     Ok(plane) => {
                         tracing::info!(
                             version = plane.version(),

@@ -55,21 +55,17 @@ impl UcxPlane {
     /// With no loadable libucp this is `DataError::Ucx(LibraryNotFound ..)`
     /// ([`DataError::is_ucx_unavailable`]).
     pub fn start(blocks: u32, block_bytes: usize, me: &RankInfo) -> Result<UcxPlane, DataError> {
-        Self::start_with(blocks, block_bytes, me, None)
+        Self::start_with(blocks, block_bytes, me, UcxPlaneOptions::default())
     }
 
-    /// [`UcxPlane::start`], binding the UCX thread to `cuda_device` (when given) so that it
-    /// can read and write peers' device memory.
+    /// [`UcxPlane::start`] with the thread's options: a CUDA device to bind (so that it can
+    /// read and write peers' device memory), its nice value.
     pub fn start_with(
         blocks: u32,
         block_bytes: usize,
         me: &RankInfo,
-        cuda_device: Option<u32>,
+        options: UcxPlaneOptions,
     ) -> Result<UcxPlane, DataError> {
-        let options = UcxPlaneOptions {
-            cuda_device,
-            ..UcxPlaneOptions::default()
-        };
         let plane = UcxDataPlane::start(blocks, block_bytes, me, options)?;
         Ok(UcxPlane::with_plane(plane))
     }
@@ -82,30 +78,21 @@ impl UcxPlane {
         blocks: u32,
         block_bytes: usize,
         me: &RankInfo,
+        options: UcxPlaneOptions,
     ) -> Result<UcxPlane, DataError> {
-        let plane = UcxDataPlane::start_on_device(
-            buffer,
-            blocks,
-            block_bytes,
-            me,
-            UcxPlaneOptions::default(),
-        )?;
+        let plane = UcxDataPlane::start_on_device(buffer, blocks, block_bytes, me, options)?;
         Ok(UcxPlane::with_plane(plane))
     }
 
     /// Starts the UCX thread over an engine's KV memory as it is: every range of
     /// `region`'s layout (host or CUDA) registered by address, one remote key per range;
-    /// nothing allocated or copied. `cuda_device` binds the UCX thread to a device for a
-    /// host region that exchanges with peers' device memory.
+    /// nothing allocated or copied. `options.cuda_device` binds the UCX thread to a device
+    /// for a host region that exchanges with peers' device memory.
     pub fn start_on_region(
         region: Arc<Region>,
         me: &RankInfo,
-        cuda_device: Option<u32>,
+        options: UcxPlaneOptions,
     ) -> Result<UcxPlane, DataError> {
-        let options = UcxPlaneOptions {
-            cuda_device,
-            ..UcxPlaneOptions::default()
-        };
         let plane = UcxDataPlane::start_on_region(region, me, options)?;
         Ok(UcxPlane::with_plane(plane))
     }

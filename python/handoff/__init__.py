@@ -12,6 +12,7 @@ from ._errors import *  # noqa: F403
 from ._errors import __all__ as _error_names
 from ._kv import KvRange, KvSpec, kv_spec, sglang_kv_caches, vllm_kv_caches
 from ._runtime import (
+    THREAD_NICE_DEFAULT,
     TIMEOUTS_DEFAULT,
     BootstrapServer,
     Event,
@@ -32,6 +33,7 @@ def init_logging(level: str = "warn", json: bool = False) -> bool:
 
 
 __all__ = [
+    "THREAD_NICE_DEFAULT",
     "TIMEOUTS_DEFAULT",
     "BootstrapServer",
     "Event",

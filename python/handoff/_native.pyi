@@ -5,6 +5,7 @@ from collections.abc import Iterable
 from typing import Literal
 
 __version__: str
+THREAD_NICE_DEFAULT: int
 REQUEST_ID_BYTES_MAX: int
 ENGINE_ID_BYTES_MAX: int
 AUX_BYTES_MAX: int
@@ -79,6 +80,7 @@ class Runtime:
         keep: object | None = None,
         insecure: bool = False,
         metrics_listen: str | None = None,
+        thread_nice: int | None = ...,
     ) -> None: ...
     @property
     def metrics_address(self) -> str | None: ...

@@ -23,6 +23,9 @@ TIMEOUTS_DEFAULT = {
     "pull_ttl_s": 480.0,
 }
 
+#: The nice value of a runtime's own threads unless told otherwise (``thread_nice``).
+THREAD_NICE_DEFAULT: int = _native.THREAD_NICE_DEFAULT
+
 
 class LoadWait(NamedTuple):
     """How long an engine connector waits for a load it has just started: ``base_ms`` plus
@@ -89,6 +92,13 @@ class Runtime:
     ``metrics_listen="HOST:PORT"`` serves the runtime's Prometheus metrics at
     ``http://HOST:PORT/metrics`` (port 0 picks one: see ``metrics_address``); `metrics_text`
     gives the same text without a listener.
+
+    ``thread_nice`` is the nice value of the runtime's own threads (-20..19; default
+    `THREAD_NICE_DEFAULT`, -10), so that an engine loop spinning on every core does not keep
+    the thread that answers a peer or sends a heartbeat waiting for one. Lowering a nice
+    value takes ``CAP_SYS_NICE`` (or an ``RLIMIT_NICE`` that allows it): without it the
+    threads keep the engine's priority and the runtime logs that once. ``None`` leaves them
+    as they are.
     """
 
     def __init__(
@@ -122,6 +132,7 @@ class Runtime:
         register_timeout_s: float = 30.0,
         insecure: bool = False,
         metrics_listen: str | None = None,
+        thread_nice: int | None = THREAD_NICE_DEFAULT,
     ) -> None:
         spec: KvSpec = kv_spec(kv_caches, num_blocks, device)
         t = dict(TIMEOUTS_DEFAULT)
@@ -147,6 +158,12 @@ class Runtime:
             _int(k, v)
         if admission is not None:
             _int("admission", admission, 1)
+        if thread_nice is not None and (
+            isinstance(thread_nice, bool) or not isinstance(thread_nice, int)
+        ):
+            raise InvalidInput(
+                f"thread_nice must be an int or None, not {type(thread_nice).__name__}"
+            )
         self._native = _native.Runtime(
             _str("role", role),
             _str("engine", engine),
@@ -180,6 +197,7 @@ class Runtime:
             metrics_listen=None
             if metrics_listen is None
             else _str("metrics_listen", metrics_listen),
+            thread_nice=thread_nice,
             **ints,
         )
         self.kv: KvSpec = spec

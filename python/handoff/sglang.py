@@ -85,6 +85,10 @@ Options, as environment variables of both servers (SGLang has no per-backend con
     released) up to ``HANDOFF_LOAD_WAIT_MS`` (default 2; 0: never) plus
     ``HANDOFF_LOAD_WAIT_MS_PER_MIB`` (default 1) per MiB it moves, so SGLang sees it done
     in this pass of its loop, and on a CPU server the copy has the core to itself meanwhile.
+``HANDOFF_THREAD_NICE``
+    The nice value of the runtime's threads (default -10, so that SGLang's scheduler
+    spinning on its core does not keep them from one; it takes ``CAP_SYS_NICE``, else they
+    keep SGLang's and the runtime logs that once); ``none`` leaves them as they are.
 ``HANDOFF_SEND_DELAY_MS``
     Fault injection for tests: prefill hands its pages to handoff this long after its
     last chunk, as a slow prefill would.
@@ -203,6 +207,14 @@ def _env_int(name: str, default: int | None) -> int | None:
         return int(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r}: expected an integer") from None
+
+
+def _thread_nice() -> int | None:
+    """``HANDOFF_THREAD_NICE``: the runtime threads' nice value, or ``none``."""
+    raw = os.environ.get("HANDOFF_THREAD_NICE", "").strip().lower()
+    if raw in ("none", "off"):
+        return None
+    return _env_int("HANDOFF_THREAD_NICE", handoff.THREAD_NICE_DEFAULT)
 
 
 def _insecure() -> bool:
@@ -432,6 +444,7 @@ class HandoffKVManager(BaseKVManager):
             secret_file=os.environ.get("HANDOFF_SECRET_FILE"),
             admission=_env_int("HANDOFF_ADMISSION", None) if decode else None,
             insecure=_insecure(),
+            thread_nice=_thread_nice(),
         )
         log.info(
             "handoff %s %s rank tp%d/pp%d: %d KV ranges (layers %d..%d of %d), %d pages of "

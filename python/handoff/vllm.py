@@ -64,6 +64,10 @@ Options (``kv_connector_extra_config``), every one optional but ``bootstrap``:
 ``metrics_listen``
     ``HOST:PORT``: serve this worker's Prometheus metrics at ``http://HOST:PORT/metrics``
     (requests by outcome and reason, blocks held, transfers by transport; see ARCHITECTURE).
+``thread_nice``
+    The nice value of the runtime's threads (default -10, so that vLLM's busy loop does not
+    keep them from a core; it takes ``CAP_SYS_NICE``, else they keep vLLM's and the runtime
+    logs that once); ``null`` leaves them as they are.
 ``engine_id``
     The name this instance registers under (default: vLLM's ``kv_transfer_config.engine_id``).
 ``load_wait_ms``, ``load_wait_ms_per_mib``
@@ -493,6 +497,7 @@ class _WorkerSide:
             admission=x.get("admission"),
             insecure=bool(x.get("insecure", False)),
             metrics_listen=x.get("metrics_listen"),
+            thread_nice=x.get("thread_nice", handoff.THREAD_NICE_DEFAULT),
         )
         log.info(
             "handoff %s %s: %d KV ranges (layers %d..%d of %d), %d blocks of %d tokens",

@@ -30,6 +30,7 @@ use handoff_net::engine::{
     HEARTBEATS_MISSED_MAX, HEARTBEATS_MISSED_MIN, HEARTBEAT_INTERVAL_MAX, HEARTBEAT_INTERVAL_MIN,
 };
 use handoff_net::{start_engine_runtime, DataTransport, EngineOptions};
+use handoff_transport::priority::{NICE_RANGE, THREAD_NICE_DEFAULT};
 use handoff_transport::wire::limits::{ENGINE_ID_BYTES_MAX, REQUEST_ID_BYTES_MAX};
 use pyo3::exceptions::PyOverflowError;
 use pyo3::prelude::*;
@@ -84,10 +85,12 @@ impl Drop for Tokio {
     }
 }
 
-fn tokio_runtime() -> NativeResult<Arc<Tokio>> {
+/// The runtime's own tokio threads, at `nice` when given (`handoff_transport::priority`).
+fn tokio_runtime(nice: Option<i32>) -> NativeResult<Arc<Tokio>> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(TOKIO_WORKER_THREADS)
         .thread_name("handoff-rt")
+        .on_thread_start(move || handoff_transport::priority::apply(nice, "tokio"))
         .enable_all()
         .build()
         .map(|rt| {
@@ -538,7 +541,7 @@ impl Runtime {
         data_listen="127.0.0.1:0", advertise_host=None, bootstrap_s=300.0, waiting_s=300.0,
         transfer_s=60.0, pull_ttl_s=480.0, register_timeout_s=30.0, heartbeat_ms=5000,
         heartbeats_missed=6, secret_file=None, admission=None, keep=None, insecure=false,
-        metrics_listen=None
+        metrics_listen=None, thread_nice=Some(THREAD_NICE_DEFAULT)
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -575,6 +578,7 @@ impl Runtime {
         keep: Option<PyObject>,
         insecure: bool,
         metrics_listen: Option<String>,
+        thread_nice: Option<i32>,
     ) -> PyResult<Runtime> {
         let err = |f: Failure| f.into_py(py);
         let Settings {
@@ -604,6 +608,14 @@ impl Runtime {
         opts.data_listen = data_listen.to_string();
         opts.advertise_host = advertise_host;
         opts.insecure = insecure;
+        if let Some(n) = thread_nice {
+            if !NICE_RANGE.contains(&n) {
+                return Err(err(Failure::invalid(format!(
+                    "thread_nice is a nice value from -20 to 19 (or None), not {n}"
+                ))));
+            }
+        }
+        opts.thread_nice = thread_nice;
         let spec = memory::Spec {
             ranges,
             num_blocks,
@@ -614,7 +626,7 @@ impl Runtime {
         };
         let region = memory::region(spec, keep).map_err(err)?;
         let (num_blocks, block_bytes) = (region.blocks(), region.block_bytes());
-        let tokio = tokio_runtime().map_err(err)?;
+        let tokio = tokio_runtime(thread_nice).map_err(err)?;
         let (role, rank) = (opts.role, opts.rank.clone());
         // The endpoint first: if it cannot bind, nothing has started.
         let metrics = handoff_actors::Metrics::new();
@@ -990,7 +1002,7 @@ impl BootstrapServer {
             Ok(cfg)
         };
         let cfg = make().map_err(|f| f.into_py(py))?;
-        let tokio = tokio_runtime().map_err(|f| f.into_py(py))?;
+        let tokio = tokio_runtime(None).map_err(|f| f.into_py(py))?;
         let started = block_on(py, &tokio, Duration::from_secs(30), bootstrap::serve(cfg))?;
         let server = match started {
             Some(Ok(server)) => server,
@@ -1080,5 +1092,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ENGINE_ID_BYTES_MAX", ENGINE_ID_BYTES_MAX)?;
     m.add("AUX_BYTES_MAX", handoff_transport::wire::AUX_BYTES_MAX)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("THREAD_NICE_DEFAULT", THREAD_NICE_DEFAULT)?;
     Ok(())
 }

@@ -276,3 +276,80 @@ def test_metrics_are_served_and_count_the_requests(bootstrap):
         assert (
             'handoff_requests_total{role="decode",outcome="done",reason=""} 3' in d.metrics_text()
         )
+
+
+def threads() -> dict[int, tuple[str, int]]:
+    """Every thread of this process: id -> (name, nice value)."""
+    out: dict[int, tuple[str, int]] = {}
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+            name = stat[stat.index("(") + 1 : stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2 :].split()
+            out[int(tid)] = (name, int(fields[16]))  # field 19 of stat: nice
+    return out
+
+
+@contextlib.contextmanager
+def new_runtime_threads(**kw):
+    """Starts a runtime; yields it and the nice values of the threads it started (tokio's
+    and, over UCX, the plane's): threads that other tests' runtimes left are not counted."""
+    before = set(threads())
+    with runtime(**kw) as rt:
+        mine = {
+            t: v for t, v in threads().items() if t not in before and v[0].startswith("handoff-")
+        }
+        names = {n for n, _ in mine.values()}
+        assert "handoff-rt" in names, f"new threads: {mine}"
+        if rt.transport == "ucx":
+            assert any(n.startswith("handoff-ucx") for n in names), f"new threads: {mine}"
+        yield rt, {nice for _, nice in mine.values()}
+
+
+def test_runtime_threads_take_their_nice_value_and_the_engine_keeps_its_own(bootstrap):
+    kv = np.zeros((BLOCKS, BLOCK_BYTES), np.uint8)
+    engine_nice = os.getpriority(os.PRIO_PROCESS, 0)
+    # A higher nice value needs no privilege, so this holds for any user.
+    with new_runtime_threads(
+        role="prefill", engine="P", bootstrap=bootstrap, kv=kv, transport="auto", thread_nice=19
+    ) as (_, nices):
+        assert nices == {19}
+        assert os.getpriority(os.PRIO_PROCESS, 0) == engine_nice
+    with new_runtime_threads(
+        role="prefill", engine="P1", bootstrap=bootstrap, kv=kv, thread_nice=None
+    ) as (_, nices):
+        assert nices == {engine_nice}, "None leaves them as they were born"
+    for bad in (-21, 20, "high", True):
+        with pytest.raises(handoff.InvalidInput, match="thread_nice"):
+            runtime("prefill", "P2", bootstrap, kv, thread_nice=bad)
+
+
+def test_by_default_runtime_threads_run_ahead_of_the_engine_where_allowed(bootstrap):
+    """Default -10: root (CI) may take it; a user without CAP_SYS_NICE keeps its own nice
+    value, and the runtime works as before (it logs the refusal once)."""
+    kv_p, kv_d = (
+        np.zeros((BLOCKS, BLOCK_BYTES), np.uint8),
+        np.zeros((BLOCKS, BLOCK_BYTES), np.uint8),
+    )
+    engine_nice = os.getpriority(os.PRIO_PROCESS, 0)
+    allowed = True
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, handoff.THREAD_NICE_DEFAULT)
+        os.setpriority(os.PRIO_PROCESS, 0, engine_nice)
+    except PermissionError:
+        allowed = False
+    want = handoff.THREAD_NICE_DEFAULT if allowed else engine_nice
+    with (
+        new_runtime_threads(
+            role="prefill", engine="P", bootstrap=bootstrap, kv=kv_p, transport="auto"
+        ) as (p, pn),
+        new_runtime_threads(
+            role="decode", engine="D", bootstrap=bootstrap, kv=kv_d, transport="auto", mode="pull"
+        ) as (d, dn),
+    ):
+        assert pn == dn == {want}
+        kv_p[2] = 7
+        r = d.receiver("nice", "P", blocks=[1])
+        p.sender("nice").send([2])
+        assert r.wait(30) == "Done" and np.array_equal(kv_d[1], kv_p[2])

@@ -30,6 +30,7 @@ pub mod exposition;
 pub mod layout;
 pub mod lease;
 pub mod noise;
+pub mod priority;
 pub mod region;
 pub mod same_host;
 pub mod tcp;

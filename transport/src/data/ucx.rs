@@ -148,6 +148,9 @@ pub struct UcxPlaneOptions {
     pub cuda_device: Option<u32>,
     /// Time for the thread to start.
     pub start_timeout: Duration,
+    /// The nice value the plane's thread takes ([`crate::priority`]); `None` leaves it
+    /// as it was born. Default: none.
+    pub thread_nice: Option<i32>,
 }
 
 impl Default for UcxPlaneOptions {
@@ -156,6 +159,7 @@ impl Default for UcxPlaneOptions {
             context: ContextOptions::default(),
             cuda_device: None,
             start_timeout: UCX_START_TIMEOUT_DEFAULT,
+            thread_nice: None,
         }
     }
 }
@@ -538,12 +542,14 @@ impl UcxDataPlane {
         let (tx, rx) = mpsc::channel();
         let (done_tx, done) = mpsc::channel::<()>();
         let context = options.context.clone();
+        let thread_nice = options.thread_nice;
         let bell = Arc::new(Doorbell::new());
         let thread_bell = Arc::clone(&bell);
         let name = format!("handoff-ucx-{me}");
         let spawned = std::thread::Builder::new()
             .name(name.chars().take(15).collect())
             .spawn(move || {
+                crate::priority::apply(thread_nice, "ucx");
                 let setup = Setup {
                     memory,
                     blocks,

@@ -475,6 +475,13 @@ where
         queued: outbox.queued.clone(),
         total: outbox.total.clone(),
     };
+    let link = stream
+        .local_addr()
+        .ok()
+        .zip(stream.peer_addr().ok())
+        .map(|(l, p)| format!("{l}->{p}"))
+        .unwrap_or_default();
+    let link = link.as_str();
     let (read, write) = stream.into_split();
     let mut reader = BufReader::new(read);
     let mut writer = BufWriter::new(write);
@@ -529,6 +536,7 @@ where
                 },
                 msg = outbox.recv() => {
                     let bytes = msg.as_ref().map_or(0, |f| f.iter().map(Vec::len).sum());
+                    tracing::trace!(bytes, link, "zmtp: message to write");
                     match (msg, sealer.as_mut()) {
                         (Some(frames), None) => codec::write_message(&mut writer, &frames).await?,
                         (Some(frames), Some(sealer)) => {
@@ -536,6 +544,7 @@ where
                         }
                         (None, _) => return Ok(()),
                     }
+                    tracing::trace!(bytes, link, "zmtp: message written");
                     unqueue(&queued, &total, bytes);
                 }
             }
@@ -560,6 +569,7 @@ where
             };
             match incoming {
                 Incoming::Message(frames) => {
+                    tracing::trace!(frames = frames.len(), link, "zmtp: message read");
                     if !deliver(frames).await {
                         return Ok::<(), ZmtpError>(());
                     }

@@ -204,11 +204,22 @@ async fn a_flood_on_one_connection_does_not_queue_another_peer_behind_it() {
     let honest = Dealer::connect(&addr, b"", T)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    // Without the per-connection bound the router's shared queue would hold all of these
-    // ahead of the heartbeat.
-    let flood = 2000;
-    for _ in 0..flood {
-        let _ = flooder.send(vec![b"flood".to_vec()]);
+    // Without the per-connection bound the router's shared queue would fill with these
+    // (up to RECV_QUEUE_MESSAGES_MAX) ahead of the heartbeat. With it, they wait in the
+    // flooder's socket buffers and queue (about 56 KB), so every one of them is sent.
+    let flood = 8000;
+    let deadline = tokio::time::Instant::now() + T;
+    let mut sent = 0;
+    while sent < flood {
+        if flooder.send(vec![b"flood".to_vec()]).is_ok() {
+            sent += 1;
+        } else {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the flood did not fit the socket buffers ({sent} sent)"
+            );
+            tokio::task::yield_now().await;
+        }
     }
     // The flood is arriving (the router's queue is not drained otherwise).
     let (_, first) = message(&mut router).await;
@@ -224,8 +235,9 @@ async fn a_flood_on_one_connection_does_not_queue_another_peer_behind_it() {
             break;
         }
         // With the bound: at most CONNECTION_INFLIGHT_MAX ahead of it, plus what the
-        // consumer takes while the honest connection's task waits to be scheduled
-        // (generous on a loaded 2-core machine); without it, the whole flood.
+        // consumer takes while the honest connection's task waits to be scheduled (once
+        // 470 on a loaded 2-core machine); without it, the router's whole queue
+        // (RECV_QUEUE_MESSAGES_MAX, 4096).
         assert!(
             position <= flood / 4,
             "heartbeat still queued behind {position} flood messages (bound {CONNECTION_INFLIGHT_MAX} in the queue)"

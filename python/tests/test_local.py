@@ -353,3 +353,58 @@ def test_by_default_runtime_threads_run_ahead_of_the_engine_where_allowed(bootst
         r = d.receiver("nice", "P", blocks=[1])
         p.sender("nice").send([2])
         assert r.wait(30) == "Done" and np.array_equal(kv_d[1], kv_p[2])
+
+
+NO_CAP_SYS_NICE = r"""
+import os, sys
+import numpy as np
+import handoff
+
+handoff.init_logging("warn,handoff_transport::priority=info")
+try:
+    os.setpriority(os.PRIO_PROCESS, 0, -1)
+    print("still allowed")
+    sys.exit(3)
+except PermissionError:
+    pass
+engine_nice = os.getpriority(os.PRIO_PROCESS, 0)
+server = handoff.bootstrap_server("tcp://127.0.0.1:0")
+kv_p, kv_d = np.zeros((8, 4096), np.uint8), np.zeros((8, 4096), np.uint8)
+kv_p[3] = 5
+with (
+    handoff.Runtime("prefill", "P", server.address, [kv_p], transport="auto") as p,
+    handoff.Runtime("decode", "D", server.address, [kv_d], transport="auto") as d,
+):
+    nices = set()
+    for tid in os.listdir("/proc/self/task"):
+        stat = open(f"/proc/self/task/{tid}/stat").read()
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        if name.startswith("handoff-"):
+            nices.add(int(stat[stat.rindex(")") + 2 :].split()[16]))
+    r = d.receiver("r", "P", blocks=[6])
+    p.sender("r").send([3])
+    done = r.wait(30)
+    print("nices", sorted(nices), "engine", engine_nice, done, bool((kv_d[6] == 5).all()))
+server.stop()
+"""
+
+
+def test_without_cap_sys_nice_threads_keep_the_engines_priority_and_say_so_once(tmp_path):
+    """Where the process may not lower a nice value, the runtime starts, its threads keep the
+    engine's, a transfer runs, and the refusal is logged once (not once per thread)."""
+    import shutil
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-c", NO_CAP_SYS_NICE]
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.fail("running as root, this test drops CAP_SYS_NICE with setpriv (util-linux)")
+        cmd = [setpriv, "--bounding-set=-sys_nice", "--inh-caps=-sys_nice", *cmd]
+    # Away from the source tree, so that the child imports the installed package.
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "nices [0] engine 0 Done True" in out.stdout, out.stdout + out.stderr
+    refusals = out.stderr.count("runtime threads keep the engine's priority")
+    assert refusals == 1, out.stderr

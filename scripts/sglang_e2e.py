@@ -626,12 +626,12 @@ def main() -> int:
         if parts & {"sizes", "faults"}:
             # 1. Both backends' pairs up at once; their rounds interleaved: tokens and
             # timings.
-            backends = [("handoff", "handoff", 0)]
+            backends = [("handoff", "handoff")]
             if "sizes" in parts and not args.skip_mooncake:
-                backends.append(("mooncake", "mooncake_tcp", 0))
+                backends.append(("mooncake", "mooncake_tcp"))
             pairs: dict[str, argparse.Namespace] = {}
             up: dict[str, tuple[Server, Server]] = {}
-            for label, backend, _ in backends:
+            for label, backend in backends:
                 pairs[label] = pair_args(args)
                 extra = SIZES_EXTRA if "sizes" in parts else []
                 up[label] = (

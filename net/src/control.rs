@@ -341,7 +341,7 @@ impl Control {
                 });
             }
         };
-        trace!(request = %id, %peer, message = ?std::mem::discriminant(&outbound), "control message in");
+        trace!(request = %id, %peer, message = outbound.name(), "control message in");
         self.inbox.deliver(peer.clone(), id, outbound);
         Ok(())
     }
@@ -572,7 +572,7 @@ impl Control {
     }
 
     fn send(&mut self, to: &Peer, id: &RequestId, msg: PeerMessage) {
-        trace!(request = %id, peer = %to, "control message out");
+        trace!(request = %id, peer = %to, message = msg.name(), "control message out");
         let bytes = match self.encode(id, msg) {
             Ok(bytes) => bytes,
             Err(e) => {

@@ -19,34 +19,23 @@ pub const NICE_RANGE: std::ops::RangeInclusive<i32> = -20..=19;
 
 static REFUSAL_LOGGED: AtomicBool = AtomicBool::new(false);
 
-/// Sets the calling thread's nice value (Linux: per thread). Out-of-range values are
-/// clamped to [`NICE_RANGE`].
+/// The calling thread's id: with `PRIO_PROCESS`, Linux's priority calls take a thread id
+/// and act on that thread only.
+fn this_thread() -> libc::id_t {
+    // SAFETY: gettid takes no arguments and cannot fail.
+    unsafe { libc::syscall(libc::SYS_gettid) as libc::id_t }
+}
+
+/// Sets the calling thread's nice value. Out-of-range values are clamped to
+/// [`NICE_RANGE`].
 pub fn set_this_thread_nice(nice: i32) -> std::io::Result<()> {
     let nice = nice.clamp(*NICE_RANGE.start(), *NICE_RANGE.end());
-    // SAFETY: gettid takes no arguments and cannot fail.
-    let tid = unsafe { libc::syscall(libc::SYS_gettid) };
-    // SAFETY: with PRIO_PROCESS and a thread id, setpriority changes that thread only.
-    let r = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice) };
-    if r == 0 {
+    // SAFETY: changes this thread's nice value only.
+    if unsafe { libc::setpriority(libc::PRIO_PROCESS, this_thread(), nice) } == 0 {
         Ok(())
     } else {
         Err(std::io::Error::last_os_error())
     }
-}
-
-/// The calling thread's nice value.
-pub fn this_thread_nice() -> std::io::Result<i32> {
-    // SAFETY: as above.
-    let tid = unsafe { libc::syscall(libc::SYS_gettid) };
-    // getpriority may return -1 as a value: errno tells.
-    // SAFETY: errno is this thread's; getpriority only reads.
-    unsafe { *libc::__errno_location() = 0 };
-    let n = unsafe { libc::getpriority(libc::PRIO_PROCESS, tid as libc::id_t) };
-    let err = std::io::Error::last_os_error();
-    if n == -1 && err.raw_os_error().unwrap_or(0) != 0 {
-        return Err(err);
-    }
-    Ok(n)
 }
 
 /// What a runtime thread calls first: takes `nice` when given; a refusal leaves the
@@ -71,6 +60,18 @@ pub fn apply(nice: Option<i32>, thread: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The calling thread's nice value (-1 is a value too: errno tells).
+    fn this_thread_nice() -> std::io::Result<i32> {
+        // SAFETY: errno is this thread's; getpriority only reads.
+        unsafe { *libc::__errno_location() = 0 };
+        let n = unsafe { libc::getpriority(libc::PRIO_PROCESS, this_thread()) };
+        let err = std::io::Error::last_os_error();
+        if n == -1 && err.raw_os_error().unwrap_or(0) != 0 {
+            return Err(err);
+        }
+        Ok(n)
+    }
 
     #[test]
     fn a_thread_takes_a_nice_value_of_its_own() {

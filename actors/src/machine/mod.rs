@@ -264,6 +264,20 @@ pub enum PeerMessage {
 }
 
 impl PeerMessage {
+    /// The message's name, as the wire calls it (for logs).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::TransferInfo { .. } => "TransferInfo",
+            Self::Queued => "Queued",
+            Self::Ready { .. } => "Ready",
+            Self::Done { .. } => "Done",
+            Self::ReadDone => "ReadDone",
+            Self::Rejected { .. } => "Rejected",
+            Self::AbortAck => "AbortAck",
+            Self::Abort { .. } => "Abort",
+        }
+    }
+
     /// Bytes this message holds in memory: what a buffer of peers' messages is bounded by
     /// (a `TransferInfo` or `Ready` may name up to a million blocks).
     pub fn held_bytes(&self) -> usize {

@@ -567,12 +567,20 @@ def summarize(rows: dict[str, dict[int, list[dict]]]) -> None:
             return "n/a"
         return f"{statistics.median(xs) * 1000:.1f} ({min(xs) * 1000:.1f}-{max(xs) * 1000:.1f})"
 
+    def paired(pairs):
+        """mooncake/handoff per round: the machine's state at that moment cancels out."""
+        ratios = sorted(other / ours for ours, other in pairs if ours > 0)
+        if len(ratios) < 4:
+            return "n/a"
+        q1, q2, q3 = statistics.quantiles(ratios, n=4)
+        return f"{q2:.2f} ({q1:.2f}-{q3:.2f})"
+
     print("\nTimings, ms: median (min-max) over the timed requests of each size")
     print(
         "| prompt | metric | handoff | mooncake (tcp) | ratio (mooncake/handoff) "
-        "| rounds handoff was faster |"
+        "| rounds handoff was faster | paired ratio: median (middle half) |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for size in SIZES:
         h, m = (
             rows.get("handoff", {}).get(size, []),
@@ -593,15 +601,16 @@ def summarize(rows: dict[str, dict[int, list[dict]]]) -> None:
                      and r["round"] in theirs]  # fmt: skip
             faster = sum(ours < other for ours, other in pairs)
             won = f"{faster} of {len(pairs)}" if pairs else "n/a"
-            print(f"| {size} | {name} | {med(hv)} | {med(mv)} | {ratio} | {won} |")
+            print(f"| {size} | {name} | {med(hv)} | {med(mv)} | {ratio} | {won} "
+                  f"| {paired(pairs)} |")  # fmt: skip
     print(
         "\nTTFT: first streamed token of decode's request, both requests sent at once as"
         " SGLang's router does (prefill's compute, the transfer and decode's first step)."
         " Transfer: SGLang's own sglang:kv_transfer_latency_ms on prefill, the same code for"
         " both backends (the last chunk queued for transfer to the transfer's success)."
         " Both pairs ran at once, with --sleep-on-idle, their rounds taking turns (which"
-        " backend goes first alternates); the last column compares the two requests of each"
-        " round."
+        " backend goes first alternates); the last two columns compare the two requests of"
+        " each round, which ran back to back."
     )
 
 
@@ -609,7 +618,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--dir", required=True, help="the venv's folder (logs go under logs/)")
     ap.add_argument("--transport", default="auto", help="handoff: auto | ucx | tcp")
-    ap.add_argument("--reps", type=int, default=10, help="timed rounds per prompt size")
+    ap.add_argument("--reps", type=int, default=30, help="timed rounds per prompt size")
     ap.add_argument("--skip-mooncake", action="store_true", help="only the handoff backend")
     ap.add_argument("--only", choices=("sizes", "faults", "seed3"), action="append",
                     help="run only these parts (repeatable; default: all)")  # fmt: skip

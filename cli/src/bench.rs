@@ -54,6 +54,12 @@ const LAYERED_BLOCKS_MIN: usize = 4;
 /// Most layers `--layers` accepts (the layout's own bound).
 const LAYERS_MAX: u32 = 1024;
 
+/// Timed passes per point, at least, unless `--repeat` says otherwise.
+pub const PASSES_MIN_DEFAULT: usize = 5;
+
+/// Most timed passes `--repeat` accepts.
+const PASSES_MAX: usize = 1000;
+
 /// Block size of the latency measurement.
 pub const LATENCY_BLOCK_BYTES: usize = 16 << 10;
 
@@ -139,9 +145,15 @@ pub struct BenchArgs {
     /// Region size on each side, MiB.
     #[arg(long, default_value_t = 256)]
     pub region_mib: usize,
-    /// Bytes moved per timed point (after a warm-up pass), MiB.
+    /// Bytes moved per timed point (after a warm-up pass), MiB: at least `--repeat` passes
+    /// over the region.
     #[arg(long, default_value_t = 1024)]
     pub total_mib: usize,
+    /// Timed passes per point, at least (each moves the whole region): a point's rate is
+    /// its median pass's, printed with its slowest and fastest pass's, so a swing between
+    /// passes shows.
+    #[arg(long, default_value_t = PASSES_MIN_DEFAULT)]
+    pub repeat: usize,
     /// One-block transfers timed for the latency percentiles.
     #[arg(long, default_value_t = 1000)]
     pub latency_iters: usize,
@@ -203,8 +215,11 @@ pub struct Point {
     pub block_bytes: usize,
     /// Bytes moved in the timed part.
     pub bytes: u64,
-    /// Seconds the timed part took.
+    /// Seconds the timed part took (transports: the median pass's, times the passes).
     pub secs: f64,
+    /// Seconds of each timed pass, fastest first (empty where the point has no passes of
+    /// its own, e.g. `ucx_perftest`).
+    pub pass_secs: Vec<f64>,
     /// Whether the destination's checksum matched (`None`: not checkable, e.g. perftest).
     pub verified: Option<bool>,
     /// Ranges each side's region is laid out in (1: one contiguous range; `--layers N`:
@@ -261,6 +276,22 @@ impl Point {
             0.0
         }
     }
+
+    /// The slowest and the fastest pass's throughput, GB/s (`None`: no passes).
+    pub fn gbps_range(&self) -> Option<(f64, f64)> {
+        let (fastest, slowest) = (*self.pass_secs.first()?, *self.pass_secs.last()?);
+        let pass_bytes = self.bytes as f64 / self.pass_secs.len() as f64;
+        (fastest > 0.0).then(|| (pass_bytes / slowest / 1e9, pass_bytes / fastest / 1e9))
+    }
+}
+
+/// Seconds of every pass, sorted, and the point's time: its median pass's, times the
+/// passes (a pass another process of a shared machine stalled does not decide it).
+fn passes_timed(mut secs: Vec<f64>) -> (Vec<f64>, f64) {
+    secs.sort_by(f64::total_cmp);
+    let median = secs.get(secs.len() / 2).copied().unwrap_or(0.0);
+    let total = median * secs.len() as f64;
+    (secs, total)
 }
 
 /// Latency percentiles of one-block transfers.
@@ -287,6 +318,8 @@ pub struct Report {
     pub region_bytes: usize,
     /// Bytes per timed point.
     pub total_bytes: usize,
+    /// Timed passes over the region per point.
+    pub passes: usize,
     /// Throughput points, in the order measured.
     pub points: Vec<Point>,
     /// Latency rows.
@@ -347,6 +380,8 @@ pub async fn run(args: BenchArgs) -> ExitCode {
 struct Plan {
     region_bytes: usize,
     total_bytes: usize,
+    /// Timed passes per point, at least.
+    passes_min: usize,
     latency_iters: usize,
     seed: u64,
     /// Where this process's regions live.
@@ -365,10 +400,12 @@ struct Plan {
 }
 
 impl Plan {
-    /// Whether UCX transfers here are same-host copies, as the runtime makes them between
-    /// host memory on one host (unless `HANDOFF_SAME_HOST_COPIES=0`).
+    /// Whether UCX transfers here are same-host copies, as the runtime makes them with a
+    /// peer on its host whose memory is registered by address (an engine's tensors), unless
+    /// `HANDOFF_SAME_HOST_COPIES=0`. Memory UCX allocated is reached by UCX itself, which
+    /// maps it through shared memory.
     fn same_host(&self) -> bool {
-        !self.uses_cuda() && handoff_net::same_host_copies_enabled()
+        !self.uses_cuda() && self.registered && handoff_net::same_host_copies_enabled()
     }
 
     fn uses_cuda(&self) -> bool {
@@ -387,9 +424,13 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
             args.latency_iters,
         )
     };
+    if args.repeat == 0 || args.repeat > PASSES_MAX {
+        return Err(format!("--repeat must be 1..={PASSES_MAX}"));
+    }
     let plan = Plan {
         region_bytes,
         total_bytes,
+        passes_min: args.repeat,
         latency_iters,
         seed: args.seed,
         memory: args.memory,
@@ -440,7 +481,8 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
     }
     let mut report = Report {
         region_bytes: plan.region_bytes,
-        total_bytes: plan.total_bytes,
+        total_bytes: passes(&plan) * plan.region_bytes,
+        passes: passes(&plan),
         reference: if plan.uses_cuda() {
             "cuda_memcpy"
         } else {
@@ -484,9 +526,11 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
     progress.finish();
     if transports.contains(&BenchTransport::Ucx) {
         report.notes.push(if plan.same_host() {
-            format!("ucx rows between host memory are same-host copies (kernel cross-memory attach, process_vm_readv/writev), as the runtime makes them with a verified peer on its host; {}=0 measures UCX's own operations", handoff_net::SAME_HOST_ENV)
-        } else {
+            format!("ucx rows between registered host memory are same-host copies (kernel cross-memory attach, process_vm_readv/writev), as the runtime makes them with a verified peer on its host whose memory is registered; {}=0 measures UCX's own operations", handoff_net::SAME_HOST_ENV)
+        } else if plan.uses_cuda() || !handoff_net::same_host_copies_enabled() {
             "ucx rows are UCX operations (same-host copies off, or device memory)".into()
+        } else {
+            "ucx rows are UCX operations: memory UCX allocated, which the peer's UCX maps through shared memory (the runtime makes same-host copies only into registered memory: --host-memory registered)".into()
         });
     }
     if plan.registered {
@@ -755,9 +799,13 @@ fn all(n: u32) -> Vec<BlockId> {
     (0..n).map(BlockId).collect()
 }
 
-/// Timed passes over the region after the warm-up: enough to move `total_bytes`.
+/// Timed passes over the region after the warm-up: enough to move `total_bytes`, and at
+/// least `--repeat`.
 fn passes(plan: &Plan) -> usize {
-    plan.total_bytes.div_ceil(plan.region_bytes).max(1)
+    plan.total_bytes
+        .div_ceil(plan.region_bytes)
+        .max(plan.passes_min)
+        .max(1)
 }
 
 fn blocks_of(plan: &Plan, block: usize) -> Result<u32, String> {
@@ -813,11 +861,13 @@ fn memcpy_point(plan: &Plan, block: usize, ranges: usize) -> Result<Point, Strin
         }
     };
     copy();
-    let started = Instant::now();
+    let mut each = Vec::with_capacity(passes(plan));
     for _ in 0..passes(plan) {
+        let started = Instant::now();
         copy();
+        each.push(started.elapsed().as_secs_f64());
     }
-    let secs = started.elapsed().as_secs_f64();
+    let (pass_secs, secs) = passes_timed(each);
     let verified = checksum(&src, &from)? == checksum(&dst, &to)?;
     Ok(Point {
         transport: "memcpy".into(),
@@ -825,6 +875,7 @@ fn memcpy_point(plan: &Plan, block: usize, ranges: usize) -> Result<Point, Strin
         block_bytes: block,
         bytes: (passes(plan) * n as usize * block) as u64,
         secs,
+        pass_secs,
         verified: Some(verified),
         ranges,
         vs_one_range: None,
@@ -860,11 +911,13 @@ fn cuda_memcpy_point(plan: &Plan, block: usize) -> Result<Point, String> {
             .map_err(|e| format!("cuda_memcpy at {} KiB blocks: {e}", block >> 10))
     };
     copy()?;
-    let started = Instant::now();
+    let mut each = Vec::with_capacity(passes(plan));
     for _ in 0..passes(plan) {
+        let started = Instant::now();
         copy()?;
+        each.push(started.elapsed().as_secs_f64());
     }
-    let secs = started.elapsed().as_secs_f64();
+    let (pass_secs, secs) = passes_timed(each);
     let verified = checksum(&src_region, &from)? == checksum(&dst_region, &to)?;
     Ok(Point {
         transport: "cuda_memcpy".into(),
@@ -872,6 +925,7 @@ fn cuda_memcpy_point(plan: &Plan, block: usize) -> Result<Point, String> {
         block_bytes: block,
         bytes: (passes(plan) * n as usize * block) as u64,
         secs,
+        pass_secs,
         verified: Some(verified),
         ranges: 1,
         vs_one_range: None,
@@ -1186,9 +1240,8 @@ impl Timed<'_> {
         }
         let n = self.src.len() as u32;
         let mut points = Vec::with_capacity(links.len());
-        for ((ranges, link), mut secs) in links.iter_mut().zip(secs) {
-            secs.sort_by(f64::total_cmp);
-            let median = secs.get(secs.len() / 2).copied().unwrap_or(0.0);
+        for ((ranges, link), secs) in links.iter_mut().zip(secs) {
+            let (pass_secs, secs) = passes_timed(secs);
             let verified =
                 link.remote_checksum(self.perm_seed, n).await? == checksum(link.local(), self.src)?;
             points.push(Point {
@@ -1196,7 +1249,8 @@ impl Timed<'_> {
                 op: op.into(),
                 block_bytes: self.block,
                 bytes: (passes * n as usize * self.block) as u64,
-                secs: median * passes as f64,
+                secs,
+                pass_secs,
                 verified: Some(verified),
                 ranges: *ranges,
                 vs_one_range: None,
@@ -1575,6 +1629,7 @@ async fn perftest_points(plan: &Plan, report: &mut Report) {
                 block_bytes: block,
                 bytes: (iters * block) as u64,
                 secs: (iters * block) as f64 / (final_line.bandwidth_mib_s * 1_048_576.0),
+                pass_secs: Vec::new(),
                 verified: None,
                 ranges: 1,
                 vs_one_range: None,
@@ -1695,18 +1750,20 @@ impl Report {
     /// The human-readable table.
     pub fn table(&self) -> String {
         let mut out = format!(
-            "handoff bench: {} MiB regions, {} MiB per point after a warm-up (transports: the median pass), blocks to a seeded random permutation\n\n",
+            "handoff bench: {} MiB regions, {} MiB per point after a warm-up, {} passes over the region: the median pass's rate, and the slowest and fastest pass's; blocks to a seeded random permutation\n\n",
             self.region_bytes >> 20,
-            self.total_bytes >> 20
+            self.total_bytes >> 20,
+            self.passes,
         );
         out += &format!(
-            "{:<13} {:<7} {:>8} {:>6} {:>9} {:>9} {:>14} {:>10}  {}\n",
+            "{:<13} {:<7} {:>8} {:>6} {:>9} {:>9} {:>13} {:>14} {:>10}  {}\n",
             "transport",
             "op",
             "block",
             "ranges",
             "segment",
             "GB/s",
+            "min-max",
             format!("vs {}", self.reference),
             "vs 1-range",
             "checksum"
@@ -1714,13 +1771,15 @@ impl Report {
         for p in &self.points {
             let ratio = self.reference_gbps(p.block_bytes).map(|m| p.gbps() / m);
             out += &format!(
-                "{:<13} {:<7} {:>8} {:>6} {:>9} {:>9.2} {:>14} {:>10}  {}{}\n",
+                "{:<13} {:<7} {:>8} {:>6} {:>9} {:>9.2} {:>13} {:>14} {:>10}  {}{}\n",
                 p.transport,
                 p.op,
                 size_label(p.block_bytes),
                 p.ranges,
                 size_label(p.block_bytes / p.ranges.max(1)),
                 p.gbps(),
+                p.gbps_range()
+                    .map_or("-".into(), |(lo, hi)| format!("{lo:.2}-{hi:.2}")),
                 ratio.map_or("-".into(), |r| format!("{r:.2}")),
                 p.vs_one_range.map_or("-".into(), |r| format!("{r:.2}")),
                 match p.verified {
@@ -1777,7 +1836,7 @@ impl Report {
             .iter()
             .map(|p| {
                 format!(
-                    "{{\"transport\":{},\"op\":{},\"block_bytes\":{},\"ranges\":{},\"segment_bytes\":{},\"bytes\":{},\"secs\":{},\"gbps\":{},\"vs_reference\":{},\"vs_one_range\":{},\"verified\":{},\"note\":{}}}",
+                    "{{\"transport\":{},\"op\":{},\"block_bytes\":{},\"ranges\":{},\"segment_bytes\":{},\"bytes\":{},\"secs\":{},\"gbps\":{},\"gbps_min\":{},\"gbps_max\":{},\"pass_secs\":[{}],\"vs_reference\":{},\"vs_one_range\":{},\"verified\":{},\"note\":{}}}",
                     json_str(&p.transport),
                     json_str(&p.op),
                     p.block_bytes,
@@ -1786,6 +1845,13 @@ impl Report {
                     p.bytes,
                     num(p.secs),
                     num(p.gbps()),
+                    p.gbps_range().map_or("null".into(), |(lo, _)| num(lo)),
+                    p.gbps_range().map_or("null".into(), |(_, hi)| num(hi)),
+                    p.pass_secs
+                        .iter()
+                        .map(|&v| format!("{v:.6}"))
+                        .collect::<Vec<_>>()
+                        .join(","),
                     self.reference_gbps(p.block_bytes).map_or("null".into(), |m| num(p.gbps() / m)),
                     p.vs_one_range.map_or("null".into(), num),
                     p.verified.map_or("null".into(), |v| v.to_string()),
@@ -1807,9 +1873,10 @@ impl Report {
         let latencies: Vec<String> = self.latency.iter().map(latency).collect();
         let notes: Vec<String> = self.notes.iter().map(|n| json_str(n)).collect();
         format!(
-            "{{\"region_bytes\":{},\"total_bytes\":{},\"reference\":{},\"points\":[{}],\"latency\":[{}],\"lifecycle\":{},\"notes\":[{}]}}\n",
+            "{{\"region_bytes\":{},\"total_bytes\":{},\"passes\":{},\"reference\":{},\"points\":[{}],\"latency\":[{}],\"lifecycle\":{},\"notes\":[{}]}}\n",
             self.region_bytes,
             self.total_bytes,
+            self.passes,
             json_str(&self.reference),
             points.join(","),
             latencies.join(","),

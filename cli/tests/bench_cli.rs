@@ -57,8 +57,21 @@ fn text(out: &Output) -> String {
 /// block size.
 fn check_points(report: &Value, want: &[(&str, &str)], log: &str) {
     let points = report["points"].as_array().expect("points");
+    // At least `--repeat` (5 by default) timed passes per point, each one's time kept, the
+    // point's rate between its slowest and its fastest pass's.
+    let passes = report["passes"].as_u64().expect("passes");
+    assert!(passes >= 5, "{passes} passes\n{log}");
     for p in points {
         assert_eq!(p["verified"], Value::Bool(true), "{p}\n{log}");
+        let each = p["pass_secs"].as_array().expect("pass_secs");
+        assert_eq!(each.len() as u64, passes, "{p}");
+        let (lo, mid, hi) = (
+            p["gbps_min"].as_f64().expect("gbps_min"),
+            p["gbps"].as_f64().expect("gbps"),
+            p["gbps_max"].as_f64().expect("gbps_max"),
+        );
+        // Rounded to 4 places in the JSON.
+        assert!(lo <= mid + 1e-3 && mid <= hi + 1e-3, "{p}");
     }
     for (transport, op) in want {
         let rows = points
@@ -180,6 +193,8 @@ fn layered_bench_refuses_what_it_cannot_lay_out() {
         &["--layers", "0"][..],
         &["--layers", "3", "--block-kib", "16"][..],
         &["--layers", "2", "--memory", "cuda"][..],
+        &["--repeat", "0"][..],
+        &["--repeat", "1001"][..],
     ] {
         let out = handoff()
             .arg("bench")

@@ -1048,23 +1048,27 @@ fn ucx_log_lines_go_to_stderr_not_into_the_event_stream() {
     }
 }
 
-/// Two UCX workers on one host, host memory: each verifies the other by the kernel (it
-/// holds the other end of their control connection) and moves blocks by same-host copies,
-/// push and pull, every block verified; with `HANDOFF_SAME_HOST_COPIES=0` neither offers
-/// its pid and UCX moves them, verified just the same.
+/// Two UCX workers on one host, host memory registered as an engine's (`--layers`): each
+/// verifies the other by the kernel (it holds the other end of their control connection)
+/// and moves blocks by same-host copies, push and pull, every block verified; with
+/// `HANDOFF_SAME_HOST_COPIES=0` neither offers its pid and UCX moves them, verified just the
+/// same. Over a pool UCX allocated (no `--layers`), which a peer's UCX maps through shared
+/// memory, neither offers its pid either: UCX moves the blocks.
 #[test]
 fn same_host_workers_copy_directly_and_can_be_told_not_to() {
     if !ucx_available() {
         return;
     }
     const SAID: &str = "same-host copies with this peer";
-    // The last case: per-layer pieces of 256 B, which a same-host read gathers.
+    let registered: &[&str] = &["--layers", "1"];
+    // Per-layer pieces of 256 B, which a same-host read gathers.
     let small: &[&str] = &["--layers", "8", "--block-bytes", "4096"];
-    for (copies, mode, shape) in [
-        ("1", "pull", &[][..]),
-        ("1", "push", &[]),
-        ("0", "pull", &[]),
-        ("1", "pull", small),
+    for (copies, mode, shape, direct) in [
+        ("1", "pull", registered, true),
+        ("1", "push", registered, true),
+        ("0", "pull", registered, false),
+        ("1", "pull", small, true),
+        ("1", "pull", &[][..], false),
     ] {
         let env = [
             (
@@ -1089,8 +1093,8 @@ fn same_host_workers_copy_directly_and_can_be_told_not_to() {
             let said = w.stderr.lock().unwrap().contains(SAID);
             assert_eq!(
                 said,
-                copies == "1",
-                "{} ({mode}, copies {copies}): stderr:\n{}",
+                direct,
+                "{} ({mode}, copies {copies}, {shape:?}): stderr:\n{}",
                 w.name,
                 w.stderr.lock().unwrap()
             );
@@ -1103,7 +1107,7 @@ fn same_host_workers_copy_directly_and_can_be_told_not_to() {
             .unwrap()
             .matches("same-host copy")
             .count();
-        if copies == "1" {
+        if direct {
             assert!(
                 copied >= 8,
                 "{} ({mode}): {copied} same-host copies",

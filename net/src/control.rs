@@ -437,9 +437,10 @@ impl Control {
         Ok(lease)
     }
 
-    /// Our pid in `Hello`/`HelloAck` when our plane copies with same-host peers directly.
+    /// Our pid in `Hello`/`HelloAck` when same-host peers should copy with our memory
+    /// directly ([`DataPlane::offers_same_host_copies`]).
     fn offered_pid(&self) -> u32 {
-        if self.data.same_host_copies() {
+        if self.data.offers_same_host_copies() {
             std::process::id()
         } else {
             0

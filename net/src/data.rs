@@ -44,6 +44,16 @@ pub trait DataPlane: Send + Sync + 'static {
         false
     }
 
+    /// True when peers on this host should copy into and out of our memory directly (our
+    /// pid is offered in `Hello`): a plane that copies that way, over memory that a peer's
+    /// own data plane cannot reach as fast (an engine's registered tensors, which UCX 1.13
+    /// reaches by emulated operations). Memory UCX allocated is mapped by a same-host
+    /// peer's UCX and copied at memory speed, faster than the kernel's cross-process copy,
+    /// so a plane over it offers nothing and peers move its blocks with UCX.
+    fn offers_same_host_copies(&self) -> bool {
+        self.same_host_copies()
+    }
+
     /// The grants this plane enforces.
     fn grants(&self) -> &Arc<GrantTable>;
 

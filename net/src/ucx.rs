@@ -25,6 +25,10 @@ pub struct UcxPlane {
     /// Same-host copies between host memory ([`DataPlane::same_host_copies`]): on unless
     /// [`SAME_HOST_ENV`] says `0`/`off`, and only over host memory.
     same_host: bool,
+    /// Whether our memory is registered by address (an engine's tensors) rather than
+    /// allocated by UCX, which same-host peers' UCX maps through shared memory and copies
+    /// at memory speed ([`DataPlane::offers_same_host_copies`]).
+    registered: bool,
 }
 
 /// Environment variable that turns same-host copies off (`0`, `off`, `false`, `no`): UCX
@@ -40,12 +44,13 @@ pub fn same_host_copies_enabled() -> bool {
 }
 
 impl UcxPlane {
-    fn with_plane(plane: UcxDataPlane) -> UcxPlane {
+    fn with_plane(plane: UcxDataPlane, registered: bool) -> UcxPlane {
         let host = plane.region().memory_kind() == handoff_gpu::MemoryKind::Host;
         UcxPlane {
             plane: Arc::new(plane),
             grants: Arc::default(),
             same_host: host && same_host_copies_enabled(),
+            registered,
         }
     }
 }
@@ -67,7 +72,7 @@ impl UcxPlane {
         options: UcxPlaneOptions,
     ) -> Result<UcxPlane, DataError> {
         let plane = UcxDataPlane::start(blocks, block_bytes, me, options)?;
-        Ok(UcxPlane::with_plane(plane))
+        Ok(UcxPlane::with_plane(plane, false))
     }
 
     /// Starts the UCX thread over the first `blocks` × `block_bytes` bytes of a CUDA
@@ -81,7 +86,7 @@ impl UcxPlane {
         options: UcxPlaneOptions,
     ) -> Result<UcxPlane, DataError> {
         let plane = UcxDataPlane::start_on_device(buffer, blocks, block_bytes, me, options)?;
-        Ok(UcxPlane::with_plane(plane))
+        Ok(UcxPlane::with_plane(plane, true))
     }
 
     /// Starts the UCX thread over an engine's KV memory as it is: every range of
@@ -94,7 +99,7 @@ impl UcxPlane {
         options: UcxPlaneOptions,
     ) -> Result<UcxPlane, DataError> {
         let plane = UcxDataPlane::start_on_region(region, me, options)?;
-        Ok(UcxPlane::with_plane(plane))
+        Ok(UcxPlane::with_plane(plane, true))
     }
 
     /// The region (UCX-allocated host memory, or the registered device buffer): give it
@@ -163,6 +168,10 @@ impl DataPlane for UcxPlane {
 
     fn same_host_copies(&self) -> bool {
         self.same_host
+    }
+
+    fn offers_same_host_copies(&self) -> bool {
+        self.same_host && self.registered
     }
 
     fn grants(&self) -> &Arc<GrantTable> {

@@ -8,8 +8,9 @@ point checked by comparing the destination blocks with the source).
 
 Needs the `nixl` package (scripts/vllm-e2e.sh installs it in its venv, ~/.cache/handoff/vllm).
 The initiator (this process) posts one NIXL transfer per pass, a descriptor per block, and
-waits for it by polling (NIXL's progress thread is on, as vLLM's NixlConnector runs it); the
-target is a child process that only holds its registered memory. Host memory on both sides
+waits for it by polling, which drives progress (`--progress-thread` runs NIXL's own thread
+instead, as vLLM's NixlConnector does); the target is a child process that only holds its
+registered memory, its progress thread on. Host memory on both sides
 (numpy arrays, registered with NIXL's UCX backend). Exit status: 0 when every point was
 verified, 1 otherwise.
 """
@@ -47,10 +48,11 @@ def digest(region: np.ndarray, blocks, block: int) -> str:
     return h.hexdigest()
 
 
-def agent(name: str):
+def agent(name: str, progress_thread: bool):
     from nixl._api import nixl_agent, nixl_agent_config
 
-    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    conf = nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+    return nixl_agent(name, conf)
 
 
 #: Starts the child's answers on its stdout (NIXL and UCX may print there too).
@@ -62,8 +64,9 @@ def say(msg: dict) -> None:
 
 
 def target(region_bytes: int) -> None:
-    """The child: registers its region and answers the initiator's lines (JSON) on stdin."""
-    me = agent("target")
+    """The child: registers its region and answers the initiator's lines (JSON) on stdin.
+    NIXL's progress thread serves the peer's connection while this thread waits on stdin."""
+    me = agent("target", True)
     region = np.zeros(region_bytes, dtype=np.uint8)
     me.register_memory([(region.ctypes.data, region_bytes, 0, "")], "DRAM")
     send = {"meta": me.get_agent_metadata().hex(), "base": region.ctypes.data}
@@ -117,6 +120,12 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1, help="seed of patterns and permutations")
     ap.add_argument("--block-kib", default="", help="block sizes, KiB, comma-separated")
     ap.add_argument("--json", help="also write the results as JSON to this file")
+    ap.add_argument(
+        "--progress-thread",
+        action="store_true",
+        help="run NIXL's progress thread (as vLLM does) instead of the initiator's polling"
+        " driving progress",
+    )
     ap.add_argument("--target", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     region_bytes = (64 if args.quick else args.region_mib) << 20
@@ -133,7 +142,7 @@ def main() -> int:
     points, ok = [], True
     try:
         hello = answer(child)
-        me = agent("initiator")
+        me = agent("initiator", args.progress_thread)
         local = np.zeros(region_bytes, dtype=np.uint8)
         me.register_memory([(local.ctypes.data, region_bytes, 0, "")], "DRAM")
         remote = me.add_remote_agent(bytes.fromhex(hello["meta"]))

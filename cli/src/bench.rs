@@ -696,8 +696,7 @@ fn bench_plane(
     }
     match memory {
         BenchMemory::Host if registered => {
-            let region =
-                Region::alloc(layered_layout(blocks, block, ranges)).map_err(|e| e.to_string())?;
+            let region = host_region(Region::alloc(layered_layout(blocks, block, ranges)))?;
             UcxDataPlane::start_on_region(Arc::new(region), &me, options)
         }
         BenchMemory::Host if ranges > 1 => {
@@ -808,6 +807,15 @@ fn passes(plan: &Plan) -> usize {
         .max(1)
 }
 
+/// A host region for a bench point, backed by huge pages where the kernel has them, as a
+/// worker's pool is ([`Region::advise_huge_pages`]): the memcpy reference and every
+/// transport measure the same kind of memory.
+fn host_region(region: Result<Region, handoff_transport::RegionError>) -> Result<Region, String> {
+    let region = region.map_err(|e| e.to_string())?;
+    region.advise_huge_pages();
+    Ok(region)
+}
+
 fn blocks_of(plan: &Plan, block: usize) -> Result<u32, String> {
     u32::try_from(plan.region_bytes / block).map_err(|_| "region has too many blocks".to_string())
 }
@@ -840,7 +848,7 @@ fn layered_layout(blocks: u32, block: usize, ranges: usize) -> KvLayout {
 /// range, as separate per-layer tensors, so a block is `ranges` copies).
 fn memcpy_point(plan: &Plan, block: usize, ranges: usize) -> Result<Point, String> {
     let n = blocks_of(plan, block)?;
-    let region = || Region::alloc(layered_layout(n, block, ranges)).map_err(|e| e.to_string());
+    let region = || host_region(Region::alloc(layered_layout(n, block, ranges)));
     let (src, dst) = (region()?, region()?);
     fill(&src, plan.seed)?;
     let from = all(n);
@@ -970,8 +978,8 @@ impl Link {
         let me = RankInfo::single("bench");
         match t {
             BenchTransport::Inproc => Ok(Link::Inproc {
-                local: Arc::new(Region::new(blocks, block).map_err(|e| e.to_string())?),
-                remote: Arc::new(Region::new(blocks, block).map_err(|e| e.to_string())?),
+                local: Arc::new(host_region(Region::new(blocks, block))?),
+                remote: Arc::new(host_region(Region::new(blocks, block))?),
             }),
             BenchTransport::Tcp => {
                 let mut peer = PeerProcess::spawn(&format!("tcp:{blocks}:{block}")).await?;
@@ -982,7 +990,7 @@ impl Link {
                 let client = DataClient::connect(addr, me, None, PEER_STEP_TIMEOUT)
                     .await
                     .map_err(|e| e.to_string())?;
-                let local = Arc::new(Region::new(blocks, block).map_err(|e| e.to_string())?);
+                let local = Arc::new(host_region(Region::new(blocks, block))?);
                 Ok(Link::Tcp {
                     local,
                     client,
@@ -1523,7 +1531,7 @@ async fn peer_main(spec: &str) -> Result<(), String> {
     let me = RankInfo::single("bench-peer");
     let (_keep, region): (Box<dyn std::any::Any>, Arc<Region>) = match kind {
         "tcp" => {
-            let region = Arc::new(Region::new(blocks, block).map_err(|e| e.to_string())?);
+            let region = Arc::new(host_region(Region::new(blocks, block))?);
             let server = DataServer::bind(
                 "127.0.0.1:0",
                 Arc::clone(&region),

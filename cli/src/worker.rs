@@ -261,7 +261,10 @@ fn laid_out_region(a: &WorkerArgs, layers: u32) -> Result<Region, String> {
         count: layers,
         total,
     };
-    Region::alloc(layout).map_err(|e| format!("--layers {layers}: {e}"))
+    let region = Region::alloc(layout).map_err(|e| format!("--layers {layers}: {e}"))?;
+    // A pool peers copy into and out of: huge pages where the kernel has them.
+    region.advise_huge_pages();
+    Ok(region)
 }
 
 /// What every line of output is made from.

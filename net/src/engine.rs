@@ -359,7 +359,11 @@ async fn data_plane(
                     Err(e) => return Err(plane_error("UCX data plane", e)),
                 }
             }
-            Arc::new(Region::new(blocks, block_bytes).map_err(|e| plane_error("KV pool", e))?)
+            let pool = Region::new(blocks, block_bytes).map_err(|e| plane_error("KV pool", e))?;
+            // The TCP data server copies into and out of it: huge pages where the kernel
+            // has them.
+            pool.advise_huge_pages();
+            Arc::new(pool)
         }
         WorkerMemory::Engine(region) => {
             // The engine's memory as it is: UCX registers every range by address.

@@ -96,6 +96,30 @@ pub fn skip_this(need: Need, why: &str) {
     skip(need, thread.name().unwrap_or("a test"), why)
 }
 
+/// The `VmFlags` of this process's mapping that holds `addr` (`/proc/self/smaps`): `dc`
+/// (not inherited by a fork), `hg` (huge pages asked for), ...; empty when none holds it.
+pub fn vm_flags(addr: usize) -> String {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap_or_default();
+    let mut inside = false;
+    for line in smaps.lines() {
+        if let Some((range, _)) = line.split_once(' ') {
+            if let Some((a, b)) = range.split_once('-') {
+                if let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16))
+                {
+                    inside = a <= addr && addr < b;
+                    continue;
+                }
+            }
+        }
+        if inside {
+            if let Some(flags) = line.strip_prefix("VmFlags:") {
+                return flags.trim().to_string();
+            }
+        }
+    }
+    String::new()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

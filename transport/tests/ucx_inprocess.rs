@@ -389,29 +389,6 @@ fn ucx_reports_loaded_version() {
     }
 }
 
-/// The VmFlags of the mapping that holds `addr` (`/proc/self/smaps`).
-fn vm_flags(addr: usize) -> String {
-    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap_or_default();
-    let mut inside = false;
-    for line in smaps.lines() {
-        if let Some((range, _)) = line.split_once(' ') {
-            if let Some((a, b)) = range.split_once('-') {
-                if let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16))
-                {
-                    inside = a <= addr && addr < b;
-                    continue;
-                }
-            }
-        }
-        if inside {
-            if let Some(flags) = line.strip_prefix("VmFlags:") {
-                return flags.trim().to_string();
-            }
-        }
-    }
-    String::new()
-}
-
 /// Where the UCX is old enough that peers' keys are vetted in a forked child (before 1.19),
 /// registered host memory is not inherited by forks (`dc` in smaps), so the fork marks none of it
 /// copy-on-write; the mark goes with the registration.
@@ -424,7 +401,7 @@ fn registered_host_memory_is_kept_out_of_forks_while_registered() {
     let probe = buffer.as_ptr() as usize + (4 << 20);
     let region = MemoryRegion::register_owned(&ctx, buffer).unwrap_or_else(|e| panic!("{e}"));
     let old_ucx = (ctx.version().major, ctx.version().minor) < (1, 19);
-    let flags = vm_flags(probe);
+    let flags = handoff_testkit::vm_flags(probe);
     assert_eq!(flags.split(' ').any(|f| f == "dc"), old_ucx, "{flags}");
     drop(region);
     // The buffer went with the region: register again to see the mark undone.
@@ -434,9 +411,14 @@ fn registered_host_memory_is_kept_out_of_forks_while_registered() {
     let region =
         unsafe { MemoryRegion::register(&ctx, again.as_mut_ptr(), again.len(), MemoryType::Host) }
             .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(vm_flags(probe).split(' ').any(|f| f == "dc"), old_ucx);
+    assert_eq!(
+        handoff_testkit::vm_flags(probe)
+            .split(' ')
+            .any(|f| f == "dc"),
+        old_ucx
+    );
     drop(region);
-    let flags = vm_flags(probe);
+    let flags = handoff_testkit::vm_flags(probe);
     assert!(!flags.split(' ').any(|f| f == "dc"), "{flags}");
     drop(again);
 }

@@ -294,6 +294,20 @@ fn passes_timed(mut secs: Vec<f64>) -> (Vec<f64>, f64) {
     (secs, total)
 }
 
+/// Runs `pass` `passes` times, timing each: [`passes_timed`] of the times.
+fn time_passes<E>(
+    passes: usize,
+    mut pass: impl FnMut() -> Result<(), E>,
+) -> Result<(Vec<f64>, f64), E> {
+    let mut each = Vec::with_capacity(passes);
+    for _ in 0..passes {
+        let started = Instant::now();
+        pass()?;
+        each.push(started.elapsed().as_secs_f64());
+    }
+    Ok(passes_timed(each))
+}
+
 /// Latency percentiles of one-block transfers.
 #[derive(Clone, Debug)]
 pub struct Latency {
@@ -869,13 +883,10 @@ fn memcpy_point(plan: &Plan, block: usize, ranges: usize) -> Result<Point, Strin
         }
     };
     copy();
-    let mut each = Vec::with_capacity(passes(plan));
-    for _ in 0..passes(plan) {
-        let started = Instant::now();
+    let (pass_secs, secs) = time_passes(passes(plan), || {
         copy();
-        each.push(started.elapsed().as_secs_f64());
-    }
-    let (pass_secs, secs) = passes_timed(each);
+        Ok::<(), String>(())
+    })?;
     let verified = checksum(&src, &from)? == checksum(&dst, &to)?;
     Ok(Point {
         transport: "memcpy".into(),
@@ -919,13 +930,7 @@ fn cuda_memcpy_point(plan: &Plan, block: usize) -> Result<Point, String> {
             .map_err(|e| format!("cuda_memcpy at {} KiB blocks: {e}", block >> 10))
     };
     copy()?;
-    let mut each = Vec::with_capacity(passes(plan));
-    for _ in 0..passes(plan) {
-        let started = Instant::now();
-        copy()?;
-        each.push(started.elapsed().as_secs_f64());
-    }
-    let (pass_secs, secs) = passes_timed(each);
+    let (pass_secs, secs) = time_passes(passes(plan), copy)?;
     let verified = checksum(&src_region, &from)? == checksum(&dst_region, &to)?;
     Ok(Point {
         transport: "cuda_memcpy".into(),

@@ -16,6 +16,10 @@ with the source). Host memory on both sides (numpy arrays, registered with the e
   this machine (scripts/sglang-e2e.sh installs it in its venv): synchronous batches of
   `MOONCAKE_BATCH_MAX` entries, one per block.
 
+Then one-block latency: 16 KiB writes timed one call each (p50/p99), as `handoff bench`'s
+latency row; NIXL makes each from prepared descriptor lists, Mooncake with
+`transfer_sync_write`. The Python call is in both numbers (a few µs).
+
 The target is a child process that only holds its registered memory (NIXL: its progress
 thread on). Exit status: 0 when every point was verified, 1 otherwise.
 """
@@ -34,6 +38,8 @@ import time
 import numpy as np
 
 BLOCK_SIZES = [16 << 10, 128 << 10, 1 << 20, 4 << 20]
+#: Block of the one-block latency row (`handoff bench`'s LATENCY_BLOCK_BYTES).
+LATENCY_BLOCK = 16 << 10
 #: Entries per Mooncake batch: its TCP lanes refuse a batch that overflows their queue
 #: ("TCP lane queue-full rejection": 4096 entries did; 1024 ran faster here than 128).
 MOONCAKE_BATCH_MAX = 1024
@@ -95,6 +101,30 @@ class Nixl:
 
         return one_pass, lambda: self.me.release_xfer_handle(handle)
 
+    def one_block_writes(self, local: list[int], remote: list[int], block: int):
+        """One block per transfer, as an engine posts a request's: descriptor lists prepared
+        once, a transfer made from them per call, polled to done, released."""
+        mine = self.me.prep_xfer_dlist("NIXL_INIT_AGENT", [(a, block, 0) for a in local], "DRAM")
+        theirs = self.me.prep_xfer_dlist(self.remote, [(a, block, 0) for a in remote], "DRAM")
+
+        def one(i: int) -> None:
+            handle = self.me.make_prepped_xfer("WRITE", mine, [i], theirs, [i])
+            state = self.me.transfer(handle)
+            deadline = time.perf_counter() + PASS_TIMEOUT_S
+            while state == "PROC":
+                if time.perf_counter() > deadline:
+                    raise RuntimeError(f"a write took over {PASS_TIMEOUT_S} s")
+                state = self.me.check_xfer_state(handle)
+            self.me.release_xfer_handle(handle)
+            if state != "DONE":
+                raise RuntimeError(f"transfer state {state}")
+
+        def release() -> None:
+            self.me.release_dlist_handle(mine)
+            self.me.release_dlist_handle(theirs)
+
+        return one, release
+
 
 class Mooncake:
     """Mooncake Transfer Engine over TCP, peers meeting without a metadata server."""
@@ -132,6 +162,15 @@ class Mooncake:
             return time.perf_counter() - started
 
         return one_pass, lambda: None
+
+    def one_block_writes(self, local: list[int], remote: list[int], block: int):
+        """One block per synchronous transfer."""
+
+        def one(i: int) -> None:
+            if self.me.transfer_sync_write(self.session, local[i], remote[i], block) != 0:
+                raise RuntimeError("transfer_sync_write failed")
+
+        return one, lambda: None
 
 
 ENGINES = {"nixl": Nixl, "mooncake": Mooncake}
@@ -179,6 +218,46 @@ def ask(child: subprocess.Popen, cmd: dict) -> dict:
     return answer(child)
 
 
+def one_block_latency(me, child, hello, local, region_bytes: int, args) -> dict:
+    """One-block writes timed one by one, as `handoff bench`'s latency row: blocks of
+    `LATENCY_BLOCK` in order to a seeded permutation of the peer's, after a pass over the
+    region that warms connections and mappings and a tenth as many untimed writes; the
+    destination is checked at the end."""
+    block = LATENCY_BLOCK
+    n = region_bytes // block
+    iters = 200 if args.quick else args.latency_iters
+    perm = permutation(args.seed ^ 0x1A7E, n)
+    mine = [local.ctypes.data + i * block for i in range(n)]
+    theirs = [hello["base"] + int(p) * block for p in perm]
+    local[:] = pattern(args.seed + 7, region_bytes)
+    one, release = me.one_block_writes(mine, theirs, block)
+    for i in range(n):
+        one(i)
+    warmup = max(iters // 10, 10)
+    samples = []
+    for i in range(warmup + iters):
+        started = time.perf_counter()
+        one(i % n)
+        if i >= warmup:
+            samples.append((time.perf_counter() - started) * 1e6)
+    release()
+    there = ask(child, {"op": "digest", "blocks": perm.tolist(), "block": block})
+    verified = there["digest"] == digest(local, range(n), block)
+    samples.sort()
+    p50 = samples[len(samples) // 2]
+    p99 = samples[min(len(samples) - 1, int(len(samples) * 0.99))]
+    print(f"\n{'latency':<10} {'op':<6} {'samples':>8} {'p50 µs':>8} {'p99 µs':>8}  checksum")
+    print(
+        f"{args.engine:<10} {'write':<6} {iters:>8} {p50:>8.1f} {p99:>8.1f}"
+        f"  {'ok' if verified else 'MISMATCH'}  (one {block >> 10} KiB block per call)",
+        flush=True,
+    )
+    return {
+        "transport": args.engine, "op": "write", "block_bytes": block, "samples": iters,
+        "p50_us": p50, "p99_us": p99, "verified": verified,
+    }  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", choices=sorted(ENGINES), required=True, help="what to measure")
@@ -189,6 +268,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1, help="seed of patterns and permutations")
     ap.add_argument("--block-kib", default="", help="block sizes, KiB, comma-separated")
     ap.add_argument("--json", help="also write the results as JSON to this file")
+    ap.add_argument(
+        "--latency-iters", type=int, default=1000, help="one-block writes timed (200 with --quick)"
+    )
     ap.add_argument(
         "--progress-thread",
         action="store_true",
@@ -209,7 +291,7 @@ def main() -> int:
          "--region-mib", str(region_bytes >> 20)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
-    points, ok = [], True
+    points, ok, latency = [], True, None
     try:
         hello = answer(child)
         me = ENGINES[args.engine]("initiator", args.progress_thread)
@@ -252,6 +334,8 @@ def main() -> int:
                     "gbps": rate, "gbps_min": lo, "gbps_max": hi, "pass_secs": secs,
                     "verified": verified,
                 })  # fmt: skip
+        latency = one_block_latency(me, child, hello, local, region_bytes, args)
+        ok &= latency["verified"]
         ask_exit = json.dumps({"op": "exit"}) + "\n"
         child.stdin.write(ask_exit)
         child.stdin.flush()
@@ -262,7 +346,15 @@ def main() -> int:
             child.kill()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"region_bytes": region_bytes, "passes": passes, "points": points}, f)
+            json.dump(
+                {
+                    "region_bytes": region_bytes,
+                    "passes": passes,
+                    "points": points,
+                    "latency": [latency] if latency else [],
+                },
+                f,
+            )
     return 0 if ok else 1
 
 

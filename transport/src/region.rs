@@ -799,6 +799,19 @@ impl Region {
         Ok(unsafe { std::slice::from_raw_parts(self.host_at(seg.addr), seg.len) })
     }
 
+    /// Where one segment of this host region starts, for the kernel to read from (a
+    /// socket's send): no Rust reference to the bytes is made, so their owner may change
+    /// them meanwhile (a released block the engine reuses), and the caller decides what
+    /// that means for the bytes sent. `seg` must come from this region's
+    /// [`Region::segments_into`] or [`Region::logical_segments_into`].
+    ///
+    /// # Errors
+    /// [`RegionError::NotHostMemory`].
+    pub fn host_segment_ptr(&self, seg: &Segment) -> Result<*const u8, RegionError> {
+        self.check_host("direct CPU access")?;
+        Ok(self.host_at(seg.addr).cast_const())
+    }
+
     /// The host bytes of one segment of this region, to write (e.g. straight from a
     /// socket).
     ///

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use data_common::{checksum, fill, ids, Rng, TableGrants};
 use handoff_transport::auth::Key;
-use handoff_transport::data::{Access, AllowAll, DataError, Grants, RefusalCode};
+use handoff_transport::data::{Access, AllowAll, DataError, GrantError, Grants, RefusalCode};
 use handoff_transport::tcp::frame::{self, Header, Op, Segment, HEADER_BYTES};
 use handoff_transport::tcp::{DataClient, DataServer, ServerConfig, OP_BYTES_MAX};
 use handoff_transport::{BlockId, RankInfo, Region, RequestId};
@@ -762,4 +762,164 @@ async fn a_flood_from_one_address_evicts_only_its_own_connections() {
     .await
     .unwrap();
     assert_eq!(checksum(&remote, &ids(8..10)), checksum(&local, &ids(0..2)));
+}
+
+/// Grants every read, but says a read's grant ended (`Revoked`) or was made anew (another
+/// generation) by the time anyone asks a second time about request `ends`: a server asks
+/// before a read's first byte and after its last.
+struct EndsDuringTheRead {
+    ends: RequestId,
+    anew: bool,
+    asked: std::sync::Mutex<u32>,
+}
+
+impl Grants for EndsDuringTheRead {
+    fn with_grant(
+        &self,
+        peer: &RankInfo,
+        request: &RequestId,
+        access: Access,
+        blocks: &[BlockId],
+        f: &mut dyn FnMut(),
+    ) -> Result<(), GrantError> {
+        self.generation(peer, request, access, blocks).map(|_| f())
+    }
+
+    fn generation(
+        &self,
+        _peer: &RankInfo,
+        request: &RequestId,
+        _access: Access,
+        _blocks: &[BlockId],
+    ) -> Result<u64, GrantError> {
+        if *request != self.ends {
+            return Ok(1);
+        }
+        let mut asked = self.asked.lock().unwrap();
+        *asked += 1;
+        match (*asked, self.anew) {
+            (1, _) => Ok(1),
+            (_, true) => Ok(2),
+            (_, false) => Err(GrantError::Revoked {
+                request: request.clone(),
+            }),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_whose_grant_ends_while_its_bytes_are_sent_is_refused_not_taken() {
+    for anew in [false, true] {
+        let grants = Arc::new(EndsDuringTheRead {
+            ends: RequestId::new("ends"),
+            anew,
+            asked: Default::default(),
+        });
+        let (server, remote) = server(grants.clone(), None, ServerConfig::default()).await;
+        fill(&remote, 5);
+        let local = Region::new(BLOCKS, BLOCK_BYTES).unwrap();
+        let c = client(&server, None).await;
+        let err = c
+            .read(
+                &RequestId::new("ends"),
+                &local,
+                &ids(0..8),
+                &ids(0..8),
+                deadline(),
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, DataError::Refused { code: RefusalCode::NotGranted, detail, .. } if detail.contains("while its bytes were sent")),
+            "anew {anew}: {err}"
+        );
+        // Asked before the first byte and after the last: the bytes were sent, then disowned.
+        assert_eq!(*grants.asked.lock().unwrap(), 2);
+        assert_eq!((server.stats().reads, server.stats().refused), (0, 1));
+        // The connection and the server go on: another request's read is confirmed.
+        c.read(
+            &RequestId::new("stays"),
+            &local,
+            &ids(8..16),
+            &ids(8..16),
+            deadline(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            checksum(&local, &ids(8..16)),
+            checksum(&remote, &ids(8..16))
+        );
+        assert_eq!(server.stats().reads, 1);
+    }
+}
+
+/// A read races its grant's end, as a prefill whose request ends (and whose engine reuses
+/// the blocks) while decode reads them: the revocation lands before the read, during it,
+/// or after it. Whatever the timing, a read that succeeds holds the blocks as they were
+/// granted, never bytes the engine wrote after the revocation; one that does not is
+/// refused by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_racing_its_revocation_is_whole_or_refused() {
+    let table = Arc::new(handoff_transport::data::GrantTable::default());
+    let (server, remote) = server(table.clone(), None, ServerConfig::default()).await;
+    let c = client(&server, None).await;
+    let local = Arc::new(Region::new(BLOCKS, BLOCK_BYTES).unwrap());
+    let all = ids(0..BLOCKS);
+    let reader = RankInfo::single("prefill");
+    // Time one whole read first, to spread the revocations over its span and past it.
+    let id = RequestId::new("timing");
+    table.grant(&reader, &id, Access::Read, &all);
+    let started = Instant::now();
+    c.read(&id, &local, &all, &all, deadline()).await.unwrap();
+    let span = started.elapsed().max(Duration::from_micros(200));
+    table.revoke(&id);
+    let rounds = 60u32;
+    let (mut whole, mut refused) = (0u32, 0u32);
+    for round in 0..rounds {
+        let granted_seed = 1000 + u64::from(round);
+        fill(&remote, granted_seed);
+        let id = RequestId::new(format!("r{round}"));
+        table.grant(&reader, &id, Access::Read, &all);
+        // From before the read starts (round 0) to well after its usual end.
+        let delay = span * round * 3 / (2 * rounds);
+        let (ender_table, ender_id, ender_region) = (table.clone(), id.clone(), remote.clone());
+        // The engine's next request, ready to be written (last block first, so it lands
+        // ahead of a read still sending in block order).
+        let next = Region::new(BLOCKS, BLOCK_BYTES).unwrap();
+        fill(&next, granted_seed + 1_000_000);
+        let next: Vec<Vec<u8>> = all.iter().map(|b| next.read_block(*b).unwrap()).collect();
+        let ender = std::thread::spawn(move || {
+            let until = Instant::now() + delay;
+            while Instant::now() < until {
+                std::hint::spin_loop();
+            }
+            ender_table.revoke(&ender_id);
+            // The engine takes the blocks back and writes a new request's KV into them.
+            for (b, bytes) in next.iter().enumerate().rev() {
+                ender_region.write_block(BlockId(b as u32), bytes).unwrap();
+            }
+        });
+        let read = c.read(&id, &local, &all, &all, deadline()).await;
+        ender.join().unwrap();
+        match read {
+            Ok(()) => {
+                let expected = Region::new(BLOCKS, BLOCK_BYTES).unwrap();
+                fill(&expected, granted_seed);
+                assert_eq!(
+                    checksum(&local, &all),
+                    checksum(&expected, &all),
+                    "round {round}: a read taken for good holds bytes written after its grant ended"
+                );
+                whole += 1;
+            }
+            Err(DataError::Refused {
+                code: RefusalCode::NotGranted,
+                ..
+            }) => refused += 1,
+            Err(e) => panic!("round {round}: {e}"),
+        }
+    }
+    eprintln!("{whole} reads whole, {refused} refused, of {rounds}; one read {span:?}");
+    assert_eq!(whole + refused, rounds);
 }

@@ -14,10 +14,11 @@ use crate::types::{BlockId, RankInfo, RequestId};
 /// One request's grants: a request has one peer per pipeline rank of the other side
 /// (decode grants each prefill pipeline rank write access to the same blocks), so each
 /// peer's grant is its own entry.
-#[derive(Default)]
 struct RequestGrants {
     by_peer: BTreeMap<(RankInfo, Access), BTreeSet<BlockId>>,
     revoked: bool,
+    /// Which grant of the request this is: a grant made after a revocation is a new one.
+    generation: u64,
 }
 
 /// Peers one request may grant to: the pipeline ranks of one engine at most.
@@ -27,6 +28,8 @@ const GRANTS_PER_REQUEST_MAX: usize = 64;
 #[derive(Default)]
 pub struct GrantTable {
     grants: Mutex<BTreeMap<RequestId, Arc<Mutex<RequestGrants>>>>,
+    /// The last generation handed out.
+    generations: std::sync::atomic::AtomicU64,
 }
 
 impl GrantTable {
@@ -37,7 +40,20 @@ impl GrantTable {
     /// Grants `peer` `access` to `blocks` for request `id` (replacing that peer's earlier
     /// grant of that access; other peers' grants stand).
     pub fn grant(&self, peer: &RankInfo, id: &RequestId, access: Access, blocks: &[BlockId]) {
-        let entry = self.map().entry(id.clone()).or_default().clone();
+        let entry = self
+            .map()
+            .entry(id.clone())
+            .or_insert_with(|| {
+                Arc::new(Mutex::new(RequestGrants {
+                    by_peer: BTreeMap::new(),
+                    revoked: false,
+                    generation: self
+                        .generations
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                        + 1,
+                }))
+            })
+            .clone();
         let mut grants = entry.lock().unwrap_or_else(|e| e.into_inner());
         let key = (peer.clone(), access);
         if grants.by_peer.len() >= GRANTS_PER_REQUEST_MAX && !grants.by_peer.contains_key(&key) {
@@ -64,7 +80,7 @@ impl GrantTable {
         access: Access,
         blocks: &[BlockId],
         copy: &mut dyn FnMut(),
-    ) -> Result<(), GrantError> {
+    ) -> Result<u64, GrantError> {
         let grant = self
             .map()
             .get(id)
@@ -93,7 +109,7 @@ impl GrantTable {
             });
         }
         copy();
-        Ok(())
+        Ok(grants.generation)
     }
 
     /// Requests with a live grant.
@@ -118,6 +134,17 @@ impl super::Grants for GrantTable {
         f: &mut dyn FnMut(),
     ) -> Result<(), GrantError> {
         self.check_and_copy(peer, request, access, blocks, f)
+            .map(|_| ())
+    }
+
+    fn generation(
+        &self,
+        peer: &RankInfo,
+        request: &RequestId,
+        access: Access,
+        blocks: &[BlockId],
+    ) -> Result<u64, GrantError> {
+        self.check_and_copy(peer, request, access, blocks, &mut || {})
     }
 }
 

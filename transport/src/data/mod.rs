@@ -86,6 +86,23 @@ pub trait Grants: Send + Sync + 'static {
         blocks: &[BlockId],
         f: &mut dyn FnMut(),
     ) -> Result<(), GrantError>;
+
+    /// Checks the grant as [`Grants::with_grant`] does and, if it holds, says which grant
+    /// it is. A read sent without holding the grant (straight from the blocks into a
+    /// socket) is good when the same generation still holds after its last byte left: a
+    /// revoked grant never holds again, and a grant made after a revocation is a new
+    /// generation, so the grant held the whole time. The default (generation 0) suits
+    /// tables that never grant a request again once revoked.
+    fn generation(
+        &self,
+        peer: &RankInfo,
+        request: &RequestId,
+        access: Access,
+        blocks: &[BlockId],
+    ) -> Result<u64, GrantError> {
+        self.with_grant(peer, request, access, blocks, &mut || {})
+            .map(|()| 0)
+    }
 }
 
 /// Why a peer's write or read was refused by the side whose memory it would touch.

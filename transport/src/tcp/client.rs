@@ -513,6 +513,22 @@ impl Conn {
                     (Op::ReadData, Access::Read) if head.seq == seq && head.data_len as usize == bytes => {
                         let mut bufs = local_slices_mut(region, &plan.pieces[range.clone()])?;
                         read_exact_vectored(r, &mut bufs).await.map_err(|e| io_error(peer, "receiving read data", e))?;
+                        // The bytes count only once the server says its grant held while
+                        // it took them from its blocks.
+                        let end = read_head(r, opener.as_mut(), &mut answer, peer, "awaiting a read's confirmation").await?;
+                        match end.op {
+                            Op::ReadOk if end.seq == seq => {}
+                            Op::Error => return Err(refusal(peer, &answer)),
+                            op => {
+                                return Err(DataError::Protocol {
+                                    peer: peer.into(),
+                                    detail: format!(
+                                        "{op:?} (seq {}) where the confirmation of read {seq} was due",
+                                        end.seq
+                                    ),
+                                })
+                            }
+                        }
                     }
                     (op, _) => {
                         return Err(DataError::Protocol {

@@ -32,8 +32,10 @@ use super::{META_BYTES_MAX, OP_BYTES_MAX, SEGMENTS_PER_OP_MAX};
 /// The first four bytes of every data frame ("handoff data plane").
 pub const MAGIC: [u8; 4] = *b"HDDP";
 
-/// The data protocol version this build speaks.
-pub const VERSION: u16 = 1;
+/// The data protocol version this build speaks. Version 2: a read's data is followed by
+/// `ReadOk` (or `Error`), since a server sends the bytes straight from its blocks and
+/// confirms its grant held only once the last of them left.
+pub const VERSION: u16 = 2;
 
 /// Length of the fixed header, in bytes.
 pub const HEADER_BYTES: usize = 24;
@@ -65,11 +67,15 @@ pub enum Op {
     WriteOk = 4,
     /// Client → server: send these segments of the region.
     Read = 5,
-    /// Server → client: the bytes of the read with this sequence number.
+    /// Server → client: the bytes of the read with this sequence number; `ReadOk` or
+    /// `Error` for the same number follows, and only `ReadOk` makes them good.
     ReadData = 6,
     /// Server → client: the operation with this sequence number (or the connection) was
     /// refused. Metadata: a code and a text.
     Error = 7,
+    /// Server → client: the read grant held while the bytes of the `ReadData` just sent
+    /// were taken from the blocks.
+    ReadOk = 8,
 }
 
 impl Op {
@@ -82,6 +88,7 @@ impl Op {
             5 => Op::Read,
             6 => Op::ReadData,
             7 => Op::Error,
+            8 => Op::ReadOk,
             _ => return None,
         })
     }
@@ -529,6 +536,24 @@ mod tests {
             Header::check(&data_on_ack),
             Err(FrameError::Length(_))
         ));
+        let data_on_read_ok = Header {
+            op: Op::ReadOk,
+            data_len: 1,
+            ..h
+        }
+        .encode();
+        assert!(matches!(
+            Header::check(&data_on_read_ok),
+            Err(FrameError::Length(_))
+        ));
+        let read_ok = Header {
+            op: Op::ReadOk,
+            flags: 0,
+            meta_len: 0,
+            data_len: 0,
+            ..h
+        };
+        assert_eq!(Header::check(&read_ok.encode()), Ok(read_ok));
     }
 
     #[test]

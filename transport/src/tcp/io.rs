@@ -99,6 +99,96 @@ pub(super) async fn read_head(
     Ok(header)
 }
 
+/// Memory the kernel reads for a send, by address: no Rust reference to it exists while it
+/// is sent, so its owner may change it meanwhile (a server sends a read straight from the
+/// blocks, and checks its grant afterwards for what that means).
+#[repr(transparent)]
+pub(super) struct RawSlice(libc::iovec);
+
+// SAFETY: a plain address and length; the memory is a region's, which is `Send + Sync`,
+// and only the kernel reads through it, during a `writev` the sender's caller bounds.
+unsafe impl Send for RawSlice {}
+// SAFETY: as for `Send`; a shared `RawSlice` is only copied from.
+unsafe impl Sync for RawSlice {}
+
+impl RawSlice {
+    /// `len` bytes at `ptr`.
+    pub(super) fn new(ptr: *const u8, len: usize) -> Self {
+        RawSlice(libc::iovec {
+            iov_base: ptr.cast_mut().cast(),
+            iov_len: len,
+        })
+    }
+}
+
+/// Writes one frame as [`write_frame`] does, its data given by address ([`RawSlice`]).
+///
+/// # Safety
+/// Every slice of `data` must stay mapped, readable memory until this returns.
+pub(super) async unsafe fn write_frame_raw(
+    w: &mut OwnedWriteHalf,
+    mut header: Header,
+    data: &[RawSlice],
+    sealer: Option<&mut Sealer>,
+) -> io::Result<()> {
+    header.meta_len = 0;
+    header.flags = 0;
+    let plain = header.encode();
+    let head = match sealer {
+        Some(sealer) => {
+            let sealed = sealer
+                .seal(&plain)
+                .map_err(|e| io::Error::other(e.to_string()))?;
+            let mut head = (sealed.len() as u16).to_le_bytes().to_vec();
+            head.extend_from_slice(&sealed);
+            head
+        }
+        None => plain.to_vec(),
+    };
+    let mut iov = Vec::with_capacity(1 + data.len());
+    iov.push(RawSlice::new(head.as_ptr(), head.len()));
+    iov.extend(
+        data.iter()
+            .filter(|d| d.0.iov_len > 0)
+            .map(|d| RawSlice(d.0)),
+    );
+    let stream: &tokio::net::TcpStream = w.as_ref();
+    let fd = std::os::fd::AsRawFd::as_raw_fd(stream);
+    let mut at = 0;
+    while at < iov.len() {
+        let n = (iov.len() - at).min(IOV_PER_WRITE_MAX);
+        let sent = stream.try_io(tokio::io::Interest::WRITABLE, || {
+            // SAFETY: `iov[at..at + n]` are `RawSlice`s (`repr(transparent)` iovecs) over
+            // `head` (ours) and the caller's mapped memory (this function's contract).
+            let r = unsafe { libc::writev(fd, iov[at..].as_ptr().cast(), n as libc::c_int) };
+            if r < 0 {
+                Err(io::Error::last_os_error())
+            } else {
+                Ok(r as usize)
+            }
+        });
+        match sent {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(mut written) => {
+                // Past the whole slices written, then into the first one not finished.
+                while at < iov.len() && written >= iov[at].0.iov_len {
+                    written -= iov[at].0.iov_len;
+                    at += 1;
+                }
+                if written > 0 {
+                    let s = &mut iov[at].0;
+                    s.iov_base = s.iov_base.cast::<u8>().wrapping_add(written).cast();
+                    s.iov_len -= written;
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => stream.writable().await?,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 /// Largest sealed head: a header, the largest metadata and the tag.
 pub const SEALED_HEAD_BYTES_MAX: usize = HEADER_BYTES + super::META_BYTES_MAX + noise::TAG_BYTES;
 

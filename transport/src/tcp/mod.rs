@@ -5,13 +5,17 @@
 //! our own ([`frame`]): a handshake (`Hello`: the client's rank; `HelloOk`: a
 //! connection nonce and the region's shape), then pipelined operations, each naming a
 //! request and up to [`SEGMENTS_PER_OP_MAX`] byte ranges of the server's region, carrying
-//! at most [`OP_BYTES_MAX`] bytes. The server answers each in order (`WriteOk`,
-//! `ReadData`, or `Error` with a [`RefusalCode`]).
+//! at most [`OP_BYTES_MAX`] bytes. The server answers each in order (`WriteOk`;
+//! `ReadData` then `ReadOk`; or `Error` with a [`RefusalCode`]).
 //!
 //! What a server guarantees, whatever a peer sends: every header is checked before its
 //! metadata or data is read; nothing is allocated past the checked maxima; a write's bytes
 //! are staged in a per-connection buffer of at most [`OP_BYTES_MAX`] before the grant is
-//! taken, so a slow peer cannot hold one; every range is checked against the region and
+//! taken, so a slow peer cannot hold one, and land in the blocks only while the grant is
+//! held; a read's bytes go from host blocks straight into the socket (one copy fewer),
+//! with the grant checked before the first byte and again, the same grant, after the last,
+//! and only then confirmed (`ReadOk`): a read of blocks whose grant ended meanwhile is
+//! refused, never taken for good; every range is checked against the region and
 //! then against the runtime's [`Grants`] before one byte moves; a refused operation is
 //! answered and logged with the peer named, and the connection goes on; a malformed frame
 //! closes that connection only. Every read of a connection has a timeout.

@@ -15,7 +15,7 @@ use tokio::task::JoinSet;
 use tokio::time::timeout;
 
 use super::frame::{self, FrameError, Header, HelloOk, Op, Segment, HEADER_BYTES, NONCE_BYTES};
-use super::io::{io_error, read_head, session, write_frame};
+use super::io::{io_error, read_head, session, write_frame, write_frame_raw, RawSlice};
 use super::{
     CONNECTION_IDLE_TIMEOUT_DEFAULT, FRAME_READ_TIMEOUT_DEFAULT, OP_BYTES_MAX,
     SERVER_CONNECTIONS_MAX, SERVER_PENDING_PER_SOURCE_MAX,
@@ -354,9 +354,13 @@ struct Conn<'a> {
     meta: Vec<u8>,
     segments: Vec<Segment>,
     blocks: Vec<BlockId>,
-    /// Staged write data / read data; grows to at most [`OP_BYTES_MAX`].
+    /// Staged write data (and a device region's read data); grows to at most
+    /// [`OP_BYTES_MAX`].
     staging: Vec<u8>,
 }
+
+/// An operation refused, the connection going on: the code and the text the peer is told.
+type Refusal = (RefusalCode, String);
 
 /// Why a connection ends.
 enum End {
@@ -697,8 +701,111 @@ impl Conn<'_> {
         }
     }
 
+    /// Sends the bytes of a read, then `ReadOk`, or `Error` for a refusal. Host memory goes
+    /// straight from the blocks into the socket, with the grant checked before the first
+    /// byte and again after the last: the same generation both times means it held
+    /// throughout (a revoked grant never holds again), so the bytes are the blocks' as
+    /// granted; otherwise the bytes already sent are disowned by `Error` (`NotGranted`).
+    /// Device memory is staged under the grant.
     async fn read(&mut self, head: &Header, request: &RequestId) -> Result<(), End> {
         let rank = self.hello_rank()?;
+        let sent = if self.shared.region.check_host("").is_ok() {
+            self.read_direct(head, request, &rank).await?
+        } else {
+            self.read_staged(head, request, &rank).await?
+        };
+        match sent {
+            Ok(()) => {
+                self.shared.counters.reads.fetch_add(1, Ordering::Relaxed);
+                let header = Header {
+                    op: Op::ReadOk,
+                    flags: 0,
+                    seq: head.seq,
+                    meta_len: 0,
+                    data_len: 0,
+                };
+                write_frame(&mut self.w, header, &[], &[], self.sealer.as_mut())
+                    .await
+                    .map_err(|e| End::Error(io_error(&self.peer, "confirming a read", e), None))
+            }
+            Err((code, why)) => self.refuse(head.seq, code, Some(request), &why).await,
+        }
+    }
+
+    /// A host region's read: sent from the blocks by address, under the grant's generation.
+    async fn read_direct(
+        &mut self,
+        head: &Header,
+        request: &RequestId,
+        rank: &RankInfo,
+    ) -> Result<Result<(), Refusal>, End> {
+        let shared = self.shared;
+        let generation = match shared
+            .grants
+            .generation(rank, request, Access::Read, &self.blocks)
+        {
+            Ok(generation) => generation,
+            Err(why) => return Ok(Err((RefusalCode::NotGranted, why.to_string()))),
+        };
+        let region = &shared.region;
+        let mut segments = Vec::new();
+        let mut data = Vec::new();
+        let mut total = 0usize;
+        for seg in &self.segments {
+            if let Err(e) =
+                region.logical_segments_into(seg.offset, seg.len as usize, &mut segments)
+            {
+                return Ok(Err((RefusalCode::Internal, format!("copy failed: {e}"))));
+            }
+        }
+        for seg in &segments {
+            match region.host_segment_ptr(seg) {
+                Ok(ptr) => data.push(RawSlice::new(ptr, seg.len)),
+                Err(e) => return Ok(Err((RefusalCode::Internal, format!("copy failed: {e}")))),
+            }
+            total += seg.len;
+        }
+        let header = Header {
+            op: Op::ReadData,
+            flags: 0,
+            seq: head.seq,
+            meta_len: 0,
+            data_len: total as u32,
+        };
+        // SAFETY: the segments lie inside the region's memory (`check_op` checked the
+        // logical ranges, the layout maps them onto its ranges), which stays mapped as long
+        // as the server's shared state, held by this connection.
+        unsafe { write_frame_raw(&mut self.w, header, &data, self.sealer.as_mut()) }
+            .await
+            .map_err(|e| End::Error(io_error(&self.peer, "sending read data", e), None))?;
+        // Every byte is in the socket's buffer now, taken from the blocks meanwhile.
+        Ok(
+            match shared
+                .grants
+                .generation(rank, request, Access::Read, &self.blocks)
+            {
+                Ok(now) if now == generation => Ok(()),
+                Ok(_) => Err((
+                    RefusalCode::NotGranted,
+                    format!(
+                        "request {request}: the read grant was made anew while its bytes were sent"
+                    ),
+                )),
+                Err(why) => Err((
+                    RefusalCode::NotGranted,
+                    format!("{why} while its bytes were sent"),
+                )),
+            },
+        )
+    }
+
+    /// A device region's read: copied to the host under the grant, then sent.
+    async fn read_staged(
+        &mut self,
+        head: &Header,
+        request: &RequestId,
+        rank: &RankInfo,
+    ) -> Result<Result<(), Refusal>, End> {
         let total: usize = self.segments.iter().map(|s| s.len as usize).sum();
         self.staging.resize(total, 0);
         let (region, segments, staging) = (&self.shared.region, &self.segments, &mut self.staging);
@@ -720,10 +827,9 @@ impl Conn<'_> {
         let granted =
             self.shared
                 .grants
-                .with_grant(&rank, request, Access::Read, &self.blocks, &mut copy);
+                .with_grant(rank, request, Access::Read, &self.blocks, &mut copy);
         match (granted, copied) {
             (Ok(()), Ok(true)) => {
-                self.shared.counters.reads.fetch_add(1, Ordering::Relaxed);
                 let header = Header {
                     op: Op::ReadData,
                     flags: 0,
@@ -734,31 +840,15 @@ impl Conn<'_> {
                 let data = [IoSlice::new(&self.staging)];
                 write_frame(&mut self.w, header, &[], &data, self.sealer.as_mut())
                     .await
-                    .map_err(|e| End::Error(io_error(&self.peer, "sending read data", e), None))
+                    .map_err(|e| End::Error(io_error(&self.peer, "sending read data", e), None))?;
+                Ok(Ok(()))
             }
-            (Ok(()), Ok(false)) => {
-                self.refuse(
-                    head.seq,
-                    RefusalCode::Internal,
-                    Some(request),
-                    "grant check ran no copy",
-                )
-                .await
-            }
-            (Ok(()), Err(e)) => {
-                self.refuse(
-                    head.seq,
-                    RefusalCode::Internal,
-                    Some(request),
-                    &format!("copy failed: {e}"),
-                )
-                .await
-            }
-            (Err(why), _) => {
-                let why = why.to_string();
-                self.refuse(head.seq, RefusalCode::NotGranted, Some(request), &why)
-                    .await
-            }
+            (Ok(()), Ok(false)) => Ok(Err((
+                RefusalCode::Internal,
+                "grant check ran no copy".into(),
+            ))),
+            (Ok(()), Err(e)) => Ok(Err((RefusalCode::Internal, format!("copy failed: {e}")))),
+            (Err(why), _) => Ok(Err((RefusalCode::NotGranted, why.to_string()))),
         }
     }
 

@@ -1,6 +1,6 @@
 //! `handoff bench`: data-plane throughput and latency between two processes on one host,
-//! next to the references that bound it (single-thread `memcpy`, and `ucx_perftest` when
-//! installed).
+//! next to the references that bound it (single-thread `memcpy`; raw TCP, `tcp_stream`,
+//! beside the `tcp` rows; and `ucx_perftest` when installed).
 //!
 //! For each block size (16 KiB, 128 KiB, 1 MiB, 4 MiB) the bench starts a peer process
 //! (this binary re-executed as `handoff bench --peer ...`: the subcommand must be wired as
@@ -247,7 +247,9 @@ impl Report {
             match lines.iter_mut().find(|s| s.name == name) {
                 Some(s) => s.points.push(point),
                 None => lines.push(Series {
-                    dashed: p.transport == self.reference || p.transport.ends_with("perftest"),
+                    dashed: p.transport == self.reference
+                        || p.transport.ends_with("perftest")
+                        || p.transport == TCP_STREAM,
                     name,
                     points: vec![point],
                 }),
@@ -528,6 +530,9 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
             let mut points = vec![memcpy_point(&plan, block, ranges)?];
             with_one_range_ratios_against(&mut points, report.points.last());
             report.points.extend(points);
+        }
+        if transports.contains(&BenchTransport::Tcp) {
+            report.points.push(tcp_stream_point(&plan, block)?);
         }
         for (k, &t) in transports.iter().enumerate() {
             let layered = plan.layered_ranges.filter(|_| t == BenchTransport::Ucx);
@@ -899,6 +904,86 @@ fn memcpy_point(plan: &Plan, block: usize, ranges: usize) -> Result<Point, Strin
         ranges,
         vs_one_range: None,
         note: "single thread, same permutation".into(),
+    })
+}
+
+/// The transport name of the TCP reference rows ([`tcp_stream_point`]).
+const TCP_STREAM: &str = "tcp_stream";
+
+/// The TCP reference: the same permutation's bytes through one loopback connection
+/// between two threads of this process, a block per `write`/`read` call, with no framing,
+/// grants, pool or pipelining: raw TCP on this host, each byte copied into the socket and
+/// out of it. A `tcp` row at or above it says the protocol costs nothing measurable (it
+/// also sends many blocks per call, vectored, which raw block-size calls do not).
+fn tcp_stream_point(plan: &Plan, block: usize) -> Result<Point, String> {
+    use std::io::{Read, Write};
+    let n = blocks_of(plan, block)?;
+    let (src, dst) = (
+        host_region(Region::new(n, block))?,
+        host_region(Region::new(n, block))?,
+    );
+    fill(&src, plan.seed)?;
+    let from = all(n);
+    let to = permutation(plan.seed ^ block as u64, n);
+    let at = |region: &Region, b: BlockId| -> Result<usize, String> {
+        Ok(region.host_ptr().map_err(|e| e.to_string())? as usize + b.0 as usize * block)
+    };
+    let (src_at, dst_at) = (
+        from.iter()
+            .map(|&b| at(&src, b))
+            .collect::<Result<Vec<_>, _>>()?,
+        to.iter()
+            .map(|&b| at(&dst, b))
+            .collect::<Result<Vec<_>, _>>()?,
+    );
+    let io = |e: std::io::Error| format!("{TCP_STREAM} at {} KiB blocks: {e}", block >> 10);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(io)?;
+    let mut tx = std::net::TcpStream::connect(listener.local_addr().map_err(io)?).map_err(io)?;
+    let (mut rx, _) = listener.accept().map_err(io)?;
+    for s in [&tx, &rx] {
+        s.set_nodelay(true).map_err(io)?;
+        // A wedged pass fails the point by name instead of hanging the bench.
+        s.set_read_timeout(Some(CALL_TIMEOUT)).map_err(io)?;
+        s.set_write_timeout(Some(CALL_TIMEOUT)).map_err(io)?;
+    }
+    let mut pass = || -> Result<(), String> {
+        std::thread::scope(|scope| {
+            let (tx, src_at) = (&mut tx, &src_at);
+            let writer = scope.spawn(move || {
+                for &a in src_at {
+                    // SAFETY: a block start inside `src`, a host region of `n` blocks of
+                    // `block` bytes that only this function touches; nothing writes it now.
+                    let bytes = unsafe { std::slice::from_raw_parts(a as *const u8, block) };
+                    tx.write_all(bytes)?;
+                }
+                Ok::<(), std::io::Error>(())
+            });
+            for &a in &dst_at {
+                // SAFETY: a block start inside `dst`, as above; only this thread touches
+                // `dst` during the pass, and the permutation names each block once.
+                let bytes = unsafe { std::slice::from_raw_parts_mut(a as *mut u8, block) };
+                rx.read_exact(bytes).map_err(io)?;
+            }
+            writer
+                .join()
+                .map_err(|_| format!("{TCP_STREAM}: the writer thread panicked"))?
+                .map_err(io)
+        })
+    };
+    pass()?;
+    let (pass_secs, secs) = time_passes(passes(plan), &mut pass)?;
+    let verified = checksum(&src, &from)? == checksum(&dst, &to)?;
+    Ok(Point {
+        transport: TCP_STREAM.into(),
+        op: "stream".into(),
+        block_bytes: block,
+        bytes: (passes(plan) * n as usize * block) as u64,
+        secs,
+        pass_secs,
+        verified: Some(verified),
+        ranges: 1,
+        vs_one_range: None,
+        note: "raw TCP: one loopback connection, two threads, a block per call, no protocol".into(),
     })
 }
 

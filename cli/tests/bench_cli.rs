@@ -99,6 +99,7 @@ fn host_bench_verifies_every_point_against_the_memcpy_reference() {
     );
     for line in [
         "memcpy copy",
+        "tcp_stream stream",
         "inproc write",
         "inproc read",
         "tcp write",
@@ -109,11 +110,11 @@ fn host_bench_verifies_every_point_against_the_memcpy_reference() {
             "{line} missing:\n{svg}"
         );
     }
-    assert_eq!(svg.matches("<polyline").count(), 5, "{svg}");
+    assert_eq!(svg.matches("<polyline").count(), 6, "{svg}");
     assert_eq!(
         svg.matches("stroke-dasharray").count(),
-        2,
-        "the reference's line and legend"
+        4,
+        "the references' lines and legends (memcpy, raw TCP)"
     );
     let report = report.expect("a JSON report");
     assert_eq!(report["reference"], "memcpy", "{log}");
@@ -121,6 +122,7 @@ fn host_bench_verifies_every_point_against_the_memcpy_reference() {
         &report,
         &[
             ("memcpy", "copy"),
+            ("tcp_stream", "stream"),
             ("inproc", "write"),
             ("inproc", "read"),
             ("tcp", "write"),

@@ -9,7 +9,7 @@
 #
 # No test passes by skipping its real part: one that cannot run it here fails, unless
 # HANDOFF_SKIP (comma-separated) names what it lacks: `ucx`, `gpu`, `netns` (root, ip, nft),
-# `pyzmq`, `lan` (an interface besides loopback), `promtool`. Unset, it is `gpu`. It can also name `vllm`
+# `pyzmq`, `lan` (an interface besides loopback), `promtool`, `etcd`. Unset, it is `gpu`. It can also name `vllm`
 # and `sglang`, to leave out those end-to-end runs (~5 and ~7 GB and a few minutes each the
 # first time). The run ends with one line saying what was skipped and why, never silently.
 set -euo pipefail
@@ -46,6 +46,11 @@ if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   if [ ${#want[@]} -gt 0 ]; then
     apt-get update -qq && apt-get install -y -qq "${want[@]}" >/dev/null \
       || echo "test: could not install ${want[*]}; the tests that need them fail unless HANDOFF_SKIP names them"
+  fi
+  # etcd (Debian's etcd-server) for discovery on etcd: the tests start their own members.
+  if ! command -v etcd >/dev/null 2>&1; then
+    { apt-get update -qq && apt-get install -y -qq --no-install-recommends etcd-server >/dev/null; } \
+      || echo "test: could not install etcd-server; the etcd tests fail unless HANDOFF_SKIP=etcd"
   fi
   # promtool (in Debian's prometheus) checks the metrics endpoints' exposition.
   if ! command -v promtool >/dev/null 2>&1; then

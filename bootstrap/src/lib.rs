@@ -37,6 +37,7 @@
 
 pub mod client;
 mod error;
+pub mod etcd;
 pub mod exposure;
 pub mod metrics;
 pub mod registry;
@@ -45,6 +46,7 @@ pub mod status;
 
 pub use client::{BootstrapClient, ClientConfig};
 pub use error::BootstrapError;
+pub use etcd::EtcdDirectory;
 pub use exposure::load_key;
 pub use handoff_transport::auth::Key;
 pub use handoff_transport::wire::{QueryAnswer, StatusReply, WorkerRecord};

@@ -46,7 +46,8 @@ pub struct ServeArgs {
 /// Arguments of `handoff bootstrap status`.
 #[derive(clap::Args, Clone, Debug)]
 pub struct StatusArgs {
-    /// Address of the bootstrap server.
+    /// Address of the bootstrap server, or of the etcd cluster the workers register in
+    /// (`etcd://HOST:PORT[,HOST:PORT...][/CLUSTER]`, cluster `default` when none).
     #[arg(long, value_name = "tcp://HOST:PORT", default_value = CONNECT_DEFAULT)]
     pub connect: String,
     /// Print JSON (shape in the `cli` module docs) instead of a table.
@@ -173,8 +174,17 @@ pub async fn run_status(args: StatusArgs) -> ExitCode {
         attempt_timeout: args.timeout,
         ..ClientConfig::default()
     };
-    let client = BootstrapClient::new(&args.connect, key, cfg);
-    match client.status(deadline).await {
+    let answer = if args.connect.starts_with(handoff_bootstrap::etcd::SCHEME) {
+        match handoff_bootstrap::EtcdDirectory::new(&args.connect, key) {
+            Ok(etcd) => etcd.status(deadline).await,
+            Err(e) => Err(e),
+        }
+    } else {
+        BootstrapClient::new(&args.connect, key, cfg)
+            .status(deadline)
+            .await
+    };
+    match answer {
         Ok(reply) => {
             if args.json {
                 println!("{}", status_json(&args.connect, &reply));

@@ -93,7 +93,10 @@ pub struct WorkerArgs {
     /// This worker's engine id (all ranks of one engine share it).
     #[arg(long)]
     pub engine: String,
-    /// The bootstrap server.
+    /// Where workers meet: a bootstrap server (`tcp://HOST:PORT`), or an etcd cluster
+    /// (`etcd://HOST:PORT[,HOST:PORT...][/CLUSTER]`, cluster `default` when none), where each
+    /// worker's record lives under a lease it keeps alive (it expires within 10 s of the
+    /// worker's death) and lookups are cached until a peer is lost.
     #[arg(
         long,
         value_name = "tcp://HOST:PORT",

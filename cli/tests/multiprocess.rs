@@ -1906,3 +1906,182 @@ fn json_logs_follow_each_request_in_its_span() {
         );
     }
 }
+
+// ------------------------------------------------------------------ discovery on etcd
+
+/// `handoff bootstrap status --json` of `addr` (a bootstrap server or an etcd cluster).
+fn status_json(addr: &str) -> Value {
+    let out = Command::new(common::handoff_bin())
+        .args(["bootstrap", "status", "--connect", addr, "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "status of {addr}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The incarnations `addr` holds for engine `engine`.
+fn incarnations(addr: &str, engine: &str) -> Vec<u64> {
+    let status = status_json(addr);
+    let engines = status["engines"].as_array().cloned().unwrap_or_default();
+    engines
+        .iter()
+        .filter(|e| e["engine_id"] == engine)
+        .flat_map(|e| e["workers"].as_array().cloned().unwrap_or_default())
+        .map(|w| w["incarnation"].as_u64().expect("an incarnation"))
+        .collect()
+}
+
+#[test]
+fn requests_are_handed_over_through_etcd_discovery() {
+    let Some(etcd) = common::Etcd::single("requests_are_handed_over_through_etcd_discovery") else {
+        return;
+    };
+    let addr = common::etcd_address(&[&etcd], "handover");
+    let _p = worker(
+        "prefill",
+        "prefill",
+        "P",
+        &addr,
+        &["--requests", "8", "--serve"],
+    );
+    let d = worker(
+        "decode",
+        "decode",
+        "D",
+        &addr,
+        &["--requests", "8", "--prefill", "P"],
+    );
+    let (ends, summary) = d.ends();
+    assert_eq!(summary["done"], 8, "{ends:?}");
+    assert_eq!(summary["corrupted"], 0);
+    assert!(ends.iter().all(|e| e["verified"] == true), "{ends:?}");
+    // Both workers are in the cluster's table, once each; another cluster on the same etcd
+    // holds none of them.
+    assert_eq!(incarnations(&addr, "P").len(), 1);
+    assert_eq!(incarnations(&addr, "D").len(), 1);
+    let other = common::etcd_address(&[&etcd], "other");
+    assert!(incarnations(&other, "P").is_empty());
+}
+
+/// A worker killed and restarted: the new incarnation replaces the old record at once;
+/// killed for good, its record expires with its lease (no one removes it).
+#[test]
+fn a_killed_worker_expires_from_etcd_and_a_restarted_one_replaces_it() {
+    let Some(etcd) =
+        common::Etcd::single("a_killed_worker_expires_from_etcd_and_a_restarted_one_replaces_it")
+    else {
+        return;
+    };
+    let addr = common::etcd_address(&[&etcd], "restart");
+    let mut first = worker("prefill", "prefill", "P", &addr, &["--serve"]);
+    let before = incarnations(&addr, "P");
+    assert_eq!(before.len(), 1);
+    first.kill9();
+    let mut second = worker("prefill again", "prefill", "P", &addr, &["--serve"]);
+    let after = incarnations(&addr, "P");
+    assert_eq!(after.len(), 1, "one record per rank");
+    assert!(after[0] > before[0], "{after:?} replaces {before:?}");
+    second.kill9();
+    let killed = Instant::now();
+    let deadline = killed + handoff_bootstrap::etcd::LEASE_TTL + Duration::from_secs(10);
+    while !incarnations(&addr, "P").is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the killed worker's record did not expire with its lease"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    eprintln!("record expired {:?} after the kill", killed.elapsed());
+}
+
+#[test]
+fn an_unreachable_etcd_fails_new_lookups_by_name_and_running_requests_finish() {
+    let Some(mut etcd) = common::Etcd::single(
+        "an_unreachable_etcd_fails_new_lookups_by_name_and_running_requests_finish",
+    ) else {
+        return;
+    };
+    let addr = common::etcd_address(&[&etcd], "unreachable");
+    let _p = worker(
+        "prefill",
+        "prefill",
+        "P",
+        &addr,
+        &["--requests", "3", "--hold-ms", "1500", "--serve"],
+    );
+    let d = worker(
+        "decode",
+        "decode",
+        "D",
+        &addr,
+        &[
+            "--requests",
+            "3",
+            "--prefill",
+            "P",
+            "--then-prefill",
+            "P2",
+            "--then-after-ms",
+            "800",
+        ],
+    );
+    // The first three have resolved P (they wait in prefill's hold) before etcd goes.
+    d.until_waiting_for_input(3);
+    etcd.kill9();
+    let (ends, _) = d.ends();
+    let (then, first): (Vec<&Value>, Vec<&Value>) = ends
+        .iter()
+        .partition(|e| e["request"].as_str().unwrap().contains("then"));
+    assert!(
+        first
+            .iter()
+            .all(|e| e["kind"] == "done" && e["verified"] == true),
+        "{first:?}"
+    );
+    assert_eq!(then.len(), 3);
+    for e in then {
+        assert_eq!(e["kind"], "bootstrap_unavailable", "{e}");
+        assert!(e["reason"].as_str().unwrap().contains(&addr), "{e}");
+    }
+}
+
+/// Three members, the one every worker asks first killed: registrations, lookups and the
+/// workers' lease renewals go on through the other two, and requests still hand over.
+#[test]
+fn a_three_member_etcd_keeps_serving_with_one_member_killed() {
+    let Some(mut members) = common::Etcd::cluster(
+        "a_three_member_etcd_keeps_serving_with_one_member_killed",
+        3,
+    ) else {
+        return;
+    };
+    let addr = common::etcd_address(&members.iter().collect::<Vec<_>>(), "three");
+    let _p = worker(
+        "prefill",
+        "prefill",
+        "P",
+        &addr,
+        &["--requests", "8", "--serve"],
+    );
+    members[0].kill9();
+    let killed = Instant::now();
+    let d = worker(
+        "decode",
+        "decode",
+        "D",
+        &addr,
+        &["--requests", "8", "--prefill", "P"],
+    );
+    let (ends, summary) = d.ends();
+    assert_eq!(summary["done"], 8, "{ends:?}");
+    assert!(ends.iter().all(|e| e["verified"] == true), "{ends:?}");
+    // Past a whole lease after the kill, prefill's record is still there: its renewals
+    // reached the members left.
+    let lease = handoff_bootstrap::etcd::LEASE_TTL + Duration::from_secs(2);
+    std::thread::sleep(lease.saturating_sub(killed.elapsed()));
+    assert_eq!(incarnations(&addr, "P").len(), 1);
+}

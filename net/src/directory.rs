@@ -1,5 +1,6 @@
-//! Where a worker finds its peers: the bootstrap server in production (through its
-//! client), or a fixed list for static deployments and tests.
+//! Where a worker finds its peers: the bootstrap server (through its client) or an etcd
+//! cluster (`etcd://` addresses) in production, or a fixed list for static deployments and
+//! tests.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -139,6 +140,45 @@ impl Directory for handoff_bootstrap::BootstrapClient {
 
     fn invalidate(&self, engine: &EngineId) {
         handoff_bootstrap::BootstrapClient::invalidate(self, engine);
+    }
+
+    fn lost(&self, peer: &RankInfo, incarnation: u64) {
+        self.mark_lost(peer, incarnation);
+    }
+}
+
+impl Directory for handoff_bootstrap::EtcdDirectory {
+    fn register(&self, record: WorkerRecord) -> DirectoryFuture<Result<(), BootstrapError>> {
+        let dir = self.clone();
+        Box::pin(async move {
+            let deadline = std::time::Instant::now() + REGISTER_DEADLINE;
+            dir.register(record, deadline).await
+        })
+    }
+
+    fn lookup(
+        &self,
+        engine: &EngineId,
+    ) -> DirectoryFuture<Result<Vec<WorkerRecord>, ResolveError>> {
+        let dir = self.clone();
+        let engine = engine.clone();
+        Box::pin(async move {
+            use handoff_bootstrap::BootstrapError as E;
+            let deadline = std::time::Instant::now() + LOOKUP_DEADLINE;
+            match dir.query(&engine, deadline).await {
+                Ok(records) => Ok(records),
+                Err(e @ (E::NotReady { .. } | E::UnknownEngine { .. })) => {
+                    Err(ResolveError::NotReady {
+                        detail: e.to_string(),
+                    })
+                }
+                Err(e) => Err(ResolveError::Fatal(e.failure_reason())),
+            }
+        })
+    }
+
+    fn invalidate(&self, engine: &EngineId) {
+        handoff_bootstrap::EtcdDirectory::invalidate(self, engine);
     }
 
     fn lost(&self, peer: &RankInfo, incarnation: u64) {

@@ -17,14 +17,14 @@ use handoff_transport::{RankInfo, Region, Role, TransferMode};
 use super::tcp::TcpDataPlane;
 use super::ucx::UcxPlane;
 use super::{
-    DataPlane, NetConfig, NetError, NetTransport, HEARTBEATS_MISSED_MAX_DEFAULT,
+    DataPlane, Directory, NetConfig, NetError, NetTransport, HEARTBEATS_MISSED_MAX_DEFAULT,
     HEARTBEAT_INTERVAL_DEFAULT, REGISTER_TIMEOUT_DEFAULT,
 };
 use handoff_actors::config::TransportChoice;
 use handoff_actors::machine::Timeouts;
 use handoff_actors::Runtime;
 use handoff_bootstrap::exposure;
-use handoff_bootstrap::{BootstrapClient, ClientConfig};
+use handoff_bootstrap::{BootstrapClient, ClientConfig, EtcdDirectory};
 
 /// Shortest heartbeat interval accepted: below it heartbeats cost more than they tell.
 pub const HEARTBEAT_INTERVAL_MIN: Duration = Duration::from_millis(10);
@@ -222,11 +222,7 @@ pub async fn start_engine_runtime(
     opts.advertise_host = data_advertise;
     let (region, data, transport) = data_plane(&opts, memory).await?;
     let data_address = data.address();
-    let directory = Arc::new(BootstrapClient::new(
-        &opts.bootstrap,
-        opts.key.clone(),
-        ClientConfig::default(),
-    ));
+    let directory = directory(&opts)?;
     let cfg = NetConfig {
         control_listen: opts.control_listen.clone(),
         advertise_host: control_advertise,
@@ -273,16 +269,56 @@ pub async fn start_engine_runtime(
 /// secret or `insecure` (see [`handoff_bootstrap::exposure`]).
 fn check_exposure(opts: &EngineOptions) -> Result<(), NetError> {
     let advertised = opts.advertise_host.as_deref().map(|h| format!("{h}:0"));
+    let members = etcd_members(opts)?;
     let mut addresses = vec![
         ("control listen", opts.control_listen.as_str()),
         ("data listen", opts.data_listen.as_str()),
-        ("bootstrap server", opts.bootstrap.as_str()),
     ];
+    match &members {
+        // Without the shared key, an etcd member off loopback is as exposed as a bootstrap
+        // server there (plain HTTP); with it, every record is tagged and checked.
+        Some(members) => addresses.extend(members.iter().map(|m| ("etcd member", m.as_str()))),
+        None => addresses.push(("bootstrap server", opts.bootstrap.as_str())),
+    }
     if let Some(host) = &advertised {
         addresses.push(("advertised host", host.as_str()));
     }
     exposure::check_exposure(&addresses, opts.key.is_some(), opts.insecure)?;
     Ok(())
+}
+
+/// The members of an `etcd://` bootstrap address (`None` for a bootstrap server).
+fn etcd_members(opts: &EngineOptions) -> Result<Option<Vec<String>>, NetError> {
+    if !opts.bootstrap.starts_with(handoff_bootstrap::etcd::SCHEME) {
+        return Ok(None);
+    }
+    let address = handoff_bootstrap::etcd::EtcdAddress::parse(&opts.bootstrap)
+        .map_err(|e| NetError::Register(e.to_string()))?;
+    Ok(Some(address.endpoints))
+}
+
+/// The directory the bootstrap address names: an etcd cluster (`etcd://`) or a bootstrap
+/// server (`tcp://`).
+fn directory(opts: &EngineOptions) -> Result<Arc<dyn Directory>, NetError> {
+    if opts.bootstrap.starts_with(handoff_bootstrap::etcd::SCHEME) {
+        let etcd = EtcdDirectory::new(&opts.bootstrap, opts.key.clone())
+            .map_err(|e| NetError::Register(e.to_string()))?;
+        return Ok(Arc::new(etcd));
+    }
+    Ok(Arc::new(BootstrapClient::new(
+        &opts.bootstrap,
+        opts.key.clone(),
+        ClientConfig::default(),
+    )))
+}
+
+/// Where the interface that reaches the directory is found: the bootstrap server, or the
+/// first etcd member.
+fn directory_host(opts: &EngineOptions) -> String {
+    match etcd_members(opts) {
+        Ok(Some(members)) => members.into_iter().next().unwrap_or_default(),
+        _ => opts.bootstrap.clone(),
+    }
 }
 
 /// The host peers dial for a listener on `listen`: the advertised host if one is given; none
@@ -296,7 +332,7 @@ fn advertised_host(opts: &EngineOptions, listen: &str) -> Result<Option<String>,
     if !exposure::is_unspecified(listen) {
         return Ok(None);
     }
-    match exposure::route_to(&opts.bootstrap) {
+    match exposure::route_to(&directory_host(opts)) {
         Some(ip) => {
             tracing::info!(%listen, advertised = %ip, bootstrap = %opts.bootstrap,
                 "listening on every interface: advertising the one that reaches the bootstrap server");

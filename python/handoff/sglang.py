@@ -47,7 +47,8 @@ decode-side prefix cache (``decode_prefix_len``), staging buffers, aux rows in G
 Options, as environment variables of both servers (SGLang has no per-backend config):
 
 ``HANDOFF_BOOTSTRAP``
-    ``tcp://HOST:PORT`` of the bootstrap server. Decode needs it; prefill defaults to the
+    ``tcp://HOST:PORT`` of the bootstrap server, or ``etcd://HOST:PORT[,...][/CLUSTER]``
+    of an etcd cluster (then no server runs). Decode needs it; prefill defaults to the
     one it serves on ``--disaggregation-bootstrap-port``.
 ``HANDOFF_ENGINE_ID``
     Prefill: the name it registers under (default ``HOST:BOOTSTRAP_PORT``, HOST being
@@ -242,7 +243,9 @@ class HandoffKVBootstrapServer(BaseKVBootstrapServer):
     def __init__(self, host: str, port: int, **_: Any):
         self.server: handoff.BootstrapServer | None = None
         external = os.environ.get("HANDOFF_BOOTSTRAP")
-        if external and not external.rstrip("/").endswith(f":{int(port)}"):
+        if external and (
+            external.startswith("etcd://") or not external.rstrip("/").endswith(f":{int(port)}")
+        ):
             log.info("handoff: using the bootstrap server at %s", external)
             return
         listen = f"tcp://{_host_port(host or '0.0.0.0', int(port))}"

@@ -33,7 +33,8 @@ How vLLM's connector calls map onto handoff's lifecycle:
 Options (``kv_connector_extra_config``), every one optional but ``bootstrap``:
 
 ``bootstrap``
-    The bootstrap server, ``tcp://HOST:PORT`` (run ``handoff bootstrap --listen ...``).
+    The bootstrap server, ``tcp://HOST:PORT`` (run ``handoff bootstrap --listen ...``), or
+    an etcd cluster, ``etcd://HOST:PORT[,HOST:PORT...][/CLUSTER]``.
 ``transport``
     ``auto`` (UCX when libucp loads, else TCP), ``ucx`` or ``tcp``. Default ``auto``.
 ``mode``
@@ -176,7 +177,7 @@ class HandoffConnector(KVConnectorBase_V1, SupportsHMA):
         if not extra.get("bootstrap"):
             raise ValueError(
                 "HandoffConnector needs kv_connector_extra_config.bootstrap "
-                "(tcp://HOST:PORT of a `handoff bootstrap` server)"
+                "(tcp://HOST:PORT of a `handoff bootstrap` server, or etcd://HOST:PORT/CLUSTER)"
             )
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
         if len(groups) > 1:

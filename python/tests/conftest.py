@@ -47,6 +47,63 @@ def bootstrap():
         yield server
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Etcd:
+    """One real etcd member on loopback ports of its own (Debian etcd-server), serving once
+    it answers a read; `address` is the `etcd://` bootstrap address of a cluster of its own."""
+
+    def __init__(self, data_dir: Path, cluster: str) -> None:
+        client, peer = _free_port(), _free_port()
+        self.client = f"127.0.0.1:{client}"
+        self.address = f"etcd://{self.client}/{cluster}"
+        peer_url = f"http://127.0.0.1:{peer}"
+        self.proc = subprocess.Popen(
+            ["etcd", "--name", "m0", "--data-dir", str(data_dir),
+             "--listen-client-urls", f"http://{self.client}",
+             "--advertise-client-urls", f"http://{self.client}",
+             "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+             "--initial-cluster", f"m0={peer_url}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        until(self._serves, f"etcd serving on {self.client}")
+
+    def _serves(self) -> bool:
+        import urllib.request
+
+        req = urllib.request.Request(
+            f"http://{self.client}/v3/kv/range", data=b'{"key":"AA=="}', method="POST"
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=1) as answer:
+                return answer.status == 200
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=DEADLINE_S)
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    import shutil
+
+    if shutil.which("etcd") is None:
+        skip_or_fail("etcd", "no `etcd` on PATH (Debian etcd-server)")
+    member = Etcd(tmp_path / "etcd", "pytest")
+    try:
+        yield member
+    finally:
+        member.kill()
+
+
 class Peer:
     """A worker process (peer.py): JSON commands in, JSON lines out, every read bounded."""
 

@@ -49,6 +49,31 @@ def test_blocks_hand_over_between_processes_over_tcp(bootstrap, peers, mode):
             assert end["state"] == "Done", end
 
 
+def test_blocks_hand_over_between_processes_through_etcd(etcd, peers):
+    """The same handover with no bootstrap server: both register in a real etcd."""
+    prefill = peers(role="prefill", engine="P", bootstrap=etcd.address, transport="tcp")
+    rt, kv = local("decode", "D", etcd)
+    with rt:
+        src, dst = [1, 2, 3], [60, 61, 62]
+        r = rt.receiver("req-etcd", "P", blocks=dst)
+        prefill.call(op="send", id="req-etcd", blocks=src, seed=7)
+        assert r.wait(30) == "Done"
+        for k, b in enumerate(dst):
+            assert np.array_equal(kv[b], pattern(7, k, BLOCK_BYTES)), f"block {b}"
+    # Without etcd, a new runtime cannot register, and says where it looked.
+    etcd.kill()
+    with pytest.raises(handoff.HandoffError) as failed:
+        handoff.Runtime(
+            "decode",
+            "D2",
+            etcd.address,
+            [np.zeros((4, 64), np.uint8)],
+            transport="tcp",
+            register_timeout_s=2.0,
+        )
+    assert etcd.client in str(failed.value), failed.value
+
+
 def test_blocks_hand_over_between_processes_over_ucx(bootstrap, peers):
     try:
         rt, kv = local("decode", "D", bootstrap, transport="ucx")

@@ -3,7 +3,7 @@
 //! capture, and records one line for the run's summary.
 //!
 //! - `HANDOFF_SKIP`: the needs a run may skip, comma-separated (`ucx`, `gpu`, `netns`,
-//!   `pyzmq`, `lan`, `promtool`, or `all`). Unset, it is `gpu`: machines without a GPU are the common case;
+//!   `pyzmq`, `lan`, `promtool`, `etcd`, or `all`). Unset, it is `gpu`: machines without a GPU are the common case;
 //!   `scripts/test.sh` adds `gpu` on machines without an NVIDIA driver.
 //! - `HANDOFF_SKIP_LOG`: a file each skip appends one line to (`need<TAB>test<TAB>why`);
 //!   `scripts/test.sh` ends with one line that groups them.
@@ -30,6 +30,8 @@ pub enum Need {
     Lan,
     /// Prometheus's `promtool` (Debian `prometheus`), to check exposed metrics.
     Promtool,
+    /// The `etcd` server (Debian `etcd-server`), for discovery on etcd.
+    Etcd,
 }
 
 impl Need {
@@ -42,6 +44,7 @@ impl Need {
             Need::Pyzmq => "pyzmq",
             Need::Lan => "lan",
             Need::Promtool => "promtool",
+            Need::Etcd => "etcd",
         }
     }
 }

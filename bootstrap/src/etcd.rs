@@ -1,0 +1,834 @@
+//! Discovery on etcd: the same registry a `handoff bootstrap` server keeps, held in the etcd
+//! cluster an operator already runs, so no single bootstrap process stands between a
+//! cluster and its transfers.
+//!
+//! Selected by the bootstrap address `etcd://HOST:PORT[,HOST:PORT...][/CLUSTER]` (cluster
+//! `default` when none is given). Spoken over etcd's v3 JSON gateway (`POST /v3/...` on the
+//! client port), plain HTTP: off loopback that needs the caller's explicit `insecure`.
+//!
+//! Keys, per cluster: `handoff/CLUSTER/w/ENGINE-HEX/DP.TP.PP`, each holding one worker's
+//! record as a wire frame (`Register`, HMAC-tagged under the cluster's shared key when one is
+//! set, so a writer without the key cannot plant a worker), attached to a lease the worker
+//! keeps alive: a dead worker's record expires with its lease.
+//!
+//! The rules are the bootstrap server's own ([`Registry`]): a registration reads its
+//! engine's records, replays them into a fresh registry, applies itself there (the same
+//! record again is fine, a higher incarnation replaces, a contradiction is
+//! [`BootstrapError::Conflict`]) and writes in a transaction that holds only if no key of the
+//! engine changed since that read (retried, bounded). A lookup reads the engine's records
+//! the same way and answers as the registry does (ready once dp × tp × pp ranks are in).
+//! Every call has a deadline; an unreachable etcd is [`BootstrapError::Unavailable`] naming
+//! the endpoints, for exactly the calls that needed it.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::task::JoinHandle;
+
+use handoff_transport::auth::Key;
+use handoff_transport::wire::{self, Message, QueryAnswer, StatusReply, WorkerRecord};
+use handoff_transport::zmtp::ConnId;
+use handoff_transport::{EngineId, RankInfo};
+
+use crate::registry::{Origin, RegisterOutcome, Registry};
+use crate::{BootstrapError, CACHED_ENGINES_MAX};
+
+/// The scheme that selects etcd as the directory.
+pub const SCHEME: &str = "etcd://";
+
+/// The cluster name when the address names none.
+pub const CLUSTER_DEFAULT: &str = "default";
+
+/// Longest cluster name: it is part of every key.
+pub const CLUSTER_BYTES_MAX: usize = 64;
+
+/// Endpoints one address may list.
+pub const ENDPOINTS_MAX: usize = 16;
+
+/// A worker's lease: its record outlives the worker by at most this long. Renewed every
+/// third of it, so two renewals may fail (an etcd leader change) before it lapses.
+pub const LEASE_TTL: Duration = Duration::from_secs(10);
+
+/// One HTTP exchange with one etcd member, at most.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Largest etcd answer read: a whole engine's records, or a cluster's for `status`.
+pub const ANSWER_BYTES_MAX: usize = 64 << 20;
+
+/// Times a registration retries its transaction when another writer changed the engine
+/// between its read and its write.
+const CAS_ATTEMPTS_MAX: usize = 16;
+
+/// Pause between rounds over every endpoint while none answers.
+const ROUND_BACKOFF: Duration = Duration::from_millis(100);
+
+/// Lost incarnations remembered (as the bootstrap client does).
+const LOST_INCARNATIONS_MAX: usize = 1024;
+
+/// A parsed `etcd://` address.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EtcdAddress {
+    /// `HOST:PORT` of each member, in the order given.
+    pub endpoints: Vec<String>,
+    /// The key prefix's cluster name.
+    pub cluster: String,
+}
+
+impl EtcdAddress {
+    /// Parses `etcd://HOST:PORT[,HOST:PORT...][/CLUSTER]`.
+    ///
+    /// # Errors
+    /// [`BootstrapError::Invalid`] naming what is wrong.
+    pub fn parse(address: &str) -> Result<EtcdAddress, BootstrapError> {
+        let bad = |detail: String| BootstrapError::Invalid {
+            detail: format!("bootstrap address {address:?}: {detail}"),
+        };
+        let rest = address
+            .strip_prefix(SCHEME)
+            .ok_or_else(|| bad(format!("not an {SCHEME} address")))?;
+        let (hosts, cluster) = match rest.split_once('/') {
+            Some((hosts, cluster)) => (hosts, cluster),
+            None => (rest, CLUSTER_DEFAULT),
+        };
+        if cluster.is_empty()
+            || cluster.len() > CLUSTER_BYTES_MAX
+            || !cluster
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+        {
+            return Err(bad(format!(
+                "cluster {cluster:?}: 1 to {CLUSTER_BYTES_MAX} of A-Z a-z 0-9 . _ -"
+            )));
+        }
+        let endpoints: Vec<String> = hosts.split(',').map(str::to_string).collect();
+        if endpoints.len() > ENDPOINTS_MAX {
+            return Err(bad(format!(
+                "{} endpoints, at most {ENDPOINTS_MAX}",
+                endpoints.len()
+            )));
+        }
+        for e in &endpoints {
+            let (host, port) = e
+                .rsplit_once(':')
+                .ok_or_else(|| bad(format!("endpoint {e:?} is not HOST:PORT")))?;
+            if host.is_empty() || port.parse::<u16>().map_or(true, |p| p == 0) {
+                return Err(bad(format!("endpoint {e:?} is not HOST:PORT")));
+            }
+        }
+        Ok(EtcdAddress {
+            endpoints,
+            cluster: cluster.to_string(),
+        })
+    }
+
+    /// The key prefix of every worker of the cluster.
+    fn workers_prefix(&self) -> String {
+        format!("handoff/{}/w/", self.cluster)
+    }
+
+    /// The key prefix of one engine's workers.
+    fn engine_prefix(&self, engine: &EngineId) -> String {
+        format!(
+            "{}{}/",
+            self.workers_prefix(),
+            hex(engine.as_str().as_bytes())
+        )
+    }
+
+    /// One worker's key.
+    fn key(&self, rank: &RankInfo) -> String {
+        format!(
+            "{}{}.{}.{}",
+            self.engine_prefix(&rank.engine_id),
+            rank.dp_rank,
+            rank.tp_rank,
+            rank.pp_rank
+        )
+    }
+}
+
+impl std::fmt::Display for EtcdAddress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{SCHEME}{}/{}", self.endpoints.join(","), self.cluster)
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The end of the key range that holds every key starting with `prefix` (etcd's
+/// `range_end`): the prefix with its last byte incremented (prefixes here end in `/`).
+fn prefix_end(prefix: &str) -> Vec<u8> {
+    let mut end = prefix.as_bytes().to_vec();
+    if let Some(last) = end.last_mut() {
+        *last += 1;
+    }
+    end
+}
+
+// ------------------------------------------------------------------------- base64
+
+const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+fn b64(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, &b)| n | u32::from(b) << (16 - 8 * i));
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(B64[(n >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+fn unb64(text: &str) -> Option<Vec<u8>> {
+    let bytes = text.as_bytes();
+    if bytes.len() % 4 != 0 {
+        return None;
+    }
+    let mut out = Vec::with_capacity(bytes.len() / 4 * 3);
+    for chunk in bytes.chunks(4) {
+        let pad = chunk.iter().rev().take_while(|&&c| c == b'=').count();
+        if pad > 2 {
+            return None;
+        }
+        let mut n = 0u32;
+        for (i, &c) in chunk.iter().enumerate() {
+            let v = if i >= 4 - pad {
+                0
+            } else {
+                B64.iter().position(|&a| a == c)? as u32
+            };
+            n |= v << (18 - 6 * i);
+        }
+        for i in 0..3 - pad {
+            out.push((n >> (16 - 8 * i)) as u8);
+        }
+    }
+    Some(out)
+}
+
+// --------------------------------------------------------------------------- HTTP
+
+/// One `POST` of `body` to `path` on `endpoint`, the whole answer read (bounded), within
+/// `limit`. Plain HTTP/1.1, one exchange per connection.
+async fn post(endpoint: &str, path: &str, body: &Value, limit: Duration) -> Result<Value, String> {
+    let exchange = async {
+        let mut stream = TcpStream::connect(endpoint)
+            .await
+            .map_err(|e| format!("{endpoint}: {e}"))?;
+        let body = body.to_string();
+        let request = format!(
+            "POST {path} HTTP/1.1\r\nHost: {endpoint}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        stream
+            .write_all(request.as_bytes())
+            .await
+            .map_err(|e| format!("{endpoint}: {e}"))?;
+        let mut answer = Vec::new();
+        (&mut stream)
+            .take(ANSWER_BYTES_MAX as u64 + 1)
+            .read_to_end(&mut answer)
+            .await
+            .map_err(|e| format!("{endpoint}: {e}"))?;
+        if answer.len() > ANSWER_BYTES_MAX {
+            return Err(format!("{endpoint}: answer over {ANSWER_BYTES_MAX} bytes"));
+        }
+        parse_response(&answer).map_err(|e| format!("{endpoint}{path}: {e}"))
+    };
+    tokio::time::timeout(limit, exchange)
+        .await
+        .unwrap_or_else(|_| Err(format!("{endpoint}: no answer within {limit:?}")))
+}
+
+/// The JSON body of a whole HTTP response (status 200), plain or chunked.
+fn parse_response(bytes: &[u8]) -> Result<Value, String> {
+    let split = bytes
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or("no end of headers")?;
+    let head = std::str::from_utf8(&bytes[..split]).map_err(|_| "headers not UTF-8")?;
+    let mut body = &bytes[split + 4..];
+    let mut lines = head.split("\r\n");
+    let status = lines.next().unwrap_or_default();
+    let code = status.split(' ').nth(1).unwrap_or_default();
+    let chunked = lines.any(|l| {
+        let l = l.to_ascii_lowercase();
+        l.starts_with("transfer-encoding:") && l.contains("chunked")
+    });
+    let mut unchunked = Vec::new();
+    if chunked {
+        loop {
+            let end = body
+                .windows(2)
+                .position(|w| w == b"\r\n")
+                .ok_or("chunk size cut short")?;
+            let size = std::str::from_utf8(&body[..end])
+                .ok()
+                .and_then(|s| usize::from_str_radix(s.split(';').next()?.trim(), 16).ok())
+                .ok_or("bad chunk size")?;
+            let start = end + 2;
+            if size == 0 {
+                break;
+            }
+            let chunk = body
+                .get(start..start.checked_add(size).ok_or("bad chunk size")?)
+                .ok_or("chunk cut short")?;
+            unchunked.extend_from_slice(chunk);
+            body = body.get(start + size + 2..).ok_or("chunk cut short")?;
+        }
+        body = &unchunked;
+    }
+    let value: Value =
+        serde_json::from_slice(body).map_err(|e| format!("{status}: not JSON ({e})"))?;
+    if code != "200" {
+        let why = value
+            .get("message")
+            .or_else(|| value.get("error"))
+            .and_then(Value::as_str)
+            .unwrap_or("no message");
+        return Err(format!("{status}: {why}"));
+    }
+    Ok(value)
+}
+
+/// An etcd int64, which the gateway writes as a string (or leaves out when zero).
+fn int(value: Option<&Value>) -> i64 {
+    match value {
+        Some(Value::String(s)) => s.parse().unwrap_or(0),
+        Some(Value::Number(n)) => n.as_i64().unwrap_or(0),
+        _ => 0,
+    }
+}
+
+// ------------------------------------------------------------------------ client
+
+/// One key as read: its value and the revision it was last written at.
+struct Kv {
+    value: Vec<u8>,
+}
+
+/// The etcd members of one address, tried in turn.
+struct Members {
+    address: EtcdAddress,
+    /// The member to try first (the last that answered).
+    next: AtomicUsize,
+}
+
+impl Members {
+    /// `POST path` to the members, from the last that answered, round after round, until
+    /// one answers or `deadline` passes: then [`BootstrapError::Unavailable`] naming every
+    /// endpoint and the last error.
+    async fn call(
+        &self,
+        path: &str,
+        body: &Value,
+        deadline: Instant,
+    ) -> Result<Value, BootstrapError> {
+        let n = self.address.endpoints.len();
+        let mut last = String::from("no attempt made before the deadline");
+        loop {
+            let first = self.next.load(Ordering::Relaxed);
+            for k in 0..n {
+                let i = (first + k) % n;
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(self.unavailable(last));
+                }
+                match post(
+                    &self.address.endpoints[i],
+                    path,
+                    body,
+                    left.min(CALL_TIMEOUT),
+                )
+                .await
+                {
+                    Ok(v) => {
+                        self.next.store(i, Ordering::Relaxed);
+                        return Ok(v);
+                    }
+                    Err(e) => last = e,
+                }
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(self.unavailable(last));
+            }
+            tokio::time::sleep(left.min(ROUND_BACKOFF)).await;
+        }
+    }
+
+    fn unavailable(&self, last_error: String) -> BootstrapError {
+        BootstrapError::Unavailable {
+            address: self.address.to_string(),
+            last_error,
+        }
+    }
+
+    /// Every key under `prefix` and the store's revision at the read.
+    async fn range(
+        &self,
+        prefix: &str,
+        deadline: Instant,
+    ) -> Result<(Vec<Kv>, i64), BootstrapError> {
+        let body = json!({
+            "key": b64(prefix.as_bytes()),
+            "range_end": b64(&prefix_end(prefix)),
+        });
+        let answer = self.call("/v3/kv/range", &body, deadline).await?;
+        let revision = int(answer.pointer("/header/revision"));
+        let kvs = answer
+            .get("kvs")
+            .and_then(Value::as_array)
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        let mut out = Vec::with_capacity(kvs.len());
+        for kv in kvs {
+            let value = kv
+                .get("value")
+                .and_then(Value::as_str)
+                .map_or(Some(Vec::new()), unb64)
+                .ok_or_else(|| BootstrapError::BadReply {
+                    address: self.address.to_string(),
+                    detail: format!("a value under {prefix} that is not base64"),
+                })?;
+            out.push(Kv { value });
+        }
+        Ok((out, revision))
+    }
+
+    /// A lease of `ttl`: its id.
+    async fn grant(&self, ttl: Duration, deadline: Instant) -> Result<i64, BootstrapError> {
+        let answer = self
+            .call(
+                "/v3/lease/grant",
+                &json!({ "TTL": ttl.as_secs() }),
+                deadline,
+            )
+            .await?;
+        match int(answer.get("ID")) {
+            0 => Err(self.unavailable(format!("lease grant answered without an id: {answer}"))),
+            id => Ok(id),
+        }
+    }
+
+    /// Renews lease `id`: its remaining TTL in seconds, 0 when etcd no longer has it.
+    async fn keep_alive(&self, id: i64, deadline: Instant) -> Result<i64, BootstrapError> {
+        let answer = self
+            .call(
+                "/v3/lease/keepalive",
+                &json!({ "ID": id.to_string() }),
+                deadline,
+            )
+            .await?;
+        Ok(int(answer.pointer("/result/TTL")))
+    }
+
+    /// Puts `value` at `key` under `lease` if no key under `guard` was written after
+    /// `revision`: whether it was put.
+    async fn put_if_unchanged(
+        &self,
+        guard: &str,
+        revision: i64,
+        key: &str,
+        value: &[u8],
+        lease: i64,
+        deadline: Instant,
+    ) -> Result<bool, BootstrapError> {
+        let body = json!({
+            "compare": [{
+                "key": b64(guard.as_bytes()),
+                "range_end": b64(&prefix_end(guard)),
+                "target": "MOD",
+                "result": "LESS",
+                "mod_revision": (revision + 1).to_string(),
+            }],
+            "success": [{ "request_put": {
+                "key": b64(key.as_bytes()),
+                "value": b64(value),
+                "lease": lease.to_string(),
+            }}],
+        });
+        let answer = self.call("/v3/kv/txn", &body, deadline).await?;
+        Ok(answer.get("succeeded").and_then(Value::as_bool) == Some(true))
+    }
+}
+
+/// The worker directory on etcd: registration with a kept-alive lease, lookups cached
+/// until a peer of the engine is lost. Cheap to clone.
+#[derive(Clone)]
+pub struct EtcdDirectory {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    members: Members,
+    key: Option<Key>,
+    cache: Mutex<BTreeMap<EngineId, Vec<WorkerRecord>>>,
+    lost: Mutex<VecDeque<(RankInfo, u64)>>,
+    keeper: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if let Some(keeper) = lock(&self.keeper).take() {
+            keeper.abort();
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The origin records replayed from etcd are given in a scratch registry: none (no
+/// connection keeps them alive; their leases do).
+fn no_origin() -> Origin {
+    Origin {
+        conn: ConnId(0),
+        peer: SocketAddr::from(([0, 0, 0, 0], 0)),
+    }
+}
+
+impl EtcdDirectory {
+    /// A directory on the etcd cluster at `address` (`etcd://...`); records are tagged and
+    /// checked with `key` when given. Connects on first use.
+    ///
+    /// # Errors
+    /// [`BootstrapError::Invalid`] for an address that does not parse.
+    pub fn new(address: &str, key: Option<Key>) -> Result<EtcdDirectory, BootstrapError> {
+        Ok(EtcdDirectory {
+            inner: Arc::new(Inner {
+                members: Members {
+                    address: EtcdAddress::parse(address)?,
+                    next: AtomicUsize::new(0),
+                },
+                key,
+                cache: Mutex::new(BTreeMap::new()),
+                lost: Mutex::new(VecDeque::new()),
+                keeper: Mutex::new(None),
+            }),
+        })
+    }
+
+    /// The address, as `etcd://ENDPOINTS/CLUSTER`.
+    pub fn address(&self) -> String {
+        self.inner.members.address.to_string()
+    }
+
+    /// The records stored under `prefix`, decoded and checked; a value that does not
+    /// decode (or whose tag does not check) is skipped and logged, never trusted.
+    async fn records(
+        &self,
+        prefix: &str,
+        deadline: Instant,
+    ) -> Result<(Vec<WorkerRecord>, i64), BootstrapError> {
+        let (kvs, revision) = self.inner.members.range(prefix, deadline).await?;
+        let mut records = Vec::with_capacity(kvs.len());
+        for kv in kvs {
+            match wire::decode(&kv.value, self.inner.key.as_ref()) {
+                Ok(Message::Register(record)) => records.push(record),
+                Ok(other) => tracing::warn!(prefix, kind = ?std::mem::discriminant(&other),
+                    "etcd holds a value that is not a worker record; ignored"),
+                Err(e) => tracing::warn!(prefix, error = %e,
+                    "etcd holds a record that does not decode (or is not tagged with this cluster's key); ignored"),
+            }
+        }
+        Ok((records, revision))
+    }
+
+    /// The records replayed into a registry of their own, as the bootstrap server would
+    /// hold them (records that contradict earlier ones are left out, with a log line).
+    fn replay(records: Vec<WorkerRecord>) -> Registry {
+        let mut registry = Registry::new();
+        let now = Instant::now();
+        for record in records {
+            match registry.register(record, no_origin(), now) {
+                RegisterOutcome::Conflict(kept) => tracing::warn!(kept = %kept.rank,
+                    "etcd holds two contradicting records of one rank; the first is used"),
+                RegisterOutcome::Refused(why) => {
+                    tracing::warn!(%why, "etcd holds a record the registry refuses; ignored")
+                }
+                _ => {}
+            }
+        }
+        registry
+    }
+
+    /// Registers `record` under a new lease and keeps the lease alive in the background
+    /// (re-registering if etcd loses it), until the directory is dropped.
+    ///
+    /// # Errors
+    /// [`BootstrapError::Conflict`] when the cluster holds a contradicting record (never
+    /// retried), [`BootstrapError::Refused`] for a bound, [`BootstrapError::Unavailable`]
+    /// when no member answered before `deadline`.
+    pub async fn register(
+        &self,
+        record: WorkerRecord,
+        deadline: Instant,
+    ) -> Result<(), BootstrapError> {
+        let lease = self.put_record(&record, deadline).await?;
+        let me = Arc::downgrade(&self.inner);
+        let keeper = tokio::spawn(async move {
+            let mut lease = lease;
+            loop {
+                tokio::time::sleep(LEASE_TTL / 3).await;
+                let Some(inner) = me.upgrade() else { return };
+                let dir = EtcdDirectory { inner };
+                let deadline = Instant::now() + LEASE_TTL / 3;
+                match dir.inner.members.keep_alive(lease, deadline).await {
+                    Ok(ttl) if ttl > 0 => {}
+                    Ok(_) => {
+                        tracing::warn!(rank = %record.rank, "etcd lost this worker's lease; registering again");
+                        match dir.put_record(&record, Instant::now() + LEASE_TTL).await {
+                            Ok(id) => lease = id,
+                            Err(e) => {
+                                tracing::warn!(rank = %record.rank, error = %e, "registering again on etcd failed; retrying")
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(rank = %record.rank, error = %e, "renewing the etcd lease failed; retrying")
+                    }
+                }
+            }
+        });
+        if let Some(old) = lock(&self.inner.keeper).replace(keeper) {
+            old.abort();
+        }
+        Ok(())
+    }
+
+    /// Grants a lease and writes `record` under it by the registry's rules: the lease id.
+    async fn put_record(
+        &self,
+        record: &WorkerRecord,
+        deadline: Instant,
+    ) -> Result<i64, BootstrapError> {
+        let members = &self.inner.members;
+        let address = &members.address;
+        let lease = members.grant(LEASE_TTL, deadline).await?;
+        let value = wire::encode(&Message::Register(record.clone()), self.inner.key.as_ref())
+            .map_err(|e| BootstrapError::Invalid {
+                detail: format!("the worker record does not encode: {e}"),
+            })?;
+        let prefix = address.engine_prefix(&record.rank.engine_id);
+        for _ in 0..CAS_ATTEMPTS_MAX {
+            let (records, revision) = self.records(&prefix, deadline).await?;
+            let mut registry = Self::replay(records);
+            match registry.register(record.clone(), no_origin(), Instant::now()) {
+                RegisterOutcome::Conflict(existing) => {
+                    return Err(BootstrapError::Conflict {
+                        address: address.to_string(),
+                        existing,
+                    })
+                }
+                RegisterOutcome::Refused(detail) => {
+                    return Err(BootstrapError::Refused {
+                        address: address.to_string(),
+                        detail,
+                    })
+                }
+                _ => {}
+            }
+            let key = address.key(&record.rank);
+            if members
+                .put_if_unchanged(&prefix, revision, &key, &value, lease, deadline)
+                .await?
+            {
+                tracing::info!(rank = %record.rank, incarnation = record.incarnation,
+                    etcd = %address, "registered on etcd");
+                return Ok(lease);
+            }
+        }
+        Err(BootstrapError::Unavailable {
+            address: address.to_string(),
+            last_error: format!(
+                "the engine's records kept changing under {CAS_ATTEMPTS_MAX} registration attempts"
+            ),
+        })
+    }
+
+    /// Every worker of `engine` once all its ranks have registered, from the cache if
+    /// present; `NotReady` or `UnknownEngine` (not retried here: the caller's request asks
+    /// again until its own deadline), `Lost` for a record of a worker this directory lost.
+    ///
+    /// # Errors
+    /// As said, and [`BootstrapError::Unavailable`].
+    pub async fn query(
+        &self,
+        engine: &EngineId,
+        deadline: Instant,
+    ) -> Result<Vec<WorkerRecord>, BootstrapError> {
+        if let Some(workers) = lock(&self.inner.cache).get(engine).cloned() {
+            return Ok(workers);
+        }
+        let address = self.inner.members.address.to_string();
+        let prefix = self.inner.members.address.engine_prefix(engine);
+        let (records, _) = self.records(&prefix, deadline).await?;
+        match Self::replay(records).query(engine) {
+            QueryAnswer::Ready { workers } => {
+                let lost = lock(&self.inner.lost);
+                if let Some(dead) = workers
+                    .iter()
+                    .find(|w| lost.contains(&(w.rank.clone(), w.incarnation)))
+                {
+                    return Err(BootstrapError::Lost {
+                        address,
+                        rank: dead.rank.clone(),
+                        incarnation: dead.incarnation,
+                    });
+                }
+                drop(lost);
+                let mut cache = lock(&self.inner.cache);
+                if cache.len() >= CACHED_ENGINES_MAX && !cache.contains_key(engine) {
+                    cache.pop_first();
+                }
+                cache.insert(engine.clone(), workers.clone());
+                Ok(workers)
+            }
+            QueryAnswer::NotReady {
+                registered,
+                expected,
+            } => Err(BootstrapError::NotReady {
+                address,
+                engine: engine.clone(),
+                registered,
+                expected,
+            }),
+            QueryAnswer::UnknownEngine => Err(BootstrapError::UnknownEngine {
+                address,
+                engine: engine.clone(),
+            }),
+        }
+    }
+
+    /// Forgets the cached answer for `engine`.
+    pub fn invalidate(&self, engine: &EngineId) {
+        lock(&self.inner.cache).remove(engine);
+    }
+
+    /// Remembers that `rank` was lost at `incarnation` (until it registers anew, a lookup
+    /// that finds that record fails by name) and forgets its engine's cached answer.
+    pub fn mark_lost(&self, rank: &RankInfo, incarnation: u64) {
+        let mut lost = lock(&self.inner.lost);
+        if !lost.contains(&(rank.clone(), incarnation)) {
+            if lost.len() >= LOST_INCARNATIONS_MAX {
+                lost.pop_front();
+            }
+            lost.push_back((rank.clone(), incarnation));
+        }
+        drop(lost);
+        self.invalidate(&rank.engine_id);
+    }
+
+    /// Every engine of the cluster and its workers, as `handoff bootstrap status` shows a
+    /// server's.
+    ///
+    /// # Errors
+    /// [`BootstrapError::Unavailable`].
+    pub async fn status(&self, deadline: Instant) -> Result<StatusReply, BootstrapError> {
+        let prefix = self.inner.members.address.workers_prefix();
+        let (records, _) = self.records(&prefix, deadline).await?;
+        Ok(Self::replay(records).status())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_parse_or_are_refused_by_name() {
+        let a = EtcdAddress::parse("etcd://127.0.0.1:2379").unwrap();
+        assert_eq!(a.endpoints, ["127.0.0.1:2379"]);
+        assert_eq!(a.cluster, CLUSTER_DEFAULT);
+        let a = EtcdAddress::parse("etcd://a:1,b:2,c:3/prod-1").unwrap();
+        assert_eq!(a.endpoints, ["a:1", "b:2", "c:3"]);
+        assert_eq!(a.cluster, "prod-1");
+        assert_eq!(a.to_string(), "etcd://a:1,b:2,c:3/prod-1");
+        for bad in [
+            "tcp://127.0.0.1:2379",
+            "etcd://",
+            "etcd://host",
+            "etcd://host:0",
+            "etcd://host:99999",
+            "etcd://:1",
+            "etcd://a:1/",
+            "etcd://a:1/x/y",
+            "etcd://a:1/a b",
+        ] {
+            assert!(
+                matches!(EtcdAddress::parse(bad), Err(BootstrapError::Invalid { .. })),
+                "{bad}"
+            );
+        }
+        let many = format!("etcd://{}", vec!["h:1"; ENDPOINTS_MAX + 1].join(","));
+        assert!(EtcdAddress::parse(&many).is_err());
+    }
+
+    #[test]
+    fn keys_separate_clusters_and_engines() {
+        let a = EtcdAddress::parse("etcd://h:1/c").unwrap();
+        let r = RankInfo::single("eng/1");
+        let key = a.key(&r);
+        assert!(key.starts_with(&a.engine_prefix(&r.engine_id)));
+        assert!(key.starts_with(&a.workers_prefix()));
+        // An engine whose id is another's prefix does not fall in its range.
+        let other = a.engine_prefix(&EngineId::new("eng/10"));
+        assert!(!other.starts_with(&a.engine_prefix(&r.engine_id)));
+        assert_eq!(prefix_end("handoff/c/w/"), b"handoff/c/w0".to_vec());
+    }
+
+    #[test]
+    fn base64_round_trips_and_refuses_garbage() {
+        for n in 0..70usize {
+            let bytes: Vec<u8> = (0..n).map(|i| (i * 37 + n) as u8).collect();
+            assert_eq!(
+                unb64(&b64(&bytes)).as_deref(),
+                Some(bytes.as_slice()),
+                "{n}"
+            );
+        }
+        assert_eq!(b64(b"foo"), "Zm9v");
+        assert_eq!(b64(b"fo"), "Zm8=");
+        for bad in ["Zm9", "Zm9v!", "Z===", "Zm9v====", "****"] {
+            assert_eq!(unb64(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn responses_plain_chunked_and_bad_are_told_apart() {
+        let plain = b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n{\"a\":\"1\"}";
+        assert_eq!(int(parse_response(plain).unwrap().get("a")), 1);
+        let chunked =
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4\r\n{\"a\"\r\n5\r\n:\"7\"}\r\n0\r\n\r\n";
+        assert_eq!(int(parse_response(chunked).unwrap().get("a")), 7);
+        let refused = b"HTTP/1.1 400 Bad Request\r\n\r\n{\"error\":\"bad\",\"message\":\"nope\"}";
+        assert!(parse_response(refused).unwrap_err().contains("nope"));
+        for bad in [
+            &b"HTTP/1.1 200 OK\r\n"[..],
+            b"HTTP/1.1 200 OK\r\n\r\nnot json",
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nffffffff\r\nab",
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nffffffffffffffff\r\nab",
+        ] {
+            assert!(parse_response(bad).is_err(), "{bad:?}");
+        }
+    }
+}

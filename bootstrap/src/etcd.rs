@@ -71,6 +71,23 @@ const ROUND_BACKOFF: Duration = Duration::from_millis(100);
 /// Lost incarnations remembered (as the bootstrap client does).
 const LOST_INCARNATIONS_MAX: usize = 1024;
 
+/// A cached lookup is read again after this long even when the watch saw no change: the
+/// bound on how stale an answer can be if the watch is silently cut.
+pub const CACHE_AGE_MAX: Duration = Duration::from_secs(30);
+
+/// A watch stream silent this long is opened again (etcd answers progress requests within
+/// it; a cut stream would otherwise look idle forever).
+const WATCH_IDLE_MAX: Duration = Duration::from_secs(20);
+
+/// Largest piece of a watch stream read (one chunk, or one JSON line).
+const WATCH_PIECE_BYTES_MAX: usize = 16 << 20;
+
+/// Pauses between attempts to open the watch: from the first to the last, doubling.
+const WATCH_BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(2));
+
+/// Engines whose last change the watch remembers (by revision), at most.
+const CHANGED_ENGINES_MAX: usize = 4096;
+
 /// A parsed `etcd://` address.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EtcdAddress {
@@ -153,6 +170,34 @@ impl EtcdAddress {
     }
 }
 
+/// `address` with its etcd cluster named `cluster` (`--cluster`): an `etcd://` address
+/// without a cluster of its own takes it; one naming the same cluster is unchanged.
+///
+/// # Errors
+/// [`BootstrapError::Invalid`] for another cluster in the address, a cluster name that is
+/// not allowed, or an address that is not `etcd://`.
+pub fn with_cluster(address: &str, cluster: Option<&str>) -> Result<String, BootstrapError> {
+    let Some(cluster) = cluster else {
+        return Ok(address.to_string());
+    };
+    let Some(rest) = address.strip_prefix(SCHEME) else {
+        return Err(BootstrapError::Invalid {
+            detail: format!("--cluster {cluster}: names an etcd cluster, and {address} is not an {SCHEME} address"),
+        });
+    };
+    let named = match rest.split_once('/') {
+        Some((_, own)) if own != cluster => {
+            return Err(BootstrapError::Invalid {
+                detail: format!("--cluster {cluster}: the address {address} names cluster {own}"),
+            })
+        }
+        Some(_) => address.to_string(),
+        None => format!("{address}/{cluster}"),
+    };
+    EtcdAddress::parse(&named)?;
+    Ok(named)
+}
+
 impl std::fmt::Display for EtcdAddress {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{SCHEME}{}/{}", self.endpoints.join(","), self.cluster)
@@ -177,7 +222,8 @@ fn prefix_end(prefix: &str) -> Vec<u8> {
 
 const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
 
-fn b64(bytes: &[u8]) -> String {
+/// Standard base64 with padding, as etcd's JSON gateway takes keys and values.
+pub fn b64(bytes: &[u8]) -> String {
     let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
     for chunk in bytes.chunks(3) {
         let n = chunk
@@ -313,6 +359,104 @@ fn int(value: Option<&Value>) -> i64 {
         Some(Value::String(s)) => s.parse().unwrap_or(0),
         Some(Value::Number(n)) => n.as_i64().unwrap_or(0),
         _ => 0,
+    }
+}
+
+/// The engine (hex) part of a worker key under `prefix`.
+fn engine_of<'k>(key: &'k str, prefix: &str) -> Option<&'k str> {
+    key.strip_prefix(prefix)?.split('/').next()
+}
+
+/// Reads a watch's HTTP answer: the head, then its JSON lines out of the chunked body,
+/// every read bounded in time ([`WATCH_IDLE_MAX`]) and size ([`WATCH_PIECE_BYTES_MAX`]).
+struct WatchReader {
+    stream: TcpStream,
+    /// Bytes read and not yet taken.
+    buf: Vec<u8>,
+    /// Body bytes (chunk contents) not yet split into lines.
+    body: Vec<u8>,
+}
+
+impl WatchReader {
+    fn new(stream: TcpStream) -> Self {
+        WatchReader {
+            stream,
+            buf: Vec::new(),
+            body: Vec::new(),
+        }
+    }
+
+    /// Reads more bytes into `buf`.
+    async fn fill(&mut self) -> Result<(), String> {
+        if self.buf.len() > WATCH_PIECE_BYTES_MAX {
+            return Err(format!("a watch piece over {WATCH_PIECE_BYTES_MAX} bytes"));
+        }
+        let mut more = [0u8; 16 << 10];
+        let n = tokio::time::timeout(WATCH_IDLE_MAX, self.stream.read(&mut more))
+            .await
+            .map_err(|_| format!("silent for {WATCH_IDLE_MAX:?}"))?
+            .map_err(|e| e.to_string())?;
+        if n == 0 {
+            return Err("closed".into());
+        }
+        self.buf.extend_from_slice(&more[..n]);
+        Ok(())
+    }
+
+    /// Bytes up to `sep` in `buf` (taken, the separator dropped), reading as needed.
+    async fn until(&mut self, sep: &[u8]) -> Result<Vec<u8>, String> {
+        loop {
+            if let Some(at) = self.buf.windows(sep.len()).position(|w| w == sep) {
+                let piece = self.buf[..at].to_vec();
+                self.buf.drain(..at + sep.len());
+                return Ok(piece);
+            }
+            self.fill().await?;
+        }
+    }
+
+    /// The status line and headers; the body must be chunked.
+    async fn head(&mut self) -> Result<String, String> {
+        let head = String::from_utf8(self.until(b"\r\n\r\n").await?)
+            .map_err(|_| "headers not UTF-8".to_string())?;
+        let chunked = head.lines().any(|l| {
+            let l = l.to_ascii_lowercase();
+            l.starts_with("transfer-encoding:") && l.contains("chunked")
+        });
+        if head.starts_with("HTTP/1.1 200") && !chunked {
+            return Err("a watch answer that is not chunked".into());
+        }
+        Ok(head.lines().next().unwrap_or_default().to_string())
+    }
+
+    /// The next non-empty line of the body.
+    async fn line(&mut self) -> Result<Vec<u8>, String> {
+        loop {
+            if let Some(at) = self.body.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = self.body.drain(..=at).collect();
+                if line.iter().any(|b| !b.is_ascii_whitespace()) {
+                    return Ok(line);
+                }
+                continue;
+            }
+            if self.body.len() > WATCH_PIECE_BYTES_MAX {
+                return Err(format!("a watch line over {WATCH_PIECE_BYTES_MAX} bytes"));
+            }
+            let size = self.until(b"\r\n").await?;
+            let size = std::str::from_utf8(&size)
+                .ok()
+                .and_then(|s| usize::from_str_radix(s.split(';').next()?.trim(), 16).ok())
+                .filter(|&n| n <= WATCH_PIECE_BYTES_MAX)
+                .ok_or("bad chunk size")?;
+            if size == 0 {
+                return Err("the watch stream ended".into());
+            }
+            while self.buf.len() < size + 2 {
+                self.fill().await?;
+            }
+            self.body.extend_from_slice(&self.buf[..size]);
+            self.buf.drain(..size + 2);
+        }
     }
 }
 
@@ -479,15 +623,31 @@ pub struct EtcdDirectory {
 struct Inner {
     members: Members,
     key: Option<Key>,
-    cache: Mutex<BTreeMap<EngineId, Vec<WorkerRecord>>>,
+    /// Ready answers by engine, with when they were read.
+    cache: Mutex<BTreeMap<EngineId, (Vec<WorkerRecord>, Instant)>>,
     lost: Mutex<VecDeque<(RankInfo, u64)>>,
     keeper: Mutex<Option<JoinHandle<()>>>,
+    watch: Mutex<Watch>,
+}
+
+/// What the watch on the cluster's records has established.
+#[derive(Default)]
+struct Watch {
+    task: Option<JoinHandle<()>>,
+    /// The stream is open and etcd confirmed it: answers may be cached.
+    live: bool,
+    /// The revision of the last change seen, by engine key (hex): an answer read at an
+    /// older revision is not cached.
+    changed: BTreeMap<String, i64>,
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
         if let Some(keeper) = lock(&self.keeper).take() {
             keeper.abort();
+        }
+        if let Some(task) = lock(&self.watch).task.take() {
+            task.abort();
         }
     }
 }
@@ -522,6 +682,7 @@ impl EtcdDirectory {
                 cache: Mutex::new(BTreeMap::new()),
                 lost: Mutex::new(VecDeque::new()),
                 keeper: Mutex::new(None),
+                watch: Mutex::new(Watch::default()),
             }),
         })
     }
@@ -675,12 +836,16 @@ impl EtcdDirectory {
         engine: &EngineId,
         deadline: Instant,
     ) -> Result<Vec<WorkerRecord>, BootstrapError> {
-        if let Some(workers) = lock(&self.inner.cache).get(engine).cloned() {
-            return Ok(workers);
+        self.start_watch();
+        let fresh = lock(&self.inner.watch).live;
+        if let Some((workers, read)) = lock(&self.inner.cache).get(engine).cloned() {
+            if fresh && read.elapsed() < CACHE_AGE_MAX {
+                return Ok(workers);
+            }
         }
         let address = self.inner.members.address.to_string();
         let prefix = self.inner.members.address.engine_prefix(engine);
-        let (records, _) = self.records(&prefix, deadline).await?;
+        let (records, revision) = self.records(&prefix, deadline).await?;
         match Self::replay(records).query(engine) {
             QueryAnswer::Ready { workers } => {
                 let lost = lock(&self.inner.lost);
@@ -695,11 +860,17 @@ impl EtcdDirectory {
                     });
                 }
                 drop(lost);
-                let mut cache = lock(&self.inner.cache);
-                if cache.len() >= CACHED_ENGINES_MAX && !cache.contains_key(engine) {
-                    cache.pop_first();
+                // Cached only while the watch can tell a later change, and only if it saw
+                // none of this engine's since the read.
+                let watch = lock(&self.inner.watch);
+                let hex = hex(engine.as_str().as_bytes());
+                if watch.live && watch.changed.get(&hex).is_none_or(|&r| r <= revision) {
+                    let mut cache = lock(&self.inner.cache);
+                    if cache.len() >= CACHED_ENGINES_MAX && !cache.contains_key(engine) {
+                        cache.pop_first();
+                    }
+                    cache.insert(engine.clone(), (workers.clone(), Instant::now()));
                 }
-                cache.insert(engine.clone(), workers.clone());
                 Ok(workers)
             }
             QueryAnswer::NotReady {
@@ -716,6 +887,148 @@ impl EtcdDirectory {
                 engine: engine.clone(),
             }),
         }
+    }
+
+    /// Starts the watch on the cluster's records, once: while it is open, a change to an
+    /// engine's records drops that engine's cached answer.
+    fn start_watch(&self) {
+        let mut watch = lock(&self.inner.watch);
+        if watch.task.is_some() {
+            return;
+        }
+        let me = Arc::downgrade(&self.inner);
+        watch.task = Some(tokio::spawn(async move {
+            let mut pause = WATCH_BACKOFF.0;
+            loop {
+                let Some(inner) = me.upgrade() else { return };
+                let dir = EtcdDirectory { inner };
+                let opened = dir.watch_once().await;
+                dir.watch_lost();
+                match opened {
+                    // It was open: a cut, not a refusal; open it again at once.
+                    Ok(()) => pause = WATCH_BACKOFF.0,
+                    Err(e) => {
+                        tracing::debug!(etcd = %dir.inner.members.address, error = %e,
+                            "etcd watch failed; answers are read anew until it is back");
+                        pause = (pause * 2).min(WATCH_BACKOFF.1);
+                    }
+                }
+                drop(dir);
+                tokio::time::sleep(pause).await;
+            }
+        }));
+    }
+
+    /// The watch is down: nothing cached can be trusted to be current.
+    fn watch_lost(&self) {
+        lock(&self.inner.watch).live = false;
+        lock(&self.inner.cache).clear();
+    }
+
+    /// One watch stream, on the first member that takes it, until it is cut or silent for
+    /// [`WATCH_IDLE_MAX`]: `Ok` once it had been open, `Err` if it never opened.
+    async fn watch_once(&self) -> Result<(), String> {
+        let members = &self.inner.members;
+        let prefix = members.address.workers_prefix();
+        let body = json!({ "create_request": {
+            "key": b64(prefix.as_bytes()),
+            "range_end": b64(&prefix_end(&prefix)),
+            "progress_notify": true,
+        }})
+        .to_string();
+        let n = members.address.endpoints.len();
+        let first = members.next.load(Ordering::Relaxed);
+        let mut last = String::new();
+        for k in 0..n {
+            let endpoint = &members.address.endpoints[(first + k) % n];
+            match self.watch_on(endpoint, &body, &prefix).await {
+                Ok(()) => return Ok(()),
+                Err((opened, e)) if opened => {
+                    tracing::debug!(%endpoint, error = %e, "etcd watch cut");
+                    return Ok(());
+                }
+                Err((_, e)) => last = e,
+            }
+        }
+        Err(last)
+    }
+
+    /// The watch on one member: `Err((opened, why))` when it ends.
+    async fn watch_on(
+        &self,
+        endpoint: &str,
+        body: &str,
+        prefix: &str,
+    ) -> Result<(), (bool, String)> {
+        let closed = |opened: bool| move |e: String| (opened, format!("{endpoint}: {e}"));
+        let mut stream = tokio::time::timeout(CALL_TIMEOUT, TcpStream::connect(endpoint))
+            .await
+            .map_err(|_| "no connection".to_string())
+            .and_then(|c| c.map_err(|e| e.to_string()))
+            .map_err(closed(false))?;
+        let request = format!(
+            "POST /v3/watch HTTP/1.1\r\nHost: {endpoint}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        stream
+            .write_all(request.as_bytes())
+            .await
+            .map_err(|e| closed(false)(e.to_string()))?;
+        let mut reader = WatchReader::new(stream);
+        let head = reader.head().await.map_err(closed(false))?;
+        if !head.starts_with("HTTP/1.1 200") {
+            return Err(closed(false)(format!("watch refused: {head}")));
+        }
+        let mut opened = false;
+        loop {
+            let line = reader.line().await.map_err(closed(opened))?;
+            let message: Value = serde_json::from_slice(&line)
+                .map_err(|e| closed(opened)(format!("a watch message that is not JSON: {e}")))?;
+            let Some(result) = message.get("result") else {
+                return Err(closed(opened)(format!("watch error: {message}")));
+            };
+            if result.get("created").and_then(Value::as_bool) == Some(true) {
+                // Changes before this point were not seen: start from a clean cache.
+                lock(&self.inner.cache).clear();
+                lock(&self.inner.watch).live = true;
+                opened = true;
+            }
+            if result.get("canceled").and_then(Value::as_bool) == Some(true) {
+                return Err(closed(opened)(format!("watch canceled: {result}")));
+            }
+            let revision = int(result.pointer("/header/revision"));
+            let events = result.get("events").and_then(Value::as_array);
+            for event in events.map(Vec::as_slice).unwrap_or_default() {
+                let key = event
+                    .pointer("/kv/key")
+                    .and_then(Value::as_str)
+                    .and_then(unb64)
+                    .and_then(|k| String::from_utf8(k).ok());
+                let Some(engine) = key.as_deref().and_then(|k| engine_of(k, prefix)) else {
+                    continue;
+                };
+                self.changed(engine, revision);
+            }
+        }
+    }
+
+    /// The watch saw engine `hex` change at `revision`: its cached answer goes.
+    fn changed(&self, engine_hex: &str, revision: i64) {
+        let mut watch = lock(&self.inner.watch);
+        if watch.changed.len() >= CHANGED_ENGINES_MAX && !watch.changed.contains_key(engine_hex) {
+            watch.changed.pop_first();
+        }
+        watch.changed.insert(engine_hex.to_string(), revision);
+        drop(watch);
+        lock(&self.inner.cache).retain(|e, _| hex(e.as_str().as_bytes()) != engine_hex);
+    }
+
+    /// Whether a lookup of `engine` would be answered from the cache now.
+    pub fn is_cached(&self, engine: &EngineId) -> bool {
+        let live = lock(&self.inner.watch).live;
+        live && lock(&self.inner.cache)
+            .get(engine)
+            .is_some_and(|(_, read)| read.elapsed() < CACHE_AGE_MAX)
     }
 
     /// Forgets the cached answer for `engine`.
@@ -780,6 +1093,32 @@ mod tests {
         }
         let many = format!("etcd://{}", vec!["h:1"; ENDPOINTS_MAX + 1].join(","));
         assert!(EtcdAddress::parse(&many).is_err());
+    }
+
+    #[test]
+    fn a_cluster_flag_names_the_cluster_or_is_refused() {
+        assert_eq!(with_cluster("etcd://h:1", None).unwrap(), "etcd://h:1");
+        assert_eq!(
+            with_cluster("etcd://h:1", Some("c")).unwrap(),
+            "etcd://h:1/c"
+        );
+        assert_eq!(
+            with_cluster("etcd://h:1/c", Some("c")).unwrap(),
+            "etcd://h:1/c"
+        );
+        for (address, cluster) in [
+            ("etcd://h:1/c", "d"),
+            ("tcp://h:1", "c"),
+            ("etcd://h:1", "a b"),
+        ] {
+            assert!(
+                matches!(
+                    with_cluster(address, Some(cluster)),
+                    Err(BootstrapError::Invalid { .. })
+                ),
+                "{address} {cluster}"
+            );
+        }
     }
 
     #[test]

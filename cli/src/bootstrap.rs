@@ -50,6 +50,9 @@ pub struct StatusArgs {
     /// (`etcd://HOST:PORT[,HOST:PORT...][/CLUSTER]`, cluster `default` when none).
     #[arg(long, value_name = "tcp://HOST:PORT", default_value = CONNECT_DEFAULT)]
     pub connect: String,
+    /// The etcd cluster to show, for an `etcd://` address that names none.
+    #[arg(long, value_name = "NAME")]
+    pub cluster: Option<String>,
     /// Print JSON (shape in the `cli` module docs) instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -174,20 +177,25 @@ pub async fn run_status(args: StatusArgs) -> ExitCode {
         attempt_timeout: args.timeout,
         ..ClientConfig::default()
     };
-    let answer = if args.connect.starts_with(handoff_bootstrap::etcd::SCHEME) {
-        match handoff_bootstrap::EtcdDirectory::new(&args.connect, key) {
+    let connect =
+        match handoff_bootstrap::etcd::with_cluster(&args.connect, args.cluster.as_deref()) {
+            Ok(connect) => connect,
+            Err(e) => return fail("status", &e),
+        };
+    let answer = if connect.starts_with(handoff_bootstrap::etcd::SCHEME) {
+        match handoff_bootstrap::EtcdDirectory::new(&connect, key) {
             Ok(etcd) => etcd.status(deadline).await,
             Err(e) => Err(e),
         }
     } else {
-        BootstrapClient::new(&args.connect, key, cfg)
+        BootstrapClient::new(&connect, key, cfg)
             .status(deadline)
             .await
     };
     match answer {
         Ok(reply) => {
             if args.json {
-                println!("{}", status_json(&args.connect, &reply));
+                println!("{}", status_json(&connect, &reply));
             } else {
                 print!("{}", render_table(&reply));
             }

@@ -103,6 +103,10 @@ pub struct WorkerArgs {
         default_value = "tcp://127.0.0.1:7400"
     )]
     pub bootstrap: String,
+    /// The etcd cluster (key prefix) to register in, for an `etcd://` bootstrap address that
+    /// names none (the same as giving it as the address's path).
+    #[arg(long, value_name = "NAME")]
+    pub cluster: Option<String>,
     /// Where the control port listens (port 0 picks one).
     #[arg(
         long,
@@ -325,6 +329,8 @@ async fn run_inner(a: WorkerArgs) -> Result<ExitCode, String> {
     let rank = rank_of(&a);
     let key = handoff_bootstrap::exposure::resolve_key(a.secret_file.as_deref())
         .map_err(|e| e.to_string())?;
+    let bootstrap = handoff_bootstrap::etcd::with_cluster(&a.bootstrap, a.cluster.as_deref())
+        .map_err(|e| e.to_string())?;
     // One wave must fit; the second (`--then-prefill`) waits for blocks the first gives
     // back, as an engine waits for free blocks.
     let needed = a.requests as u64 * a.blocks_per_request as u64;
@@ -360,7 +366,7 @@ async fn run_inner(a: WorkerArgs) -> Result<ExitCode, String> {
         admission: a.admission,
         key,
         insecure: a.insecure,
-        ..EngineOptions::new(role, rank.clone(), a.bootstrap.clone())
+        ..EngineOptions::new(role, rank.clone(), bootstrap)
     };
     if a.memory == MemoryArg::Cuda && a.mode == ModeArg::Pull {
         // Measured on an H200 with UCX 1.22 (ARCHITECTURE.md, open problems): `cuda_ipc`

@@ -16,16 +16,26 @@ fn free_port() -> u16 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_against_an_unreachable_server_exits_non_zero_within_its_timeout() {
-    let args = StatusArgs {
-        connect: format!("tcp://127.0.0.1:{}", free_port()),
-        json: false,
-        secret_file: None,
-        timeout: Duration::from_millis(400),
-    };
-    let started = Instant::now();
-    let code = run_status(args).await;
-    assert_eq!(code, std::process::ExitCode::FAILURE);
-    assert!(started.elapsed() < Duration::from_millis(400) + SLACK);
+    // A bootstrap server, and an etcd cluster of two members (with --cluster).
+    for (connect, cluster) in [
+        (format!("tcp://127.0.0.1:{}", free_port()), None),
+        (
+            format!("etcd://127.0.0.1:{},127.0.0.1:{}", free_port(), free_port()),
+            Some("c".to_string()),
+        ),
+    ] {
+        let args = StatusArgs {
+            connect,
+            cluster,
+            json: false,
+            secret_file: None,
+            timeout: Duration::from_millis(400),
+        };
+        let started = Instant::now();
+        let code = run_status(args).await;
+        assert_eq!(code, std::process::ExitCode::FAILURE);
+        assert!(started.elapsed() < Duration::from_millis(400) + SLACK);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1937,10 +1937,12 @@ fn incarnations(addr: &str, engine: &str) -> Vec<u64> {
 
 #[test]
 fn requests_are_handed_over_through_etcd_discovery() {
-    let Some(etcd) = common::Etcd::single("requests_are_handed_over_through_etcd_discovery") else {
+    let Some(etcd) =
+        handoff_testkit::etcd::Etcd::single("requests_are_handed_over_through_etcd_discovery")
+    else {
         return;
     };
-    let addr = common::etcd_address(&[&etcd], "handover");
+    let addr = handoff_testkit::etcd::address(&[&etcd], "handover");
     let _p = worker(
         "prefill",
         "prefill",
@@ -1948,12 +1950,14 @@ fn requests_are_handed_over_through_etcd_discovery() {
         &addr,
         &["--requests", "8", "--serve"],
     );
+    // Decode names the same cluster with --cluster instead of the address's path.
+    let members = format!("etcd://{}", etcd.client);
     let d = worker(
         "decode",
         "decode",
         "D",
-        &addr,
-        &["--requests", "8", "--prefill", "P"],
+        &members,
+        &["--requests", "8", "--prefill", "P", "--cluster", "handover"],
     );
     let (ends, summary) = d.ends();
     assert_eq!(summary["done"], 8, "{ends:?}");
@@ -1963,7 +1967,7 @@ fn requests_are_handed_over_through_etcd_discovery() {
     // holds none of them.
     assert_eq!(incarnations(&addr, "P").len(), 1);
     assert_eq!(incarnations(&addr, "D").len(), 1);
-    let other = common::etcd_address(&[&etcd], "other");
+    let other = handoff_testkit::etcd::address(&[&etcd], "other");
     assert!(incarnations(&other, "P").is_empty());
 }
 
@@ -1971,12 +1975,12 @@ fn requests_are_handed_over_through_etcd_discovery() {
 /// killed for good, its record expires with its lease (no one removes it).
 #[test]
 fn a_killed_worker_expires_from_etcd_and_a_restarted_one_replaces_it() {
-    let Some(etcd) =
-        common::Etcd::single("a_killed_worker_expires_from_etcd_and_a_restarted_one_replaces_it")
-    else {
+    let Some(etcd) = handoff_testkit::etcd::Etcd::single(
+        "a_killed_worker_expires_from_etcd_and_a_restarted_one_replaces_it",
+    ) else {
         return;
     };
-    let addr = common::etcd_address(&[&etcd], "restart");
+    let addr = handoff_testkit::etcd::address(&[&etcd], "restart");
     let mut first = worker("prefill", "prefill", "P", &addr, &["--serve"]);
     let before = incarnations(&addr, "P");
     assert_eq!(before.len(), 1);
@@ -2000,12 +2004,12 @@ fn a_killed_worker_expires_from_etcd_and_a_restarted_one_replaces_it() {
 
 #[test]
 fn an_unreachable_etcd_fails_new_lookups_by_name_and_running_requests_finish() {
-    let Some(mut etcd) = common::Etcd::single(
+    let Some(mut etcd) = handoff_testkit::etcd::Etcd::single(
         "an_unreachable_etcd_fails_new_lookups_by_name_and_running_requests_finish",
     ) else {
         return;
     };
-    let addr = common::etcd_address(&[&etcd], "unreachable");
+    let addr = handoff_testkit::etcd::address(&[&etcd], "unreachable");
     let _p = worker(
         "prefill",
         "prefill",
@@ -2049,17 +2053,17 @@ fn an_unreachable_etcd_fails_new_lookups_by_name_and_running_requests_finish() {
     }
 }
 
-/// Three members, the one every worker asks first killed: registrations, lookups and the
-/// workers' lease renewals go on through the other two, and requests still hand over.
+/// Three members, the leader killed: a new one is elected, and registrations, lookups and
+/// the workers' lease renewals go on through the other two; requests still hand over.
 #[test]
-fn a_three_member_etcd_keeps_serving_with_one_member_killed() {
-    let Some(mut members) = common::Etcd::cluster(
-        "a_three_member_etcd_keeps_serving_with_one_member_killed",
+fn a_three_member_etcd_keeps_serving_with_its_leader_killed() {
+    let Some(mut members) = handoff_testkit::etcd::Etcd::cluster(
+        "a_three_member_etcd_keeps_serving_with_its_leader_killed",
         3,
     ) else {
         return;
     };
-    let addr = common::etcd_address(&members.iter().collect::<Vec<_>>(), "three");
+    let addr = handoff_testkit::etcd::address(&members.iter().collect::<Vec<_>>(), "three");
     let _p = worker(
         "prefill",
         "prefill",
@@ -2067,7 +2071,11 @@ fn a_three_member_etcd_keeps_serving_with_one_member_killed() {
         &addr,
         &["--requests", "8", "--serve"],
     );
-    members[0].kill9();
+    let leader = members
+        .iter()
+        .position(|m| m.is_leader())
+        .expect("one member leads");
+    members[leader].kill9();
     let killed = Instant::now();
     let d = worker(
         "decode",

@@ -12,6 +12,8 @@
 //! failure this exists to prevent: `cargo test` on a machine without UCX used to pass its
 //! UCX tests in no time.
 
+pub mod etcd;
+
 use std::fmt;
 use std::io::Write;
 

@@ -1,0 +1,227 @@
+//! The etcd directory against real etcd members started by the tests: the registry's rules
+//! over a transaction, racing registrations, the watch that drops cached answers, and
+//! values in the store that are not ours.
+
+use std::time::{Duration, Instant};
+
+use handoff_bootstrap::etcd::{b64, CACHE_AGE_MAX};
+use handoff_bootstrap::{BootstrapError, EtcdDirectory, Key, WorkerRecord};
+use handoff_testkit::etcd::{address, Etcd};
+use handoff_transport::{EngineId, RankInfo, Role};
+
+const T: Duration = Duration::from_secs(5);
+
+fn soon() -> Instant {
+    Instant::now() + T
+}
+
+fn record(engine: &str, tp: (u32, u32), incarnation: u64) -> WorkerRecord {
+    let rank = RankInfo {
+        engine_id: EngineId::new(engine),
+        dp_rank: 0,
+        dp_size: 1,
+        tp_rank: tp.0,
+        tp_size: tp.1,
+        pp_rank: 0,
+        pp_size: 1,
+    };
+    WorkerRecord {
+        rank,
+        role: Role::Prefill,
+        incarnation,
+        control_address: format!("tcp://10.0.0.{}:5000", tp.0),
+        data_address: format!("10.0.0.{}:6000", tp.0),
+        data_descriptor: vec![tp.0 as u8],
+    }
+}
+
+fn dir(etcd: &Etcd, cluster: &str, key: Option<Key>) -> EtcdDirectory {
+    EtcdDirectory::new(&address(&[etcd], cluster), key).expect("an etcd address")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registrations_follow_the_registry_rules() {
+    let Some(etcd) = Etcd::single("registrations_follow_the_registry_rules") else {
+        return;
+    };
+    let (a, b) = (dir(&etcd, "rules", None), dir(&etcd, "rules", None));
+    let engine = EngineId::new("P");
+    // Not known, then not ready until both tensor-parallel ranks are in.
+    assert!(matches!(
+        b.query(&engine, soon()).await,
+        Err(BootstrapError::UnknownEngine { .. })
+    ));
+    a.register(record("P", (0, 2), 5), soon()).await.unwrap();
+    match b.query(&engine, soon()).await {
+        Err(BootstrapError::NotReady {
+            registered,
+            expected: 2,
+            ..
+        }) => assert_eq!(registered.len(), 1),
+        other => panic!("{other:?}"),
+    }
+    // The same record again is fine.
+    a.register(record("P", (0, 2), 5), soon()).await.unwrap();
+    // An older incarnation, or the same one with other addresses, is a conflict that names
+    // the record kept; so is a rank whose sizes disagree with the engine's.
+    for bad in [
+        record("P", (0, 2), 4),
+        WorkerRecord {
+            control_address: "tcp://10.9.9.9:1".into(),
+            ..record("P", (0, 2), 5)
+        },
+        record("P", (1, 4), 9),
+    ] {
+        match b.register(bad.clone(), soon()).await {
+            Err(BootstrapError::Conflict { existing, address }) => {
+                assert_eq!(existing.rank.tp_rank, 0, "{bad:?}");
+                assert!(address.contains(&etcd.client), "{address}");
+            }
+            other => panic!("{bad:?}: {other:?}"),
+        }
+    }
+    // A newer incarnation replaces; the second rank completes the engine.
+    b.register(record("P", (0, 2), 6), soon()).await.unwrap();
+    b.register(record("P", (1, 2), 1), soon()).await.unwrap();
+    let mut got = a.query(&engine, soon()).await.unwrap();
+    got.sort_by_key(|r| r.rank.tp_rank);
+    assert_eq!(got, vec![record("P", (0, 2), 6), record("P", (1, 2), 1)]);
+}
+
+/// Many directories race to register different records for one rank: exactly one wins
+/// (the transaction holds only where nothing changed since the read), the others are told
+/// the winner's record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_registrations_of_one_rank_have_one_winner() {
+    let Some(etcd) = Etcd::single("racing_registrations_of_one_rank_have_one_winner") else {
+        return;
+    };
+    let racers: Vec<_> = (0..8u32)
+        .map(|i| {
+            let d = dir(&etcd, "race", None);
+            let mut r = record("R", (0, 1), 7);
+            r.control_address = format!("tcp://10.1.0.{i}:5000");
+            tokio::spawn(async move { (d.register(r.clone(), soon()).await, r, d) })
+        })
+        .collect();
+    let mut winners = Vec::new();
+    let mut keepers = Vec::new();
+    for racer in racers {
+        let (result, r, d) = racer.await.unwrap();
+        match result {
+            Ok(()) => winners.push(r),
+            Err(BootstrapError::Conflict { existing, .. }) => keepers.push(*existing),
+            Err(other) => panic!("{other}"),
+        }
+        keepers.retain(|k| k.incarnation == 7);
+        drop(d);
+    }
+    assert_eq!(winners.len(), 1, "{winners:?}");
+    assert!(keepers.iter().all(|k| *k == winners[0]), "{keepers:?}");
+}
+
+/// A cached answer is dropped when the watch sees the engine change: a restart elsewhere is
+/// seen well before the cache's age bound, without this directory losing anyone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_watch_drops_a_cached_answer_when_its_engine_changes() {
+    let Some(etcd) = Etcd::single("the_watch_drops_a_cached_answer_when_its_engine_changes") else {
+        return;
+    };
+    let (looker, first, restarted) = (
+        dir(&etcd, "watch", None),
+        dir(&etcd, "watch", None),
+        dir(&etcd, "watch", None),
+    );
+    let engine = EngineId::new("W");
+    first
+        .register(record("W", (0, 1), 1), soon())
+        .await
+        .unwrap();
+    // Asked until the watch is open and the answer cached.
+    let deadline = soon();
+    loop {
+        let got = looker.query(&engine, deadline).await.unwrap();
+        assert_eq!(got[0].incarnation, 1);
+        if looker.is_cached(&engine) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the answer was never cached");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let changed = Instant::now();
+    restarted
+        .register(record("W", (0, 1), 2), soon())
+        .await
+        .unwrap();
+    loop {
+        let got = looker.query(&engine, soon()).await.unwrap();
+        if got[0].incarnation == 2 {
+            break;
+        }
+        assert!(
+            changed.elapsed() < T,
+            "the restart was not seen within {T:?} (cache bound {CACHE_AGE_MAX:?})"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(changed.elapsed() < CACHE_AGE_MAX);
+}
+
+/// Records not tagged with the cluster's key (another key's, or none), and values that are
+/// not records at all, are skipped by a keyed directory: never used, never a panic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn values_that_are_not_this_clusters_records_are_ignored() {
+    let Some(etcd) = Etcd::single("values_that_are_not_this_clusters_records_are_ignored") else {
+        return;
+    };
+    let key = Key::new(b"a secret of at least thirty-two bytes, for tests").unwrap();
+    let other = Key::new(b"another secret of at least thirty-two bytes here").unwrap();
+    dir(&etcd, "keyed", Some(key.clone()))
+        .register(record("K", (0, 1), 1), soon())
+        .await
+        .unwrap();
+    let engine = EngineId::new("K");
+    assert_eq!(
+        dir(&etcd, "keyed", Some(key.clone()))
+            .query(&engine, soon())
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    // Another key does not check the tag: the record is not used.
+    assert!(matches!(
+        dir(&etcd, "keyed", Some(other))
+            .query(&engine, soon())
+            .await,
+        Err(BootstrapError::UnknownEngine { .. })
+    ));
+    // A record planted without the key is not used by those who hold it.
+    dir(&etcd, "keyed", None)
+        .register(record("U", (0, 1), 1), soon())
+        .await
+        .unwrap();
+    assert!(matches!(
+        dir(&etcd, "keyed", Some(key.clone()))
+            .query(&EngineId::new("U"), soon())
+            .await,
+        Err(BootstrapError::UnknownEngine { .. })
+    ));
+    // Garbage written straight into the engine's range, beside the real record.
+    let hex: String = b"K".iter().map(|b| format!("{b:02x}")).collect();
+    let put = |k: &str, v: &[u8]| {
+        let body = format!(
+            "{{\"key\":\"{}\",\"value\":\"{}\"}}",
+            b64(k.as_bytes()),
+            b64(v)
+        );
+        assert!(etcd.post("/v3/kv/put", &body).is_some(), "put {k}");
+    };
+    put(&format!("handoff/keyed/w/{hex}/0.1.0"), b"not a frame");
+    put(&format!("handoff/keyed/w/{hex}/9.9.9"), &[0xff; 300]);
+    let got = dir(&etcd, "keyed", Some(key))
+        .query(&engine, soon())
+        .await
+        .unwrap();
+    assert_eq!(got, vec![record("K", (0, 1), 1)]);
+}

@@ -252,6 +252,12 @@ fn hands_over_across_processes(mode: &str, transport: &str) {
 /// Eight requests from prefill (`p_extra`) to decode (`d_extra`), every one verified.
 fn hands_over_with(mode: &str, p_extra: &[&str], d_extra: &[&str]) {
     let (_boot, addr) = bootstrap();
+    hands_over_through(&addr, mode, p_extra, d_extra);
+}
+
+/// [`hands_over_with`] through the directory at `addr` (a bootstrap server or etcd).
+fn hands_over_through(addr: &str, mode: &str, p_extra: &[&str], d_extra: &[&str]) {
+    let addr = addr.to_string();
     let mut p_args = vec!["--requests", "8", "--serve"];
     p_args.extend_from_slice(p_extra);
     let _p = worker("prefill", "prefill", "P", &addr, &p_args);
@@ -1969,6 +1975,32 @@ fn requests_are_handed_over_through_etcd_discovery() {
     assert_eq!(incarnations(&addr, "D").len(), 1);
     let other = handoff_testkit::etcd::address(&[&etcd], "other");
     assert!(incarnations(&other, "P").is_empty());
+}
+
+/// The handover tests of the bootstrap server, through etcd: push over TCP, pull over UCX.
+#[test]
+fn push_and_ucx_handovers_run_through_etcd_as_through_a_bootstrap_server() {
+    let Some(etcd) = handoff_testkit::etcd::Etcd::single(
+        "push_and_ucx_handovers_run_through_etcd_as_through_a_bootstrap_server",
+    ) else {
+        return;
+    };
+    let tcp = handoff_testkit::etcd::address(&[&etcd], "tcp-push");
+    hands_over_through(
+        &tcp,
+        "push",
+        &["--transport", "tcp"],
+        &["--transport", "tcp"],
+    );
+    if ucx_available() {
+        let ucx = handoff_testkit::etcd::address(&[&etcd], "ucx-pull");
+        hands_over_through(
+            &ucx,
+            "pull",
+            &["--transport", "ucx"],
+            &["--transport", "ucx"],
+        );
+    }
 }
 
 /// A worker killed and restarted: the new incarnation replaces the old record at once;

@@ -119,6 +119,12 @@ fn a_worker_off_loopback_refuses_without_a_secret_before_it_dials() {
         ("--control-listen", "tcp://0.0.0.0:0", "control listen"),
         ("--data-listen", "0.0.0.0:0", "data listen"),
         ("--bootstrap", "tcp://192.0.2.77:7400", "bootstrap server"),
+        // Any one etcd member off loopback is enough.
+        (
+            "--bootstrap",
+            "etcd://127.0.0.1:2379,192.0.2.78:2379/c",
+            "etcd member",
+        ),
     ] {
         let (ok, err) = refused(&[
             "worker",

@@ -82,16 +82,55 @@ struct Inner {
     key: Option<Key>,
     cfg: ClientConfig,
     cache: Mutex<BTreeMap<EngineId, Vec<WorkerRecord>>>,
-    /// Ranks lost at an incarnation (oldest first, at most [`LOST_INCARNATIONS_MAX`]): the
-    /// server may still hold their records until they expire, and a lookup must not hand
-    /// a dead worker out again: it fails by name until the rank registers anew.
-    lost: Mutex<std::collections::VecDeque<(RankInfo, u64)>>,
+    /// Ranks lost at an incarnation: the server may still hold their records until they
+    /// expire, and a lookup must not hand a dead worker out again: it fails by name until
+    /// the rank registers anew.
+    lost: LostRanks,
     driver: Mutex<Option<DriverHandle>>,
 }
 
 /// Lost incarnations remembered per client: more than the ranks of the engines one worker
 /// talks to, so a restart is never forgotten before the server expires the old record.
 const LOST_INCARNATIONS_MAX: usize = 1024;
+
+/// Ranks lost at an incarnation, oldest first, at most [`LOST_INCARNATIONS_MAX`]: what a
+/// directory (the bootstrap server's client, or etcd's) must not hand out again.
+#[derive(Default)]
+pub(crate) struct LostRanks(Mutex<std::collections::VecDeque<(RankInfo, u64)>>);
+
+impl LostRanks {
+    /// Remembers `rank` lost at `incarnation` (the oldest is forgotten at the bound).
+    pub(crate) fn insert(&self, rank: &RankInfo, incarnation: u64) {
+        let mut lost = lock(&self.0);
+        if !lost.contains(&(rank.clone(), incarnation)) {
+            if lost.len() >= LOST_INCARNATIONS_MAX {
+                lost.pop_front();
+            }
+            lost.push_back((rank.clone(), incarnation));
+        }
+    }
+
+    /// [`BootstrapError::Lost`] for the first of `workers` that was lost: what it held is
+    /// gone with it.
+    pub(crate) fn check(
+        &self,
+        address: &str,
+        workers: &[WorkerRecord],
+    ) -> Result<(), BootstrapError> {
+        let lost = lock(&self.0);
+        match workers
+            .iter()
+            .find(|w| lost.contains(&(w.rank.clone(), w.incarnation)))
+        {
+            Some(dead) => Err(BootstrapError::Lost {
+                address: address.to_string(),
+                rank: dead.rank.clone(),
+                incarnation: dead.incarnation,
+            }),
+            None => Ok(()),
+        }
+    }
+}
 
 struct DriverHandle {
     calls: mpsc::Sender<Call>,
@@ -158,7 +197,7 @@ impl BootstrapClient {
                 key,
                 cfg,
                 cache: Mutex::new(BTreeMap::new()),
-                lost: Mutex::new(std::collections::VecDeque::new()),
+                lost: LostRanks::default(),
                 driver: Mutex::new(None),
             }),
         }
@@ -211,18 +250,9 @@ impl BootstrapClient {
             .retry(msg, deadline, |reply| match reply {
                 Message::QueryReply(r) => match r.answer {
                     QueryAnswer::Ready { workers } => {
-                        let lost = lock(&self.inner.lost);
-                        match workers
-                            .iter()
-                            .find(|w| lost.contains(&(w.rank.clone(), w.incarnation)))
-                        {
-                            // A record of a worker we lost: what it held is gone with it.
-                            Some(dead) => Judged::Fail(BootstrapError::Lost {
-                                address: address.clone(),
-                                rank: dead.rank.clone(),
-                                incarnation: dead.incarnation,
-                            }),
-                            None => Judged::Done(workers),
+                        match self.inner.lost.check(&address, &workers) {
+                            Err(dead) => Judged::Fail(dead),
+                            Ok(()) => Judged::Done(workers),
                         }
                     }
                     QueryAnswer::NotReady {
@@ -278,14 +308,7 @@ impl BootstrapClient {
     /// answer: until the rank registers again with a new incarnation, lookups of its engine
     /// fail with [`BootstrapError::Lost`] rather than hand the dead worker out again.
     pub fn mark_lost(&self, rank: &RankInfo, incarnation: u64) {
-        let mut lost = lock(&self.inner.lost);
-        if !lost.contains(&(rank.clone(), incarnation)) {
-            if lost.len() >= LOST_INCARNATIONS_MAX {
-                lost.pop_front();
-            }
-            lost.push_back((rank.clone(), incarnation));
-        }
-        drop(lost);
+        self.inner.lost.insert(rank, incarnation);
         self.invalidate(&rank.engine_id);
     }
 

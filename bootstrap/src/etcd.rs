@@ -20,7 +20,7 @@
 //! Every call has a deadline; an unreachable etcd is [`BootstrapError::Unavailable`] naming
 //! the endpoints, for exactly the calls that needed it.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -36,6 +36,7 @@ use handoff_transport::wire::{self, Message, QueryAnswer, StatusReply, WorkerRec
 use handoff_transport::zmtp::ConnId;
 use handoff_transport::{EngineId, RankInfo};
 
+use crate::client::LostRanks;
 use crate::registry::{Origin, RegisterOutcome, Registry};
 use crate::{BootstrapError, CACHED_ENGINES_MAX};
 
@@ -67,9 +68,6 @@ const CAS_ATTEMPTS_MAX: usize = 16;
 
 /// Pause between rounds over every endpoint while none answers.
 const ROUND_BACKOFF: Duration = Duration::from_millis(100);
-
-/// Lost incarnations remembered (as the bootstrap client does).
-const LOST_INCARNATIONS_MAX: usize = 1024;
 
 /// A cached lookup is read again after this long even when the watch saw no change: the
 /// bound on how stale an answer can be if the watch is silently cut.
@@ -625,7 +623,7 @@ struct Inner {
     key: Option<Key>,
     /// Ready answers by engine, with when they were read.
     cache: Mutex<BTreeMap<EngineId, (Vec<WorkerRecord>, Instant)>>,
-    lost: Mutex<VecDeque<(RankInfo, u64)>>,
+    lost: LostRanks,
     keeper: Mutex<Option<JoinHandle<()>>>,
     watch: Mutex<Watch>,
 }
@@ -680,7 +678,7 @@ impl EtcdDirectory {
                 },
                 key,
                 cache: Mutex::new(BTreeMap::new()),
-                lost: Mutex::new(VecDeque::new()),
+                lost: LostRanks::default(),
                 keeper: Mutex::new(None),
                 watch: Mutex::new(Watch::default()),
             }),
@@ -848,18 +846,7 @@ impl EtcdDirectory {
         let (records, revision) = self.records(&prefix, deadline).await?;
         match Self::replay(records).query(engine) {
             QueryAnswer::Ready { workers } => {
-                let lost = lock(&self.inner.lost);
-                if let Some(dead) = workers
-                    .iter()
-                    .find(|w| lost.contains(&(w.rank.clone(), w.incarnation)))
-                {
-                    return Err(BootstrapError::Lost {
-                        address,
-                        rank: dead.rank.clone(),
-                        incarnation: dead.incarnation,
-                    });
-                }
-                drop(lost);
+                self.inner.lost.check(&address, &workers)?;
                 // Cached only while the watch can tell a later change, and only if it saw
                 // none of this engine's since the read.
                 let watch = lock(&self.inner.watch);
@@ -1039,14 +1026,7 @@ impl EtcdDirectory {
     /// Remembers that `rank` was lost at `incarnation` (until it registers anew, a lookup
     /// that finds that record fails by name) and forgets its engine's cached answer.
     pub fn mark_lost(&self, rank: &RankInfo, incarnation: u64) {
-        let mut lost = lock(&self.inner.lost);
-        if !lost.contains(&(rank.clone(), incarnation)) {
-            if lost.len() >= LOST_INCARNATIONS_MAX {
-                lost.pop_front();
-            }
-            lost.push_back((rank.clone(), incarnation));
-        }
-        drop(lost);
+        self.inner.lost.insert(rank, incarnation);
         self.invalidate(&rank.engine_id);
     }
 

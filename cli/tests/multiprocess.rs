@@ -524,18 +524,25 @@ fn a_resumed_prefill_fails_its_requests_for_a_lost_decode_at_once_in_push_mode()
 #[test]
 fn stopping_the_bootstrap_server_fails_new_lookups_by_name_and_running_requests_finish() {
     let (mut boot, addr) = bootstrap();
+    a_lost_directory_fails_new_lookups_by_name(&addr, || boot.kill9());
+}
+
+/// Three requests resolve their prefill through the directory at `addr`; `stop` then takes
+/// the directory away while they wait in prefill's hold: they finish, and three more, for
+/// an engine not yet resolved, fail `bootstrap_unavailable` naming the address.
+fn a_lost_directory_fails_new_lookups_by_name(addr: &str, stop: impl FnOnce()) {
     let _p = worker(
         "prefill",
         "prefill",
         "P",
-        &addr,
+        addr,
         &["--requests", "3", "--hold-ms", "1500", "--serve"],
     );
     let d = worker(
         "decode",
         "decode",
         "D",
-        &addr,
+        addr,
         &[
             "--requests",
             "3",
@@ -547,17 +554,13 @@ fn stopping_the_bootstrap_server_fails_new_lookups_by_name_and_running_requests_
             "800",
         ],
     );
-    std::thread::sleep(Duration::from_millis(300)); // the first three have resolved P
-    boot.kill9();
+    // The first three have resolved P (they wait in prefill's hold).
+    d.until_waiting_for_input(3);
+    stop();
     let (ends, _) = d.ends();
-    let first: Vec<&Value> = ends
+    let (then, first): (Vec<&Value>, Vec<&Value>) = ends
         .iter()
-        .filter(|e| !e["request"].as_str().unwrap().contains("then"))
-        .collect();
-    let then: Vec<&Value> = ends
-        .iter()
-        .filter(|e| e["request"].as_str().unwrap().contains("then"))
-        .collect();
+        .partition(|e| e["request"].as_str().unwrap().contains("then"));
     assert!(
         first
             .iter()
@@ -567,7 +570,7 @@ fn stopping_the_bootstrap_server_fails_new_lookups_by_name_and_running_requests_
     assert_eq!(then.len(), 3);
     for e in then {
         assert_eq!(e["kind"], "bootstrap_unavailable", "{e}");
-        assert!(e["reason"].as_str().unwrap().contains(&addr), "{e}");
+        assert!(e["reason"].as_str().unwrap().contains(addr), "{e}");
     }
 }
 
@@ -2042,47 +2045,7 @@ fn an_unreachable_etcd_fails_new_lookups_by_name_and_running_requests_finish() {
         return;
     };
     let addr = handoff_testkit::etcd::address(&[&etcd], "unreachable");
-    let _p = worker(
-        "prefill",
-        "prefill",
-        "P",
-        &addr,
-        &["--requests", "3", "--hold-ms", "1500", "--serve"],
-    );
-    let d = worker(
-        "decode",
-        "decode",
-        "D",
-        &addr,
-        &[
-            "--requests",
-            "3",
-            "--prefill",
-            "P",
-            "--then-prefill",
-            "P2",
-            "--then-after-ms",
-            "800",
-        ],
-    );
-    // The first three have resolved P (they wait in prefill's hold) before etcd goes.
-    d.until_waiting_for_input(3);
-    etcd.kill9();
-    let (ends, _) = d.ends();
-    let (then, first): (Vec<&Value>, Vec<&Value>) = ends
-        .iter()
-        .partition(|e| e["request"].as_str().unwrap().contains("then"));
-    assert!(
-        first
-            .iter()
-            .all(|e| e["kind"] == "done" && e["verified"] == true),
-        "{first:?}"
-    );
-    assert_eq!(then.len(), 3);
-    for e in then {
-        assert_eq!(e["kind"], "bootstrap_unavailable", "{e}");
-        assert!(e["reason"].as_str().unwrap().contains(&addr), "{e}");
-    }
+    a_lost_directory_fails_new_lookups_by_name(&addr, || etcd.kill9());
 }
 
 /// Three members, the leader killed: a new one is elected, and registrations, lookups and

@@ -108,6 +108,22 @@ pub const LOOKUP_DEADLINE: std::time::Duration = std::time::Duration::from_secs(
 /// bounds it again from outside.
 const REGISTER_DEADLINE: std::time::Duration = std::time::Duration::from_secs(300);
 
+/// A directory's answer as a lookup reports it: an engine not (yet) complete is `NotReady`
+/// (asked again until the request's deadline); anything else fails the request by name.
+fn resolved(
+    answer: Result<Vec<WorkerRecord>, BootstrapError>,
+) -> Result<Vec<WorkerRecord>, ResolveError> {
+    match answer {
+        Ok(records) => Ok(records),
+        Err(e @ (BootstrapError::NotReady { .. } | BootstrapError::UnknownEngine { .. })) => {
+            Err(ResolveError::NotReady {
+                detail: e.to_string(),
+            })
+        }
+        Err(e) => Err(ResolveError::Fatal(e.failure_reason())),
+    }
+}
+
 impl Directory for handoff_bootstrap::BootstrapClient {
     fn register(&self, record: WorkerRecord) -> DirectoryFuture<Result<(), BootstrapError>> {
         let client = self.clone();
@@ -124,17 +140,8 @@ impl Directory for handoff_bootstrap::BootstrapClient {
         let client = self.clone();
         let engine = engine.clone();
         Box::pin(async move {
-            use handoff_bootstrap::BootstrapError as E;
             let deadline = std::time::Instant::now() + LOOKUP_DEADLINE;
-            match client.query(&engine, deadline).await {
-                Ok(records) => Ok(records),
-                Err(e @ (E::NotReady { .. } | E::UnknownEngine { .. })) => {
-                    Err(ResolveError::NotReady {
-                        detail: e.to_string(),
-                    })
-                }
-                Err(e) => Err(ResolveError::Fatal(e.failure_reason())),
-            }
+            resolved(client.query(&engine, deadline).await)
         })
     }
 
@@ -163,17 +170,8 @@ impl Directory for handoff_bootstrap::EtcdDirectory {
         let dir = self.clone();
         let engine = engine.clone();
         Box::pin(async move {
-            use handoff_bootstrap::BootstrapError as E;
             let deadline = std::time::Instant::now() + LOOKUP_DEADLINE;
-            match dir.query(&engine, deadline).await {
-                Ok(records) => Ok(records),
-                Err(e @ (E::NotReady { .. } | E::UnknownEngine { .. })) => {
-                    Err(ResolveError::NotReady {
-                        detail: e.to_string(),
-                    })
-                }
-                Err(e) => Err(ResolveError::Fatal(e.failure_reason())),
-            }
+            resolved(dir.query(&engine, deadline).await)
         })
     }
 

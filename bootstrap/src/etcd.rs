@@ -634,6 +634,9 @@ struct Watch {
     task: Option<JoinHandle<()>>,
     /// The stream is open and etcd confirmed it: answers may be cached.
     live: bool,
+    /// The revision the open stream watches from: an answer read before it may predate a
+    /// change no stream reported (one made while the watch was down), so it is not cached.
+    since: i64,
     /// The revision of the last change seen, by engine key (hex): an answer read at an
     /// older revision is not cached.
     changed: BTreeMap<String, i64>,
@@ -851,7 +854,10 @@ impl EtcdDirectory {
                 // none of this engine's since the read.
                 let watch = lock(&self.inner.watch);
                 let hex = hex(engine.as_str().as_bytes());
-                if watch.live && watch.changed.get(&hex).is_none_or(|&r| r <= revision) {
+                if watch.live
+                    && revision >= watch.since
+                    && watch.changed.get(&hex).is_none_or(|&r| r <= revision)
+                {
                     let mut cache = lock(&self.inner.cache);
                     if cache.len() >= CACHED_ENGINES_MAX && !cache.contains_key(engine) {
                         cache.pop_first();
@@ -975,9 +981,12 @@ impl EtcdDirectory {
                 return Err(closed(opened)(format!("watch error: {message}")));
             };
             if result.get("created").and_then(Value::as_bool) == Some(true) {
-                // Changes before this point were not seen: start from a clean cache.
+                // Changes before this point were not seen: start from a clean cache, and
+                // cache nothing read before it.
                 lock(&self.inner.cache).clear();
-                lock(&self.inner.watch).live = true;
+                let mut watch = lock(&self.inner.watch);
+                watch.live = true;
+                watch.since = int(result.pointer("/header/revision"));
                 opened = true;
             }
             if result.get("canceled").and_then(Value::as_bool) == Some(true) {

@@ -923,3 +923,45 @@ async fn a_read_racing_its_revocation_is_whole_or_refused() {
     eprintln!("{whole} reads whole, {refused} refused, of {rounds}; one read {span:?}");
     assert_eq!(whole + refused, rounds);
 }
+
+/// A peer that asks for reads and never takes the bytes holds the connection no longer
+/// than the frame time (each frame is answered under it): the server drops it (nothing is
+/// locked meanwhile: the bytes go straight from the blocks) and goes on serving others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_that_never_takes_its_bytes_is_dropped_within_the_frame_time() {
+    let config = ServerConfig {
+        frame_read_timeout: Duration::from_millis(300),
+        ..ServerConfig::default()
+    };
+    let (server, remote) = server(Arc::new(AllowAll), None, config).await;
+    let (mut s, _) = raw_hello(&server).await;
+    // The whole region, four times over, more than the sockets' buffers hold.
+    let mut meta = Vec::new();
+    let per_op = OP_BYTES_MAX / BLOCK_BYTES;
+    for k in 0..4u32 {
+        let segs = (0..per_op).map(|b| Segment {
+            offset: (b as u64 % u64::from(BLOCKS)) * BLOCK_BYTES as u64,
+            len: BLOCK_BYTES as u32,
+        });
+        frame::encode_op(&RequestId::new("r"), segs, &mut meta);
+        let h = Header {
+            op: Op::Read,
+            flags: 0,
+            seq: k + 1,
+            meta_len: meta.len() as u32,
+            data_len: 0,
+        };
+        s.write_all(&h.encode()).await.unwrap();
+        s.write_all(&meta).await.unwrap();
+    }
+    let started = Instant::now();
+    while server.stats().dropped_connections == 0 {
+        assert!(
+            started.elapsed() < STEP,
+            "the stalled reader was never dropped"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    still_serves(&server, &remote).await;
+    drop(s);
+}

@@ -26,6 +26,7 @@ use crate::data::{plan, Access, DataError, Grants, RefusalCode};
 use crate::noise::{Opener, Sealer};
 use crate::region::Region;
 use crate::types::{BlockId, RankInfo, RequestId};
+use handoff_gpu::MemoryKind;
 
 /// The buffer a refused operation's data is read through and dropped.
 const DISCARD_CHUNK_BYTES: usize = 16 << 10;
@@ -709,7 +710,7 @@ impl Conn<'_> {
     /// Device memory is staged under the grant.
     async fn read(&mut self, head: &Header, request: &RequestId) -> Result<(), End> {
         let rank = self.hello_rank()?;
-        let sent = if self.shared.region.check_host("").is_ok() {
+        let sent = if self.shared.region.memory_kind() == MemoryKind::Host {
             self.read_direct(head, request, &rank).await?
         } else {
             self.read_staged(head, request, &rank).await?
@@ -772,6 +773,8 @@ impl Conn<'_> {
             meta_len: 0,
             data_len: total as u32,
         };
+        // A peer that stops taking the bytes holds no grant and no buffer of ours meanwhile,
+        // and the connection no longer than the frame time (`serve`).
         // SAFETY: the segments lie inside the region's memory (`check_op` checked the
         // logical ranges, the layout maps them onto its ranges), which stays mapped as long
         // as the server's shared state, held by this connection.

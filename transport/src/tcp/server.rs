@@ -2,7 +2,6 @@
 //! runtime's grants.
 
 use std::collections::BTreeMap;
-use std::io::IoSlice;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -26,7 +25,6 @@ use crate::data::{plan, Access, DataError, Grants, RefusalCode};
 use crate::noise::{Opener, Sealer};
 use crate::region::Region;
 use crate::types::{BlockId, RankInfo, RequestId};
-use handoff_gpu::MemoryKind;
 
 /// The buffer a refused operation's data is read through and dropped.
 const DISCARD_CHUNK_BYTES: usize = 16 << 10;
@@ -355,8 +353,7 @@ struct Conn<'a> {
     meta: Vec<u8>,
     segments: Vec<Segment>,
     blocks: Vec<BlockId>,
-    /// Staged write data (and a device region's read data); grows to at most
-    /// [`OP_BYTES_MAX`].
+    /// Staged write data; grows to at most [`OP_BYTES_MAX`].
     staging: Vec<u8>,
 }
 
@@ -702,20 +699,15 @@ impl Conn<'_> {
         }
     }
 
-    /// Sends the bytes of a read, then `ReadOk`, or `Error` for a refusal. Host memory goes
-    /// straight from the blocks into the socket, with the grant checked before the first
-    /// byte and again after the last: the same generation both times means it held
-    /// throughout (a revoked grant never holds again), so the bytes are the blocks' as
-    /// granted; otherwise the bytes already sent are disowned by `Error` (`NotGranted`).
-    /// Device memory is staged under the grant.
+    /// Sends the bytes of a read, then `ReadOk`, or `Error` for a refusal. They go straight
+    /// from the blocks (host memory: [`DataServer::bind_with`] refuses any other) into the
+    /// socket, with the grant checked before the first byte and again after the last: the
+    /// same generation both times means it held throughout (a revoked grant never holds
+    /// again), so the bytes are the blocks' as granted; otherwise the bytes already sent are
+    /// disowned by `Error` (`NotGranted`).
     async fn read(&mut self, head: &Header, request: &RequestId) -> Result<(), End> {
         let rank = self.hello_rank()?;
-        let sent = if self.shared.region.memory_kind() == MemoryKind::Host {
-            self.read_direct(head, request, &rank).await?
-        } else {
-            self.read_staged(head, request, &rank).await?
-        };
-        match sent {
+        match self.read_direct(head, request, &rank).await? {
             Ok(()) => {
                 self.shared.counters.reads.fetch_add(1, Ordering::Relaxed);
                 let header = Header {
@@ -733,7 +725,7 @@ impl Conn<'_> {
         }
     }
 
-    /// A host region's read: sent from the blocks by address, under the grant's generation.
+    /// A read's bytes, sent from the blocks by address, under the grant's generation.
     async fn read_direct(
         &mut self,
         head: &Header,
@@ -800,59 +792,6 @@ impl Conn<'_> {
                 )),
             },
         )
-    }
-
-    /// A device region's read: copied to the host under the grant, then sent.
-    async fn read_staged(
-        &mut self,
-        head: &Header,
-        request: &RequestId,
-        rank: &RankInfo,
-    ) -> Result<Result<(), Refusal>, End> {
-        let total: usize = self.segments.iter().map(|s| s.len as usize).sum();
-        self.staging.resize(total, 0);
-        let (region, segments, staging) = (&self.shared.region, &self.segments, &mut self.staging);
-        let mut copied = Ok(false);
-        let mut copy = || {
-            let mut pos = 0usize;
-            for seg in segments {
-                let len = seg.len as usize;
-                // Inside the region's logical space (check_op); staging is `total` long;
-                // the grant held around this call keeps the blocks readable.
-                if let Err(e) = region.read_logical(seg.offset, &mut staging[pos..pos + len]) {
-                    copied = Err(e);
-                    return;
-                }
-                pos += len;
-            }
-            copied = Ok(true);
-        };
-        let granted =
-            self.shared
-                .grants
-                .with_grant(rank, request, Access::Read, &self.blocks, &mut copy);
-        match (granted, copied) {
-            (Ok(()), Ok(true)) => {
-                let header = Header {
-                    op: Op::ReadData,
-                    flags: 0,
-                    seq: head.seq,
-                    meta_len: 0,
-                    data_len: total as u32,
-                };
-                let data = [IoSlice::new(&self.staging)];
-                write_frame(&mut self.w, header, &[], &data, self.sealer.as_mut())
-                    .await
-                    .map_err(|e| End::Error(io_error(&self.peer, "sending read data", e), None))?;
-                Ok(Ok(()))
-            }
-            (Ok(()), Ok(false)) => Ok(Err((
-                RefusalCode::Internal,
-                "grant check ran no copy".into(),
-            ))),
-            (Ok(()), Err(e)) => Ok(Err((RefusalCode::Internal, format!("copy failed: {e}")))),
-            (Err(why), _) => Ok(Err((RefusalCode::NotGranted, why.to_string()))),
-        }
     }
 
     /// Answers an operation with `Error`, logs it with the peer named, and goes on.

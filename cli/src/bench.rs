@@ -186,6 +186,11 @@ pub struct BenchArgs {
     /// print the leased/unleased ratio of each write point.
     #[arg(long)]
     pub lease_cost: bool,
+    /// TCP: wait for bytes spinning up to this many microseconds before sleeping, on the
+    /// client (each answer) and the server (each next frame), as `handoff worker
+    /// --tcp-busy-poll-us` does: lower one-block latency for the CPU spun.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1000))]
+    pub tcp_busy_poll_us: u64,
     /// How UCX gets host regions: `allocated` by UCX (same-host peers map it through shared
     /// memory), or heap memory `registered` by address, as an engine's tensors are (UCX
     /// 1.13 emulates RMA into it with active messages the peer's UCX thread serves).
@@ -413,6 +418,8 @@ struct Plan {
     registered: bool,
     /// `--lease-cost`: UCX writes also measured without the lease.
     lease_cost: bool,
+    /// `--tcp-busy-poll-us`, on both sides of the TCP rows.
+    tcp_busy_poll: Duration,
 }
 
 impl Plan {
@@ -456,6 +463,7 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
         layered_ranges: None,
         registered: args.host_memory == HostMemory::Registered,
         lease_cost: args.lease_cost,
+        tcp_busy_poll: Duration::from_micros(args.tcp_busy_poll_us),
     };
     let mut plan = plan;
     if let Some(layers) = args.layers {
@@ -1072,12 +1080,14 @@ impl Link {
                 remote: Arc::new(host_region(Region::new(blocks, block))?),
             }),
             BenchTransport::Tcp => {
-                let mut peer = PeerProcess::spawn(&format!("tcp:{blocks}:{block}")).await?;
+                let busy_poll = plan.tcp_busy_poll;
+                let spec = format!("tcp:{blocks}:{block}:{}", busy_poll.as_micros());
+                let mut peer = PeerProcess::spawn(&spec).await?;
                 let ready = peer.expect().await?;
                 let addr = ready
                     .strip_prefix("ready tcp ")
                     .ok_or_else(|| format!("peer said {ready:?}"))?;
-                let client = DataClient::connect(addr, me, None, PEER_STEP_TIMEOUT)
+                let client = DataClient::connect_with(addr, me, None, PEER_STEP_TIMEOUT, busy_poll)
                     .await
                     .map_err(|e| e.to_string())?;
                 let local = Arc::new(host_region(Region::new(blocks, block))?);
@@ -1492,11 +1502,15 @@ async fn latency(t: BenchTransport, plan: &Plan) -> Result<Latency, String> {
     link.close().await;
     let mut micros: Vec<f64> = samples.iter().map(|d| d.as_secs_f64() * 1e6).collect();
     micros.sort_by(f64::total_cmp);
+    let polled = match (t, plan.tcp_busy_poll.as_micros()) {
+        (BenchTransport::Tcp, us) if us > 0 => format!("; busy poll {us} µs on both sides"),
+        _ => String::new(),
+    };
     Ok(percentiles(
         t.name(),
         "write",
         &micros,
-        "one call per block, from the async API".into(),
+        format!("one call per block, from the async API{polled}"),
     ))
 }
 
@@ -1593,10 +1607,14 @@ impl PeerProcess {
 /// The peer side: serve a region over `tcp` or `ucx` and answer commands on stdin.
 async fn peer_main(spec: &str) -> Result<(), String> {
     let parts: Vec<&str> = spec.split(':').collect();
-    // `tcp:<blocks>:<block>` or
+    // `tcp:<blocks>:<block>:<busy poll µs>` or
     // `ucx:<blocks>:<block>:<memory>:<peer's memory>:<device>:<ranges>:<registered 0|1>`.
+    let mut busy_poll = Duration::ZERO;
     let (kind, blocks, block, memory, ranges, registered) = match parts.as_slice() {
-        [kind, blocks, block] => (*kind, *blocks, *block, None, "1", false),
+        [kind, blocks, block, micros] => {
+            busy_poll = Duration::from_micros(micros.parse().map_err(|_| "bad busy poll")?);
+            (*kind, *blocks, *block, None, "1", false)
+        }
         [kind, blocks, block, memory, other, device, ranges, registered] => {
             let parse = |name: &str| match name {
                 "host" => Ok(BenchMemory::Host),
@@ -1622,12 +1640,17 @@ async fn peer_main(spec: &str) -> Result<(), String> {
     let (_keep, region): (Box<dyn std::any::Any>, Arc<Region>) = match kind {
         "tcp" => {
             let region = Arc::new(host_region(Region::new(blocks, block))?);
-            let server = DataServer::bind(
+            let config = handoff_transport::tcp::ServerConfig {
+                busy_poll,
+                ..Default::default()
+            };
+            let server = DataServer::bind_with(
                 "127.0.0.1:0",
                 Arc::clone(&region),
                 Arc::new(AllowAll),
                 me,
                 None,
+                config,
             )
             .await
             .map_err(|e| e.to_string())?;

@@ -201,6 +201,12 @@ pub struct WorkerArgs {
     /// Heartbeat interval on peer connections.
     #[arg(long, default_value_t = 1000)]
     pub heartbeat_ms: u64,
+    /// TCP data plane: wait for bytes spinning up to this many microseconds before the
+    /// thread sleeps (each answer, each next frame). Lower one-block latency (on a 2-vCPU
+    /// VM, 16 KiB writes at p50 28-62 µs instead of 82-116) for the CPU spun: for workers
+    /// with cores to spare, not for cores an engine needs. 0 (the default) sleeps at once.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1000))]
+    pub tcp_busy_poll_us: u64,
     /// Heartbeats a peer may miss before it is lost (at least 2: the writer's lease over
     /// UCX runs from the last heartbeat the peer echoed).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(2..))]
@@ -357,6 +363,7 @@ async fn run_inner(a: WorkerArgs) -> Result<ExitCode, String> {
         },
         cuda_device: a.cuda_device,
         heartbeat_interval: Duration::from_millis(a.heartbeat_ms),
+        tcp_busy_poll: Duration::from_micros(a.tcp_busy_poll_us),
         heartbeats_missed_max: a.heartbeats_missed,
         timeouts,
         mode: match a.mode {

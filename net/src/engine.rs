@@ -106,7 +106,8 @@ pub struct EngineOptions {
     pub role: Role,
     /// This worker's engine and ranks.
     pub rank: RankInfo,
-    /// The bootstrap server, `tcp://HOST:PORT`.
+    /// Where workers meet: a bootstrap server, `tcp://HOST:PORT`, or an etcd cluster,
+    /// `etcd://HOST:PORT[,HOST:PORT...][/CLUSTER]` (ARCHITECTURE, Discovery on etcd).
     pub bootstrap: String,
     /// Where the control port listens (`tcp://HOST:PORT`, port 0 picks one).
     pub control_listen: String,
@@ -125,6 +126,11 @@ pub struct EngineOptions {
     /// `handoff_transport::priority::apply` in `on_thread_start`. Default: none (left as
     /// born).
     pub thread_nice: Option<i32>,
+    /// TCP data plane: wait for each answer (client) and each next frame (server) spinning
+    /// this long before the thread sleeps (at most `handoff_transport::tcp::BUSY_POLL_MAX`):
+    /// lower one-block latency for the CPU spun, for workers with cores to spare. Default:
+    /// zero (sleep at once), for cores shared with an engine.
+    pub tcp_busy_poll: Duration,
     /// Heartbeat interval on peer connections (clamped to [`HEARTBEAT_INTERVAL_MIN`] ..
     /// [`HEARTBEAT_INTERVAL_MAX`]).
     pub heartbeat_interval: Duration,
@@ -177,6 +183,7 @@ impl EngineOptions {
             transport: DataTransport::Auto,
             cuda_device: None,
             thread_nice: None,
+            tcp_busy_poll: Duration::ZERO,
             heartbeat_interval: HEARTBEAT_INTERVAL_DEFAULT,
             heartbeats_missed_max: HEARTBEATS_MISSED_MAX_DEFAULT,
             register_timeout: REGISTER_TIMEOUT_DEFAULT,
@@ -428,12 +435,13 @@ async fn data_plane(
             e,
         ));
     }
-    let data = TcpDataPlane::bind(
+    let data = TcpDataPlane::bind_with(
         &opts.data_listen,
         opts.advertise_host.as_deref(),
         region.clone(),
         opts.rank.clone(),
         opts.key.clone(),
+        opts.tcp_busy_poll,
     )
     .await
     .map_err(|e| plane_error("TCP data plane", e))?;

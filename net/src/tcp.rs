@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use handoff_transport::auth::Key;
 use handoff_transport::data::DataError;
-use handoff_transport::tcp::{DataClient, DataServer};
+use handoff_transport::tcp::{DataClient, DataServer, ServerConfig};
 use handoff_transport::wire::messages::{LayoutDescriptor, TransportKind};
 use handoff_transport::{RankInfo, Region};
 
@@ -30,6 +30,8 @@ pub struct TcpDataPlane {
     key: Option<Key>,
     grants: Arc<GrantTable>,
     clients: Arc<Mutex<BTreeMap<String, DataClient>>>,
+    /// How long the server and the clients wait for bytes spinning before they sleep.
+    busy_poll: Duration,
 }
 
 impl TcpDataPlane {
@@ -42,14 +44,32 @@ impl TcpDataPlane {
         me: RankInfo,
         key: Option<Key>,
     ) -> Result<TcpDataPlane, DataError> {
+        Self::bind_with(listen, advertise_host, region, me, key, Duration::ZERO).await
+    }
+
+    /// [`TcpDataPlane::bind`] whose server and clients busy-poll for bytes up to
+    /// `busy_poll` before they sleep ([`EngineOptions::tcp_busy_poll`](crate::EngineOptions)).
+    pub async fn bind_with(
+        listen: &str,
+        advertise_host: Option<&str>,
+        region: Arc<Region>,
+        me: RankInfo,
+        key: Option<Key>,
+        busy_poll: Duration,
+    ) -> Result<TcpDataPlane, DataError> {
         let listen = listen.strip_prefix("tcp://").unwrap_or(listen);
         let grants = Arc::new(GrantTable::default());
-        let server = DataServer::bind(
+        let config = ServerConfig {
+            busy_poll,
+            ..ServerConfig::default()
+        };
+        let server = DataServer::bind_with(
             listen,
             region.clone(),
             grants.clone(),
             me.clone(),
             key.clone(),
+            config,
         )
         .await?;
         let local = server.local_addr();
@@ -73,6 +93,7 @@ impl TcpDataPlane {
             key,
             grants,
             clients: Arc::default(),
+            busy_poll,
         })
     }
 
@@ -102,13 +123,15 @@ impl TcpDataPlane {
         }
         let (id, addr, local) = (id.clone(), peer_layout.address.clone(), self.region.clone());
         let (clients, me, key) = (self.clients.clone(), self.me.clone(), self.key.clone());
+        let busy_poll = self.busy_poll;
         Box::pin(async move {
             let until = tokio::time::Instant::from_std(deadline);
-            let client = tokio::time::timeout_at(until, client_for(&clients, &addr, me, key))
-                .await
-                .map_err(|_| TransferError::ConnectTimeout {
-                    address: addr.clone(),
-                })??;
+            let client =
+                tokio::time::timeout_at(until, client_for(&clients, &addr, me, key, busy_poll))
+                    .await
+                    .map_err(|_| TransferError::ConnectTimeout {
+                        address: addr.clone(),
+                    })??;
             let result = if write {
                 client
                     .write_slice(&id, &local, &src, &dst, slice, deadline)
@@ -135,11 +158,12 @@ async fn client_for(
     addr: &str,
     me: RankInfo,
     key: Option<Key>,
+    busy_poll: Duration,
 ) -> Result<DataClient, DataError> {
     if let Some(c) = clients.lock().unwrap_or_else(|e| e.into_inner()).get(addr) {
         return Ok(c.clone());
     }
-    let client = DataClient::connect(addr, me, key, DATA_CONNECT_TIMEOUT).await?;
+    let client = DataClient::connect_with(addr, me, key, DATA_CONNECT_TIMEOUT, busy_poll).await?;
     let mut map = clients.lock().unwrap_or_else(|e| e.into_inner());
     if map.len() >= DATA_CLIENTS_MAX {
         if let Some(first) = map.keys().next().cloned() {

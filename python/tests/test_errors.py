@@ -110,6 +110,8 @@ def test_memory_that_cannot_be_registered_is_refused(bootstrap):
         {"heartbeat_ms": -5},
         {"secret_file": "/nonexistent/secret"},
         {"layers": (3, 2, 4)},
+        {"tcp_busy_poll_us": 1001},
+        {"tcp_busy_poll_us": -1},
     ],
 )
 def test_bad_settings_are_refused_by_name(bootstrap, kw):

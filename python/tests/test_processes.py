@@ -49,6 +49,19 @@ def test_blocks_hand_over_between_processes_over_tcp(bootstrap, peers, mode):
             assert end["state"] == "Done", end
 
 
+def test_busy_polling_runtimes_hand_over_the_same_bytes(bootstrap, peers):
+    """Both sides wait for TCP bytes spinning (`tcp_busy_poll_us`): the same handover."""
+    prefill = peers(role="prefill", engine="P", bootstrap=bootstrap.address, tcp_busy_poll_us=200)
+    rt, kv = local("decode", "D", bootstrap, mode="pull", tcp_busy_poll_us=200)
+    with rt:
+        src, dst = [5, 6, 7, 8], [40, 30, 20, 10]
+        r = rt.receiver("req-poll", "P", blocks=dst)
+        prefill.call(op="send", id="req-poll", blocks=src, seed=11)
+        assert r.wait(30) == "Done"
+        for k, b in enumerate(dst):
+            assert np.array_equal(kv[b], pattern(11, k, BLOCK_BYTES)), f"block {b}"
+
+
 def test_blocks_hand_over_between_processes_through_etcd(etcd, peers):
     """The same handover with no bootstrap server: both register in a real etcd."""
     prefill = peers(role="prefill", engine="P", bootstrap=etcd.address, transport="tcp")

@@ -965,3 +965,45 @@ async fn a_reader_that_never_takes_its_bytes_is_dropped_within_the_frame_time() 
     still_serves(&server, &remote).await;
     drop(s);
 }
+
+/// A client and a server that wait for bytes busy-polling move the same bytes, write and
+/// read, one block and many.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn busy_polling_client_and_server_move_the_same_bytes() {
+    let poll = Duration::from_micros(200);
+    let config = ServerConfig {
+        busy_poll: poll,
+        ..ServerConfig::default()
+    };
+    let (server, remote) = server(Arc::new(AllowAll), None, config).await;
+    let c = DataClient::connect_with(
+        &server.local_addr().to_string(),
+        RankInfo::single("prefill"),
+        None,
+        STEP,
+        poll,
+    )
+    .await
+    .unwrap();
+    let local = Region::new(BLOCKS, BLOCK_BYTES).unwrap();
+    fill(&local, 21);
+    let id = RequestId::new("poll");
+    for b in 0..4 {
+        c.write(&id, &local, &[BlockId(b)], &[BlockId(63 - b)], deadline())
+            .await
+            .unwrap();
+    }
+    let dst = Rng::new(3).permutation(BLOCKS);
+    c.write(&id, &local, &ids(0..BLOCKS), &dst, deadline())
+        .await
+        .unwrap();
+    assert_eq!(checksum(&remote, &dst), checksum(&local, &ids(0..BLOCKS)));
+    let back = Region::new(BLOCKS, BLOCK_BYTES).unwrap();
+    c.read(&id, &back, &dst, &ids(0..BLOCKS), deadline())
+        .await
+        .unwrap();
+    assert_eq!(
+        checksum(&back, &ids(0..BLOCKS)),
+        checksum(&local, &ids(0..BLOCKS))
+    );
+}

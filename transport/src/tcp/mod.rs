@@ -79,9 +79,14 @@ pub const FRAME_READ_TIMEOUT_DEFAULT: Duration = Duration::from_secs(10);
 /// client's pooled connection is dropped by the client first.
 pub const CONNECTION_IDLE_TIMEOUT_DEFAULT: Duration = Duration::from_secs(120);
 
+/// Longest busy poll ([`ServerConfig::busy_poll`], [`DataClient::connect_with`]): a wait for
+/// bytes that spins this long at most before the thread sleeps.
+pub const BUSY_POLL_MAX: Duration = Duration::from_millis(1);
+
 /// A client drops a pooled connection unused this long rather than reuse it.
 pub const POOL_IDLE_MAX: Duration = Duration::from_secs(60);
 
 const _: () = assert!(POOL_IDLE_MAX.as_secs() < CONNECTION_IDLE_TIMEOUT_DEFAULT.as_secs());
+const _: () = assert!(BUSY_POLL_MAX.as_micros() <= FRAME_READ_TIMEOUT_DEFAULT.as_micros());
 const _: () = assert!(OPS_INFLIGHT_MAX >= 1 && CLIENT_CONNECTIONS_MAX >= 1);
 const _: () = assert!(SERVER_PENDING_PER_SOURCE_MAX <= SERVER_CONNECTIONS_MAX);

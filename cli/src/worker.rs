@@ -203,7 +203,7 @@ pub struct WorkerArgs {
     pub heartbeat_ms: u64,
     /// TCP data plane: wait for bytes spinning up to this many microseconds before the
     /// thread sleeps (each answer, each next frame). Lower one-block latency (on a 2-vCPU
-    /// VM, 16 KiB writes at p50 28-62 µs instead of 82-116) for the CPU spun: for workers
+    /// VM, 16 KiB writes at p50 28-44 µs instead of 82-116) for the CPU spun: for workers
     /// with cores to spare, not for cores an engine needs. 0 (the default) sleeps at once.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1000))]
     pub tcp_busy_poll_us: u64,

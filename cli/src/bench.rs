@@ -589,6 +589,8 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
     if let Some(plane) = network {
         let floor = crate::lifecycle::loopback_rtt(plan.latency_iters).await?;
         let floor = percentiles("loopback", "rtt", &floor, String::new());
+        let woken = crate::lifecycle::loopback_rtt_across_threads(plan.latency_iters).await?;
+        let woken = percentiles("loopback", "rtt-woken", &woken, String::new());
         let measured =
             crate::lifecycle::measure(plane, 16 << 10, plan.latency_iters, None, Some(IDLE_WINDOW))
                 .await?;
@@ -624,12 +626,17 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
             keyed.p99_us / lifecycle.p99_us.max(f64::MIN_POSITIVE)
         );
         lifecycle.note = format!(
-            "one 16 KiB request: open both sides, transfer info, write, Done (peers cached); p50 {:.2}x the loopback round trip",
+            "one 16 KiB request: open both sides, transfer info, write, Done (peers cached); p50 {:.2}x the loopback round trip that wakes its peer, {:.2}x the one between two tasks",
+            lifecycle.p50_us / woken.p50_us.max(f64::MIN_POSITIVE),
             lifecycle.p50_us / floor.p50_us.max(f64::MIN_POSITIVE)
         );
         report.latency.push(Latency {
-            note: "64 B TCP ping-pong between two tasks of this process: the one round trip every request's transfer info and Done make".into(),
+            note: "64 B TCP ping-pong between two tasks of this process (when both run on one worker, no thread is woken)".into(),
             ..floor
+        });
+        report.latency.push(Latency {
+            note: "the same with the echo on a thread of its own, asleep until each ping: the two wake-ups every request's transfer info and Done pay".into(),
+            ..woken
         });
         report.latency.push(keyed);
         report.lifecycle = Some(lifecycle);

@@ -177,6 +177,71 @@ fn process_cpu() -> Option<Duration> {
 /// Bytes of one loopback ping: the size of a small control frame.
 const PING_BYTES: usize = 64;
 
+/// The floor under the lifecycle as a request pays it: the round trip of a small message
+/// over loopback TCP between a task of this runtime and a thread of its own that sleeps in
+/// `read` until the message comes, so every round trip wakes a sleeping thread twice, as a
+/// request's transfer info and `Done` do between two runtimes (between two tasks of one
+/// runtime, [`loopback_rtt`], a round trip may wake no one when both run on one worker:
+/// a floor no request can reach). `iters` times after a warm-up, sorted, in µs.
+pub async fn loopback_rtt_across_threads(iters: usize) -> Result<Vec<f64>, String> {
+    use std::io::{Read, Write};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let err = |e: std::io::Error| format!("loopback ping across threads: {e}");
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(err)?;
+    let addr = listener.local_addr().map_err(err)?;
+    let echo = std::thread::Builder::new()
+        .name("handoff-bench-echo".into())
+        .spawn(move || -> std::io::Result<()> {
+            let (mut s, _) = listener.accept()?;
+            s.set_nodelay(true)?;
+            // The bench's deadline, on the echo's side too.
+            s.set_read_timeout(Some(REQUEST_DEADLINE))?;
+            let mut buf = [0u8; PING_BYTES];
+            loop {
+                match s.read_exact(&mut buf) {
+                    Ok(()) => s.write_all(&buf)?,
+                    // The client closed: done.
+                    Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+                    Err(e) => return Err(e),
+                }
+            }
+        })
+        .map_err(err)?;
+    let result = tokio::time::timeout(REQUEST_DEADLINE, async {
+        let mut s = tokio::net::TcpStream::connect(addr).await?;
+        s.set_nodelay(true)?;
+        let mut buf = [1u8; PING_BYTES];
+        let warmup = (iters / 10).max(10);
+        let mut samples = Vec::with_capacity(iters);
+        for i in 0..warmup + iters {
+            let started = Instant::now();
+            s.write_all(&buf).await?;
+            s.read_exact(&mut buf).await?;
+            if i >= warmup {
+                samples.push(started.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+        Ok::<_, std::io::Error>(samples)
+    })
+    .await;
+    // The client's socket is closed by now (dropped with its future): the echo ends. Had the
+    // client never connected, a poke takes the echo out of `accept` (it reads its end).
+    if !echo.is_finished() {
+        let _ = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1));
+    }
+    let echoed = echo.join();
+    let mut samples = result
+        .map_err(|_| format!("loopback ping across threads took over {REQUEST_DEADLINE:?}"))?
+        .map_err(err)?;
+    match echoed {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => return Err(err(e)),
+        Err(_) => return Err("loopback ping across threads: the echo thread panicked".into()),
+    }
+    samples.sort_by(f64::total_cmp);
+    Ok(samples)
+}
+
 /// The floor under the lifecycle: the round trip of a small message between two tasks of
 /// this runtime over loopback TCP (each request's transfer info and `Done` make one such
 /// round trip between the two runtimes), `iters` times after a warm-up, sorted, in µs.

@@ -460,11 +460,6 @@ impl WatchReader {
 
 // ------------------------------------------------------------------------ client
 
-/// One key as read: its value and the revision it was last written at.
-struct Kv {
-    value: Vec<u8>,
-}
-
 /// The etcd members of one address, tried in turn.
 struct Members {
     address: EtcdAddress,
@@ -522,12 +517,12 @@ impl Members {
         }
     }
 
-    /// Every key under `prefix` and the store's revision at the read.
+    /// The value of every key under `prefix` and the store's revision at the read.
     async fn range(
         &self,
         prefix: &str,
         deadline: Instant,
-    ) -> Result<(Vec<Kv>, i64), BootstrapError> {
+    ) -> Result<(Vec<Vec<u8>>, i64), BootstrapError> {
         let body = json!({
             "key": b64(prefix.as_bytes()),
             "range_end": b64(&prefix_end(prefix)),
@@ -549,7 +544,7 @@ impl Members {
                     address: self.address.to_string(),
                     detail: format!("a value under {prefix} that is not base64"),
                 })?;
-            out.push(Kv { value });
+            out.push(value);
         }
         Ok((out, revision))
     }
@@ -700,10 +695,10 @@ impl EtcdDirectory {
         prefix: &str,
         deadline: Instant,
     ) -> Result<(Vec<WorkerRecord>, i64), BootstrapError> {
-        let (kvs, revision) = self.inner.members.range(prefix, deadline).await?;
-        let mut records = Vec::with_capacity(kvs.len());
-        for kv in kvs {
-            match wire::decode(&kv.value, self.inner.key.as_ref()) {
+        let (values, revision) = self.inner.members.range(prefix, deadline).await?;
+        let mut records = Vec::with_capacity(values.len());
+        for value in values {
+            match wire::decode(&value, self.inner.key.as_ref()) {
                 Ok(Message::Register(record)) => records.push(record),
                 Ok(other) => tracing::warn!(prefix, kind = ?std::mem::discriminant(&other),
                     "etcd holds a value that is not a worker record; ignored"),

@@ -177,6 +177,26 @@ fn process_cpu() -> Option<Duration> {
 /// Bytes of one loopback ping: the size of a small control frame.
 const PING_BYTES: usize = 64;
 
+/// `iters` pings of [`PING_BYTES`] to the echo at `addr`, each timed to its answer, after a
+/// tenth as many (at least 10) untimed: the samples in µs, unsorted.
+async fn ping(addr: std::net::SocketAddr, iters: usize) -> std::io::Result<Vec<f64>> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    s.set_nodelay(true)?;
+    let mut buf = [1u8; PING_BYTES];
+    let warmup = (iters / 10).max(10);
+    let mut samples = Vec::with_capacity(iters);
+    for i in 0..warmup + iters {
+        let started = Instant::now();
+        s.write_all(&buf).await?;
+        s.read_exact(&mut buf).await?;
+        if i >= warmup {
+            samples.push(started.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    Ok(samples)
+}
+
 /// The floor under the lifecycle as a request pays it: the round trip of a small message
 /// over loopback TCP between a task of this runtime and a thread of its own that sleeps in
 /// `read` until the message comes, so every round trip wakes a sleeping thread twice, as a
@@ -185,7 +205,6 @@ const PING_BYTES: usize = 64;
 /// a floor no request can reach). `iters` times after a warm-up, sorted, in µs.
 pub async fn loopback_rtt_across_threads(iters: usize) -> Result<Vec<f64>, String> {
     use std::io::{Read, Write};
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let err = |e: std::io::Error| format!("loopback ping across threads: {e}");
     let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(err)?;
     let addr = listener.local_addr().map_err(err)?;
@@ -207,23 +226,7 @@ pub async fn loopback_rtt_across_threads(iters: usize) -> Result<Vec<f64>, Strin
             }
         })
         .map_err(err)?;
-    let result = tokio::time::timeout(REQUEST_DEADLINE, async {
-        let mut s = tokio::net::TcpStream::connect(addr).await?;
-        s.set_nodelay(true)?;
-        let mut buf = [1u8; PING_BYTES];
-        let warmup = (iters / 10).max(10);
-        let mut samples = Vec::with_capacity(iters);
-        for i in 0..warmup + iters {
-            let started = Instant::now();
-            s.write_all(&buf).await?;
-            s.read_exact(&mut buf).await?;
-            if i >= warmup {
-                samples.push(started.elapsed().as_secs_f64() * 1e6);
-            }
-        }
-        Ok::<_, std::io::Error>(samples)
-    })
-    .await;
+    let result = tokio::time::timeout(REQUEST_DEADLINE, ping(addr, iters)).await;
     // The client's socket is closed by now (dropped with its future): the echo ends. Had the
     // client never connected, a poke takes the echo out of `accept` (it reads its end).
     if !echo.is_finished() {
@@ -264,23 +267,7 @@ pub async fn loopback_rtt(iters: usize) -> Result<Vec<f64>, String> {
         #[allow(unreachable_code)]
         Ok::<(), std::io::Error>(())
     });
-    let result = tokio::time::timeout(REQUEST_DEADLINE, async {
-        let mut s = tokio::net::TcpStream::connect(addr).await?;
-        s.set_nodelay(true)?;
-        let mut buf = [1u8; PING_BYTES];
-        let warmup = (iters / 10).max(10);
-        let mut samples = Vec::with_capacity(iters);
-        for i in 0..warmup + iters {
-            let started = Instant::now();
-            s.write_all(&buf).await?;
-            s.read_exact(&mut buf).await?;
-            if i >= warmup {
-                samples.push(started.elapsed().as_secs_f64() * 1e6);
-            }
-        }
-        Ok::<_, std::io::Error>(samples)
-    })
-    .await;
+    let result = tokio::time::timeout(REQUEST_DEADLINE, ping(addr, iters)).await;
     echo.abort();
     let mut samples = result
         .map_err(|_| format!("loopback ping took over {REQUEST_DEADLINE:?}"))?

@@ -74,7 +74,7 @@ checks() {
         # that the GPU machine does not have, and run in CI.
         [[ $name == test-multiprocess ]] && args+=(gpu)
         echo "== $name"
-        timeout 240 "$t" "${args[@]}" 2>&1 | tee "$logs/$name.log"
+        timeout "${GPU_TEST_TIMEOUT:-240}" "$t" "${args[@]}" 2>&1 | tee "$logs/$name.log"
         [[ ${PIPESTATUS[0]} == 0 ]] || status=1
         # On the GPU machine a skip is a failure: the point of this run is the GPU path.
         if grep -q "SKIP (gpu)" "$logs/$name.log"; then
@@ -85,6 +85,11 @@ checks() {
     echo "== handoff bench --memory cuda"
     timeout 200 "$HANDOFF_BIN" bench --memory cuda --no-perftest --json "$out/bench-cuda.json" ||
         status=1
+    # The same, with same-host copies off: UCX's own cuda_ipc, the reference the CUDA IPC
+    # lane is compared with.
+    echo "== HANDOFF_SAME_HOST_COPIES=0 handoff bench --memory cuda"
+    HANDOFF_SAME_HOST_COPIES=0 timeout 200 "$HANDOFF_BIN" bench --memory cuda --no-perftest \
+        --json "$out/bench-cuda-ucx.json" || status=1
     echo "== handoff bench --memory cuda --peer-memory host"
     timeout 120 "$HANDOFF_BIN" bench --memory cuda --peer-memory host --quick \
         --json "$out/bench-cuda-host.json" || status=1

@@ -431,6 +431,15 @@ impl Plan {
         !self.uses_cuda() && self.registered && handoff_net::same_host_copies_enabled()
     }
 
+    /// Whether UCX transfers here are device copies through the peer's CUDA IPC handles,
+    /// as the runtime makes them between device memory with a verified peer on its host,
+    /// unless `HANDOFF_SAME_HOST_COPIES=0`.
+    fn cuda_ipc(&self) -> bool {
+        self.memory == BenchMemory::Cuda
+            && self.peer_memory == BenchMemory::Cuda
+            && handoff_net::same_host_copies_enabled()
+    }
+
     fn uses_cuda(&self) -> bool {
         self.memory == BenchMemory::Cuda || self.peer_memory == BenchMemory::Cuda
     }
@@ -552,7 +561,9 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
     }
     progress.finish();
     if transports.contains(&BenchTransport::Ucx) {
-        report.notes.push(if plan.same_host() {
+        report.notes.push(if plan.cuda_ipc() {
+            format!("ucx rows between device memory are device copies through the peer's CUDA IPC handles (cuMemcpyAsync, bounds from the driver), as the runtime makes them with a verified peer on its host; {}=0 measures UCX's own operations (cuda_ipc)", handoff_net::SAME_HOST_ENV)
+        } else if plan.same_host() {
             format!("ucx rows between registered host memory are same-host copies (kernel cross-memory attach, process_vm_readv/writev), as the runtime makes them with a verified peer on its host whose memory is registered; {}=0 measures UCX's own operations", handoff_net::SAME_HOST_ENV)
         } else if plan.uses_cuda() || !handoff_net::same_host_copies_enabled() {
             "ucx rows are UCX operations (same-host copies off, or device memory)".into()
@@ -1115,7 +1126,10 @@ impl Link {
                 let mut peer = PeerProcess::spawn(&spec).await?;
                 let ready = peer.expect().await?;
                 let mut remote = parse_ucx_ready(&ready)?;
-                if plan.same_host() {
+                if plan.peer_memory == BenchMemory::Cuda {
+                    remote.device = Some(plan.cuda_device);
+                }
+                if plan.same_host() || plan.cuda_ipc() {
                     // The runtime verifies its peer by the control connection; the bench
                     // started this one itself.
                     let pid = peer.child.id().ok_or("the peer process has exited")?;
@@ -1244,7 +1258,8 @@ impl Link {
 }
 
 /// The peer's `ready ucx <worker address> <blocks> <block bytes> <range>...` line, each
-/// range `<rkey>:<addr>:<len>:<stride>:<bytes>` (see [`ucx_ready_line`]).
+/// range `<rkey>:<addr>:<len>:<stride>:<bytes>:<cuda ipc>` (hex, the last empty for none; see
+/// [`ucx_ready_line`]).
 fn parse_ucx_ready(ready: &str) -> Result<UcxPeer, String> {
     let words: Vec<&str> = ready.split_whitespace().collect();
     let ["ready", "ucx", address, blocks, block, ranges @ ..] = words.as_slice() else {
@@ -1256,7 +1271,7 @@ fn parse_ucx_ready(ready: &str) -> Result<UcxPeer, String> {
     let mut list = Vec::with_capacity(ranges.len());
     for range in ranges {
         let fields: Vec<&str> = range.split(':').collect();
-        let [rkey, addr, len, stride, bytes] = fields.as_slice() else {
+        let [rkey, addr, len, stride, bytes, ipc] = fields.as_slice() else {
             return Err(bad("range"));
         };
         let num = |v: &str| v.parse::<u64>().map_err(|_| bad("range"));
@@ -1266,10 +1281,12 @@ fn parse_ucx_ready(ready: &str) -> Result<UcxPeer, String> {
             len: num(len)?,
             stride: num(stride)?,
             bytes: num(bytes)?,
+            cuda_ipc: unhex(ipc).ok_or_else(|| bad("CUDA IPC descriptor"))?,
         });
     }
     Ok(UcxPeer {
         process: None,
+        device: None,
         name: "bench-peer".into(),
         worker_address: unhex(address).ok_or_else(|| bad("worker address"))?,
         region: RegionDescriptor {
@@ -1296,12 +1313,13 @@ fn ucx_ready_line(plane: &UcxDataPlane) -> String {
     );
     for r in d.range_list() {
         line += &format!(
-            " {}:{}:{}:{}:{}",
+            " {}:{}:{}:{}:{}:{}",
             hex(&r.remote_key),
             r.addr,
             r.len,
             r.stride,
-            r.bytes
+            r.bytes,
+            hex(&r.cuda_ipc)
         );
     }
     line

@@ -183,7 +183,9 @@ pub struct WorkerArgs {
     /// Decode: pull (decode reads prefill's blocks: the safe default, since no write of a
     /// frozen or cut-off peer can land in blocks decode gave back) or push (prefill writes;
     /// over UCX a failed request's blocks stay fenced until prefill confirms). With
-    /// `--memory cuda`, push is far faster: UCX 1.22 emulates reads of device memory.
+    /// `--memory cuda` on one host, both are device copies through the peer's CUDA IPC
+    /// handles; with HANDOFF_SAME_HOST_COPIES=0 UCX moves them, and push is far faster
+    /// (UCX 1.22 emulates reads of device memory).
     #[arg(long, value_enum, default_value_t = ModeArg::Pull)]
     pub mode: ModeArg,
     /// Decode: reject new requests while this many wait for blocks (admission control).
@@ -375,13 +377,17 @@ async fn run_inner(a: WorkerArgs) -> Result<ExitCode, String> {
         insecure: a.insecure,
         ..EngineOptions::new(role, rank.clone(), bootstrap)
     };
-    if a.memory == MemoryArg::Cuda && a.mode == ModeArg::Pull {
+    if a.memory == MemoryArg::Cuda
+        && a.mode == ModeArg::Pull
+        && !handoff_net::same_host_copies_enabled()
+    {
         // Measured on an H200 with UCX 1.22 (ARCHITECTURE.md, open problems): `cuda_ipc`
         // serves puts (hundreds of GB/s) but reads of a peer's device memory are emulated.
+        // Same-host copies (on by default) read through the peer's CUDA IPC handles instead.
         tracing::warn!(
-            "--memory cuda in pull mode: UCX reads of a peer's device memory are emulated \
-             (under 1 GB/s on an H200 with UCX 1.22, against hundreds of GB/s for writes); \
-             --mode push is the fast mode on GPUs"
+            "--memory cuda in pull mode with same-host copies off: UCX reads of a peer's \
+             device memory are emulated (under 1 GB/s on an H200 with UCX 1.22, against \
+             hundreds of GB/s for writes); --mode push is the fast mode there"
         );
     }
     // The endpoint first: if it cannot bind, nothing has started.

@@ -90,6 +90,20 @@ impl Proc {
             .ok()
     }
 
+    /// Whether the process's stderr holds `text`, waiting up to `within` for it to arrive.
+    fn stderr_says(&self, text: &str, within: Duration) -> bool {
+        let deadline = Instant::now() + within;
+        loop {
+            if self.stderr.lock().unwrap().contains(text) {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// The next JSON line matching `pred`, or a panic naming the process and its stderr.
     fn expect(&self, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
         let deadline = Instant::now() + T;
@@ -374,9 +388,45 @@ fn requests_are_handed_over_between_gpu_workers_on_one_gpu() {
     let Some(()) = gpu_with_cuda_ucx() else {
         return;
     };
+    // Verified same-host peers: device copies through each other's CUDA IPC handles, by
+    // the side that moves the bytes (prefill writes in push mode, decode reads in pull).
+    // With same-host copies off: UCX's own cuda_ipc.
+    for (mode, mover) in [("push", 0), ("pull", 1)] {
+        for lane in [true, false] {
+            let procs = gpu_hand_over(mode, lane);
+            let line = "device copies with this peer through CUDA IPC";
+            // Logged before the first copy, so by now; its pipe may still be in flight.
+            let said = (lane && procs[mover].stderr_says(line, Duration::from_secs(10)))
+                || procs[mover].stderr.lock().unwrap().contains(line);
+            let stderr = procs[mover].stderr.lock().unwrap().clone();
+            assert_eq!(said, lane, "{mode}, CUDA IPC lane {lane}: {stderr}");
+        }
+    }
+}
+
+/// Eight verified requests between two GPU workers on device 0, same-host copies on or
+/// off; returns prefill and decode, still running.
+fn gpu_hand_over(mode: &str, same_host: bool) -> [Proc; 2] {
+    let (_boot, addr) = bootstrap();
+    let env = [
+        ("RUST_LOG", Some("warn,handoff_transport::data::ucx=info")),
+        (
+            "HANDOFF_SAME_HOST_COPIES",
+            Some(if same_host { "1" } else { "0" }),
+        ),
+    ];
     let gpu = ["--transport", "ucx", "--memory", "cuda"];
-    hands_over_with("push", &gpu, &gpu);
-    hands_over_with("pull", &gpu, &gpu);
+    let mut p_args = vec!["--requests", "8", "--serve"];
+    p_args.extend_from_slice(&gpu);
+    let p = worker_env("prefill", "prefill", "P", &addr, &p_args, &env);
+    let mut d_args = vec!["--requests", "8", "--prefill", "P", "--mode", mode];
+    d_args.extend_from_slice(&gpu);
+    let d = worker_env("decode", "decode", "D", &addr, &d_args, &env);
+    let (ends, summary) = d.ends();
+    assert_eq!(summary["done"], 8, "{ends:?}");
+    assert_eq!(summary["corrupted"], 0);
+    assert!(ends.iter().all(|e| e["verified"] == true), "{ends:?}");
+    [p, d]
 }
 
 /// Prefill's pool on the GPU, decode's in host memory (its UCX thread bound to the GPU).

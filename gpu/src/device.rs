@@ -48,7 +48,7 @@ pub fn bind_device_to_thread(ordinal: u32) -> Result<DeviceContext, GpuError> {
     })
 }
 
-fn primary_context(ordinal: u32) -> Result<Arc<CudaContext>, GpuError> {
+pub(crate) fn primary_context(ordinal: u32) -> Result<Arc<CudaContext>, GpuError> {
     init_driver()?;
     let count = device_count()?;
     if ordinal >= count {
@@ -224,9 +224,25 @@ impl DeviceCopier {
         })
     }
 
+    /// A copier on a stream of its own (non-blocking: it does not wait for, or hold up,
+    /// work on the context's legacy default stream, where an engine's kernels may run),
+    /// as the transports' own copies want: their bytes are ready before they are asked.
+    ///
+    /// # Errors
+    /// As [`DeviceCopier::new`].
+    pub fn on_own_stream(ordinal: u32) -> Result<Self, GpuError> {
+        let context = primary_context(ordinal)?;
+        let stream = guarded("cuStreamCreate", || context.new_stream())?;
+        Ok(Self { stream, ordinal })
+    }
+
     /// The device this copier copies on.
     pub fn ordinal(&self) -> u32 {
         self.ordinal
+    }
+
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
     }
 
     /// Copies `dst.len()` bytes at device address `addr` to the host, and waits for them.

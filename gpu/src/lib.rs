@@ -23,6 +23,9 @@
 //!   device-to-device reference copy [`DeviceBuffer::copy_to`]; [`DeviceCopier`] for
 //!   copies to and from device memory by address; [`bind_device_to_thread`] for a
 //!   transport's I/O thread.
+//! - [`ipc`] (`ipc.rs`): CUDA IPC between processes of one host: [`ipc_export`],
+//!   [`IpcMapping`] (a peer's allocation mapped here, with the bounds the driver mapped),
+//!   [`DeviceCopier::copy_pieces`].
 //! - [`checksum`] (`checksum.rs`): [`Checksum64`] / [`checksum64`] and the
 //!   deterministic fill pattern.
 //! - `error.rs`: [`GpuError`], the crate's one error type.
@@ -43,6 +46,7 @@ pub mod buffer;
 pub mod checksum;
 pub mod device;
 mod error;
+pub mod ipc;
 pub mod probe;
 
 pub use buffer::{HostBuffer, KvBuffer, HOST_ALIGN_BYTES, STAGING_BYTES_MAX};
@@ -52,6 +56,9 @@ pub use device::{
     COPIES_PER_CALL_MAX,
 };
 pub use error::GpuError;
+pub use ipc::{
+    ipc_export, CopyPiece, IpcExport, IpcMapping, IPC_DESCRIPTOR_BYTES, IPC_HANDLE_BYTES,
+};
 pub use probe::{
     cuda_disabled_by_env, probe, DeviceInfo, DriverVersion, GpuInfo, CUDA_DISABLE_ENV,
     DEVICE_COUNT_MAX,

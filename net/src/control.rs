@@ -394,11 +394,14 @@ impl Control {
             }
             None => None,
         };
-        let host = layout
-            .as_ref()
-            .is_some_and(|(d, _)| d.cuda_device.is_none());
+        // Host memory (kernel copies), or device memory whose allocations travel as CUDA
+        // IPC descriptors (device copies through them): either needs the peer verified to
+        // be the process at the other end of this connection.
+        let reachable = layout.as_ref().is_some_and(|(d, _)| {
+            d.cuda_device.is_none() || d.ranges.iter().all(|r| !r.cuda_ipc.is_empty())
+        });
         let verify = match addrs {
-            Some((ours, theirs)) if pid != 0 && host && self.data.same_host_copies() => {
+            Some((ours, theirs)) if pid != 0 && reachable && self.data.same_host_copies() => {
                 Some((pid, ours, theirs))
             }
             _ => None,
@@ -406,6 +409,13 @@ impl Control {
         let mut map = self.peer_data.lock().unwrap_or_else(|e| e.into_inner());
         // A new connection's lease: the old one's proofs were about the old connection.
         let lease = Arc::new(Lease::new());
+        let (checked, verifying) = match verify {
+            Some(_) => {
+                let (tx, rx) = tokio::sync::watch::channel(false);
+                (Some(tx), Some(rx))
+            }
+            None => (None, None),
+        };
         let old = map.insert(
             peer.clone(),
             PeerInfo {
@@ -413,25 +423,29 @@ impl Control {
                 layout,
                 lease: lease.clone(),
                 process: None,
+                verifying,
             },
         );
         drop(map);
         if let Some(old) = old {
             old.lease.revoke();
         }
-        if let Some((pid, ours, theirs)) = verify {
+        if let (Some((pid, ours, theirs)), Some(checked)) = (verify, checked) {
             // Off this loop: the kernel's socket tables can be long on a busy host. Until
-            // it is done the plane's other lanes carry the peer's transfers.
+            // it is done the plane's other lanes carry the peer's host-memory transfers;
+            // transfers with its device memory wait for it (`SAME_HOST_CHECK_WAIT_MAX`).
             let (peer_data, peer, lease) = (self.peer_data.clone(), peer.clone(), lease.clone());
             tokio::task::spawn_blocking(move || {
-                let Some(process) = same_host_process(&peer, pid, ours, theirs) else {
-                    return;
-                };
-                let mut map = peer_data.lock().unwrap_or_else(|e| e.into_inner());
-                // Only for this very connection (the lease is per connection).
-                if let Some(info) = map.get_mut(&peer).filter(|i| Arc::ptr_eq(&i.lease, &lease)) {
-                    info.process = Some(process);
+                if let Some(process) = same_host_process(&peer, pid, ours, theirs) {
+                    let mut map = peer_data.lock().unwrap_or_else(|e| e.into_inner());
+                    // Only for this very connection (the lease is per connection).
+                    if let Some(info) = map.get_mut(&peer).filter(|i| Arc::ptr_eq(&i.lease, &lease))
+                    {
+                        info.process = Some(process);
+                    }
                 }
+                // Done, whatever it found (after `process` is set, so waiters see it).
+                let _ = checked.send(true);
             });
         }
         Ok(lease)
@@ -796,7 +810,7 @@ fn same_host_process(
 ) -> Option<Arc<PeerProcess>> {
     match PeerProcess::verify(pid, ours, theirs) {
         Ok(process) => {
-            info!(%peer, pid, "same-host copies with this peer (kernel cross-memory attach)");
+            info!(%peer, pid, "same-host copies with this peer verified (kernel cross-memory attach for host memory, CUDA IPC for device memory)");
             Some(Arc::new(process))
         }
         Err(e) => {

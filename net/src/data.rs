@@ -37,9 +37,10 @@ pub trait DataPlane: Send + Sync + 'static {
         Vec::new()
     }
 
-    /// True when the plane copies between host memory directly with a peer process on
-    /// this host ([`handoff_transport::same_host`]) once the control plane verified it
-    /// (`PlaneTransfer::process`): the control plane then offers our pid in `Hello`.
+    /// True when the plane copies directly with a peer process on this host once the
+    /// control plane verified it (`PlaneTransfer::process`): between host memory with the
+    /// kernel ([`handoff_transport::same_host`]), between device memory through CUDA IPC.
+    /// The control plane then offers our pid in `Hello`.
     fn same_host_copies(&self) -> bool {
         false
     }

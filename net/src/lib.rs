@@ -163,10 +163,18 @@ pub(crate) struct PeerInfo {
     /// revoked when we lose it.
     pub(crate) lease: Arc<Lease>,
     /// Its process, when the kernel shows it holds the other end of this connection on
-    /// this host and our plane copies between host memory directly
-    /// ([`DataPlane::same_host_copies`]).
+    /// this host and our plane copies with it directly ([`DataPlane::same_host_copies`]).
     pub(crate) process: Option<Arc<PeerProcess>>,
+    /// While that check runs (off the control loop): turns `true` when it is done,
+    /// whatever it found. `None`: no check was started.
+    pub(crate) verifying: Option<tokio::sync::watch::Receiver<bool>>,
 }
+
+/// How long a transfer with a peer's device memory waits for the same-host check of its
+/// connection before UCX carries it: the first transfer through UCX would map the peer's
+/// CUDA IPC handles in UCX's cache, and a handle maps once per context, so the plane's own
+/// IPC lane could never open them after.
+pub const SAME_HOST_CHECK_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Peers' [`PeerInfo`], learned at connect; replaced when a peer reconnects.
 pub(crate) type PeerData = Arc<Mutex<BTreeMap<RankInfo, PeerInfo>>>;
@@ -405,6 +413,7 @@ impl NetLink {
             layout: Some((descriptor, theirs)),
             lease,
             process,
+            verifying,
         }) = known
         else {
             let peer = peer.clone();
@@ -419,7 +428,23 @@ impl NetLink {
         let (data, id, peer) = (self.data.clone(), id.clone(), peer.clone());
         let (metrics, op) = (self.metrics.clone(), if write { "write" } else { "read" });
         let bytes = slice.map_or(0, |s| s.len as u64) * src.len() as u64;
+        let peer_data = self.peer_data.clone();
         Box::pin(async move {
+            // Device memory: the same-host check decides the lane before the first
+            // transfer ([`SAME_HOST_CHECK_WAIT_MAX`]).
+            let process = match (process, verifying) {
+                (None, Some(mut done)) if descriptor.cuda_device.is_some() => {
+                    let until = tokio::time::Instant::now() + SAME_HOST_CHECK_WAIT_MAX;
+                    let _ = tokio::time::timeout_at(until, done.wait_for(|d| *d)).await;
+                    peer_data
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .get(&peer)
+                        .filter(|info| Arc::ptr_eq(&info.lease, &lease))
+                        .and_then(|info| info.process.clone())
+                }
+                (process, _) => process,
+            };
             let t = PlaneTransfer {
                 id: &id,
                 peer: &peer,

@@ -22,8 +22,8 @@ use handoff_actors::link::TransferFuture;
 pub struct UcxPlane {
     plane: Arc<UcxDataPlane>,
     grants: Arc<GrantTable>,
-    /// Same-host copies between host memory ([`DataPlane::same_host_copies`]): on unless
-    /// [`SAME_HOST_ENV`] says `0`/`off`, and only over host memory.
+    /// Same-host copies ([`DataPlane::same_host_copies`]: the kernel's between host
+    /// memory, CUDA IPC between device memory): on unless [`SAME_HOST_ENV`] says `0`/`off`.
     same_host: bool,
     /// Whether our memory is registered by address (an engine's tensors) rather than
     /// allocated by UCX, which same-host peers' UCX maps through shared memory and copies
@@ -31,8 +31,9 @@ pub struct UcxPlane {
     registered: bool,
 }
 
-/// Environment variable that turns same-host copies off (`0`, `off`, `false`, `no`): UCX
-/// then moves every transfer (for comparisons, or a host whose kernel refuses them).
+/// Environment variable that turns same-host copies off (`0`, `off`, `false`, `no`), the
+/// kernel's and CUDA IPC's alike: UCX then moves every transfer (for comparisons, or a
+/// host whose kernel refuses them).
 pub const SAME_HOST_ENV: &str = "HANDOFF_SAME_HOST_COPIES";
 
 /// Whether [`SAME_HOST_ENV`] leaves same-host copies on.
@@ -45,11 +46,10 @@ pub fn same_host_copies_enabled() -> bool {
 
 impl UcxPlane {
     fn with_plane(plane: UcxDataPlane, registered: bool) -> UcxPlane {
-        let host = plane.region().memory_kind() == handoff_gpu::MemoryKind::Host;
         UcxPlane {
             plane: Arc::new(plane),
             grants: Arc::default(),
-            same_host: host && same_host_copies_enabled(),
+            same_host: same_host_copies_enabled(),
             registered,
         }
     }

@@ -2,7 +2,10 @@
 //! own binary as a child, env `HANDOFF_CUDA_PLANE_CHILD`): device to device on one GPU
 //! (UCX's `cuda_ipc`), and device to host and back, every transfer checked by checksums
 //! of the destination blocks, computed from copies back to the host. Two processes, not
-//! two planes in one: `cuda_ipc` serves other processes only, as engines are.
+//! two planes in one: `cuda_ipc` serves other processes only, as engines are. With the
+//! child vouched for as a same-host peer, device to device is the plane's own CUDA IPC
+//! lane instead (device copies through the child's allocations mapped here, bounded by
+//! what the driver mapped), lies in its IPC descriptors included.
 //!
 //! These tests need a GPU and a UCX built with CUDA, named by `HANDOFF_UCX_LIB` (the
 //! `libucx-cu12` wheel's `libucp.so`); without either they print why and return. With
@@ -18,9 +21,10 @@ use data_common::{
     checksum, fill, format_ids, ids, layout_ready_line, parse_layout_ready, say, serve_commands,
     ChildPeer, Rng,
 };
-use handoff_gpu::{DeviceBuffer, GpuError, KvBuffer, MemoryKind};
+use handoff_gpu::{DeviceBuffer, GpuError, IpcExport, KvBuffer, MemoryKind, IPC_DESCRIPTOR_BYTES};
 use handoff_transport::data::{DataError, UcxDataPlane, UcxPeer, UcxPlaneOptions, UcxRange};
 use handoff_transport::region::RegionError;
+use handoff_transport::same_host::PeerProcess;
 use handoff_transport::{
     BlockId, KvLayout, KvMemory, KvRange, LayerSpan, RankInfo, Region, RequestId,
 };
@@ -356,4 +360,124 @@ fn device_region_copies_through_the_driver_and_refuses_cpu_pointers() {
         Region::on_device(buffer, 9, 4096),
         Err(RegionError::DeviceTooSmall { .. })
     ));
+}
+
+/// The child as a verified same-host peer on `device` (the runtime verifies the process at
+/// the other end of its control connection; the test started this one, so it vouches).
+fn same_host(child: &ChildPeer, peer: &UcxPeer, device: u32) -> UcxPeer {
+    let process = PeerProcess::vouched(child.child.id()).expect("our own child");
+    UcxPeer {
+        device: Some(device),
+        ..peer.clone().with_process(Some(Arc::new(process)))
+    }
+}
+
+/// Device to device with a verified same-host peer: every transfer is device copies
+/// through the peer's CUDA IPC handles (none through UCX), one range and per-layer ranges,
+/// checked by checksums both ways.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_copies_through_cuda_ipc_between_two_processes() {
+    let Some(device) = gpu() else { return };
+    let local = device_plane("prefill-gpu", device);
+    let (mut child, peer) = spawn_child("cuda");
+    for r in peer.range_list() {
+        assert_eq!(
+            r.cuda_ipc.len(),
+            IPC_DESCRIPTOR_BYTES,
+            "the child exports its range"
+        );
+    }
+    let peer = same_host(&child, &peer, device);
+    round_trip(&local, &mut child, &peer, 31).await;
+    assert_eq!(local.cuda_ipc_transfers(), 2, "the write and the read");
+
+    let layered = layered_device_plane("prefill-gpu-layers", device);
+    let (mut layered_child, layered_peer) = spawn_child("cuda-layers");
+    assert_eq!(layered_peer.range_list().len(), 2 * LAYERS);
+    let layered_peer = same_host(&layered_child, &layered_peer, device);
+    round_trip(&layered, &mut layered_child, &layered_peer, 32).await;
+    round_trip(&local, &mut layered_child, &layered_peer, 33).await;
+    assert_eq!(layered.cuda_ipc_transfers(), 2);
+    assert_eq!(local.cuda_ipc_transfers(), 4);
+}
+
+/// A verified same-host peer whose CUDA IPC descriptor lies (the allocation's base moved,
+/// the range longer than the allocation, a descriptor of the wrong size): refused by name
+/// before anything is copied, the liar's blocks unchanged; an honest transfer works after.
+/// A handle that opens nothing is no lie we can prove: UCX carries that peer instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_whose_cuda_ipc_descriptor_lies_gets_a_named_error() {
+    let Some(device) = gpu() else { return };
+    let local = device_plane("prefill-gpu", device);
+    let (mut liar, honest) = spawn_child("cuda");
+    let honest = same_host(&liar, &honest, device);
+    let all = format_ids(&ids(0..BLOCKS));
+    let before = liar.ask(&format!("checksum {all}"), STEP);
+    fill(local.region(), 41);
+    let request = RequestId::new("ipc-lie");
+    let ranges = honest.range_list();
+    let (handle, base) = IpcExport::parse(&ranges[0].cuda_ipc).expect("an IPC descriptor");
+    let at_base = |b: u64| {
+        let mut d = handle.to_vec();
+        d.extend_from_slice(&b.to_le_bytes());
+        d
+    };
+    let len = ranges[0].len;
+    type Lie<'a> = (&'a str, &'a dyn Fn(&mut UcxRange));
+    let lies: [Lie; 4] = [
+        ("the allocation claimed 4 MiB higher", &|r| {
+            r.cuda_ipc = at_base(base + (4 << 20))
+        }),
+        ("the allocation claimed 4 MiB lower", &|r| {
+            r.cuda_ipc = at_base(base - (4 << 20))
+        }),
+        ("twice its length", &|r| r.len = 2 * len),
+        ("a descriptor one byte short", &|r| {
+            r.cuda_ipc.truncate(IPC_DESCRIPTOR_BYTES - 1)
+        }),
+    ];
+    let (first, last) = ([BlockId(0)], [BlockId(BLOCKS - 1)]);
+    for (what, edit) in lies {
+        let mut lied = ranges.clone();
+        edit(&mut lied[0]);
+        let peer = UcxPeer {
+            ranges: lied.into(),
+            ..honest.clone()
+        };
+        for (dir, blocks) in [("write", &first), ("write", &last), ("read", &last)] {
+            let deadline = Instant::now() + STEP;
+            let result = if dir == "write" {
+                local.write(&request, &peer, &first, blocks, deadline).await
+            } else {
+                local.read(&request, &peer, blocks, &first, deadline).await
+            };
+            match result {
+                Err(e @ DataError::Protocol { .. }) => eprintln!("{what}, {dir}: refused: {e}"),
+                other => panic!("{what}, {dir}: {other:?}"),
+            }
+        }
+        assert_eq!(liar.ask(&format!("checksum {all}"), STEP), before, "{what}");
+    }
+    assert_eq!(local.cuda_ipc_transfers(), 0);
+    round_trip(&local, &mut liar, &honest, 42).await;
+    assert_eq!(local.cuda_ipc_transfers(), 2, "the honest descriptor opens");
+
+    // A handle of zeros opens nothing: the lane stands aside, and UCX (whose key is
+    // honest) carries the transfer.
+    let mut zeroed = ranges.clone();
+    zeroed[0].cuda_ipc = vec![0; IPC_DESCRIPTOR_BYTES];
+    let peer = UcxPeer {
+        ranges: zeroed.into(),
+        ..honest.clone()
+    };
+    let deadline = Instant::now() + STEP;
+    local
+        .write(&request, &peer, &first, &last, deadline)
+        .await
+        .unwrap_or_else(|e| panic!("write past an unusable handle: {e}"));
+    assert_eq!(local.cuda_ipc_transfers(), 2, "UCX carried it");
+    assert_eq!(
+        liar.ask(&format!("checksum {}", format_ids(&last)), STEP),
+        format!("checksum {}", checksum(local.region(), &first)),
+    );
 }

@@ -54,6 +54,7 @@ fn layout() -> LayoutDescriptor {
             stride: 2048,
             bytes: 2048,
             remote_key: vec![1, 2, 3, i as u8],
+            cuda_ipc: vec![],
         })
         .collect();
     LayoutDescriptor {
@@ -621,6 +622,20 @@ fn a_layout_whose_blocks_leave_a_range_is_refused_on_decode() {
     let mut none = layout();
     none.ranges.clear();
     assert_eq!(refused(none), "LayoutDescriptor");
+    // A CUDA IPC descriptor is the handle and the allocation's base, or nothing.
+    for len in [
+        1,
+        handoff_gpu::IPC_DESCRIPTOR_BYTES - 1,
+        handoff_gpu::IPC_DESCRIPTOR_BYTES + 1,
+    ] {
+        let mut ipc = layout();
+        ipc.ranges[1].cuda_ipc = vec![7; len];
+        assert_eq!(refused(ipc), "RangeDescriptor.cuda_ipc");
+    }
+    let mut ipc = layout();
+    ipc.ranges[1].cuda_ipc = vec![7; handoff_gpu::IPC_DESCRIPTOR_BYTES];
+    let frame = raw_frame(MessageType::Hello, &raw_payload(&hello_with_layout(ipc)));
+    wire::decode(&frame, None).expect("a well-sized CUDA IPC descriptor");
 }
 
 #[test]
@@ -897,6 +912,7 @@ fn any_layout() -> impl Strategy<Value = LayoutDescriptor> {
                             stride,
                             bytes,
                             remote_key,
+                            cuda_ipc: vec![],
                         }
                     })
                     .collect();

@@ -38,6 +38,7 @@ fn hello_with_layout(v_len: u64) -> Hello {
         stride: 128,
         bytes: 128,
         remote_key: vec![],
+        cuda_ipc: vec![],
     };
     Hello {
         layout: Some(LayoutDescriptor {

@@ -51,11 +51,15 @@
 
 use std::collections::HashMap;
 use std::mem::ManuallyDrop;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use handoff_gpu::{bind_device_to_thread, DeviceBuffer, DeviceContext, KvBuffer};
+use handoff_gpu::{
+    bind_device_to_thread, CopyPiece, DeviceBuffer, DeviceContext, DeviceCopier, IpcExport,
+    IpcMapping, KvBuffer,
+};
 use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 
 use super::plan;
@@ -179,6 +183,10 @@ pub struct UcxRange {
     pub stride: u64,
     /// Bytes of each block in this range.
     pub bytes: u64,
+    /// For device memory, the CUDA IPC descriptor of the allocation holding the range
+    /// ([`handoff_gpu::IpcExport::to_bytes`]): a verified peer on this host copies with
+    /// it directly ([`UcxPeer::process`]); empty: none.
+    pub cuda_ipc: Vec<u8>,
 }
 
 /// What a peer needs to reach a plane's memory: carried by the control plane (the worker
@@ -201,8 +209,12 @@ pub struct UcxPeer {
     /// The peer's process, verified to be at the other end of our control connection on
     /// this host ([`PeerProcess::verify`]), when its memory is host memory: transfers with
     /// it between host memory on both sides are then same-host copies
-    /// ([`crate::same_host`]) instead of UCX operations. `None`: UCX only.
+    /// ([`crate::same_host`]) instead of UCX operations; when its memory and ours are
+    /// device memory and its ranges carry CUDA IPC descriptors, they are device copies
+    /// through its allocations mapped here ([`handoff_gpu::ipc`]). `None`: UCX only.
     pub process: Option<Arc<PeerProcess>>,
+    /// The CUDA device holding the peer's memory; `None`: host memory (or not said).
+    pub device: Option<u32>,
 }
 
 impl UcxPeer {
@@ -214,6 +226,7 @@ impl UcxPeer {
             region,
             ranges: Arc::from(Vec::new()),
             process: None,
+            device: None,
         }
     }
 
@@ -234,6 +247,7 @@ impl UcxPeer {
                 len: r.len,
                 stride: r.stride,
                 bytes: r.bytes,
+                cuda_ipc: r.cuda_ipc.clone(),
             })
             .collect();
         Self {
@@ -249,6 +263,7 @@ impl UcxPeer {
             },
             ranges: ranges.into(),
             process: None,
+            device: layout.cuda_device,
         }
     }
 
@@ -268,6 +283,7 @@ impl UcxPeer {
                 len: self.region.len,
                 stride: self.region.block_bytes,
                 bytes: self.region.block_bytes,
+                cuda_ipc: Vec::new(),
             }]
         } else {
             self.ranges.to_vec()
@@ -316,6 +332,8 @@ struct PlaneThread {
     /// value to drop).
     done: Mutex<mpsc::Receiver<()>>,
     id: std::thread::ThreadId,
+    /// Transfers the thread's CUDA IPC lane carried.
+    ipc_transfers: Arc<AtomicU64>,
 }
 
 /// How long dropping a plane waits for its thread to tear UCX down (endpoints closed,
@@ -545,6 +563,8 @@ impl UcxDataPlane {
         let thread_nice = options.thread_nice;
         let bell = Arc::new(Doorbell::new());
         let thread_bell = Arc::clone(&bell);
+        let ipc_transfers = Arc::new(AtomicU64::new(0));
+        let thread_ipc = Arc::clone(&ipc_transfers);
         let name = format!("handoff-ucx-{me}");
         let spawned = std::thread::Builder::new()
             .name(name.chars().take(15).collect())
@@ -552,6 +572,7 @@ impl UcxDataPlane {
                 crate::priority::apply(thread_nice, "ucx");
                 let setup = Setup {
                     memory,
+                    ipc_transfers: thread_ipc,
                     blocks,
                     cuda_device,
                     options: context,
@@ -574,6 +595,7 @@ impl UcxDataPlane {
             slots: Arc::new(Semaphore::new(UCX_JOBS_QUEUED_MAX)),
             done: Mutex::new(done),
             id,
+            ipc_transfers,
         });
         let ready = match ready_rx.recv_timeout(options.start_timeout) {
             Ok(result) => result?,
@@ -596,11 +618,17 @@ impl UcxDataPlane {
         let blocks = u64::from(region.blocks());
         let block_bytes = region.block_bytes() as u64;
         let (remote_key, base, len, ranges) = match ready.ranges.as_slice() {
+            // One range: the region describes it; the list holds it too when it carries
+            // what a region cannot (a CUDA IPC descriptor).
             [one] if one.stride == one.bytes && one.bytes == block_bytes => (
                 one.remote_key.clone(),
                 one.addr,
                 blocks * block_bytes,
-                Arc::from(Vec::new()),
+                if one.cuda_ipc.is_empty() {
+                    Arc::from(Vec::new())
+                } else {
+                    Arc::from(ready.ranges.clone())
+                },
             ),
             // Several ranges: the region is logical (blocks × logical block bytes from 0);
             // the keys and addresses are the ranges'.
@@ -619,6 +647,10 @@ impl UcxDataPlane {
             },
             ranges,
             process: None,
+            device: match region.layout().memory {
+                KvMemory::Host => None,
+                KvMemory::Cuda { device } => Some(device),
+            },
         };
         tracing::debug!(name = %me.name, version = %ready.version, ranges = me.ranges.len().max(1), "UCX data plane started");
         UcxDataPlane {
@@ -651,8 +683,15 @@ impl UcxDataPlane {
         for (range, ours) in layout.ranges.iter_mut().zip(self.me.range_list()) {
             range.remote_key = ours.remote_key;
             range.len = ours.len;
+            range.cuda_ipc = ours.cuda_ipc;
         }
         layout
+    }
+
+    /// Transfers carried by device copies through same-host peers' CUDA IPC mappings
+    /// rather than by UCX (see [`UcxPeer::process`]), since the plane started.
+    pub fn cuda_ipc_transfers(&self) -> u64 {
+        self.thread.ipc_transfers.load(Ordering::Relaxed)
     }
 
     /// The loaded UCX version and library path.
@@ -801,11 +840,9 @@ impl UcxDataPlane {
         if local.is_empty() {
             return Ok(());
         }
-        if let Some(process) = peer
-            .process
-            .as_ref()
-            .filter(|_| self.region.memory_kind() == handoff_gpu::MemoryKind::Host)
-        {
+        if let Some(process) = peer.process.as_ref().filter(|_| {
+            self.region.memory_kind() == handoff_gpu::MemoryKind::Host && peer.device.is_none()
+        }) {
             // Same-host copies run here, on the caller's thread: no hop to the UCX thread
             // and back (each a thread wake-up, milliseconds on a host whose cores an
             // engine loop keeps busy). A large one lets the runtime move this worker's
@@ -1034,6 +1071,8 @@ fn check_peer(
 /// What the thread is started with.
 struct Setup {
     memory: Memory,
+    /// Counts the transfers the CUDA IPC lane carries.
+    ipc_transfers: Arc<AtomicU64>,
     /// Blocks in every range.
     blocks: u32,
     /// The device whose context the thread binds before starting UCX.
@@ -1052,6 +1091,131 @@ struct PeerKeys {
     layout: KvLayout,
     /// One per range, in order. Dropped before the endpoint (field order in `PeerConn`).
     rkeys: Vec<RemoteKey>,
+}
+
+/// A same-host peer's device ranges as this thread reaches them through CUDA IPC.
+enum IpcPeer {
+    /// Mapped for these ranges: every piece lies inside one window.
+    Open {
+        ranges: Arc<[UcxRange]>,
+        /// The peer's layout, checked ([`peer_layout`]).
+        layout: KvLayout,
+        windows: Vec<IpcWindow>,
+    },
+    /// A handle did not open here (not this host's, its exporter gone, or already mapped
+    /// by UCX): UCX carries the peer, which vets its keys as for any peer.
+    Unusable { ranges: Arc<[UcxRange]> },
+    /// The descriptor lies (a range outside the allocation its handle opens): every
+    /// transfer with these ranges fails by name, before a byte moves.
+    Refused {
+        ranges: Arc<[UcxRange]>,
+        error: DataError,
+    },
+}
+
+impl IpcPeer {
+    fn ranges(&self) -> &Arc<[UcxRange]> {
+        match self {
+            IpcPeer::Open { ranges, .. }
+            | IpcPeer::Unusable { ranges }
+            | IpcPeer::Refused { ranges, .. } => ranges,
+        }
+    }
+}
+
+/// One of the peer's allocations as mapped here: peer addresses `[start, start + len)`
+/// are `mapping.base()..` here, `len` being what the driver mapped.
+struct IpcWindow {
+    start: u64,
+    mapping: Arc<IpcMapping>,
+}
+
+impl IpcWindow {
+    /// Where `[addr, addr + len)` of the peer is here, if it lies in this window.
+    fn at(&self, addr: u64, len: u64) -> Option<u64> {
+        self.mapping.at(addr.checked_sub(self.start)?, len)
+    }
+}
+
+/// Bytes one round of the CUDA IPC lane copies at most: the deadline, the writer's lease
+/// and the peer's life are checked between rounds, and a round is waited for before the
+/// next, so this bounds what lands after a check (well under a millisecond on one GPU).
+pub const IPC_BYTES_PER_ROUND: u64 = 64 << 20;
+
+/// Opens a same-host peer's device ranges ([`UcxRange::cuda_ipc`]) in our context on
+/// `device`: one mapping per distinct handle, and every range checked to lie inside the
+/// allocation its handle opened (the bound the driver gives, not the peer's word).
+fn open_ipc(peer: &UcxPeer, ranges: &Arc<[UcxRange]>, device: u32) -> IpcPeer {
+    let protocol = |detail: String| DataError::Protocol {
+        peer: peer.name.clone(),
+        detail,
+    };
+    let layout = match peer_layout(peer, ranges) {
+        Ok(layout) => layout,
+        Err(error) => {
+            return IpcPeer::Refused {
+                ranges: Arc::clone(ranges),
+                error,
+            }
+        }
+    };
+    let mut opened: Vec<([u8; handoff_gpu::IPC_HANDLE_BYTES], Arc<IpcMapping>)> = Vec::new();
+    let mut windows: Vec<IpcWindow> = Vec::new();
+    for (i, r) in ranges.iter().enumerate() {
+        let Some((handle, start)) = IpcExport::parse(&r.cuda_ipc) else {
+            return IpcPeer::Refused {
+                ranges: Arc::clone(ranges),
+                error: protocol(format!(
+                    "range {i}: CUDA IPC descriptor of {} bytes",
+                    r.cuda_ipc.len()
+                )),
+            };
+        };
+        let mapping = match opened.iter().find(|(h, _)| *h == handle) {
+            Some((_, m)) => Arc::clone(m),
+            None => match IpcMapping::open(device, &handle) {
+                Ok(m) => {
+                    let m = Arc::new(m);
+                    opened.push((handle, Arc::clone(&m)));
+                    m
+                }
+                Err(error) => {
+                    tracing::warn!(peer = %peer.name, range = i, %error, "the peer's CUDA IPC handle does not open here; UCX carries its transfers");
+                    return IpcPeer::Unusable {
+                        ranges: Arc::clone(ranges),
+                    };
+                }
+            },
+        };
+        let window = IpcWindow { start, mapping };
+        if window.at(r.addr, r.len).is_none() {
+            return IpcPeer::Refused {
+                ranges: Arc::clone(ranges),
+                error: protocol(format!(
+                    "range {i} [{:#x}, +{}) is not inside the allocation its CUDA IPC handle opens ([{start:#x}, +{}))",
+                    r.addr,
+                    r.len,
+                    window.mapping.len()
+                )),
+            };
+        }
+        windows.push(window);
+    }
+    windows.sort_by_key(|w| w.start);
+    IpcPeer::Open {
+        ranges: Arc::clone(ranges),
+        layout,
+        windows,
+    }
+}
+
+/// Where `[addr, addr + len)` of the peer lies here: in the window of the latest start at
+/// or below `addr`, or (windows of a lying peer may overlap) any window that holds it.
+fn ipc_at(windows: &[IpcWindow], addr: u64, len: u64) -> Option<u64> {
+    let i = windows.partition_point(|w| w.start <= addr);
+    i.checked_sub(1)
+        .and_then(|i| windows[i].at(addr, len))
+        .or_else(|| windows.iter().find_map(|w| w.at(addr, len)))
 }
 
 /// One connected peer: its endpoint and its keys, dropped together.
@@ -1084,6 +1248,13 @@ struct State {
     peers: HashMap<Vec<u8>, PeerConn>,
     /// Keys unpacked over all peers, at most [`UCX_RKEYS_MAX`].
     rkeys: usize,
+    /// Copies on our device, when our memory is device memory (the CUDA IPC lane).
+    copier: Option<DeviceCopier>,
+    /// Same-host peers' device memory mapped here by CUDA IPC, by worker address; at most
+    /// [`UCX_ENDPOINTS_MAX`].
+    ipc: HashMap<Vec<u8>, IpcPeer>,
+    /// Transfers the CUDA IPC lane carried ([`UcxDataPlane::cuda_ipc_transfers`]).
+    ipc_transfers: Arc<AtomicU64>,
 }
 
 fn thread_main(
@@ -1160,6 +1331,7 @@ fn thread_main(
 fn start_ucx(setup: Setup) -> Result<(State, Ready), DataError> {
     let Setup {
         memory,
+        ipc_transfers,
         blocks,
         cuda_device,
         mut options,
@@ -1175,6 +1347,17 @@ fn start_ucx(setup: Setup) -> Result<(State, Ready), DataError> {
         }
     );
     let host = cuda.is_none() && (registered_host || matches!(&memory, Memory::Allocate(_)));
+    // Our memory is on this device: same-host peers' device memory is copied with through
+    // CUDA IPC on it ([`State::copy_ipc`]).
+    let device_memory = matches!(
+        &memory,
+        Memory::Register {
+            mem_type: MemoryType::Cuda,
+            ..
+        }
+    )
+    .then_some(cuda_device)
+    .flatten();
     options.wakeup |= host;
     let (ctx, worker) = match Worker::open(&options) {
         Ok(opened) => opened,
@@ -1255,12 +1438,28 @@ fn start_ucx(setup: Setup) -> Result<(State, Ready), DataError> {
                 ),
             });
         }
+        let cuda_ipc = match device_memory.map(|d| handoff_gpu::ipc_export(d, spec.addr)) {
+            Some(Ok(Some(export))) => export.to_bytes(),
+            Some(Ok(None)) => {
+                tracing::debug!(
+                    addr = spec.addr,
+                    "device range not exportable by CUDA IPC; peers reach it through UCX"
+                );
+                Vec::new()
+            }
+            Some(Err(error)) => {
+                tracing::warn!(%error, addr = spec.addr, "cannot export a device range by CUDA IPC; peers reach it through UCX");
+                Vec::new()
+            }
+            None => Vec::new(),
+        };
         ranges.push(UcxRange {
             remote_key: rkey,
             addr: memory.address(),
             len: memory.len() as u64,
             stride: spec.stride,
             bytes: spec.bytes,
+            cuda_ipc,
         });
     }
     let layout = KvLayout {
@@ -1282,6 +1481,7 @@ fn start_ucx(setup: Setup) -> Result<(State, Ready), DataError> {
     layout.validate().map_err(|e| DataError::Unsupported {
         what: format!("local layout: {e}"),
     })?;
+    let copier = device_memory.map(DeviceCopier::on_own_stream).transpose()?;
     let up = Ready {
         ranges,
         worker_address,
@@ -1301,6 +1501,9 @@ fn start_ucx(setup: Setup) -> Result<(State, Ready), DataError> {
         layout,
         peers: HashMap::new(),
         rkeys: 0,
+        copier,
+        ipc: HashMap::new(),
+        ipc_transfers: Arc::clone(&ipc_transfers),
     };
     Ok((state, up))
 }
@@ -1424,6 +1627,9 @@ impl State {
                 block: *b,
                 blocks,
             }));
+        }
+        if let Some(copied) = self.copy_ipc(job, &at, started) {
+            return copied;
         }
         let address = &peer.worker_address;
         self.connect(peer)?;
@@ -1553,6 +1759,74 @@ impl State {
             rkeys,
         });
         Ok(())
+    }
+
+    /// The CUDA IPC lane: a transfer with a verified same-host peer whose device ranges
+    /// carry IPC descriptors, while our memory is device memory, is device copies through
+    /// the peer's allocations mapped here, each piece checked against the mapping's bounds
+    /// before it is enqueued. `None`: the lane does not apply (UCX carries the transfer).
+    fn copy_ipc(
+        &mut self,
+        job: &Job,
+        at: &plan::Sliced,
+        started: Instant,
+    ) -> Option<Result<(), DataError>> {
+        let peer = &job.peer;
+        let process = peer.process.as_ref()?;
+        let device = self.copier.as_ref()?.ordinal();
+        if peer.device.is_none() || peer.ranges.is_empty() {
+            return None;
+        }
+        if peer.ranges.iter().any(|r| r.cuda_ipc.is_empty()) {
+            return None;
+        }
+        let address = &peer.worker_address;
+        if !process.alive() {
+            // Its mappings go with it (the allocations may be gone).
+            self.ipc.remove(address);
+            return Some(Err(DataError::SameHost {
+                peer: peer.name.clone(),
+                error: same_host::SameHostError::PeerExited { pid: process.pid() },
+            }));
+        }
+        let current = self
+            .ipc
+            .get(address)
+            .is_some_and(|p| Arc::ptr_eq(p.ranges(), &peer.ranges) || **p.ranges() == *peer.ranges);
+        if !current {
+            // The old mappings are closed before the new ones open (one per handle).
+            self.ipc.remove(address);
+            if self.ipc.len() >= UCX_ENDPOINTS_MAX {
+                let victim = self.ipc.keys().next().cloned();
+                if let Some(victim) = victim {
+                    self.ipc.remove(&victim);
+                }
+            }
+            let opened = open_ipc(peer, &peer.ranges, device);
+            if let IpcPeer::Open { windows, .. } = &opened {
+                tracing::info!(peer = %peer.name, allocations = windows.len(), "device copies with this peer through CUDA IPC");
+            }
+            self.ipc.insert(address.clone(), opened);
+        }
+        let (layout, windows) = match self.ipc.get(address)? {
+            IpcPeer::Open {
+                layout, windows, ..
+            } => (layout, windows),
+            IpcPeer::Unusable { .. } => return None,
+            IpcPeer::Refused { error, .. } => return Some(Err(error.clone())),
+        };
+        let copier = self.copier.as_ref()?;
+        let copied = ipc_rounds(copier, &self.layout, layout, windows, job, at, process);
+        let result = copied.map(|(pieces, bytes)| {
+            self.ipc_transfers.fetch_add(1, Ordering::Relaxed);
+            let took_us = started.elapsed().as_micros() as u64;
+            tracing::debug!(request = %job.request, peer = %peer.name, bytes, pieces, took_us, "CUDA IPC copy");
+        });
+        if result.is_err() {
+            // A failed copy may mean a broken mapping: the next transfer opens afresh.
+            self.ipc.remove(address);
+        }
+        Some(result)
     }
 
     fn forget(&mut self, address: &[u8]) {
@@ -1771,6 +2045,110 @@ fn copy_same_host(
         copied += pieces.len();
     }
     Ok(copied)
+}
+
+/// The pieces of a job through the peer's mapped windows, copied in rounds of at most
+/// [`IPC_BYTES_PER_ROUND`] bytes and [`UCX_SEGMENTS_PER_ROUND`] pieces; before each round
+/// the deadline, the writer's lease and the peer's life are checked. Every piece is
+/// checked to lie inside one window before its round is enqueued. Returns the pieces and
+/// bytes copied.
+fn ipc_rounds(
+    copier: &DeviceCopier,
+    ours: &KvLayout,
+    theirs: &KvLayout,
+    windows: &[IpcWindow],
+    job: &Job,
+    at: &plan::Sliced,
+    process: &PeerProcess,
+) -> Result<(usize, u64), DataError> {
+    let peer = &job.peer;
+    let started = Instant::now();
+    let mut round: Vec<CopyPiece> = Vec::new();
+    let (mut round_bytes, mut pieces, mut bytes) = (0u64, 0usize, 0u64);
+    let flush = |round: &mut Vec<CopyPiece>, moved: u64| -> Result<(), DataError> {
+        let now = Instant::now();
+        if now >= job.deadline {
+            return Err(DataError::Timeout {
+                peer: peer.name.clone(),
+                op: "CUDA IPC copy",
+                after: now.saturating_duration_since(started),
+            });
+        }
+        if let Some(ago) = job.lease.as_ref().and_then(|l| l.expired_for(now)) {
+            return Err(DataError::SameHost {
+                peer: peer.name.clone(),
+                error: same_host::SameHostError::LeaseExpired {
+                    pid: process.pid(),
+                    moved,
+                    ago: (ago != Duration::MAX).then_some(ago),
+                },
+            });
+        }
+        if !process.alive() {
+            return Err(DataError::SameHost {
+                peer: peer.name.clone(),
+                error: same_host::SameHostError::PeerExited { pid: process.pid() },
+            });
+        }
+        // SAFETY: every local piece lies in a block of our layout (checked by the caller),
+        // memory the plane keeps registered while it runs; every remote piece lies inside
+        // a mapping this thread holds open for the call (checked by `ipc_at`).
+        unsafe { copier.copy_pieces(round) }?;
+        round.clear();
+        Ok(())
+    };
+    let (mut mine, mut other) = (Vec::new(), Vec::new());
+    let mut outside = None;
+    for (l, r) in job.local.iter().zip(&job.remote) {
+        pair_block(ours, theirs, *l, *r, at, &mut mine, &mut other, |m, o| {
+            if outside.is_some() {
+                return;
+            }
+            let Some(there) = ipc_at(windows, o.addr, m.len as u64) else {
+                outside = Some(o.addr);
+                return;
+            };
+            let (dst, src) = match job.direction {
+                Direction::Put => (there, m.addr),
+                Direction::Get => (m.addr, there),
+            };
+            if let Some(last) = round.last_mut() {
+                let len = last.len as u64;
+                if last.dst + len == dst && last.src + len == src {
+                    last.len += m.len;
+                    return;
+                }
+            }
+            round.push(CopyPiece {
+                dst,
+                src,
+                len: m.len,
+            });
+        })
+        .map_err(|e| failed_layout(peer, e))?;
+        if let Some(addr) = outside {
+            return Err(DataError::Protocol {
+                peer: peer.name.clone(),
+                detail: format!(
+                    "block {} at {addr:#x} is not inside an allocation its CUDA IPC handles open",
+                    r.0
+                ),
+            });
+        }
+        let pair_bytes = at.len as u64;
+        round_bytes += pair_bytes;
+        bytes += pair_bytes;
+        if round.len() >= UCX_SEGMENTS_PER_ROUND || round_bytes >= IPC_BYTES_PER_ROUND {
+            pieces += round.len();
+            flush(&mut round, bytes - round_bytes)?;
+            round_bytes = 0;
+        }
+    }
+    if !round.is_empty() {
+        pieces += round.len();
+        flush(&mut round, bytes - round_bytes)?;
+    }
+    Ok((pieces, bytes))
 }
 
 /// Both sides' segments of one block pair (`l` ours, `r` the peer's), sliced by `at`,

@@ -681,6 +681,10 @@ pub struct RangeDescriptor {
     /// The transport's key for one-sided access to this range (e.g. a packed UCX rkey),
     /// at most [`REMOTE_KEY_BYTES_MAX`] bytes; empty for two-sided planes (TCP).
     pub remote_key: Vec<u8>,
+    /// For device memory, the CUDA IPC descriptor of the allocation holding the range
+    /// (handle and base, [`handoff_gpu::IPC_DESCRIPTOR_BYTES`]), which a verified peer on
+    /// the same host opens to copy with the memory directly; empty: none.
+    pub cuda_ipc: Vec<u8>,
 }
 
 /// A worker's KV memory as its peers see it ([`KvLayout`] plus how to reach it), carried
@@ -730,6 +734,7 @@ impl LayoutDescriptor {
                 stride: r.stride as u64,
                 bytes: r.bytes as u64,
                 remote_key: Vec::new(),
+                cuda_ipc: Vec::new(),
             })
             .collect();
         LayoutDescriptor {
@@ -1049,6 +1054,16 @@ impl Validate for LayoutDescriptor {
                 REMOTE_KEY_BYTES_MAX,
             )?;
             key_bytes = key_bytes.saturating_add(r.remote_key.len());
+            if !r.cuda_ipc.is_empty() && r.cuda_ipc.len() != handoff_gpu::IPC_DESCRIPTOR_BYTES {
+                return Err(WireError::Invalid {
+                    what: "RangeDescriptor.cuda_ipc",
+                    detail: format!(
+                        "{} bytes (0 or {})",
+                        r.cuda_ipc.len(),
+                        handoff_gpu::IPC_DESCRIPTOR_BYTES
+                    ),
+                });
+            }
         }
         check_len(
             "LayoutDescriptor.ranges[].remote_key",

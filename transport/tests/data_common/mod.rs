@@ -300,7 +300,8 @@ pub fn parse_ready(ready: &str, name: &str, block_bytes: usize) -> UcxPeer {
 }
 
 /// The `ready <worker address> <blocks> <block bytes> <range>...` line a UCX child prints
-/// for a plane of any layout, each range `<rkey>:<addr>:<len>:<stride>:<bytes>`.
+/// for a plane of any layout, each range `<rkey>:<addr>:<len>:<stride>:<bytes>:<cuda ipc>`
+/// (hex, empty for none).
 pub fn layout_ready_line(plane: &UcxDataPlane) -> String {
     let d = plane.descriptor();
     let region = plane.region();
@@ -312,12 +313,13 @@ pub fn layout_ready_line(plane: &UcxDataPlane) -> String {
     );
     for r in d.range_list() {
         line += &format!(
-            " {}:{}:{}:{}:{}",
+            " {}:{}:{}:{}:{}:{}",
             hex(&r.remote_key),
             r.addr,
             r.len,
             r.stride,
-            r.bytes
+            r.bytes,
+            hex(&r.cuda_ipc)
         );
     }
     line
@@ -341,6 +343,7 @@ pub fn parse_layout_ready(ready: &str, name: &str) -> UcxPeer {
                 len: f[2].parse().unwrap(),
                 stride: f[3].parse().unwrap(),
                 bytes: f[4].parse().unwrap(),
+                cuda_ipc: f.get(5).map_or(Vec::new(), |h| unhex(h).unwrap()),
             }
         })
         .collect();
@@ -357,5 +360,6 @@ pub fn parse_layout_ready(ready: &str, name: &str) -> UcxPeer {
         },
         ranges: ranges.into(),
         process: None,
+        device: None,
     }
 }

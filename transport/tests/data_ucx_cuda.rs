@@ -237,6 +237,24 @@ async fn per_layer_device_ranges_between_two_processes() {
     round_trip(&on_host, &mut layered_child, &layered_peer, 16).await;
 }
 
+/// Two writes (to the peer's first and last block) and a read (of its last) with a lying
+/// `peer`: each must be a protocol error naming the lie, before anything moves.
+async fn refused_by_name(local: &UcxDataPlane, peer: &UcxPeer, request: &RequestId, what: &str) {
+    let (first, last) = ([BlockId(0)], [BlockId(BLOCKS - 1)]);
+    for (dir, blocks) in [("write", &first), ("write", &last), ("read", &last)] {
+        let deadline = Instant::now() + STEP;
+        let result = if dir == "write" {
+            local.write(request, peer, &first, blocks, deadline).await
+        } else {
+            local.read(request, peer, blocks, &first, deadline).await
+        };
+        match result {
+            Err(e @ DataError::Protocol { .. }) => eprintln!("{what}, {dir}: refused: {e}"),
+            other => panic!("{what}, {dir}: {other:?}"),
+        }
+    }
+}
+
 /// A peer whose descriptor lies about its device memory: `cuda_ipc` maps its allocation
 /// into our context and copies with the driver, unchecked, so a range past that allocation
 /// would write our own device memory or poison the context with an illegal address. Every
@@ -261,7 +279,6 @@ async fn a_peer_that_lies_about_its_device_memory_gets_a_named_error() {
         ("far away", &|r| r.addr = addr.wrapping_add(1 << 40)),
         ("twice its length", &|r| r.len = 2 * len),
     ];
-    let (first, last) = ([BlockId(0)], [BlockId(BLOCKS - 1)]);
     for (what, edit) in lies {
         let mut lied = ranges.clone();
         edit(&mut lied[0]);
@@ -270,18 +287,7 @@ async fn a_peer_that_lies_about_its_device_memory_gets_a_named_error() {
             process: None,
             ..honest.clone()
         };
-        for (dir, blocks) in [("write", &first), ("write", &last), ("read", &last)] {
-            let deadline = Instant::now() + STEP;
-            let result = if dir == "write" {
-                local.write(&request, &peer, &first, blocks, deadline).await
-            } else {
-                local.read(&request, &peer, blocks, &first, deadline).await
-            };
-            match result {
-                Err(e @ DataError::Protocol { .. }) => eprintln!("{what}, {dir}: refused: {e}"),
-                other => panic!("{what}, {dir}: {other:?}"),
-            }
-        }
+        refused_by_name(&local, &peer, &request, what).await;
         assert_eq!(liar.ask(&format!("checksum {all}"), STEP), before, "{what}");
     }
     round_trip(&local, &mut liar, &honest, 22).await;
@@ -444,18 +450,7 @@ async fn a_peer_whose_cuda_ipc_descriptor_lies_gets_a_named_error() {
             ranges: lied.into(),
             ..honest.clone()
         };
-        for (dir, blocks) in [("write", &first), ("write", &last), ("read", &last)] {
-            let deadline = Instant::now() + STEP;
-            let result = if dir == "write" {
-                local.write(&request, &peer, &first, blocks, deadline).await
-            } else {
-                local.read(&request, &peer, blocks, &first, deadline).await
-            };
-            match result {
-                Err(e @ DataError::Protocol { .. }) => eprintln!("{what}, {dir}: refused: {e}"),
-                other => panic!("{what}, {dir}: {other:?}"),
-            }
-        }
+        refused_by_name(&local, &peer, &request, what).await;
         assert_eq!(liar.ask(&format!("checksum {all}"), STEP), before, "{what}");
     }
     assert_eq!(local.cuda_ipc_transfers(), 0);

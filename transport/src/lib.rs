@@ -20,6 +20,8 @@
 //! - [`data`]: the data plane's shared vocabulary ([`data::Grants`], [`data::GrantTable`], [`data::DataError`]),
 //!   transfer planning, and the UCX data plane ([`data::UcxDataPlane`]).
 //! - [`tcp`]: the TCP data transport ([`tcp::DataServer`], [`tcp::DataClient`]).
+//! - [`tp`]: heterogeneous tensor parallelism as arithmetic: which heads a rank holds,
+//!   which prefill rank a decode rank reads each from, where a run of heads lies in a block.
 //! - [`exposition`]: the HTTP endpoint serving Prometheus metrics ([`exposition::serve_metrics`]).
 
 mod admission;
@@ -34,6 +36,7 @@ pub mod priority;
 pub mod region;
 pub mod same_host;
 pub mod tcp;
+pub mod tp;
 pub mod types;
 pub mod ucx;
 pub mod wire;

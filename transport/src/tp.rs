@@ -1,0 +1,365 @@
+//! Heterogeneous tensor parallelism as plain arithmetic (sans-IO): which KV heads each rank
+//! of a TP group holds ([`rank_heads`]), which prefill rank a decode rank takes each of its
+//! heads from ([`head_sources`]), and where a run of heads lies inside one block of one
+//! range on each side ([`pair_heads`]).
+//!
+//! The rules are the engines' (vLLM, SGLang): with `tp ≤ kv_heads`, rank `r` holds the
+//! `kv_heads / tp` heads from `r × kv_heads / tp`; with `tp > kv_heads`, every head is
+//! replicated on `tp / kv_heads` consecutive ranks, each holding one. Latent attention (MLA)
+//! is one latent "head" replicated on every rank. Either way one size must divide the other.
+//!
+//! A decode rank reads each of its heads exactly once, from one prefill rank that holds it.
+//! Where heads are replicated on prefill, the replica is chosen so that the decode ranks
+//! reading one head spread over its replicas (within one read of each other), and a decode
+//! rank reading several replicated heads spreads them over the replicas too.
+//!
+//! Inside a block a range's bytes are `[heads, tokens, head bytes]` ([`HeadOrder::HeadMajor`],
+//! vLLM's HND) or `[tokens, heads, head bytes]` ([`HeadOrder::TokenMajor`], NHD). A run of
+//! heads is one segment per block in the first, one per token in the second; between two
+//! different orders it is one piece per token and head. Nothing here moves a byte: the data
+//! planes are given the pieces.
+
+use std::ops::Range;
+
+/// Most KV heads of a model, and most ranks of a TP group, this arithmetic accepts (larger
+/// values are a peer's lie or a bug, and would make piece lists unbounded).
+pub const TP_HEADS_MAX: u32 = 1 << 12;
+
+/// Most pieces one block pair of one range may take ([`pair_heads`]): a token-major run of
+/// heads against a head-major one is one piece per token and head.
+pub const HEAD_PIECES_PER_BLOCK_MAX: usize = 1 << 16;
+
+/// Why a TP pairing, or a run of heads, cannot be worked out. Each names what is wrong.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum TpError {
+    /// A size that must be positive is zero, or one is above [`TP_HEADS_MAX`].
+    #[error("{what} is {value} (1 to {TP_HEADS_MAX})")]
+    OutOfRange {
+        /// Which size.
+        what: &'static str,
+        /// Its value.
+        value: u64,
+    },
+    /// Neither of two sizes divides the other (heads cannot be split or replicated evenly).
+    #[error("{what}: {a} and {b}, neither divides the other")]
+    Indivisible {
+        /// Which pair of sizes.
+        what: &'static str,
+        /// The first.
+        a: u32,
+        /// The second.
+        b: u32,
+    },
+    /// A rank outside its group.
+    #[error("rank {rank} of a TP group of {tp}")]
+    NoSuchRank {
+        /// The rank.
+        rank: u32,
+        /// The group's size.
+        tp: u32,
+    },
+    /// Heads asked of a range that does not hold them.
+    #[error("heads {first}..{end} of a range holding {held}")]
+    HeadsOutside {
+        /// The first head asked for (local to the range).
+        first: u32,
+        /// One past the last.
+        end: u64,
+        /// Heads the range holds.
+        held: u32,
+    },
+    /// The two sides' blocks do not hold heads of the same shape.
+    #[error("mismatched heads: {detail}")]
+    Mismatch {
+        /// What differs.
+        detail: String,
+    },
+    /// A latent cache has no heads to split: only the whole block moves.
+    #[error("a latent (MLA) cache moves whole blocks, not {count} of its heads")]
+    LatentSplit {
+        /// Heads asked for.
+        count: u32,
+    },
+    /// More pieces than [`HEAD_PIECES_PER_BLOCK_MAX`].
+    #[error("{count} pieces per block (at most {HEAD_PIECES_PER_BLOCK_MAX})")]
+    TooManyPieces {
+        /// Pieces the pairing would take.
+        count: u64,
+    },
+}
+
+fn bounded(what: &'static str, value: u32) -> Result<u32, TpError> {
+    if value == 0 || value > TP_HEADS_MAX {
+        return Err(TpError::OutOfRange {
+            what,
+            value: u64::from(value),
+        });
+    }
+    Ok(value)
+}
+
+/// How many ranks share each head (`tp / kv_heads` when heads are replicated, else 1), and
+/// how many heads each rank holds (`kv_heads / tp`, else 1).
+fn split(kv_heads: u32, tp: u32) -> Result<(u32, u32), TpError> {
+    let (kv_heads, tp) = (bounded("kv_heads", kv_heads)?, bounded("tp", tp)?);
+    if tp <= kv_heads {
+        if kv_heads % tp != 0 {
+            return Err(TpError::Indivisible {
+                what: "kv_heads and tp",
+                a: kv_heads,
+                b: tp,
+            });
+        }
+        Ok((1, kv_heads / tp))
+    } else {
+        if tp % kv_heads != 0 {
+            return Err(TpError::Indivisible {
+                what: "kv_heads and tp",
+                a: kv_heads,
+                b: tp,
+            });
+        }
+        Ok((tp / kv_heads, 1))
+    }
+}
+
+/// The model's KV heads that rank `rank` of a TP group of `tp` holds, as head ids.
+///
+/// # Errors
+/// [`TpError::OutOfRange`], [`TpError::Indivisible`], [`TpError::NoSuchRank`].
+pub fn rank_heads(kv_heads: u32, tp: u32, rank: u32) -> Result<Range<u32>, TpError> {
+    let (replicas, per_rank) = split(kv_heads, tp)?;
+    if rank >= tp {
+        return Err(TpError::NoSuchRank { rank, tp });
+    }
+    let first = rank / replicas * per_rank;
+    Ok(first..first + per_rank)
+}
+
+/// Heads one decode rank takes from one prefill rank: model head ids, consecutive.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct HeadSource {
+    /// The prefill rank (its tp rank) that holds them.
+    pub prefill_rank: u32,
+    /// The heads, as model head ids.
+    pub heads: Range<u32>,
+}
+
+/// Where decode rank `decode_rank` of `decode_tp` takes each of its heads from, among
+/// `prefill_tp` prefill ranks: every head it holds exactly once, consecutive heads from
+/// one prefill rank merged, in head order.
+///
+/// Among a head's replicas (prefill `tp > kv_heads`) the one read is
+/// `(decode_rank + head) mod replicas`: the decode ranks that read one head are consecutive,
+/// so they spread over its replicas within one read of each other.
+///
+/// # Errors
+/// As [`rank_heads`], for either side.
+pub fn head_sources(
+    kv_heads: u32,
+    prefill_tp: u32,
+    decode_tp: u32,
+    decode_rank: u32,
+) -> Result<Vec<HeadSource>, TpError> {
+    let (replicas, per_prefill_rank) = split(kv_heads, prefill_tp)?;
+    let mine = rank_heads(kv_heads, decode_tp, decode_rank)?;
+    let mut out: Vec<HeadSource> = Vec::new();
+    for head in mine {
+        let holder = head / per_prefill_rank * replicas;
+        let prefill_rank = holder + (decode_rank + head) % replicas;
+        match out.last_mut() {
+            Some(last) if last.prefill_rank == prefill_rank && last.heads.end == head => {
+                last.heads.end = head + 1;
+            }
+            _ => out.push(HeadSource {
+                prefill_rank,
+                heads: head..head + 1,
+            }),
+        }
+    }
+    Ok(out)
+}
+
+/// How a range orders a block's bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum HeadOrder {
+    /// `[heads, tokens, head bytes]` (HND): one head's bytes for the whole block together.
+    HeadMajor,
+    /// `[tokens, heads, head bytes]` (NHD): per token, every head in turn.
+    TokenMajor,
+    /// A latent cache (MLA): no heads to split, replicated on every rank.
+    Latent,
+}
+
+/// One range's block as heads: `heads` heads (those the rank holds), `block_tokens` tokens,
+/// `head_bytes` bytes per head and token, ordered by `order`. The block is
+/// `heads × block_tokens × head_bytes` bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct HeadGeometry {
+    /// How the block's bytes are ordered.
+    pub order: HeadOrder,
+    /// Heads this range holds (1 for a latent cache).
+    pub heads: u32,
+    /// Tokens per block.
+    pub block_tokens: u32,
+    /// Bytes of one head for one token (head size × element size; for a latent cache, the
+    /// latent row).
+    pub head_bytes: u64,
+}
+
+impl HeadGeometry {
+    /// Bytes of one block of the range.
+    pub fn block_bytes(&self) -> Option<u64> {
+        u64::from(self.heads)
+            .checked_mul(u64::from(self.block_tokens))?
+            .checked_mul(self.head_bytes)
+    }
+
+    fn check(&self, first: u32, count: u32) -> Result<(), TpError> {
+        bounded("heads", self.heads)?;
+        if self.block_tokens == 0 || self.head_bytes == 0 || self.block_bytes().is_none() {
+            return Err(TpError::Mismatch {
+                detail: format!("a block of {self:?}"),
+            });
+        }
+        let end = u64::from(first) + u64::from(count);
+        if count == 0 || end > u64::from(self.heads) {
+            return Err(TpError::HeadsOutside {
+                first,
+                end,
+                held: self.heads,
+            });
+        }
+        if self.order == HeadOrder::Latent && count != self.heads {
+            return Err(TpError::LatentSplit { count });
+        }
+        Ok(())
+    }
+
+    /// Offset in the block of head `head` (local) at token `token`.
+    fn at(&self, head: u32, token: u32) -> u64 {
+        let (h, t) = (u64::from(head), u64::from(token));
+        match self.order {
+            HeadOrder::HeadMajor | HeadOrder::Latent => {
+                (h * u64::from(self.block_tokens) + t) * self.head_bytes
+            }
+            HeadOrder::TokenMajor => (t * u64::from(self.heads) + h) * self.head_bytes,
+        }
+    }
+
+    /// Whether `count` heads from `first` lie together for a whole block (one segment).
+    fn whole_run(&self, first: u32, count: u32) -> bool {
+        match self.order {
+            HeadOrder::HeadMajor | HeadOrder::Latent => true,
+            // Every head of every token, or a single token per block.
+            HeadOrder::TokenMajor => (first == 0 && count == self.heads) || self.block_tokens == 1,
+        }
+    }
+}
+
+/// One piece of a block pair: `len` bytes from `src` in the source block to `dst` in the
+/// destination block (offsets inside the blocks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct HeadPiece {
+    /// Offset in the source block.
+    pub src: u64,
+    /// Offset in the destination block.
+    pub dst: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// The pieces that move `count` heads, from local head `src_first` of a source block shaped
+/// `src` to local head `dst_first` of a destination block shaped `dst`: pieces adjacent on
+/// both sides merged, in source order.
+///
+/// Same order on both sides: one piece per block when the run lies together on both sides
+/// (head-major, or every head), else one per token. Different orders: one per token and
+/// head ([`HEAD_PIECES_PER_BLOCK_MAX`] at most).
+///
+/// # Errors
+/// [`TpError::Mismatch`] (tokens per block, bytes per head, a latent cache against a split
+/// one), [`TpError::HeadsOutside`], [`TpError::LatentSplit`], [`TpError::TooManyPieces`].
+pub fn pair_heads(
+    src: &HeadGeometry,
+    src_first: u32,
+    dst: &HeadGeometry,
+    dst_first: u32,
+    count: u32,
+) -> Result<Vec<HeadPiece>, TpError> {
+    src.check(src_first, count)?;
+    dst.check(dst_first, count)?;
+    if src.block_tokens != dst.block_tokens || src.head_bytes != dst.head_bytes {
+        return Err(TpError::Mismatch {
+            detail: format!(
+                "{} tokens of {} bytes per head against {} of {}",
+                src.block_tokens, src.head_bytes, dst.block_tokens, dst.head_bytes
+            ),
+        });
+    }
+    if (src.order == HeadOrder::Latent) != (dst.order == HeadOrder::Latent) {
+        return Err(TpError::Mismatch {
+            detail: "a latent cache against one of heads".into(),
+        });
+    }
+    let tokens = src.block_tokens;
+    let mut pieces: Vec<HeadPiece> = Vec::new();
+    let mut push = |p: HeadPiece| match pieces.last_mut() {
+        Some(last) if last.src + last.len == p.src && last.dst + last.len == p.dst => {
+            last.len += p.len;
+        }
+        _ => pieces.push(p),
+    };
+    let run = u64::from(count) * src.head_bytes;
+    if src.whole_run(src_first, count) && dst.whole_run(dst_first, count) && src.order == dst.order
+    {
+        push(HeadPiece {
+            src: src.at(src_first, 0),
+            dst: dst.at(dst_first, 0),
+            len: run * u64::from(tokens),
+        });
+    } else if src.order == dst.order {
+        // Token-major on both sides: the run of heads, token by token.
+        for t in 0..tokens {
+            push(HeadPiece {
+                src: src.at(src_first, t),
+                dst: dst.at(dst_first, t),
+                len: run,
+            });
+        }
+    } else {
+        let count_pieces = u64::from(tokens) * u64::from(count);
+        if count_pieces > HEAD_PIECES_PER_BLOCK_MAX as u64 {
+            return Err(TpError::TooManyPieces {
+                count: count_pieces,
+            });
+        }
+        // Source order: head-major walks heads then tokens; token-major the reverse.
+        let mut one = |h: u32, t: u32| {
+            push(HeadPiece {
+                src: src.at(src_first + h, t),
+                dst: dst.at(dst_first + h, t),
+                len: src.head_bytes,
+            })
+        };
+        if src.order == HeadOrder::TokenMajor {
+            for t in 0..tokens {
+                for h in 0..count {
+                    one(h, t);
+                }
+            }
+        } else {
+            for h in 0..count {
+                for t in 0..tokens {
+                    one(h, t);
+                }
+            }
+        }
+    }
+    if pieces.len() > HEAD_PIECES_PER_BLOCK_MAX {
+        return Err(TpError::TooManyPieces {
+            count: pieces.len() as u64,
+        });
+    }
+    Ok(pieces)
+}

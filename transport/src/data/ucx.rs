@@ -1822,8 +1822,9 @@ impl State {
             let took_us = started.elapsed().as_micros() as u64;
             tracing::debug!(request = %job.request, peer = %peer.name, bytes, pieces, took_us, "CUDA IPC copy");
         });
-        if result.is_err() {
-            // A failed copy may mean a broken mapping: the next transfer opens afresh.
+        if matches!(result, Err(DataError::Gpu(_))) {
+            // A driver failure may mean a broken mapping: the next transfer opens afresh.
+            // (A fence, a deadline or a refused piece leaves the mappings as they are.)
             self.ipc.remove(address);
         }
         Some(result)

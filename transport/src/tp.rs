@@ -363,3 +363,150 @@ pub fn pair_heads(
     }
     Ok(pieces)
 }
+
+/// Most spans one block pair may take ([`tp_spans`]).
+pub const TP_SPANS_PER_BLOCK_MAX: usize = 1 << 16;
+
+/// How one side's blocks hold KV heads: the model's KV heads (all ranks together), how a
+/// range orders them, and their size. A range of `bytes` per block holds
+/// `bytes / (heads held × block_tokens × head_bytes)` parts (2 for K and V together in one
+/// block, 1 for K or V alone), each ordered by `order`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct HeadLayout {
+    /// KV heads of the model (1 for a latent cache).
+    pub kv_heads: u32,
+    /// How each part of a range's block orders its heads.
+    pub order: HeadOrder,
+    /// Tokens per block.
+    pub block_tokens: u32,
+    /// Bytes of one head for one token.
+    pub head_bytes: u64,
+}
+
+/// One side of a TP pairing: its group's size, its rank, how its blocks hold heads, and
+/// the bytes per block of each of its ranges in logical order (those of the layers both
+/// sides hold, so the two lists pair range for range).
+#[derive(Clone, Copy, Debug)]
+pub struct TpSide<'a> {
+    /// TP group size.
+    pub tp: u32,
+    /// This side's TP rank.
+    pub rank: u32,
+    /// How its blocks hold heads.
+    pub heads: HeadLayout,
+    /// Bytes per block of each range, in logical order.
+    pub ranges: &'a [u64],
+}
+
+/// One span of a logical block pair: `len` bytes at `src` of the source's logical block go
+/// to `dst` of the destination's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Span {
+    /// Offset in the source's logical block.
+    pub src: u64,
+    /// Offset in the destination's logical block.
+    pub dst: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// The spans of every logical block that prefill rank `src.rank` sends decode rank
+/// `dst.rank`: the heads `dst` takes from `src` ([`head_sources`]), in every part of every
+/// range, merged where adjacent on both sides; empty when `dst` takes nothing from `src`.
+///
+/// # Errors
+/// [`TpError::Mismatch`] when the sides disagree on the model's heads, tokens per block,
+/// bytes per head, the number of ranges, or a range's parts (or a range is not a whole
+/// number of parts); the errors of [`head_sources`] and [`pair_heads`];
+/// [`TpError::TooManyPieces`] past [`TP_SPANS_PER_BLOCK_MAX`].
+pub fn tp_spans(src: &TpSide<'_>, dst: &TpSide<'_>) -> Result<Vec<Span>, TpError> {
+    let mismatch = |detail: String| Err(TpError::Mismatch { detail });
+    let (s, d) = (&src.heads, &dst.heads);
+    if s.kv_heads != d.kv_heads || s.block_tokens != d.block_tokens || s.head_bytes != d.head_bytes
+    {
+        return mismatch(format!(
+            "{} KV heads, {} tokens of {} bytes per head against {}, {} of {}",
+            s.kv_heads, s.block_tokens, s.head_bytes, d.kv_heads, d.block_tokens, d.head_bytes
+        ));
+    }
+    if src.ranges.len() != dst.ranges.len() {
+        return mismatch(format!(
+            "{} ranges against {}",
+            src.ranges.len(),
+            dst.ranges.len()
+        ));
+    }
+    let src_heads = rank_heads(s.kv_heads, src.tp, src.rank)?;
+    let dst_heads = rank_heads(d.kv_heads, dst.tp, dst.rank)?;
+    let runs: Vec<Range<u32>> = head_sources(s.kv_heads, src.tp, dst.tp, dst.rank)?
+        .into_iter()
+        .filter(|h| h.prefill_rank == src.rank)
+        .map(|h| h.heads)
+        .collect();
+    let geometry = |l: &HeadLayout, held: u32| HeadGeometry {
+        order: l.order,
+        heads: held,
+        block_tokens: l.block_tokens,
+        head_bytes: l.head_bytes,
+    };
+    let (src_part, dst_part) = (
+        geometry(s, src_heads.len() as u32),
+        geometry(d, dst_heads.len() as u32),
+    );
+    let parts_of = |bytes: u64, part: &HeadGeometry, side: &str, i: usize| {
+        match part.block_bytes() {
+            Some(p) if p > 0 && bytes % p == 0 && bytes > 0 => Ok(bytes / p),
+            _ => Err(TpError::Mismatch {
+                detail: format!("{side} range {i}: {bytes} bytes per block is not a whole number of parts of {part:?}"),
+            }),
+        }
+    };
+    let mut spans: Vec<Span> = Vec::new();
+    let (mut src_at, mut dst_at) = (0u64, 0u64);
+    for (i, (&src_bytes, &dst_bytes)) in src.ranges.iter().zip(dst.ranges).enumerate() {
+        let parts = parts_of(src_bytes, &src_part, "source", i)?;
+        if parts_of(dst_bytes, &dst_part, "destination", i)? != parts {
+            return mismatch(format!(
+                "range {i}: {parts} parts of heads on the source, {} on the destination",
+                dst_bytes / dst_part.block_bytes().unwrap_or(1)
+            ));
+        }
+        let (src_part_bytes, dst_part_bytes) = (src_bytes / parts, dst_bytes / parts);
+        for p in 0..parts {
+            for run in &runs {
+                let count = run.end - run.start;
+                let pieces = pair_heads(
+                    &src_part,
+                    run.start - src_heads.start,
+                    &dst_part,
+                    run.start - dst_heads.start,
+                    count,
+                )?;
+                for piece in pieces {
+                    let span = Span {
+                        src: src_at + p * src_part_bytes + piece.src,
+                        dst: dst_at + p * dst_part_bytes + piece.dst,
+                        len: piece.len,
+                    };
+                    match spans.last_mut() {
+                        Some(last)
+                            if last.src + last.len == span.src
+                                && last.dst + last.len == span.dst =>
+                        {
+                            last.len += span.len;
+                        }
+                        _ => spans.push(span),
+                    }
+                    if spans.len() > TP_SPANS_PER_BLOCK_MAX {
+                        return Err(TpError::TooManyPieces {
+                            count: spans.len() as u64,
+                        });
+                    }
+                }
+            }
+        }
+        src_at += src_bytes;
+        dst_at += dst_bytes;
+    }
+    Ok(spans)
+}

@@ -1,12 +1,14 @@
 //! Heterogeneous TP arithmetic (`handoff_transport::tp`), over TP sizes, head counts and
 //! head orders: every decode head is read exactly once, from a prefill rank that holds it,
 //! replicas share the reads evenly, and the pieces of a run of heads move exactly those
-//! heads' bytes, checked byte by byte.
+//! heads' bytes, checked byte by byte; and, against a model of the whole KV cache, every
+//! decode rank's blocks are rebuilt from the prefill ranks' spans, every byte written once.
 
 use std::collections::BTreeMap;
 
 use handoff_transport::tp::{
-    head_sources, pair_heads, rank_heads, HeadGeometry, HeadOrder, TpError, TP_HEADS_MAX,
+    head_sources, pair_heads, rank_heads, tp_spans, HeadGeometry, HeadLayout, HeadOrder, TpError,
+    TpSide, TP_HEADS_MAX,
 };
 use proptest::prelude::*;
 
@@ -278,4 +280,168 @@ fn decode_tp_above_prefill_tp_reads_a_slice_of_one_rank_and_below_gathers_severa
     assert_eq!((a[0].heads.clone(), b[0].heads.clone()), (0..1, 0..1));
     assert_ne!(a[0].prefill_rank, b[0].prefill_rank);
     assert!(a[0].prefill_rank < 4 && b[0].prefill_rank < 4);
+}
+
+/// A model-wide block: every (range, part, head, token, byte) its own value.
+fn truth(range: usize, part: u64, head: u32, token: u32, byte: u64) -> u32 {
+    1 + ((((range as u32 * 4 + part as u32) * 64 + head) * 64 + token) * 16 + byte as u32)
+}
+
+/// Rank `rank` of `tp`'s logical block under `layout`, built from [`truth`]: range by
+/// range, part by part, its heads in `layout.order`.
+fn rank_block(layout: &HeadLayout, tp: u32, rank: u32, parts: &[u64]) -> Vec<u32> {
+    let heads = rank_heads(layout.kv_heads, tp, rank).unwrap();
+    let held = heads.len() as u32;
+    let (t_n, hb) = (layout.block_tokens, layout.head_bytes);
+    let mut out = Vec::new();
+    for (i, &n) in parts.iter().enumerate() {
+        for p in 0..n {
+            let mut part = vec![0u32; (u64::from(held) * u64::from(t_n) * hb) as usize];
+            for h in 0..held {
+                for t in 0..t_n {
+                    for b in 0..hb {
+                        let at = match layout.order {
+                            HeadOrder::TokenMajor => {
+                                (u64::from(t) * u64::from(held) + u64::from(h)) * hb + b
+                            }
+                            _ => (u64::from(h) * u64::from(t_n) + u64::from(t)) * hb + b,
+                        };
+                        part[at as usize] = truth(i, p, heads.start + h, t, b);
+                    }
+                }
+            }
+            out.extend(part);
+        }
+    }
+    out
+}
+
+/// Bytes per block of each range of a rank holding `held` heads.
+fn range_bytes(layout: &HeadLayout, held: u32, parts: &[u64]) -> Vec<u64> {
+    parts
+        .iter()
+        .map(|n| n * u64::from(held) * u64::from(layout.block_tokens) * layout.head_bytes)
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Every decode rank's logical block, rebuilt from the spans of every prefill rank,
+    /// equals the model's heads it holds, each byte written exactly once: any TP sizes
+    /// where one divides the other, either head order on either side, K and V apart or
+    /// together.
+    #[test]
+    fn decode_blocks_are_rebuilt_from_the_prefill_ranks_spans(
+        h in 0..6usize,
+        p in 0..7usize,
+        d in 0..7usize,
+        orders in (prop::sample::select(vec![HeadOrder::HeadMajor, HeadOrder::TokenMajor]),
+                   prop::sample::select(vec![HeadOrder::HeadMajor, HeadOrder::TokenMajor])),
+        tokens in 1u32..5,
+        head_bytes in 1u64..4,
+        parts in prop::collection::vec(1u64..3, 1..4),
+        latent in any::<bool>(),
+    ) {
+        let kv_heads = if latent { 1 } else { [1, 2, 4, 6, 8, 12][h] };
+        let (prefill_tp, decode_tp) = ([1, 2, 3, 4, 6, 8, 16][p], [1, 2, 3, 4, 6, 8, 16][d]);
+        prop_assume!(rank_heads(kv_heads, prefill_tp, 0).is_ok() && rank_heads(kv_heads, decode_tp, 0).is_ok());
+        let (src_order, dst_order) = if latent { (HeadOrder::Latent, HeadOrder::Latent) } else { orders };
+        let layout = |order| HeadLayout { kv_heads, order, block_tokens: tokens, head_bytes };
+        let (src_layout, dst_layout) = (layout(src_order), layout(dst_order));
+        let held = |tp, r| rank_heads(kv_heads, tp, r).unwrap().len() as u32;
+        for dr in 0..decode_tp {
+            let expected = rank_block(&dst_layout, decode_tp, dr, &parts);
+            let mut out = vec![0u32; expected.len()];
+            let mut writes = vec![0u32; expected.len()];
+            let dst_ranges = range_bytes(&dst_layout, held(decode_tp, dr), &parts);
+            for pr in 0..prefill_tp {
+                let block = rank_block(&src_layout, prefill_tp, pr, &parts);
+                let src_ranges = range_bytes(&src_layout, held(prefill_tp, pr), &parts);
+                let src = TpSide { tp: prefill_tp, rank: pr, heads: src_layout, ranges: &src_ranges };
+                let dst = TpSide { tp: decode_tp, rank: dr, heads: dst_layout, ranges: &dst_ranges };
+                for span in tp_spans(&src, &dst).unwrap() {
+                    let (s, t, n) = (span.src as usize, span.dst as usize, span.len as usize);
+                    out[t..t + n].copy_from_slice(&block[s..s + n]);
+                    for w in &mut writes[t..t + n] {
+                        *w += 1;
+                    }
+                }
+            }
+            prop_assert!(writes.iter().all(|&w| w == 1), "decode rank {}: writes {:?}", dr, writes);
+            prop_assert_eq!(&out, &expected, "decode rank {}", dr);
+        }
+    }
+}
+
+#[test]
+fn sides_that_disagree_are_refused_before_any_span() {
+    let layout = HeadLayout {
+        kv_heads: 8,
+        order: HeadOrder::HeadMajor,
+        block_tokens: 16,
+        head_bytes: 256,
+    };
+    let four = range_bytes(&layout, 4, &[1, 1]);
+    fn side(tp: u32, rank: u32, heads: HeadLayout, ranges: &[u64]) -> TpSide<'_> {
+        TpSide {
+            tp,
+            rank,
+            heads,
+            ranges,
+        }
+    }
+    let ok = tp_spans(&side(2, 0, layout, &four), &side(2, 0, layout, &four)).unwrap();
+    assert_eq!(
+        ok.len(),
+        1,
+        "two whole ranges, adjacent on both sides: {ok:?}"
+    );
+    for (what, heads, ranges) in [
+        (
+            "other KV heads",
+            HeadLayout {
+                kv_heads: 16,
+                ..layout
+            },
+            four.clone(),
+        ),
+        (
+            "other tokens",
+            HeadLayout {
+                block_tokens: 32,
+                ..layout
+            },
+            four.clone(),
+        ),
+        (
+            "other head size",
+            HeadLayout {
+                head_bytes: 128,
+                ..layout
+            },
+            four.clone(),
+        ),
+        ("another range", layout, range_bytes(&layout, 4, &[1, 1, 1])),
+        (
+            "K and V together against apart",
+            layout,
+            range_bytes(&layout, 4, &[2, 1]),
+        ),
+        (
+            "not a whole number of parts",
+            layout,
+            vec![four[0] + 1, four[1]],
+        ),
+    ] {
+        let got = tp_spans(&side(2, 0, layout, &four), &side(2, 0, heads, &ranges));
+        assert!(
+            matches!(got, Err(TpError::Mismatch { .. })),
+            "{what}: {got:?}"
+        );
+    }
+    // A prefill rank a decode rank takes nothing from gives no spans.
+    let eight = range_bytes(&layout, 2, &[1, 1]);
+    let none = tp_spans(&side(2, 1, layout, &four), &side(4, 0, layout, &eight)).unwrap();
+    assert!(none.is_empty());
 }

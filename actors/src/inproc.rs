@@ -118,7 +118,7 @@ impl Fabric {
     }
 
     /// What a receiver of `msg` from `from` checks before a byte moves: the blocks `from`
-    /// names are in its region, and the two layouts pair ([`BlockSlice::for_ranks`]).
+    /// names are in its region, and the two layouts pair ([`BlockSlice::spans_for_ranks`]).
     fn check_pairing(&self, from: &Peer, to: &Peer, msg: &PeerMessage) -> Result<(), String> {
         let (blocks, from_sends) = match msg {
             PeerMessage::TransferInfo { blocks, .. } => (blocks, false),
@@ -137,9 +137,9 @@ impl Fabric {
             ));
         }
         let paired = if from_sends {
-            BlockSlice::for_ranks(from, theirs, to, mine)
+            BlockSlice::spans_for_ranks(from, theirs, to, mine)
         } else {
-            BlockSlice::for_ranks(to, mine, from, theirs)
+            BlockSlice::spans_for_ranks(to, mine, from, theirs)
         };
         paired
             .map(|_| ())
@@ -171,8 +171,9 @@ pub struct InProcessLink {
 }
 
 /// Copies under the owner's grant: refused (and nothing copied) unless `peer` holds
-/// `access` to `checked` for request `id` in `grants`. Only the layers both sides hold
-/// move ([`BlockSlice::for_ranks`]), from each side's ranges as its layout lays them out.
+/// `access` to `checked` for request `id` in `grants`. Only the layers (and, between TP
+/// sizes, the KV heads) both sides hold move ([`BlockSlice::spans_for_ranks`]), from each
+/// side's ranges as its layout lays them out.
 #[allow(clippy::too_many_arguments)]
 fn copy_granted(
     grants: &GrantTable,
@@ -183,20 +184,21 @@ fn copy_granted(
     (from_rank, from, from_blocks): (&RankInfo, &Region, &[BlockId]),
     (to_rank, to, to_blocks): (&RankInfo, &Region, &[BlockId]),
 ) -> Result<(), TransferError> {
-    let slice = BlockSlice::for_ranks(from_rank, from.layout(), to_rank, to.layout()).map_err(
-        |source| TransferError::Pairing {
+    let slices = BlockSlice::spans_for_ranks(from_rank, from.layout(), to_rank, to.layout())
+        .map_err(|source| TransferError::Pairing {
             src: from_rank.to_string(),
             dst: to_rank.to_string(),
             source: Box::new(source),
-        },
-    )?;
-    let Some(slice) = slice else {
-        return Ok(()); // no layer in common: nothing to move
-    };
+        })?;
+    if slices.is_empty() {
+        return Ok(()); // nothing in common: nothing to move
+    }
     let mut result = Ok(());
     grants.check_and_copy(peer, id, access, checked, &mut || {
-        result = Region::copy_block_slices(from, from_blocks, to, to_blocks, slice)
-            .map_err(|e| TransferError::Copy(Box::new(e)));
+        result = slices.iter().try_for_each(|&slice| {
+            Region::copy_block_slices(from, from_blocks, to, to_blocks, slice)
+                .map_err(|e| TransferError::Copy(Box::new(e)))
+        });
     })?;
     result
 }

@@ -230,8 +230,11 @@ impl Inbox {
 }
 
 /// The prefill ranks a decode rank receives from, out of an engine's registered ranks:
-/// the chosen dp rank (or the lowest registered), the same tp rank (heterogeneous TP is
-/// refused, by name), every pipeline rank; `NotReady` until all of those have registered.
+/// the chosen dp rank (or the lowest registered), every pipeline rank, and the same tp rank,
+/// or, where decode's TP size divides prefill's, the decode rank's share of prefill's tp
+/// ranks (`handoff_transport::tp::prefill_share`: each of them holds some of its KV heads).
+/// A decode TP size above prefill's (one prefill rank serving several decode ranks) is
+/// refused by name; `NotReady` until all of those have registered.
 pub fn select_prefill_peers<'a>(
     me: &RankInfo,
     prefill: &EngineId,
@@ -248,27 +251,37 @@ pub fn select_prefill_peers<'a>(
             detail: format!("no prefill rank of {prefill} registered"),
         });
     };
-    if first.tp_size != me.tp_size {
-        return Err(ResolveError::Fatal(FailureReason::Protocol {
-            detail: format!(
-                "prefill {prefill} has tp_size {}, decode has {}: heterogeneous TP is not supported",
-                first.tp_size, me.tp_size
-            ),
-        }));
-    }
+    let tp = if first.tp_size == me.tp_size {
+        me.tp_rank..me.tp_rank + 1
+    } else {
+        let refused = |why: String| {
+            ResolveError::Fatal(FailureReason::Protocol {
+                detail: format!(
+                    "prefill {prefill} has tp_size {}, decode has {}: {why}",
+                    first.tp_size, me.tp_size
+                ),
+            })
+        };
+        if me.tp_size > first.tp_size {
+            return Err(refused(
+                "a decode TP size above prefill's (a prefill rank serving several decode ranks) is not supported yet".into(),
+            ));
+        }
+        handoff_transport::tp::prefill_share(first.tp_size, me.tp_size, me.tp_rank)
+            .map_err(|e| refused(e.to_string()))?
+    };
     let dp = dp_rank.unwrap_or_else(|| ranks.iter().map(|r| r.dp_rank).min().unwrap_or(0));
     let peers: Vec<Peer> = ranks
         .iter()
-        .filter(|r| r.dp_rank == dp && r.tp_rank == me.tp_rank)
+        .filter(|r| r.dp_rank == dp && tp.contains(&r.tp_rank))
         .map(|r| (*r).clone())
         .collect();
-    if peers.len() < first.pp_size as usize {
+    let want = first.pp_size as usize * tp.len();
+    if peers.len() < want {
         return Err(ResolveError::NotReady {
             detail: format!(
-                "{} of {} pipeline ranks of {prefill} dp{dp} tp{} registered",
+                "{} of {want} pipeline and tensor ranks of {prefill} dp{dp} tp{tp:?} registered",
                 peers.len(),
-                first.pp_size,
-                me.tp_rank
             ),
         });
     }

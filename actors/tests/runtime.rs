@@ -13,6 +13,8 @@ use handoff_actors::{
     KvShape, LayerSpan, Link, RankInfo, ReceiverSpec, Region, RequestId, Role, Runtime, State,
     Timeouts, TransferMode, TransportChoice,
 };
+use handoff_transport::tp::HeadOrder;
+use handoff_transport::KvHeads;
 
 const BLOCKS: u32 = 64;
 const BLOCK_BYTES: usize = 256;
@@ -1183,4 +1185,161 @@ async fn a_transfer_that_panics_fails_only_its_request() {
             );
         }
     }
+}
+
+/// Heterogeneous TP: the bytes of block `block` of a rank holding KV heads from `first`
+/// (`held` of them) of a 2-layer model (K and V apart: 4 ranges of one part), heads in
+/// `order`, each byte the model's own (range, head, token, byte) value.
+fn tp_block(block: BlockId, first: u32, held: u32, order: HeadOrder) -> Vec<u8> {
+    const TOKENS: u32 = 4;
+    const HEAD_BYTES: u32 = 8;
+    let mut out = Vec::new();
+    for range in 0..4u32 {
+        let mut part = vec![0u8; (held * TOKENS * HEAD_BYTES) as usize];
+        for h in 0..held {
+            for t in 0..TOKENS {
+                for b in 0..HEAD_BYTES {
+                    let at = match order {
+                        HeadOrder::TokenMajor => (t * held + h) * HEAD_BYTES + b,
+                        _ => (h * TOKENS + t) * HEAD_BYTES + b,
+                    };
+                    let v = ((range * 16 + first + h) * 4 + t) * 8 + b;
+                    part[at as usize] = (v as u8) ^ (block.0 as u8).wrapping_mul(29);
+                }
+            }
+        }
+        out.extend(part);
+    }
+    out
+}
+
+/// Prefill at TP 4 (head-major, 2 of the model's 8 KV heads per rank), decode at TP 2
+/// (token-major, 4 per rank): each decode rank gathers its heads from its two prefill
+/// ranks, and every byte of its blocks is the model's; both modes.
+async fn decode_ranks_gather_their_heads_from_prefills_ranks(mode: TransferMode) {
+    let fabric = Fabric::new();
+    let layout = |held: u32, order| {
+        let mut layout = KvLayout::shaped(KvShape::KvHalves, 2, BLOCKS, (held * 4 * 8) as usize);
+        layout.block_tokens = 4;
+        layout.heads = Some(KvHeads {
+            kv_heads: 8,
+            order,
+            head_bytes: 8,
+        });
+        layout
+    };
+    let tp_rank = |engine: &str, r: u32, size: u32| {
+        let mut rank = RankInfo::single(engine);
+        rank.tp_rank = r;
+        rank.tp_size = size;
+        rank
+    };
+    let mut prefill = Vec::new();
+    for r in 0..4 {
+        let rank = tp_rank("P", r, 4);
+        let p = start_laid_out(
+            &fabric,
+            Role::Prefill,
+            rank,
+            mode,
+            layout(2, HeadOrder::HeadMajor),
+        )
+        .await;
+        prefill.push(p);
+    }
+    let mut decode = Vec::new();
+    for r in 0..2 {
+        let rank = tp_rank("D", r, 2);
+        decode.push(
+            start_laid_out(
+                &fabric,
+                Role::Decode,
+                rank,
+                mode,
+                layout(4, HeadOrder::TokenMajor),
+            )
+            .await,
+        );
+    }
+    let (src, dst) = (blocks(5..9), blocks(30..34));
+    for (r, p) in prefill.iter().enumerate() {
+        for b in &src {
+            p.region()
+                .write_block(*b, &tp_block(*b, 2 * r as u32, 2, HeadOrder::HeadMajor))
+                .unwrap();
+        }
+    }
+    let receivers: Vec<_> = decode
+        .iter()
+        .map(|d| d.receiver("r", spec("P", Some(dst.clone()))).unwrap())
+        .collect();
+    let senders: Vec<_> = prefill.iter().map(|p| p.sender("r").unwrap()).collect();
+    for s in &senders {
+        s.send(src.clone()).unwrap();
+    }
+    for r in &receivers {
+        assert_eq!(r.completion().await, State::Done, "{mode:?}");
+    }
+    for s in &senders {
+        assert_eq!(s.completion().await, State::Done, "{mode:?}");
+    }
+    for (r, d) in decode.iter().enumerate() {
+        for (from, to) in src.iter().zip(&dst) {
+            assert_eq!(
+                d.region().read_block(*to).unwrap(),
+                tp_block(*from, 4 * r as u32, 4, HeadOrder::TokenMajor),
+                "{mode:?}: decode rank {r}, {to}"
+            );
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn prefill_tp4_pushes_each_decode_tp2_rank_its_heads() {
+    decode_ranks_gather_their_heads_from_prefills_ranks(TransferMode::Push).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn decode_tp2_pulls_its_heads_from_prefill_tp4() {
+    decode_ranks_gather_their_heads_from_prefills_ranks(TransferMode::Pull).await;
+}
+
+/// A decode TP size above prefill's is refused by name, before a byte moves; so is a pair
+/// of TP sizes whose layouts do not say how they hold heads.
+#[tokio::test(start_paused = true)]
+async fn tp_pairings_not_supported_fail_by_name() {
+    let fabric = Fabric::new();
+    let mode = TransferMode::Push;
+    let tp_rank = |engine: &str, r: u32, size: u32| {
+        let mut rank = RankInfo::single(engine);
+        rank.tp_rank = r;
+        rank.tp_size = size;
+        rank
+    };
+    let plain = || KvLayout::shaped(KvShape::KvHalves, 2, BLOCKS, 64);
+    let _p = start_laid_out(&fabric, Role::Prefill, tp_rank("P", 0, 1), mode, plain()).await;
+    let d = start_laid_out(&fabric, Role::Decode, tp_rank("D", 1, 2), mode, plain()).await;
+    let r = d.receiver("up", spec("P", Some(blocks(0..2)))).unwrap();
+    match r.completion().await {
+        State::Failed(FailureReason::Protocol { detail }) => {
+            assert!(detail.contains("not supported yet"), "{detail}")
+        }
+        other => panic!("decode tp above prefill's: {other:?}"),
+    }
+    // Prefill TP 2 without head information, decode TP 1: the pairing is refused.
+    let fabric = Fabric::new();
+    let p0 = start_laid_out(&fabric, Role::Prefill, tp_rank("P", 0, 2), mode, plain()).await;
+    let _p1 = start_laid_out(&fabric, Role::Prefill, tp_rank("P", 1, 2), mode, plain()).await;
+    let d = start_laid_out(&fabric, Role::Decode, tp_rank("D", 0, 1), mode, plain()).await;
+    let r = d.receiver("heads", spec("P", Some(blocks(0..2)))).unwrap();
+    let s = p0.sender("heads").unwrap();
+    s.send(blocks(0..2)).unwrap();
+    // Whichever side checks first fails it by name; the other hears why.
+    match r.completion().await {
+        State::Failed(
+            FailureReason::Protocol { detail } | FailureReason::AbortedByPeer { cause: detail, .. },
+        ) => assert!(detail.contains("without its KV heads"), "{detail}"),
+        other => panic!("no head information: {other:?}"),
+    }
+    assert!(matches!(s.completion().await, State::Failed(_)));
 }

@@ -885,6 +885,7 @@ fn layered_layout(blocks: u32, block: usize, ranges: usize) -> KvLayout {
         layers: LayerSpan::WHOLE,
         block_tokens: 0,
         dtype_bytes: 0,
+        heads: None,
     }
 }
 

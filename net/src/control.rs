@@ -25,7 +25,7 @@ use tracing::{debug, info, trace, warn};
 
 use super::peers::{Incarnation, PeerTable};
 use super::{
-    layer_slice, Cmd, DataPlane, Directory, NetConfig, PeerData, PeerInfo, DIAL_QUEUE_MESSAGES_MAX,
+    layer_slices, Cmd, DataPlane, Directory, NetConfig, PeerData, PeerInfo, DIAL_QUEUE_MESSAGES_MAX,
 };
 use handoff_actors::link::Inbox;
 use handoff_actors::machine::{Peer, PeerMessage};
@@ -359,7 +359,8 @@ impl Control {
 
     /// Before a byte of a request moves: the peer's layout (from its hello) must hold the
     /// blocks it names, and pair with ours (same whole-model block, bytes per layer,
-    /// tokens per block and element size; [`layer_slice`]). `we_send`: we are the source.
+    /// tokens per block and element size, or heads between TP sizes; [`layer_slices`]).
+    /// `we_send`: we are the source.
     /// The error fails that request with a protocol error naming the peer.
     fn check_pairing(&self, peer: &Peer, blocks: &[BlockId], we_send: bool) -> Result<(), String> {
         let map = self.peer_data.lock().unwrap_or_else(|e| e.into_inner());
@@ -372,7 +373,7 @@ impl Control {
                 theirs.blocks
             ));
         }
-        layer_slice(&self.me, &self.layout, peer, theirs, we_send)
+        layer_slices(&self.me, &self.layout, peer, theirs, we_send)
             .map(|_| ())
             .map_err(|e| e.to_string())
     }

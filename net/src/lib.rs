@@ -368,21 +368,23 @@ struct NetLink {
 }
 
 /// The logical bytes of each block a transfer between this rank (holding `mine`) and
-/// `peer` (holding `theirs`) moves: whole blocks between ranks holding the same layers,
-/// `Ok(None)` when the two hold no layer in common.
-pub(crate) fn layer_slice(
+/// `peer` (holding `theirs`) moves ([`BlockSlice::spans_for_ranks`]): whole blocks between
+/// ranks holding the same layers and TP size, the layers both hold between pipeline
+/// stages, the KV heads the destination takes from the source between TP sizes; empty
+/// when nothing moves.
+pub(crate) fn layer_slices(
     me: &RankInfo,
     mine: &KvLayout,
     peer: &RankInfo,
     theirs: &KvLayout,
     write: bool,
-) -> Result<Option<BlockSlice>, TransferError> {
+) -> Result<Vec<BlockSlice>, TransferError> {
     let (src, src_layout, dst, dst_layout) = if write {
         (me, mine, peer, theirs)
     } else {
         (peer, theirs, me, mine)
     };
-    BlockSlice::for_ranks(src, src_layout, dst, dst_layout).map_err(|source| {
+    BlockSlice::spans_for_ranks(src, src_layout, dst, dst_layout).map_err(|source| {
         TransferError::Pairing {
             src: src.to_string(),
             dst: dst.to_string(),
@@ -419,15 +421,14 @@ impl NetLink {
             let peer = peer.clone();
             return Box::pin(async move { Err(TransferError::NoLayout { peer }) });
         };
-        let slice = match layer_slice(&self.me, &self.layout, peer, &theirs, write) {
-            Ok(Some(slice)) => Some(slice),
-            // The two ranks hold no layer in common: nothing to move.
-            Ok(None) => return Box::pin(async { Ok(()) }),
+        let slices = match layer_slices(&self.me, &self.layout, peer, &theirs, write) {
+            // The two ranks hold nothing in common (no layer, no head): nothing to move.
+            Ok(slices) if slices.is_empty() => return Box::pin(async { Ok(()) }),
+            Ok(slices) => slices,
             Err(e) => return Box::pin(async move { Err(e) }),
         };
         let (data, id, peer) = (self.data.clone(), id.clone(), peer.clone());
         let (metrics, op) = (self.metrics.clone(), if write { "write" } else { "read" });
-        let bytes = slice.map_or(0, |s| s.len as u64) * src.len() as u64;
         let peer_data = self.peer_data.clone();
         Box::pin(async move {
             // Device memory: the same-host check decides the lane before the first
@@ -445,24 +446,26 @@ impl NetLink {
                 }
                 (process, _) => process,
             };
-            let t = PlaneTransfer {
-                id: &id,
-                peer: &peer,
-                peer_data: &data_descriptor,
-                peer_layout: &descriptor,
-                src,
-                dst,
-                slice,
-                lease: Some(lease),
-                deadline,
-                process,
-            };
-            let fut = if write { data.write(t) } else { data.read(t) };
-            let result = fut.await;
-            if result.is_ok() {
-                metrics.bytes_moved(data.name(), op, bytes);
+            // One plane call per slice (a slice is every block's bytes at one offset), in
+            // turn, under the one deadline and lease; the first failure ends the transfer.
+            for slice in slices {
+                let t = PlaneTransfer {
+                    id: &id,
+                    peer: &peer,
+                    peer_data: &data_descriptor,
+                    peer_layout: &descriptor,
+                    src: src.clone(),
+                    dst: dst.clone(),
+                    slice: Some(slice),
+                    lease: Some(lease.clone()),
+                    deadline,
+                    process: process.clone(),
+                };
+                let fut = if write { data.write(t) } else { data.read(t) };
+                fut.await?;
+                metrics.bytes_moved(data.name(), op, slice.len as u64 * src.len() as u64);
             }
-            result
+            Ok(())
         })
     }
 }

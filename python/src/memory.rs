@@ -96,6 +96,7 @@ pub(crate) fn region(spec: Spec, keep: Option<PyObject>) -> NativeResult<Region>
         layers,
         block_tokens: spec.block_tokens,
         dtype_bytes: spec.dtype_bytes,
+        heads: None,
     };
     layout
         .validate()

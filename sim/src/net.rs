@@ -904,18 +904,19 @@ impl NetState {
                 );
             }
         }
-        // Between pipeline ranks only the layers both hold move.
-        let slice = BlockSlice::for_ranks(
+        // Between pipeline ranks only the layers both hold move; between TP sizes, the
+        // heads the destination takes from the source.
+        let slices = BlockSlice::spans_for_ranks(
             &self.ranks[src.0],
             sr.layout(),
             &self.ranks[dst.0],
             dr.layout(),
         );
-        let copied = match slice {
-            Ok(Some(slice)) => Region::copy_block_slices(&sr, src_blocks, &dr, dst_blocks, slice),
-            Ok(None) => Ok(()),
-            Err(e) => Err(e),
-        };
+        let copied = slices.and_then(|slices| {
+            slices.into_iter().try_for_each(|slice| {
+                Region::copy_block_slices(&sr, src_blocks, &dr, dst_blocks, slice)
+            })
+        });
         match copied {
             Ok(()) => {
                 self.stats.transfers_ok += 1;

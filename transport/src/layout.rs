@@ -172,6 +172,23 @@ pub struct KvLayout {
     pub block_tokens: u32,
     /// Bytes per element (compared between peers; 0 = unknown).
     pub dtype_bytes: u32,
+    /// How each block holds KV heads, when the engine said (heterogeneous TP needs it on
+    /// both sides); `None` when unknown.
+    pub heads: Option<KvHeads>,
+}
+
+/// How a layout's blocks hold KV heads: the model's KV heads (all TP ranks together),
+/// how each part of a range's block orders them (a range of K or V alone is one part, K
+/// and V together two), and the bytes of one head for one token. The heads a rank holds
+/// follow from its TP rank ([`crate::tp::rank_heads`]); tokens per block are the layout's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct KvHeads {
+    /// KV heads of the model (1 for a latent cache).
+    pub kv_heads: u32,
+    /// How each part of a block orders its heads.
+    pub order: crate::tp::HeadOrder,
+    /// Bytes of one head for one token (head size × bytes per element).
+    pub head_bytes: u64,
 }
 
 /// Errors from layout validation and segment arithmetic: every one a value, never a
@@ -192,6 +209,15 @@ pub enum LayoutError {
     /// A layout of zero blocks.
     #[error("layout has zero blocks")]
     NoBlocks,
+    /// Head information that describes no model (zero or too many heads, zero bytes per
+    /// head, unknown tokens per block, a latent cache of several heads).
+    #[error("KV heads {heads:?} with {block_tokens} tokens per block")]
+    BadHeads {
+        /// What was said.
+        heads: KvHeads,
+        /// The layout's tokens per block.
+        block_tokens: u32,
+    },
     /// A range whose blocks are empty, or whose stride is shorter than its blocks (they
     /// would overlap).
     #[error("range {range}: {bytes}-byte blocks at a stride of {stride} bytes")]
@@ -304,6 +330,7 @@ impl KvLayout {
             layers: LayerSpan::WHOLE,
             block_tokens: 0,
             dtype_bytes: 0,
+            heads: None,
         }
     }
 
@@ -378,6 +405,7 @@ impl KvLayout {
             },
             block_tokens: 0,
             dtype_bytes: 0,
+            heads: None,
         }
     }
 
@@ -432,6 +460,20 @@ impl KvLayout {
         }
         if self.blocks == 0 {
             return Err(LayoutError::NoBlocks);
+        }
+        if let Some(heads) = self.heads {
+            let latent = heads.order == crate::tp::HeadOrder::Latent;
+            if heads.kv_heads == 0
+                || heads.kv_heads > crate::tp::TP_HEADS_MAX
+                || (latent && heads.kv_heads != 1)
+                || heads.head_bytes == 0
+                || self.block_tokens == 0
+            {
+                return Err(LayoutError::BadHeads {
+                    heads,
+                    block_tokens: self.block_tokens,
+                });
+            }
         }
         let too_large = LayoutError::TooLarge {
             max: LAYOUT_BYTES_MAX,
@@ -697,6 +739,7 @@ mod tests {
             layers: LayerSpan::WHOLE,
             block_tokens: 0,
             dtype_bytes: 0,
+            heads: None,
         }
     }
 

@@ -43,8 +43,8 @@ pub mod wire;
 pub mod zmtp;
 
 pub use layout::{
-    pair_segments, KvLayout, KvMemory, KvRange, KvShape, LayerSpan, LayoutError, PairSide, Segment,
-    LAYERS_MAX, LAYOUT_BYTES_MAX, RANGES_MAX,
+    pair_segments, KvHeads, KvLayout, KvMemory, KvRange, KvShape, LayerSpan, LayoutError, PairSide,
+    Segment, LAYERS_MAX, LAYOUT_BYTES_MAX, RANGES_MAX,
 };
 pub use region::{BlockSlice, PairingError, Region, RegionError};
 pub use types::{BlockId, EngineId, FailureReason, Rank, RankInfo, RequestId, Role, TransferMode};

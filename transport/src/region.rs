@@ -151,6 +151,28 @@ pub enum PairingError {
         /// Destination's.
         dst: u32,
     },
+    /// Ranks of different TP sizes whose heads cannot be paired (see [`crate::tp`]).
+    #[error("heterogeneous TP, source tp {src_tp}, destination tp {dst_tp}: {error}")]
+    Tp {
+        /// Source's TP size.
+        src_tp: u32,
+        /// Destination's.
+        dst_tp: u32,
+        /// Why.
+        error: crate::tp::TpError,
+    },
+    /// Ranks of different TP sizes in a pairing not supported yet.
+    #[error(
+        "heterogeneous TP, source tp {src_tp}, destination tp {dst_tp}: {what} is not supported"
+    )]
+    TpUnsupported {
+        /// Source's TP size.
+        src_tp: u32,
+        /// Destination's.
+        dst_tp: u32,
+        /// What.
+        what: &'static str,
+    },
 }
 
 /// Which bytes of each logical block a transfer moves: `len` bytes from `src_offset` of
@@ -251,6 +273,85 @@ impl BlockSlice {
             PairSide::of_layout(src_layout, src),
             PairSide::of_layout(dst_layout, dst),
         )
+    }
+
+    /// The slices of each logical block a transfer from `src` to `dst` moves. Between ranks
+    /// of one TP size, the layers both hold ([`BlockSlice::for_ranks`]: one slice, or none).
+    /// Between TP sizes, the KV heads `dst` takes from `src` ([`crate::tp::tp_spans`]), one
+    /// slice per span, none when `dst` takes nothing from `src`: both layouts must say how
+    /// they hold heads ([`KvLayout::heads`]) and hold the same layers.
+    ///
+    /// # Errors
+    /// Those of [`BlockSlice::for_ranks`]; [`PairingError::TpUnsupported`] (no head
+    /// information, different layers); [`PairingError::Tp`] (heads that do not pair).
+    pub fn spans_for_ranks(
+        src: &RankInfo,
+        src_layout: &KvLayout,
+        dst: &RankInfo,
+        dst_layout: &KvLayout,
+    ) -> Result<Vec<Self>, RegionError> {
+        if src.tp_size == dst.tp_size {
+            return Ok(Self::for_ranks(src, src_layout, dst, dst_layout)?
+                .into_iter()
+                .collect());
+        }
+        let (src_tp, dst_tp) = (src.tp_size, dst.tp_size);
+        let unsupported = |what| PairingError::TpUnsupported {
+            src_tp,
+            dst_tp,
+            what,
+        };
+        let (Some(src_heads), Some(dst_heads)) = (src_layout.heads, dst_layout.heads) else {
+            return Err(unsupported(
+                "a side without its KV heads (kv_heads, head order, head size)",
+            )
+            .into());
+        };
+        let (src_side, dst_side) = (
+            PairSide::of_layout(src_layout, src),
+            PairSide::of_layout(dst_layout, dst),
+        );
+        if src_side.layers != dst_side.layers {
+            return Err(unsupported("heads between different pipeline stages").into());
+        }
+        let bytes =
+            |l: &KvLayout| -> Vec<u64> { l.ranges.iter().map(|r| r.bytes as u64).collect() };
+        let (src_ranges, dst_ranges) = (bytes(src_layout), bytes(dst_layout));
+        let side = |rank: &RankInfo, layout: &KvLayout, heads: crate::layout::KvHeads, ranges| {
+            crate::tp::TpSide {
+                tp: rank.tp_size,
+                rank: rank.tp_rank,
+                heads: crate::tp::HeadLayout {
+                    kv_heads: heads.kv_heads,
+                    order: heads.order,
+                    block_tokens: layout.block_tokens,
+                    head_bytes: heads.head_bytes,
+                },
+                ranges,
+            }
+        };
+        let spans = crate::tp::tp_spans(
+            &side(src, src_layout, src_heads, &src_ranges),
+            &side(dst, dst_layout, dst_heads, &dst_ranges),
+        )
+        .map_err(|error| PairingError::Tp {
+            src_tp,
+            dst_tp,
+            error,
+        })?;
+        let size =
+            |v: u64| usize::try_from(v).map_err(|_| unsupported("a span past this address space"));
+        spans
+            .into_iter()
+            .map(|s| {
+                Ok(Self {
+                    src_offset: size(s.src)?,
+                    dst_offset: size(s.dst)?,
+                    len: size(s.len)?,
+                })
+            })
+            .collect::<Result<Vec<_>, PairingError>>()
+            .map_err(RegionError::from)
     }
 
     /// Checks that the slice lies inside blocks of `src_block_bytes` and `dst_block_bytes`.

@@ -149,9 +149,12 @@ pub struct HeadSource {
 /// `prefill_tp` prefill ranks: every head it holds exactly once, consecutive heads from
 /// one prefill rank merged, in head order.
 ///
-/// Among a head's replicas (prefill `tp > kv_heads`) the one read is
-/// `(decode_rank + head) mod replicas`: the decode ranks that read one head are consecutive,
-/// so they spread over its replicas within one read of each other.
+/// Among a head's replicas (prefill `tp > kv_heads`) the one read is the
+/// `(decode_rank + head) mod n`th of the `n` that lie in the decode rank's share of prefill
+/// ranks (when `decode_tp` divides `prefill_tp`: [`prefill_share`]), else of all `n`: the
+/// decode ranks that read one head spread over its replicas within one read of each other.
+/// So where `decode_tp` divides `prefill_tp`, a decode rank talks only to its share, and each
+/// prefill rank to one decode rank.
 ///
 /// # Errors
 /// As [`rank_heads`], for either side.
@@ -163,10 +166,30 @@ pub fn head_sources(
 ) -> Result<Vec<HeadSource>, TpError> {
     let (replicas, per_prefill_rank) = split(kv_heads, prefill_tp)?;
     let mine = rank_heads(kv_heads, decode_tp, decode_rank)?;
+    // Where decode has no more ranks than prefill, its rank reads only from its own share
+    // of prefill's ranks (`decode_rank × prefill_tp / decode_tp`, `prefill_tp / decode_tp`
+    // of them): which ranks it talks to then follows from the two sizes alone.
+    let share = (decode_tp <= prefill_tp && prefill_tp % decode_tp == 0).then(|| {
+        let n = prefill_tp / decode_tp;
+        decode_rank * n..(decode_rank + 1) * n
+    });
     let mut out: Vec<HeadSource> = Vec::new();
     for head in mine {
         let holder = head / per_prefill_rank * replicas;
-        let prefill_rank = holder + (decode_rank + head) % replicas;
+        let (first, count) = match &share {
+            Some(share) => {
+                let first = holder.max(share.start);
+                (
+                    first,
+                    (holder + replicas)
+                        .min(share.end)
+                        .saturating_sub(first)
+                        .max(1),
+                )
+            }
+            None => (holder, replicas),
+        };
+        let prefill_rank = first + (decode_rank + head) % count;
         match out.last_mut() {
             Some(last) if last.prefill_rank == prefill_rank && last.heads.end == head => {
                 last.heads.end = head + 1;
@@ -509,4 +532,35 @@ pub fn tp_spans(src: &TpSide<'_>, dst: &TpSide<'_>) -> Result<Vec<Span>, TpError
         dst_at += dst_bytes;
     }
     Ok(spans)
+}
+
+/// The prefill ranks decode rank `decode_rank` of `decode_tp` reads from when `decode_tp`
+/// divides `prefill_tp` ([`head_sources`] never leaves them): its `prefill_tp / decode_tp`
+/// consecutive ranks from `decode_rank × prefill_tp / decode_tp`. They follow from the two
+/// sizes alone, so a decode rank knows whom to ask before it knows the model's heads.
+///
+/// # Errors
+/// [`TpError::OutOfRange`], [`TpError::NoSuchRank`], and [`TpError::Indivisible`] when
+/// `decode_tp` does not divide `prefill_tp`.
+pub fn prefill_share(
+    prefill_tp: u32,
+    decode_tp: u32,
+    decode_rank: u32,
+) -> Result<Range<u32>, TpError> {
+    let (prefill_tp, decode_tp) = (bounded("tp", prefill_tp)?, bounded("tp", decode_tp)?);
+    if decode_rank >= decode_tp {
+        return Err(TpError::NoSuchRank {
+            rank: decode_rank,
+            tp: decode_tp,
+        });
+    }
+    if prefill_tp % decode_tp != 0 {
+        return Err(TpError::Indivisible {
+            what: "prefill tp and decode tp",
+            a: prefill_tp,
+            b: decode_tp,
+        });
+    }
+    let n = prefill_tp / decode_tp;
+    Ok(decode_rank * n..(decode_rank + 1) * n)
 }

@@ -108,6 +108,7 @@ fn layered_device_plane(name: &str, device: u32) -> UcxDataPlane {
         },
         block_tokens: 16,
         dtype_bytes: 2,
+        heads: None,
     };
     // SAFETY: every range lies inside one of `buffers`, which the region keeps until it
     // drops; nothing references device memory from Rust.

@@ -57,6 +57,7 @@ fn layout(ranges: Vec<KvRange>) -> KvLayout {
         },
         block_tokens: 16,
         dtype_bytes: 2,
+        heads: None,
     }
 }
 

@@ -7,8 +7,8 @@
 use std::collections::BTreeMap;
 
 use handoff_transport::tp::{
-    head_sources, pair_heads, rank_heads, tp_spans, HeadGeometry, HeadLayout, HeadOrder, TpError,
-    TpSide, TP_HEADS_MAX,
+    head_sources, pair_heads, prefill_share, rank_heads, tp_spans, HeadGeometry, HeadLayout,
+    HeadOrder, TpError, TpSide, TP_HEADS_MAX,
 };
 use proptest::prelude::*;
 
@@ -63,6 +63,13 @@ proptest! {
                         || pair[0].heads.end != pair[1].heads.start,
                     "unmerged {:?}", pair
                 );
+            }
+            if prefill_tp % decode_tp == 0 {
+                // Only from its own share of prefill ranks, known from the sizes alone.
+                let share = prefill_share(prefill_tp, decode_tp, rank).unwrap();
+                for s in &sources {
+                    prop_assert!(share.contains(&s.prefill_rank), "{:?} outside {:?}", s, share);
+                }
             }
             for s in &sources {
                 let there = rank_heads(kv_heads, prefill_tp, s.prefill_rank).unwrap();

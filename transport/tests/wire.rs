@@ -68,6 +68,9 @@ fn layout() -> LayoutDescriptor {
         layers_total: 4,
         block_tokens: 16,
         dtype_bytes: 2,
+        kv_heads: 8,
+        head_order: 0,
+        head_bytes: 64,
     }
 }
 
@@ -632,6 +635,20 @@ fn a_layout_whose_blocks_leave_a_range_is_refused_on_decode() {
         ipc.ranges[1].cuda_ipc = vec![7; len];
         assert_eq!(refused(ipc), "RangeDescriptor.cuda_ipc");
     }
+    // Heads: an order past the known ones, an order or size without heads, a latent cache
+    // of several heads, heads of zero bytes.
+    let mut order = layout();
+    order.head_order = 3;
+    assert_eq!(refused(order), "LayoutDescriptor.head_order");
+    let mut headless = layout();
+    headless.kv_heads = 0;
+    assert_eq!(refused(headless), "LayoutDescriptor.kv_heads");
+    let mut latent = layout();
+    latent.head_order = 2;
+    assert_eq!(refused(latent), "LayoutDescriptor");
+    let mut empty = layout();
+    empty.head_bytes = 0;
+    assert_eq!(refused(empty), "LayoutDescriptor");
     let mut ipc = layout();
     ipc.ranges[1].cuda_ipc = vec![7; handoff_gpu::IPC_DESCRIPTOR_BYTES];
     let frame = raw_frame(MessageType::Hello, &raw_payload(&hello_with_layout(ipc)));
@@ -647,7 +664,19 @@ fn a_checked_layout_descriptor_is_the_layout_it_describes() {
         layout.memory,
         handoff_transport::KvMemory::Cuda { device: 0 }
     );
+    assert_eq!(
+        layout.heads,
+        Some(handoff_transport::KvHeads {
+            kv_heads: 8,
+            order: handoff_transport::tp::HeadOrder::HeadMajor,
+            head_bytes: 64
+        })
+    );
     let back = LayoutDescriptor::of(TransportKind::Ucx, "10.0.0.2".into(), &layout);
+    assert_eq!(
+        (back.kv_heads, back.head_order, back.head_bytes),
+        (8, 0, 64)
+    );
     assert_eq!(back.ranges.len(), 4);
     assert_eq!(back.ranges[3].len, 1024 * 2048);
     assert!(
@@ -929,6 +958,9 @@ fn any_layout() -> impl Strategy<Value = LayoutDescriptor> {
                     layers_total: first + count + 1,
                     block_tokens,
                     dtype_bytes,
+                    kv_heads: 0,
+                    head_order: 0,
+                    head_bytes: 0,
                 }
             },
         )

@@ -52,6 +52,9 @@ fn hello_with_layout(v_len: u64) -> Hello {
             layers_total: 1,
             block_tokens: 16,
             dtype_bytes: 2,
+            kv_heads: 2,
+            head_order: 1,
+            head_bytes: 32,
         }),
         ..Hello::new(Role::Decode, RankInfo::single("decode-0"), 1)
     }

@@ -21,8 +21,9 @@ struct RequestGrants {
     generation: u64,
 }
 
-/// Peers one request may grant to: the pipeline ranks of one engine at most.
-const GRANTS_PER_REQUEST_MAX: usize = 64;
+/// Peers one request may grant to: the pipeline ranks of one engine, times its tensor ranks
+/// one decode rank reads from (heterogeneous TP), at most.
+const GRANTS_PER_REQUEST_MAX: usize = 256;
 
 /// The grants of one worker, by request.
 #[derive(Default)]

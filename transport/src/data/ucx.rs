@@ -983,6 +983,7 @@ fn host_region(
         layers: LayerSpan::WHOLE,
         block_tokens: 0,
         dtype_bytes: 0,
+        heads: None,
     };
     // SAFETY: the thread mapped every range's `blocks × bytes` bytes of host memory (one
     // UCX allocation each, so no two overlap) and unmaps them only after `Stop`, which is
@@ -1477,6 +1478,7 @@ fn start_ucx(setup: Setup) -> Result<(State, Ready), DataError> {
         layers: LayerSpan::WHOLE,
         block_tokens: 0,
         dtype_bytes: 0,
+        heads: None,
     };
     layout.validate().map_err(|e| DataError::Unsupported {
         what: format!("local layout: {e}"),
@@ -1870,6 +1872,7 @@ fn peer_layout(peer: &UcxPeer, ranges: &[UcxRange]) -> Result<KvLayout, DataErro
         layers: LayerSpan::WHOLE,
         block_tokens: 0,
         dtype_bytes: 0,
+        heads: None,
     };
     let block_bytes = layout
         .validate()

@@ -13,7 +13,8 @@
 //! two layouts pair, is checked by the receiver against the layout the peer sent at connect.
 
 use crate::codec;
-use crate::layout::{KvLayout, KvMemory, KvRange, LayerSpan, RANGES_MAX};
+use crate::layout::{KvHeads, KvLayout, KvMemory, KvRange, LayerSpan, RANGES_MAX};
+use crate::tp::HeadOrder;
 use crate::types::{
     BlockId, EngineId, FailureReason, Rank, RankInfo, RequestId, Role, TransferMode,
 };
@@ -718,7 +719,21 @@ pub struct LayoutDescriptor {
     pub block_tokens: u32,
     /// Bytes per element (0 = unknown).
     pub dtype_bytes: u32,
+    /// KV heads of the model, all TP ranks together (0 = unknown: then the next two are 0).
+    pub kv_heads: u32,
+    /// How each part of a range's block orders its heads: 0 head-major (HND), 1
+    /// token-major (NHD), 2 a latent cache.
+    pub head_order: u8,
+    /// Bytes of one head for one token.
+    pub head_bytes: u64,
 }
+
+/// [`LayoutDescriptor::head_order`]'s codes, in order.
+const HEAD_ORDERS: [HeadOrder; 3] = [
+    HeadOrder::HeadMajor,
+    HeadOrder::TokenMajor,
+    HeadOrder::Latent,
+];
 
 impl LayoutDescriptor {
     /// The descriptor of `layout`, reached through `transport` at `address`: each range
@@ -751,6 +766,11 @@ impl LayoutDescriptor {
             layers_total: layout.layers.total,
             block_tokens: layout.block_tokens,
             dtype_bytes: layout.dtype_bytes,
+            kv_heads: layout.heads.map_or(0, |h| h.kv_heads),
+            head_order: layout.heads.map_or(0, |h| {
+                HEAD_ORDERS.iter().position(|&o| o == h.order).unwrap_or(0) as u8
+            }),
+            head_bytes: layout.heads.map_or(0, |h| h.head_bytes),
         }
     }
 
@@ -763,6 +783,27 @@ impl LayoutDescriptor {
     pub fn to_layout(&self) -> Result<KvLayout, WireError> {
         let invalid = |what, detail: String| WireError::Invalid { what, detail };
         check_count("LayoutDescriptor.ranges", self.ranges.len(), RANGES_MAX)?;
+        let heads = match self.kv_heads {
+            0 if self.head_order == 0 && self.head_bytes == 0 => None,
+            0 => {
+                return Err(invalid(
+                    "LayoutDescriptor.kv_heads",
+                    "head order or size without heads".into(),
+                ))
+            }
+            kv_heads => Some(KvHeads {
+                kv_heads,
+                order: *HEAD_ORDERS
+                    .get(usize::from(self.head_order))
+                    .ok_or_else(|| {
+                        invalid(
+                            "LayoutDescriptor.head_order",
+                            format!("{} (0 to {})", self.head_order, HEAD_ORDERS.len() - 1),
+                        )
+                    })?,
+                head_bytes: self.head_bytes,
+            }),
+        };
         let mut ranges = Vec::with_capacity(self.ranges.len());
         for (i, r) in self.ranges.iter().enumerate() {
             let size = |v: u64| {
@@ -792,6 +833,7 @@ impl LayoutDescriptor {
             },
             block_tokens: self.block_tokens,
             dtype_bytes: self.dtype_bytes,
+            heads,
         };
         layout
             .validate()

@@ -43,6 +43,8 @@ use handoff_actors::{
 use handoff_gpu::checksum::{checksum64, fill_pattern};
 use handoff_gpu::DeviceBuffer;
 use handoff_net::{start_engine_runtime, DataTransport, EngineOptions, WorkerMemory};
+use handoff_transport::tp::HeadOrder;
+use handoff_transport::KvHeads;
 use serde_json::json;
 
 /// Which side.
@@ -168,6 +170,21 @@ pub struct WorkerArgs {
     /// layer), `contiguous` (one allocation, every layer of a block together).
     #[arg(long, default_value = "per-layer", value_parser = parse_layout)]
     pub layout: KvShape,
+    /// With `--layers`: the model's KV heads (all `--tp-size` ranks together), which this
+    /// rank holds its share of (`kv_heads / tp_size` from `tp_rank × kv_heads / tp_size`,
+    /// or one replicated head past that): the KV halves of every layer are then
+    /// `--block-tokens` tokens of those heads, ordered as `--head-order` says. Needed on
+    /// both sides to hand over between different TP sizes (decode's must divide
+    /// prefill's); blocks are filled and checked head by head.
+    #[arg(long, value_name = "H")]
+    pub kv_heads: Option<u32>,
+    /// With `--kv-heads`: tokens per block.
+    #[arg(long, default_value_t = 16)]
+    pub block_tokens: u32,
+    /// With `--kv-heads`: `hnd` (head-major: each head's tokens together) or `nhd`
+    /// (token-major: each token's heads together).
+    #[arg(long, default_value = "hnd", value_parser = parse_head_order)]
+    pub head_order: HeadOrder,
     /// Requests to open.
     #[arg(long, default_value_t = 0)]
     pub requests: u32,
@@ -258,6 +275,14 @@ fn parse_layout(s: &str) -> Result<KvShape, String> {
     s.parse()
 }
 
+fn parse_head_order(s: &str) -> Result<HeadOrder, String> {
+    match s {
+        "hnd" => Ok(HeadOrder::HeadMajor),
+        "nhd" => Ok(HeadOrder::TokenMajor),
+        other => Err(format!("unknown head order {other:?}: hnd or nhd")),
+    }
+}
+
 /// This worker's KV pool as `--layers N --layout ...` describe it, in its own allocation.
 fn laid_out_region(a: &WorkerArgs, layers: u32) -> Result<Region, String> {
     let per_layer = 2 * layers.max(1) as usize;
@@ -276,6 +301,25 @@ fn laid_out_region(a: &WorkerArgs, layers: u32) -> Result<Region, String> {
         count: layers,
         total,
     };
+    if let Some(kv_heads) = a.kv_heads {
+        let held = handoff_transport::tp::rank_heads(kv_heads, a.tp_size, a.tp_rank)
+            .map_err(|e| format!("--kv-heads {kv_heads}: {e}"))?
+            .len() as u64;
+        let half = (a.block_bytes / per_layer) as u64;
+        let per_head = held * u64::from(a.block_tokens.max(1));
+        if a.block_tokens == 0 || half % per_head != 0 {
+            return Err(format!(
+                "--kv-heads {kv_heads}: a K or V half of {half} bytes is not {held} heads × {} tokens of whole bytes",
+                a.block_tokens
+            ));
+        }
+        layout.block_tokens = a.block_tokens;
+        layout.heads = Some(KvHeads {
+            kv_heads,
+            order: a.head_order,
+            head_bytes: half / per_head,
+        });
+    }
     let region = Region::alloc(layout).map_err(|e| format!("--layers {layers}: {e}"))?;
     // A pool peers copy into and out of: huge pages where the kernel has them.
     region.advise_huge_pages();
@@ -291,13 +335,72 @@ fn secs(s: f64) -> Duration {
     Duration::from_secs_f64(s.clamp(0.001, 1e7))
 }
 
-/// The bytes of the `k`-th block of request `id` that a worker holding `bytes.len()`
-/// bytes of each block as pipeline rank `pp_rank` holds: prefill writes them, decode
-/// expects them. Ranks hold consecutive slices of one whole-block pattern, so prefill
-/// pipeline ranks together fill a decode block, each with its own layers.
-fn pattern(id: &RequestId, k: usize, pp_rank: u32, bytes: &mut [u8]) {
-    let offset = u64::from(pp_rank) * bytes.len() as u64;
-    fill_pattern(bytes, checksum64(id.as_str().as_bytes()) ^ k as u64, offset);
+/// Which part of the model's blocks a worker holds, for [`pattern`].
+#[derive(Clone, Copy, Debug)]
+struct Share {
+    pp_rank: u32,
+    tp_rank: u32,
+    tp_size: u32,
+}
+
+impl Share {
+    fn of(a: &WorkerArgs) -> Self {
+        Self {
+            pp_rank: a.pp_rank,
+            tp_rank: a.tp_rank,
+            tp_size: a.tp_size,
+        }
+    }
+}
+
+/// The bytes of the `k`-th block of request `id` that a worker holding `share` of the
+/// model, laid out as `layout`, holds: prefill writes them, decode expects them. Every
+/// byte is one of the model's block, so prefill ranks together fill a decode block, each
+/// with its part: pipeline ranks hold consecutive slices of it (their layers); with heads
+/// (`layout.heads`), each (range, part, head, token) is the model's own run of bytes,
+/// wherever this rank's order puts it.
+fn pattern(id: &RequestId, k: usize, share: Share, layout: &KvLayout, bytes: &mut [u8]) {
+    let seed = checksum64(id.as_str().as_bytes()) ^ k as u64;
+    let Some(heads) = layout.heads else {
+        let offset = u64::from(share.pp_rank) * bytes.len() as u64;
+        fill_pattern(bytes, seed, offset);
+        return;
+    };
+    let Ok(mine) = handoff_transport::tp::rank_heads(heads.kv_heads, share.tp_size, share.tp_rank)
+    else {
+        return; // refused when the pool was laid out
+    };
+    let (held, tokens, hb) = (
+        u64::from(mine.end - mine.start),
+        u64::from(layout.block_tokens),
+        heads.head_bytes,
+    );
+    let part_bytes = held * tokens * hb;
+    let mut at = 0usize;
+    for (i, range) in layout.ranges.iter().enumerate() {
+        let parts = range.bytes as u64 / part_bytes.max(1);
+        for p in 0..parts {
+            for h in 0..held {
+                for t in 0..tokens {
+                    let local = match heads.order {
+                        HeadOrder::TokenMajor => (t * held + h) * hb,
+                        _ => (h * tokens + t) * hb,
+                    };
+                    let model = ((((i as u64) * 4 + p) * u64::from(heads.kv_heads)
+                        + u64::from(mine.start)
+                        + h)
+                        * tokens
+                        + t)
+                        * hb;
+                    let start = at + (p * part_bytes + local) as usize;
+                    if let Some(chunk) = bytes.get_mut(start..start + hb as usize) {
+                        fill_pattern(chunk, seed, model);
+                    }
+                }
+            }
+        }
+        at += range.bytes;
+    }
 }
 
 fn rank_of(a: &WorkerArgs) -> RankInfo {
@@ -541,7 +644,7 @@ async fn drive(
                     let (at, blocks) = opened.get(&id).cloned().unwrap_or((started, Vec::new()));
                     // Only decode can verify; prefill reports null.
                     let verified = (role == Role::Decode)
-                        .then(|| state == State::Done && verify(rt, a.pp_rank, &id, &blocks));
+                        .then(|| state == State::Done && verify(rt, Share::of(a), &id, &blocks));
                     let (kind, reason) = match &state {
                         State::Done => ("done".to_string(), String::new()),
                         State::Failed(r) => (r.kind().to_string(), r.to_string()),
@@ -587,7 +690,7 @@ async fn drive(
     // `--keep-done`: the blocks that arrived, checked again now.
     let mut recheck_bad = 0u32;
     for (id, blocks) in &kept {
-        let verified = verify(rt, a.pp_rank, id, blocks);
+        let verified = verify(rt, Share::of(a), id, blocks);
         emit(json!({"event": "recheck", "request": id.as_str(), "verified": verified}));
         if !verified {
             recheck_bad += 1;
@@ -614,12 +717,12 @@ fn open(
         Role::Prefill => {
             let sender = rt.sender(id.clone()).map_err(|e| e.to_string())?;
             let region = rt.region().clone();
-            let (hold, id, pp_rank) = (Duration::from_millis(a.hold_ms), id.clone(), a.pp_rank);
+            let (hold, id, share) = (Duration::from_millis(a.hold_ms), id.clone(), Share::of(a));
             tokio::spawn(async move {
                 tokio::time::sleep(hold).await;
                 let mut bytes = vec![0u8; region.block_bytes()];
                 for (k, b) in blocks.iter().enumerate() {
-                    pattern(&id, k, pp_rank, &mut bytes);
+                    pattern(&id, k, share, region.layout(), &mut bytes);
                     if region.write_block(*b, &bytes).is_err() {
                         sender.abort();
                         return;
@@ -648,10 +751,10 @@ fn open(
     Ok(())
 }
 
-fn verify(rt: &Runtime, pp_rank: u32, id: &RequestId, blocks: &[BlockId]) -> bool {
+fn verify(rt: &Runtime, share: Share, id: &RequestId, blocks: &[BlockId]) -> bool {
     let mut want = vec![0u8; rt.region().block_bytes()];
     blocks.iter().enumerate().all(|(k, b)| {
-        pattern(id, k, pp_rank, &mut want);
+        pattern(id, k, share, rt.region().layout(), &mut want);
         rt.region().read_block(*b).is_ok_and(|got| got == want)
     })
 }

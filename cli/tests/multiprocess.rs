@@ -373,6 +373,58 @@ fn pipeline_ranks_each_deliver_their_layers_over_tcp() {
     pipeline_halves_meet_in_decode("pull", "tcp");
 }
 
+/// Heterogeneous TP across processes: prefill at TP 2 (head-major, 2 of 4 KV heads each),
+/// decode at TP 1 (token-major, all 4): decode gathers each block's heads from both
+/// prefill ranks, and checks every byte against the model's.
+fn tp_ranks_meet_in_decode(mode: &str, transport: &str) {
+    let (_boot, addr) = bootstrap();
+    let heads = ["--layers", "2", "--kv-heads", "4", "--block-tokens", "8"];
+    let mut prefill = Vec::new();
+    for tp_rank in ["0", "1"] {
+        let mut args = vec!["--requests", "6", "--serve", "--transport", transport];
+        args.extend([
+            "--tp-size",
+            "2",
+            "--tp-rank",
+            tp_rank,
+            "--block-bytes",
+            "4096",
+        ]);
+        args.extend(heads);
+        args.extend(["--head-order", "hnd"]);
+        prefill.push(worker(
+            &format!("prefill-tp{tp_rank}"),
+            "prefill",
+            "P",
+            &addr,
+            &args,
+        ));
+    }
+    let mut d_args = vec!["--requests", "6", "--prefill", "P", "--mode", mode];
+    d_args.extend(["--transport", transport, "--block-bytes", "8192"]);
+    d_args.extend(heads);
+    d_args.extend(["--head-order", "nhd"]);
+    let d = worker("decode", "decode", "D", &addr, &d_args);
+    let (ends, summary) = d.ends();
+    assert_eq!(summary["done"], 6, "{mode} {transport}: {ends:?}");
+    assert_eq!(summary["corrupted"], 0, "{mode} {transport}: {ends:?}");
+    assert!(ends.iter().all(|e| e["verified"] == true), "{ends:?}");
+}
+
+#[test]
+fn tp2_prefill_ranks_each_deliver_their_heads_over_tcp() {
+    tp_ranks_meet_in_decode("push", "tcp");
+    tp_ranks_meet_in_decode("pull", "tcp");
+}
+
+#[test]
+fn tp2_prefill_ranks_each_deliver_their_heads_over_ucx() {
+    if ucx_available() {
+        tp_ranks_meet_in_decode("push", "ucx");
+        tp_ranks_meet_in_decode("pull", "ucx");
+    }
+}
+
 #[test]
 fn pipeline_ranks_each_deliver_their_layers_over_ucx() {
     if ucx_available() {

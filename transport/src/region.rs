@@ -314,11 +314,8 @@ impl BlockSlice {
         if src_side.layers != dst_side.layers {
             return Err(unsupported("heads between different pipeline stages").into());
         }
-        let bytes =
-            |l: &KvLayout| -> Vec<u64> { l.ranges.iter().map(|r| r.bytes as u64).collect() };
-        let (src_ranges, dst_ranges) = (bytes(src_layout), bytes(dst_layout));
-        let side = |rank: &RankInfo, layout: &KvLayout, heads: crate::layout::KvHeads, ranges| {
-            crate::tp::TpSide {
+        let side =
+            |rank: &RankInfo, layout: &KvLayout, heads: crate::layout::KvHeads| crate::tp::TpSide {
                 tp: rank.tp_size,
                 rank: rank.tp_rank,
                 heads: crate::tp::HeadLayout {
@@ -327,12 +324,11 @@ impl BlockSlice {
                     block_tokens: layout.block_tokens,
                     head_bytes: heads.head_bytes,
                 },
-                ranges,
-            }
-        };
+                block_bytes: layout.block_bytes() as u64,
+            };
         let spans = crate::tp::tp_spans(
-            &side(src, src_layout, src_heads, &src_ranges),
-            &side(dst, dst_layout, dst_heads, &dst_ranges),
+            &side(src, src_layout, src_heads),
+            &side(dst, dst_layout, dst_heads),
         )
         .map_err(|error| PairingError::Tp {
             src_tp,

@@ -390,10 +390,11 @@ pub fn pair_heads(
 /// Most spans one block pair may take ([`tp_spans`]).
 pub const TP_SPANS_PER_BLOCK_MAX: usize = 1 << 16;
 
-/// How one side's blocks hold KV heads: the model's KV heads (all ranks together), how a
-/// range orders them, and their size. A range of `bytes` per block holds
-/// `bytes / (heads held × block_tokens × head_bytes)` parts (2 for K and V together in one
-/// block, 1 for K or V alone), each ordered by `order`.
+/// How one side's blocks hold KV heads: the model's KV heads (all ranks together), how each
+/// part of a block orders them, and their size. A logical block is a run of parts (layer
+/// 0's K, layer 0's V, layer 1's K, ...: the logical order every layout shares, whichever
+/// ranges hold them), each `heads held × block_tokens × head_bytes` bytes, ordered by
+/// `order`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct HeadLayout {
     /// KV heads of the model (1 for a latent cache).
@@ -407,18 +408,17 @@ pub struct HeadLayout {
 }
 
 /// One side of a TP pairing: its group's size, its rank, how its blocks hold heads, and
-/// the bytes per block of each of its ranges in logical order (those of the layers both
-/// sides hold, so the two lists pair range for range).
+/// its logical block's bytes (the layers both sides hold).
 #[derive(Clone, Copy, Debug)]
-pub struct TpSide<'a> {
+pub struct TpSide {
     /// TP group size.
     pub tp: u32,
     /// This side's TP rank.
     pub rank: u32,
     /// How its blocks hold heads.
     pub heads: HeadLayout,
-    /// Bytes per block of each range, in logical order.
-    pub ranges: &'a [u64],
+    /// Bytes of its logical block: a whole number of parts.
+    pub block_bytes: u64,
 }
 
 /// One span of a logical block pair: `len` bytes at `src` of the source's logical block go
@@ -434,15 +434,17 @@ pub struct Span {
 }
 
 /// The spans of every logical block that prefill rank `src.rank` sends decode rank
-/// `dst.rank`: the heads `dst` takes from `src` ([`head_sources`]), in every part of every
-/// range, merged where adjacent on both sides; empty when `dst` takes nothing from `src`.
+/// `dst.rank`: the heads `dst` takes from `src` ([`head_sources`]), in every part, merged
+/// where adjacent on both sides; empty when `dst` takes nothing from `src`. Which ranges
+/// hold the parts does not matter (spans are logical offsets): per-layer tensors pair with
+/// one contiguous allocation.
 ///
 /// # Errors
 /// [`TpError::Mismatch`] when the sides disagree on the model's heads, tokens per block,
-/// bytes per head, the number of ranges, or a range's parts (or a range is not a whole
-/// number of parts); the errors of [`head_sources`] and [`pair_heads`];
-/// [`TpError::TooManyPieces`] past [`TP_SPANS_PER_BLOCK_MAX`].
-pub fn tp_spans(src: &TpSide<'_>, dst: &TpSide<'_>) -> Result<Vec<Span>, TpError> {
+/// bytes per head or the number of parts (or a block is not a whole number of parts); the
+/// errors of [`head_sources`] and [`pair_heads`]; [`TpError::TooManyPieces`] past
+/// [`TP_SPANS_PER_BLOCK_MAX`].
+pub fn tp_spans(src: &TpSide, dst: &TpSide) -> Result<Vec<Span>, TpError> {
     let mismatch = |detail: String| Err(TpError::Mismatch { detail });
     let (s, d) = (&src.heads, &dst.heads);
     if s.kv_heads != d.kv_heads || s.block_tokens != d.block_tokens || s.head_bytes != d.head_bytes
@@ -450,13 +452,6 @@ pub fn tp_spans(src: &TpSide<'_>, dst: &TpSide<'_>) -> Result<Vec<Span>, TpError
         return mismatch(format!(
             "{} KV heads, {} tokens of {} bytes per head against {}, {} of {}",
             s.kv_heads, s.block_tokens, s.head_bytes, d.kv_heads, d.block_tokens, d.head_bytes
-        ));
-    }
-    if src.ranges.len() != dst.ranges.len() {
-        return mismatch(format!(
-            "{} ranges against {}",
-            src.ranges.len(),
-            dst.ranges.len()
         ));
     }
     let src_heads = rank_heads(s.kv_heads, src.tp, src.rank)?;
@@ -476,60 +471,53 @@ pub fn tp_spans(src: &TpSide<'_>, dst: &TpSide<'_>) -> Result<Vec<Span>, TpError
         geometry(s, src_heads.len() as u32),
         geometry(d, dst_heads.len() as u32),
     );
-    let parts_of = |bytes: u64, part: &HeadGeometry, side: &str, i: usize| {
-        match part.block_bytes() {
-            Some(p) if p > 0 && bytes % p == 0 && bytes > 0 => Ok(bytes / p),
-            _ => Err(TpError::Mismatch {
-                detail: format!("{side} range {i}: {bytes} bytes per block is not a whole number of parts of {part:?}"),
-            }),
-        }
+    let parts_of = |bytes: u64, part: &HeadGeometry, side: &str| match part.block_bytes() {
+        Some(p) if p > 0 && bytes > 0 && bytes % p == 0 => Ok((bytes / p, p)),
+        _ => Err(TpError::Mismatch {
+            detail: format!(
+                "{side}: a {bytes}-byte block is not a whole number of parts of {part:?}"
+            ),
+        }),
     };
-    let mut spans: Vec<Span> = Vec::new();
-    let (mut src_at, mut dst_at) = (0u64, 0u64);
-    for (i, (&src_bytes, &dst_bytes)) in src.ranges.iter().zip(dst.ranges).enumerate() {
-        let parts = parts_of(src_bytes, &src_part, "source", i)?;
-        if parts_of(dst_bytes, &dst_part, "destination", i)? != parts {
-            return mismatch(format!(
-                "range {i}: {parts} parts of heads on the source, {} on the destination",
-                dst_bytes / dst_part.block_bytes().unwrap_or(1)
-            ));
-        }
-        let (src_part_bytes, dst_part_bytes) = (src_bytes / parts, dst_bytes / parts);
-        for p in 0..parts {
-            for run in &runs {
-                let count = run.end - run.start;
-                let pieces = pair_heads(
-                    &src_part,
-                    run.start - src_heads.start,
-                    &dst_part,
-                    run.start - dst_heads.start,
-                    count,
-                )?;
-                for piece in pieces {
-                    let span = Span {
-                        src: src_at + p * src_part_bytes + piece.src,
-                        dst: dst_at + p * dst_part_bytes + piece.dst,
-                        len: piece.len,
-                    };
-                    match spans.last_mut() {
-                        Some(last)
-                            if last.src + last.len == span.src
-                                && last.dst + last.len == span.dst =>
-                        {
-                            last.len += span.len;
-                        }
-                        _ => spans.push(span),
-                    }
-                    if spans.len() > TP_SPANS_PER_BLOCK_MAX {
-                        return Err(TpError::TooManyPieces {
-                            count: spans.len() as u64,
-                        });
-                    }
+    let (parts, src_part_bytes) = parts_of(src.block_bytes, &src_part, "source")?;
+    let (dst_parts, dst_part_bytes) = parts_of(dst.block_bytes, &dst_part, "destination")?;
+    if parts != dst_parts {
+        return mismatch(format!(
+            "{parts} parts of heads per source block, {dst_parts} per destination block"
+        ));
+    }
+    // The pieces of every run, in one part; every part repeats them at its offset.
+    let mut per_part: Vec<HeadPiece> = Vec::new();
+    for run in &runs {
+        per_part.extend(pair_heads(
+            &src_part,
+            run.start - src_heads.start,
+            &dst_part,
+            run.start - dst_heads.start,
+            run.end - run.start,
+        )?);
+    }
+    let total = (per_part.len() as u64).saturating_mul(parts);
+    if total > TP_SPANS_PER_BLOCK_MAX as u64 {
+        return Err(TpError::TooManyPieces { count: total });
+    }
+    let mut spans: Vec<Span> = Vec::with_capacity(total as usize);
+    for p in 0..parts {
+        for piece in &per_part {
+            let span = Span {
+                src: p * src_part_bytes + piece.src,
+                dst: p * dst_part_bytes + piece.dst,
+                len: piece.len,
+            };
+            match spans.last_mut() {
+                Some(last)
+                    if last.src + last.len == span.src && last.dst + last.len == span.dst =>
+                {
+                    last.len += span.len;
                 }
+                _ => spans.push(span),
             }
         }
-        src_at += src_bytes;
-        dst_at += dst_bytes;
     }
     Ok(spans)
 }

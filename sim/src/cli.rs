@@ -36,9 +36,18 @@ pub struct SimArgs {
     /// Decode engines.
     #[arg(long, default_value_t = 2)]
     pub decode: u32,
-    /// Tensor-parallel ranks of every dp group, both sides.
+    /// Tensor-parallel ranks of every dp group, both sides (prefill's, with `--decode-tp`).
     #[arg(long, default_value_t = 1)]
     pub tp: u32,
+    /// Decode's tensor-parallel ranks when they differ from prefill's: must divide
+    /// `--tp`, and needs `--kv-heads` and `--layers` (with `--pp 1`).
+    #[arg(long)]
+    pub decode_tp: Option<u32>,
+    /// The model's KV heads: every block is 2 tokens of these heads in each K and V half
+    /// of every layer, each tp rank holding its share (prefill head-major, decode
+    /// token-major), filled and checked head by head. 0: each tp rank's blocks are its own.
+    #[arg(long, default_value_t = 0)]
+    pub kv_heads: u32,
     /// Pipeline-parallel ranks of every prefill dp group.
     #[arg(long, default_value_t = 1)]
     pub pp: u32,
@@ -103,6 +112,8 @@ pub fn config(args: &SimArgs, seed: u64) -> Result<SimConfig, SimError> {
     cfg.shape.prefill_engines = args.prefill;
     cfg.shape.decode_engines = args.decode;
     cfg.shape.tp = args.tp;
+    cfg.shape.decode_tp = args.decode_tp;
+    cfg.shape.kv_heads = args.kv_heads;
     cfg.shape.pp = args.pp;
     cfg.shape.decode_dp = args.decode_dp;
     cfg.shape.prefill_dp_ranks = args

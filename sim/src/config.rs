@@ -87,6 +87,9 @@ impl FromStr for ModeChoice {
     }
 }
 
+/// Tokens per block when blocks hold heads (`Shape::kv_heads`).
+pub const SIM_BLOCK_TOKENS: u32 = 2;
+
 /// The cluster: prefill engines of `dp × tp × pp` ranks, decode engines of `dp × tp` ranks
 /// (decode has no pipeline split here: each prefill rank pairs with exactly one decode rank
 /// of the same tp rank, which is what the bootstrap lookup resolves).
@@ -96,8 +99,16 @@ pub struct Shape {
     pub prefill_engines: u32,
     /// Decode engines, named `D0`, `D1`, ...
     pub decode_engines: u32,
-    /// Tensor-parallel ranks per dp group (both sides).
+    /// Tensor-parallel ranks per prefill dp group (and decode's, unless `decode_tp`).
     pub tp: u32,
+    /// Decode's tensor-parallel ranks per dp group when they differ from prefill's (it
+    /// must divide `tp`; needs `kv_heads`, `layers`, and `pp` 1).
+    pub decode_tp: Option<u32>,
+    /// The model's KV heads: 0 keeps each tp rank's blocks its own; otherwise every block
+    /// is `SIM_BLOCK_TOKENS` tokens of these heads in each K and V half of every layer, and
+    /// each tp rank holds its share (prefill head-major, decode token-major), filled and
+    /// checked head by head.
+    pub kv_heads: u32,
     /// Pipeline-parallel ranks of each prefill dp group.
     pub pp: u32,
     /// The dp ranks of every prefill engine; need not be dense nor start at zero (seed 001).
@@ -128,6 +139,8 @@ impl Default for Shape {
             prefill_engines: 2,
             decode_engines: 2,
             tp: 1,
+            decode_tp: None,
+            kv_heads: 0,
             pp: 1,
             prefill_dp_ranks: vec![0],
             decode_dp: 1,
@@ -148,8 +161,15 @@ impl Shape {
             * self.prefill_dp_ranks.len() as u64
             * u64::from(self.tp)
             * u64::from(self.pp);
-        let d = u64::from(self.decode_engines) * u64::from(self.decode_dp) * u64::from(self.tp);
+        let d = u64::from(self.decode_engines)
+            * u64::from(self.decode_dp)
+            * u64::from(self.decode_tp());
         p + d
+    }
+
+    /// Decode's tensor-parallel ranks per dp group.
+    pub fn decode_tp(&self) -> u32 {
+        self.decode_tp.unwrap_or(self.tp)
     }
 
     /// Checks the shape can be built.
@@ -182,6 +202,35 @@ impl Shape {
             }
             if self.block_bytes % (2 * self.layers as usize) != 0 {
                 return bad("block bytes must split into a K and a V half of every layer");
+            }
+        }
+        let decode_tp = self.decode_tp();
+        if decode_tp == 0 {
+            return bad("decode tp must be at least 1");
+        }
+        if self.kv_heads > 0 {
+            let per_token =
+                2 * self.layers as usize * self.kv_heads as usize * SIM_BLOCK_TOKENS as usize;
+            if self.layers == 0 || self.block_bytes % per_token != 0 {
+                return bad("with kv heads, block bytes must split into layers x K and V x heads x tokens of whole bytes");
+            }
+            for tp in [self.tp, decode_tp] {
+                if let Err(e) = handoff_transport::tp::rank_heads(self.kv_heads, tp, 0) {
+                    return Err(SimError::Config(format!("kv heads over tp {tp}: {e}")));
+                }
+            }
+        }
+        if decode_tp != self.tp {
+            if self.kv_heads == 0 {
+                return bad("a decode tp other than prefill's needs kv heads");
+            }
+            if decode_tp > self.tp || self.tp % decode_tp != 0 {
+                return bad("decode tp must divide prefill tp");
+            }
+            if self.pp != 1 {
+                return bad(
+                    "a decode tp other than prefill's needs pp 1 (both sides hold every layer)",
+                );
             }
         }
         Ok(())

@@ -17,7 +17,7 @@ use handoff_actors::{
     State, TransferMode, TransportChoice,
 };
 
-use crate::config::{Plane, Scripted, Shape, SimConfig, Target};
+use crate::config::{Plane, Scripted, Shape, SimConfig, Target, SIM_BLOCK_TOKENS};
 use crate::net::{req_index, SimAttach, SimNet};
 use crate::pool::Pool;
 use crate::report::{
@@ -26,6 +26,8 @@ use crate::report::{
 use crate::rng::{Rng, PPM};
 use crate::trace::{Fnv64, Trace};
 use crate::SimError;
+use handoff_transport::tp::HeadOrder;
+use handoff_transport::KvHeads;
 
 /// How often the engines drain their runtimes' events, virtual ms. One tick is the
 /// resolution of every time the checks measure.
@@ -251,15 +253,97 @@ fn worker_region(shape: &Shape, rank: &RankInfo, role: Role) -> Result<Region, R
         Role::Decode => (shape.decode_layout, stage_layers(shape.layers, 0, 1)),
     };
     let half = shape.block_bytes / (2 * shape.layers as usize);
+    let Some((heads, held)) = rank_heads(shape, rank, role) else {
+        let mut kv = KvLayout::shaped(layout.shape(), span.count, shape.blocks_per_worker, half);
+        kv.layers = span;
+        return Region::alloc(kv);
+    };
+    // This rank's share of the model's heads in each K and V half.
+    let half = half / shape.kv_heads as usize * held as usize;
     let mut kv = KvLayout::shaped(layout.shape(), span.count, shape.blocks_per_worker, half);
     kv.layers = span;
+    kv.block_tokens = SIM_BLOCK_TOKENS;
+    kv.heads = Some(heads);
     Region::alloc(kv)
 }
 
-fn expected_checksum(req: u64, tp: u32, blocks: usize, block_bytes: usize) -> u64 {
+/// How a worker's blocks hold heads, and how many it holds, when the shape has heads:
+/// prefill head-major, decode token-major (so every transfer reorders them).
+fn rank_heads(shape: &Shape, rank: &RankInfo, role: Role) -> Option<(KvHeads, u32)> {
+    if shape.kv_heads == 0 || shape.layers == 0 {
+        return None;
+    }
+    let held = handoff_transport::tp::rank_heads(shape.kv_heads, rank.tp_size, rank.tp_rank)
+        .ok()?
+        .len() as u32;
+    let per_part = shape.block_bytes / (2 * shape.layers as usize);
+    let head_bytes = (per_part / (shape.kv_heads as usize * SIM_BLOCK_TOKENS as usize)) as u64;
+    let order = match role {
+        Role::Prefill => HeadOrder::HeadMajor,
+        Role::Decode => HeadOrder::TokenMajor,
+    };
+    Some((
+        KvHeads {
+            kv_heads: shape.kv_heads,
+            order,
+            head_bytes,
+        },
+        held,
+    ))
+}
+
+/// The bytes of `whole` (the model's block: every part's heads, head-major) that a worker
+/// at `rank` holds: its heads of every part, in its order.
+fn head_part(shape: &Shape, whole: &[u8], rank: &RankInfo, role: Role) -> Option<Vec<u8>> {
+    let (heads, held) = rank_heads(shape, rank, role)?;
+    let first = handoff_transport::tp::rank_heads(shape.kv_heads, rank.tp_size, rank.tp_rank)
+        .ok()?
+        .start as usize;
+    let (hb, tokens, all) = (
+        heads.head_bytes as usize,
+        SIM_BLOCK_TOKENS as usize,
+        shape.kv_heads as usize,
+    );
+    let model_part = all * tokens * hb;
+    let parts = whole.len() / model_part.max(1);
+    let held = held as usize;
+    let mut out = vec![0u8; parts * held * tokens * hb];
+    for p in 0..parts {
+        for h in 0..held {
+            for t in 0..tokens {
+                let from = p * model_part + ((first + h) * tokens + t) * hb;
+                let local = match heads.order {
+                    HeadOrder::TokenMajor => (t * held + h) * hb,
+                    _ => (h * tokens + t) * hb,
+                };
+                let to = p * held * tokens * hb + local;
+                out[to..to + hb].copy_from_slice(&whole[from..from + hb]);
+            }
+        }
+    }
+    Some(out)
+}
+
+/// A worker's bytes of the `k`-th block of request `req`: with heads, its heads of the
+/// model's block; otherwise its tp rank's block, or its pipeline share of it.
+fn worker_bytes(shape: &Shape, req: u64, k: usize, rank: &RankInfo, role: Role) -> Vec<u8> {
+    if shape.kv_heads > 0 {
+        let whole = pattern(req, 0, k, shape.block_bytes);
+        if let Some(mine) = head_part(shape, &whole, rank, role) {
+            return mine;
+        }
+    }
+    let whole = pattern(req, rank.tp_rank, k, shape.block_bytes);
+    match role {
+        Role::Prefill => pipeline_part(shape, &whole, rank).to_vec(),
+        Role::Decode => whole,
+    }
+}
+
+fn expected_checksum(shape: &Shape, req: u64, rank: &RankInfo, blocks: usize) -> u64 {
     let mut h = Fnv64::new();
     for k in 0..blocks {
-        h.bytes(&pattern(req, tp, k, block_bytes));
+        h.bytes(&worker_bytes(shape, req, k, rank, Role::Decode));
     }
     h.finish()
 }
@@ -292,9 +376,10 @@ impl World {
         for e in 0..s.decode_engines {
             for dp in 0..s.decode_dp {
                 let mut group = Vec::new();
-                for tp in 0..s.tp {
+                let decode_tp = s.decode_tp();
+                for tp in 0..decode_tp {
                     group.push(ranks.len());
-                    let r = rank_info(&format!("D{e}"), (dp, s.decode_dp), (tp, s.tp), (0, 1));
+                    let r = rank_info(&format!("D{e}"), (dp, s.decode_dp), (tp, decode_tp), (0, 1));
                     ranks.push((r, Role::Decode, s.mode.of(e)));
                 }
                 decode_groups.push((e, dp, group));
@@ -889,12 +974,10 @@ impl World {
             }
             return;
         };
-        let tp = worker.rank.tp_rank;
         if worker.role == Role::Prefill {
             for (k, b) in blocks.iter().enumerate() {
-                let whole = pattern(req, tp, k, self.cfg.shape.block_bytes);
-                let bytes = pipeline_part(&self.cfg.shape, &whole, &worker.rank);
-                if let Err(e) = worker.region.write_block(*b, bytes) {
+                let bytes = worker_bytes(&self.cfg.shape, req, k, &worker.rank, Role::Prefill);
+                if let Err(e) = worker.region.write_block(*b, &bytes) {
                     let detail = format!("w{w} could not fill block {b}: {e}");
                     return self.violate(Invariant::Api, Some(req), detail);
                 }
@@ -1031,7 +1114,6 @@ impl World {
         self.trace.record(now, Some(req), |s| {
             write!(s, "w{w}.{inc} r{req} released {blocks:?}")
         });
-        let block_bytes = self.cfg.shape.block_bytes;
         let Some(rec) = self.reqs.get_mut(&req) else {
             return self.violate(
                 Invariant::NoLeak,
@@ -1060,9 +1142,10 @@ impl World {
         let check = (r.role == Role::Decode
             && r.state == State::Done
             && r.released.len() == r.handed.len())
-        .then(|| (r.handed.clone(), r.tp));
-        if let Some((handed, tp)) = check {
-            let want = expected_checksum(req, tp, handed.len(), block_bytes);
+        .then(|| r.handed.clone());
+        if let Some(handed) = check {
+            let rank = self.workers[w].rank.clone();
+            let want = expected_checksum(&self.cfg.shape, req, &rank, handed.len());
             match self.workers[w].region.checksum(&handed) {
                 Ok(got) if got == want => {}
                 Ok(got) => {
@@ -1150,11 +1233,20 @@ impl World {
             .iter()
             .filter(|r| r.role == Role::Decode && r.state == State::Done)
         {
+            // The prefill tp ranks it reads from: its own, or its share of prefill's.
+            let (tp, decode_tp) = (self.cfg.shape.tp, self.cfg.shape.decode_tp());
+            let share =
+                handoff_transport::tp::prefill_share(tp, decode_tp, d.tp).unwrap_or(d.tp..d.tp + 1);
+            let share = if tp == decode_tp {
+                d.tp..d.tp + 1
+            } else {
+                share
+            };
             for pp in 0..rec.prefill_pp {
                 let peers: Vec<&RankRec> = rec
                     .ranks
                     .iter()
-                    .filter(|p| p.role == Role::Prefill && p.tp == d.tp && p.pp == pp)
+                    .filter(|p| p.role == Role::Prefill && share.contains(&p.tp) && p.pp == pp)
                     .collect();
                 let backed = match rec.mode {
                     TransferMode::Push => peers.iter().any(|p| p.state == State::Done),

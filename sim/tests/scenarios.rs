@@ -534,6 +534,117 @@ fn pipeline_ranks_each_deliver_their_slice_of_every_block() {
     }
 }
 
+// ----- heterogeneous tensor parallelism -----
+
+/// Prefill at one TP size, decode at a smaller one that divides it: each decode rank
+/// gathers its KV heads from its share of prefill's ranks (head-major there, token-major
+/// here), and the integrity invariant compares every byte of its blocks with the model's
+/// heads. Without faults every request ends `Done` on every rank, in every mode and on
+/// both data planes, replicated heads included (8 prefill ranks over 4 heads).
+#[test]
+fn decode_ranks_gather_their_heads_from_prefill_ranks_of_another_tp_size() {
+    use handoff_sim::LayoutChoice::{Contiguous, PerLayer};
+    for (seed, tp, decode_tp, kv_heads, mode, plane) in [
+        (7001, 2, 1, 4, ModeChoice::Push, DataPlane::Fenced),
+        (7002, 4, 2, 8, ModeChoice::Pull, DataPlane::Fenced),
+        (7003, 4, 1, 4, ModeChoice::Mixed, DataPlane::Rdma),
+        (7004, 8, 2, 4, ModeChoice::Pull, DataPlane::Rdma),
+    ] {
+        let mut cfg = base(seed);
+        cfg.shape.tp = tp;
+        cfg.shape.decode_tp = Some(decode_tp);
+        cfg.shape.kv_heads = kv_heads;
+        cfg.shape.layers = 2;
+        cfg.shape.block_bytes = 2 * 2 * kv_heads as usize * 2 * 4;
+        cfg.shape.prefill_layout = PerLayer;
+        cfg.shape.decode_layout = Contiguous;
+        cfg.shape.mode = mode;
+        cfg.data_plane = plane;
+        let report = run(&cfg);
+        assert_eq!(report.safety.done, cfg.workload.requests, "{report}");
+        assert_eq!(report.liveness.done, cfg.workload.liveness_requests);
+    }
+}
+
+/// The same pairings under every fault the swarm draws (crashes, partitions of one plane,
+/// frozen writers, lost and duplicated messages, engine aborts): every invariant holds
+/// (blocks released once, nothing landing after release, decode's blocks holding the
+/// model's heads whenever it ends `Done`, every rank's end agreeing with its peers').
+#[test]
+fn heterogeneous_tp_under_swarm_faults_keeps_every_invariant() {
+    for (seed, args) in [
+        (
+            7101,
+            [
+                "--tp",
+                "4",
+                "--decode-tp",
+                "2",
+                "--mode",
+                "push",
+                "--data-plane",
+                "fenced",
+            ],
+        ),
+        (
+            7102,
+            [
+                "--tp",
+                "4",
+                "--decode-tp",
+                "1",
+                "--mode",
+                "pull",
+                "--data-plane",
+                "rdma",
+            ],
+        ),
+        (
+            7103,
+            [
+                "--tp",
+                "2",
+                "--decode-tp",
+                "1",
+                "--mode",
+                "mixed",
+                "--data-plane",
+                "fenced",
+            ],
+        ),
+    ] {
+        let mut argv = args.to_vec();
+        argv.extend(["--kv-heads", "4", "--layers", "2", "--block-bytes", "128"]);
+        let cfg = as_the_cli_makes_it(seed, &argv);
+        let report = simulate(&cfg).expect("runs");
+        assert!(report.ok(), "{cfg}{report}");
+    }
+}
+
+/// Pairings that cannot work are refused when the cluster is configured, by name.
+#[test]
+fn tp_pairings_that_cannot_work_are_refused() {
+    for (what, decode_tp, kv_heads, pp, want) in [
+        ("no heads", 1, 0, 1, "needs kv heads"),
+        ("decode above prefill", 4, 4, 1, "must divide"),
+        ("not dividing", 3, 12, 1, "must divide"),
+        ("pipeline stages", 1, 4, 2, "pp 1"),
+    ] {
+        let mut cfg = base(7201);
+        cfg.shape.tp = 2;
+        cfg.shape.decode_tp = Some(decode_tp);
+        cfg.shape.kv_heads = kv_heads;
+        cfg.shape.pp = pp;
+        cfg.shape.layers = 2;
+        cfg.shape.block_bytes = 2 * 2 * 12 * 2 * 4;
+        let err = simulate(&cfg)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains(want), "{what}: {err}");
+    }
+}
+
 /// A block size that does not split evenly across the pipeline ranks is refused when the
 /// cluster is configured, by name.
 #[test]

@@ -1187,6 +1187,14 @@ async fn a_transfer_that_panics_fails_only_its_request() {
     }
 }
 
+/// Tensor-parallel rank `r` of `size` of `engine`.
+fn tp_rank(engine: &str, r: u32, size: u32) -> RankInfo {
+    let mut rank = RankInfo::single(engine);
+    rank.tp_rank = r;
+    rank.tp_size = size;
+    rank
+}
+
 /// Heterogeneous TP: the bytes of block `block` of a rank holding KV heads from `first`
 /// (`held` of them) of a 2-layer model (K and V apart: 4 ranges of one part), heads in
 /// `order`, each byte the model's own (range, head, token, byte) value.
@@ -1227,12 +1235,6 @@ async fn decode_ranks_gather_their_heads_from_prefills_ranks(mode: TransferMode)
             head_bytes: 8,
         });
         layout
-    };
-    let tp_rank = |engine: &str, r: u32, size: u32| {
-        let mut rank = RankInfo::single(engine);
-        rank.tp_rank = r;
-        rank.tp_size = size;
-        rank
     };
     let mut prefill = Vec::new();
     for r in 0..4 {
@@ -1310,12 +1312,6 @@ async fn decode_tp2_pulls_its_heads_from_prefill_tp4() {
 async fn tp_pairings_not_supported_fail_by_name() {
     let fabric = Fabric::new();
     let mode = TransferMode::Push;
-    let tp_rank = |engine: &str, r: u32, size: u32| {
-        let mut rank = RankInfo::single(engine);
-        rank.tp_rank = r;
-        rank.tp_size = size;
-        rank
-    };
     let plain = || KvLayout::shaped(KvShape::KvHalves, 2, BLOCKS, 64);
     let _p = start_laid_out(&fabric, Role::Prefill, tp_rank("P", 0, 1), mode, plain()).await;
     let d = start_laid_out(&fabric, Role::Decode, tp_rank("D", 1, 2), mode, plain()).await;

@@ -361,16 +361,24 @@ fn pipeline_halves_meet_in_decode(mode: &str, transport: &str) {
         "65536",
     ];
     let d = worker("decode", "decode", "D", &addr, &d_args);
-    let (ends, summary) = d.ends();
-    assert_eq!(summary["done"], 6, "{mode} {transport}: {ends:?}");
-    assert_eq!(summary["corrupted"], 0, "{mode} {transport}: {ends:?}");
-    assert!(ends.iter().all(|e| e["verified"] == true), "{ends:?}");
+    all_done_and_verified(&d, 6, &format!("{mode} {transport}"));
 }
 
 #[test]
 fn pipeline_ranks_each_deliver_their_layers_over_tcp() {
     pipeline_halves_meet_in_decode("push", "tcp");
     pipeline_halves_meet_in_decode("pull", "tcp");
+}
+
+/// Decode's `n` requests all ended `Done`, none corrupted, every one verified.
+fn all_done_and_verified(d: &Proc, n: u64, what: &str) {
+    let (ends, summary) = d.ends();
+    assert_eq!(summary["done"], n, "{what}: {ends:?}");
+    assert_eq!(summary["corrupted"], 0, "{what}: {ends:?}");
+    assert!(
+        ends.iter().all(|e| e["verified"] == true),
+        "{what}: {ends:?}"
+    );
 }
 
 /// Heterogeneous TP across processes: prefill at TP 2 (head-major, 2 of 4 KV heads each),
@@ -405,10 +413,7 @@ fn tp_ranks_meet_in_decode(mode: &str, transport: &str) {
     d_args.extend(heads);
     d_args.extend(["--head-order", "nhd"]);
     let d = worker("decode", "decode", "D", &addr, &d_args);
-    let (ends, summary) = d.ends();
-    assert_eq!(summary["done"], 6, "{mode} {transport}: {ends:?}");
-    assert_eq!(summary["corrupted"], 0, "{mode} {transport}: {ends:?}");
-    assert!(ends.iter().all(|e| e["verified"] == true), "{ends:?}");
+    all_done_and_verified(&d, 6, &format!("{mode} {transport}"));
 }
 
 #[test]

@@ -21,6 +21,13 @@ fn run(cfg: &SimConfig) -> Report {
     report
 }
 
+/// Runs `cfg` (no faults): every invariant holds and every request ends `Done`.
+fn every_request_done(cfg: &SimConfig) {
+    let report = run(cfg);
+    assert_eq!(report.safety.done, cfg.workload.requests, "{report}");
+    assert_eq!(report.liveness.done, cfg.workload.liveness_requests);
+}
+
 fn ranks(report: &Report, key: &str) -> u64 {
     report.safety.ranks.get(key).copied().unwrap_or(0)
 }
@@ -528,9 +535,7 @@ fn pipeline_ranks_each_deliver_their_slice_of_every_block() {
         cfg.shape.pp = pp;
         cfg.shape.mode = mode;
         cfg.data_plane = plane;
-        let report = run(&cfg);
-        assert_eq!(report.safety.done, cfg.workload.requests, "{report}");
-        assert_eq!(report.liveness.done, cfg.workload.liveness_requests);
+        every_request_done(&cfg);
     }
 }
 
@@ -560,9 +565,7 @@ fn decode_ranks_gather_their_heads_from_prefill_ranks_of_another_tp_size() {
         cfg.shape.decode_layout = Contiguous;
         cfg.shape.mode = mode;
         cfg.data_plane = plane;
-        let report = run(&cfg);
-        assert_eq!(report.safety.done, cfg.workload.requests, "{report}");
-        assert_eq!(report.liveness.done, cfg.workload.liveness_requests);
+        every_request_done(&cfg);
     }
 }
 
@@ -705,9 +708,7 @@ fn per_layer_stages_of_an_uneven_split_fill_decode_blocks_of_another_layout() {
         cfg.shape.decode_layout = decode;
         cfg.shape.mode = mode;
         cfg.data_plane = plane;
-        let report = run(&cfg);
-        assert_eq!(report.safety.done, cfg.workload.requests, "{report}");
-        assert_eq!(report.liveness.done, cfg.workload.liveness_requests);
+        every_request_done(&cfg);
     }
 }
 

@@ -103,6 +103,14 @@ class Runtime:
     ``tcp_busy_poll_us`` (0..1000, default 0): over TCP, wait for bytes spinning that long
     before the thread sleeps, for lower one-block latency at the price of the CPU spun; for
     workers with cores to spare, not for cores the engine needs.
+
+    ``kv_heads`` (the model's KV heads, all ``tp_size`` ranks together), ``head_size``
+    (elements per head) and ``head_order`` (``"hnd"``: each head's tokens together;
+    ``"nhd"``: each token's heads together, vLLM's default; ``"latent"`` for MLA) say how
+    every K or V part of a block holds this rank's share of the heads, with
+    ``block_tokens`` and ``dtype_bytes``. Both sides need them to hand over between
+    different TP sizes (decode's ``tp_size`` must divide prefill's): each decode rank then
+    gathers its heads from its share of prefill's ranks.
     """
 
     def __init__(
@@ -117,6 +125,9 @@ class Runtime:
         layers: tuple[int, int, int] | None = None,
         block_tokens: int | None = None,
         dtype_bytes: int | None = None,
+        kv_heads: int | None = None,
+        head_size: int | None = None,
+        head_order: str = "hnd",
         dp_rank: int = 0,
         dp_size: int = 1,
         tp_rank: int = 0,
@@ -164,6 +175,19 @@ class Runtime:
             _int(k, v)
         if admission is not None:
             _int("admission", admission, 1)
+        tokens = spec.block_tokens if block_tokens is None else _int("block_tokens", block_tokens)
+        element = spec.dtype_bytes if dtype_bytes is None else _int("dtype_bytes", dtype_bytes)
+        head_bytes = 0
+        if kv_heads is not None:
+            _int("kv_heads", kv_heads, 1)
+            if head_size is None or tokens == 0 or element == 0:
+                raise InvalidInput(
+                    "kv_heads needs head_size, block_tokens and dtype_bytes (the tensors' "
+                    "element size, or given)"
+                )
+            head_bytes = _int("head_size", head_size, 1) * element
+        elif head_size is not None:
+            raise InvalidInput("head_size without kv_heads")
         if thread_nice is not None and (
             isinstance(thread_nice, bool) or not isinstance(thread_nice, int)
         ):
@@ -178,12 +202,11 @@ class Runtime:
             spec.num_blocks,
             device=spec.device,
             layers=layers,
-            block_tokens=spec.block_tokens
-            if block_tokens is None
-            else _int("block_tokens", block_tokens),
-            dtype_bytes=spec.dtype_bytes
-            if dtype_bytes is None
-            else _int("dtype_bytes", dtype_bytes),
+            block_tokens=tokens,
+            dtype_bytes=element,
+            kv_heads=0 if kv_heads is None else kv_heads,
+            head_order=_str("head_order", head_order),
+            head_bytes=head_bytes,
             transport=_str("transport", transport),
             mode=_str("mode", mode),
             control_listen=_str("control_listen", control_listen),

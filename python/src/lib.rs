@@ -536,7 +536,7 @@ impl Runtime {
     #[new]
     #[pyo3(signature = (
         role, engine, bootstrap, ranges, num_blocks, *, device="cpu", layers=None,
-        block_tokens=0, dtype_bytes=0, dp_rank=0, dp_size=1, tp_rank=0, tp_size=1, pp_rank=0,
+        block_tokens=0, dtype_bytes=0, kv_heads=0, head_order="hnd", head_bytes=0, dp_rank=0, dp_size=1, tp_rank=0, tp_size=1, pp_rank=0,
         pp_size=1, transport="auto", mode="pull", control_listen="tcp://127.0.0.1:0",
         data_listen="127.0.0.1:0", advertise_host=None, bootstrap_s=300.0, waiting_s=300.0,
         transfer_s=60.0, pull_ttl_s=480.0, register_timeout_s=30.0, heartbeat_ms=5000,
@@ -555,6 +555,9 @@ impl Runtime {
         layers: Option<(u32, u32, u32)>,
         block_tokens: u32,
         dtype_bytes: u32,
+        kv_heads: u32,
+        head_order: &str,
+        head_bytes: u64,
         dp_rank: u32,
         dp_size: u32,
         tp_rank: u32,
@@ -631,6 +634,7 @@ impl Runtime {
             layers,
             block_tokens,
             dtype_bytes,
+            heads: memory::heads(kv_heads, head_order, head_bytes).map_err(err)?,
         };
         let region = memory::region(spec, keep).map_err(err)?;
         let (num_blocks, block_bytes) = (region.blocks(), region.block_bytes());

@@ -6,7 +6,8 @@
 //! memory cannot be freed under a transfer.
 
 use handoff_actors::Region;
-use handoff_transport::{KvLayout, KvMemory, KvRange, LayerSpan, RANGES_MAX};
+use handoff_transport::tp::HeadOrder;
+use handoff_transport::{KvHeads, KvLayout, KvMemory, KvRange, LayerSpan, RANGES_MAX};
 use pyo3::PyObject;
 
 use crate::errors::{region_kind, Failure, NativeResult};
@@ -25,6 +26,8 @@ pub(crate) struct Spec {
     pub(crate) block_tokens: u32,
     /// Bytes per element (0: unknown).
     pub(crate) dtype_bytes: u32,
+    /// How blocks hold KV heads (heterogeneous TP), when said.
+    pub(crate) heads: Option<KvHeads>,
 }
 
 /// Holds the Python objects owning the memory while the region lives.
@@ -96,7 +99,7 @@ pub(crate) fn region(spec: Spec, keep: Option<PyObject>) -> NativeResult<Region>
         layers,
         block_tokens: spec.block_tokens,
         dtype_bytes: spec.dtype_bytes,
-        heads: None,
+        heads: spec.heads,
     };
     layout
         .validate()
@@ -108,4 +111,38 @@ pub(crate) fn region(spec: Spec, keep: Option<PyObject>) -> NativeResult<Region>
     // and with it every transfer into it, is gone.
     unsafe { Region::from_layout(layout, Box::new(Keep(keep))) }
         .map_err(|e| Failure::new(region_kind(&e), e.to_string()))
+}
+
+/// The heads `kv_heads` (0: not said), `head_order` (`hnd`, `nhd` or `latent`) and
+/// `head_bytes` describe; checked with the layout when it is registered.
+pub(crate) fn heads(
+    kv_heads: u32,
+    head_order: &str,
+    head_bytes: u64,
+) -> Result<Option<KvHeads>, Failure> {
+    if kv_heads == 0 {
+        if head_bytes != 0 {
+            return Err(Failure::new(
+                "invalid_memory",
+                "head_bytes (head_size) without kv_heads".to_string(),
+            ));
+        }
+        return Ok(None);
+    }
+    let order = match head_order {
+        "hnd" => HeadOrder::HeadMajor,
+        "nhd" => HeadOrder::TokenMajor,
+        "latent" => HeadOrder::Latent,
+        other => {
+            return Err(Failure::new(
+                "invalid_memory",
+                format!("head_order {other:?}: hnd, nhd or latent"),
+            ))
+        }
+    };
+    Ok(Some(KvHeads {
+        kv_heads,
+        order,
+        head_bytes,
+    }))
 }

@@ -125,3 +125,63 @@ def test_sglang_buffers_hand_over(bootstrap):
         page = slice(5 * TOKENS, 6 * TOKENS)
         for src, dst in zip(pk + pv, dk + dv):
             assert np.array_equal(dst[:TOKENS], src[page])
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_prefill_tp2_ranks_each_fill_their_heads_of_decode_tp1(bootstrap, mode):
+    """Heterogeneous TP: two prefill ranks at TP 2 hold 2 of the model's 4 KV heads each
+    (vLLM's token-major tensors); one decode at TP 1 holds all 4 and gathers each block's
+    heads from both, every element in place."""
+    model = [np.zeros((2, BLOCKS, TOKENS, 4, DIM), np.float16) for _ in range(LAYERS)]
+    fill(model, [5, 6], seed=9)
+    shards = [[np.ascontiguousarray(t[:, :, :, 2 * r : 2 * r + 2]) for t in model] for r in (0, 1)]
+    whole = [np.zeros_like(t) for t in model]
+    heads = dict(kv_heads=4, head_size=DIM, head_order="nhd", block_tokens=TOKENS)
+    with (
+        runtime(
+            "prefill",
+            "P",
+            bootstrap,
+            handoff.vllm_kv_caches(shards[0]),
+            tp_rank=0,
+            tp_size=2,
+            **heads,
+        ) as p0,
+        runtime(
+            "prefill",
+            "P",
+            bootstrap,
+            handoff.vllm_kv_caches(shards[1]),
+            tp_rank=1,
+            tp_size=2,
+            **heads,
+        ) as p1,
+        runtime("decode", "D", bootstrap, handoff.vllm_kv_caches(whole), mode=mode, **heads) as d,
+    ):
+        r = d.receiver("r", "P", blocks=[12, 13])
+        s0, s1 = p0.sender("r"), p1.sender("r")
+        s0.send([5, 6])
+        s1.send([5, 6])
+        assert r.wait(30) == "Done"
+        assert s0.wait(30) == "Done" and s1.wait(30) == "Done"
+        for layer in range(LAYERS):
+            assert np.array_equal(whole[layer][:, 12:14], model[layer][:, 5:7]), f"layer {layer}"
+
+
+def test_heads_that_say_too_little_are_refused_by_name(bootstrap):
+    spec = handoff.vllm_kv_caches(kv_first())
+    with pytest.raises(handoff.InvalidInput, match="head_size"):
+        runtime("prefill", "P", bootstrap, spec, kv_heads=4)
+    with pytest.raises(handoff.InvalidInput, match="without kv_heads"):
+        runtime("prefill", "P", bootstrap, spec, head_size=DIM)
+    with pytest.raises(handoff.HandoffError, match="head_order"):
+        runtime(
+            "prefill",
+            "P",
+            bootstrap,
+            spec,
+            kv_heads=4,
+            head_size=DIM,
+            block_tokens=TOKENS,
+            head_order="thd",
+        )

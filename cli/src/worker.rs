@@ -551,6 +551,9 @@ async fn run_inner(a: WorkerArgs) -> Result<ExitCode, String> {
 
 /// The KV pool `--memory` and `--layers` ask for.
 fn memory(a: &WorkerArgs) -> Result<WorkerMemory, String> {
+    if a.kv_heads.is_some() && a.layers.is_none() {
+        return Err("--kv-heads describes the layers of --layers: give both".into());
+    }
     match a.memory {
         MemoryArg::Host => match a.layers {
             // Held as an engine holds its layers; UCX registers every range, TCP moves them.

@@ -416,6 +416,32 @@ fn tp_ranks_meet_in_decode(mode: &str, transport: &str) {
     all_done_and_verified(&d, 6, &format!("{mode} {transport}"));
 }
 
+/// Head flags that cannot describe a pool fail at start, by name: heads without layers,
+/// heads that do not split the halves into whole bytes, heads a TP size cannot share.
+#[test]
+fn head_flags_that_describe_no_pool_are_refused_at_start() {
+    for (args, says) in [
+        (&["--kv-heads", "4"][..], "--kv-heads describes the layers"),
+        (
+            &["--layers", "2", "--kv-heads", "3", "--block-bytes", "4096"][..],
+            "whole bytes",
+        ),
+        (
+            &["--layers", "2", "--kv-heads", "4", "--tp-size", "3"][..],
+            "neither divides",
+        ),
+    ] {
+        let out = Command::new(common::handoff_bin())
+            .args(["worker", "--role", "prefill", "--engine", "P"])
+            .args(args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
+}
+
 #[test]
 fn tp2_prefill_ranks_each_deliver_their_heads_over_tcp() {
     tp_ranks_meet_in_decode("push", "tcp");

@@ -489,12 +489,23 @@ pub fn tp_spans(src: &TpSide, dst: &TpSide) -> Result<Vec<Span>, TpError> {
     // The pieces of every run, in one part; every part repeats them at its offset.
     let mut per_part: Vec<HeadPiece> = Vec::new();
     for run in &runs {
+        // A run lies inside both ranks' heads (`head_sources` reads a head only from a rank
+        // holding it); checked all the same, since the sizes come from peers.
+        let local = |held: &Range<u32>| {
+            run.start
+                .checked_sub(held.start)
+                .ok_or(TpError::HeadsOutside {
+                    first: run.start,
+                    end: u64::from(run.end),
+                    held: held.end - held.start,
+                })
+        };
         per_part.extend(pair_heads(
             &src_part,
-            run.start - src_heads.start,
+            local(&src_heads)?,
             &dst_part,
-            run.start - dst_heads.start,
-            run.end - run.start,
+            local(&dst_heads)?,
+            run.end.saturating_sub(run.start),
         )?);
     }
     let total = (per_part.len() as u64).saturating_mul(parts);

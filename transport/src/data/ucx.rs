@@ -1138,6 +1138,9 @@ impl IpcWindow {
     }
 }
 
+/// How often the UCX thread closes the CUDA IPC mappings of peers that have exited.
+pub const IPC_SWEEP_INTERVAL: Duration = Duration::from_secs(1);
+
 /// Bytes one round of the CUDA IPC lane copies at most: the deadline, the writer's lease
 /// and the peer's life are checked between rounds, and a round is waited for before the
 /// next, so this bounds what lands after a check (well under a millisecond on one GPU).
@@ -1251,9 +1254,12 @@ struct State {
     rkeys: usize,
     /// Copies on our device, when our memory is device memory (the CUDA IPC lane).
     copier: Option<DeviceCopier>,
-    /// Same-host peers' device memory mapped here by CUDA IPC, by worker address; at most
+    /// Same-host peers' device memory mapped here by CUDA IPC, by worker address, with the
+    /// peer's process (an exited one's are closed by [`State::sweep_ipc`]); at most
     /// [`UCX_ENDPOINTS_MAX`].
-    ipc: HashMap<Vec<u8>, IpcPeer>,
+    ipc: HashMap<Vec<u8>, (Arc<PeerProcess>, IpcPeer)>,
+    /// When [`State::sweep_ipc`] last looked.
+    ipc_swept: Instant,
     /// Transfers the CUDA IPC lane carried ([`UcxDataPlane::cuda_ipc_transfers`]).
     ipc_transfers: Arc<AtomicU64>,
 }
@@ -1279,6 +1285,7 @@ fn thread_main(
     };
     let mut busy_until = Instant::now();
     loop {
+        state.sweep_ipc(Instant::now());
         let mut served = false;
         while state.worker.progress() > 0 {
             served = true;
@@ -1505,6 +1512,7 @@ fn start_ucx(setup: Setup) -> Result<(State, Ready), DataError> {
         rkeys: 0,
         copier,
         ipc: HashMap::new(),
+        ipc_swept: Instant::now(),
         ipc_transfers: Arc::clone(&ipc_transfers),
     };
     Ok((state, up))
@@ -1791,10 +1799,9 @@ impl State {
                 error: same_host::SameHostError::PeerExited { pid: process.pid() },
             }));
         }
-        let current = self
-            .ipc
-            .get(address)
-            .is_some_and(|p| Arc::ptr_eq(p.ranges(), &peer.ranges) || **p.ranges() == *peer.ranges);
+        let current = self.ipc.get(address).is_some_and(|(_, p)| {
+            Arc::ptr_eq(p.ranges(), &peer.ranges) || **p.ranges() == *peer.ranges
+        });
         if !current {
             // The old mappings are closed before the new ones open (one per handle).
             self.ipc.remove(address);
@@ -1808,9 +1815,10 @@ impl State {
             if let IpcPeer::Open { windows, .. } = &opened {
                 tracing::info!(peer = %peer.name, allocations = windows.len(), "device copies with this peer through CUDA IPC");
             }
-            self.ipc.insert(address.clone(), opened);
+            self.ipc
+                .insert(address.clone(), (Arc::clone(process), opened));
         }
-        let (layout, windows) = match self.ipc.get(address)? {
+        let (layout, windows) = match &self.ipc.get(address)?.1 {
             IpcPeer::Open {
                 layout, windows, ..
             } => (layout, windows),
@@ -1830,6 +1838,17 @@ impl State {
             self.ipc.remove(address);
         }
         Some(result)
+    }
+
+    /// Closes the CUDA IPC mappings of peers whose process has exited, at most every
+    /// [`IPC_SWEEP_INTERVAL`]: a mapping keeps the peer's whole allocation alive on the
+    /// device, so a dead peer's must not wait for a transfer that will never come.
+    fn sweep_ipc(&mut self, now: Instant) {
+        if self.ipc.is_empty() || now < self.ipc_swept + IPC_SWEEP_INTERVAL {
+            return;
+        }
+        self.ipc_swept = now;
+        self.ipc.retain(|_, (process, _)| process.alive());
     }
 
     fn forget(&mut self, address: &[u8]) {

@@ -251,25 +251,22 @@ pub fn select_prefill_peers<'a>(
             detail: format!("no prefill rank of {prefill} registered"),
         });
     };
-    let tp = if first.tp_size == me.tp_size {
-        me.tp_rank..me.tp_rank + 1
-    } else {
-        let refused = |why: String| {
-            ResolveError::Fatal(FailureReason::Protocol {
-                detail: format!(
-                    "prefill {prefill} has tp_size {}, decode has {}: {why}",
-                    first.tp_size, me.tp_size
-                ),
-            })
-        };
-        if me.tp_size > first.tp_size {
-            return Err(refused(
-                "a decode TP size above prefill's (a prefill rank serving several decode ranks) is not supported yet".into(),
-            ));
-        }
-        handoff_transport::tp::prefill_share(first.tp_size, me.tp_size, me.tp_rank)
-            .map_err(|e| refused(e.to_string()))?
+    let refused = |why: String| {
+        ResolveError::Fatal(FailureReason::Protocol {
+            detail: format!(
+                "prefill {prefill} has tp_size {}, decode has {}: {why}",
+                first.tp_size, me.tp_size
+            ),
+        })
     };
+    if me.tp_size > first.tp_size {
+        return Err(refused(
+            "a decode TP size above prefill's (a prefill rank serving several decode ranks) is not supported yet".into(),
+        ));
+    }
+    // Equal sizes: the one rank of the same tp rank.
+    let tp = handoff_transport::tp::prefill_share(first.tp_size, me.tp_size, me.tp_rank)
+        .map_err(|e| refused(e.to_string()))?;
     let dp = dp_rank.unwrap_or_else(|| ranks.iter().map(|r| r.dp_rank).min().unwrap_or(0));
     let peers: Vec<Peer> = ranks
         .iter()

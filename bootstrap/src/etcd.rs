@@ -268,6 +268,16 @@ fn unb64(text: &str) -> Option<Vec<u8>> {
 
 // --------------------------------------------------------------------------- HTTP
 
+/// The bytes of a JSON `POST` of `body` to `path` on `endpoint`; `close` asks the server to
+/// close the connection after its answer (a watch keeps it open).
+fn post_request(endpoint: &str, path: &str, body: &str, close: bool) -> String {
+    let connection = if close { "Connection: close\r\n" } else { "" };
+    format!(
+        "POST {path} HTTP/1.1\r\nHost: {endpoint}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{connection}\r\n{body}",
+        body.len()
+    )
+}
+
 /// One `POST` of `body` to `path` on `endpoint`, the whole answer read (bounded), within
 /// `limit`. Plain HTTP/1.1, one exchange per connection.
 async fn post(endpoint: &str, path: &str, body: &Value, limit: Duration) -> Result<Value, String> {
@@ -275,13 +285,8 @@ async fn post(endpoint: &str, path: &str, body: &Value, limit: Duration) -> Resu
         let mut stream = TcpStream::connect(endpoint)
             .await
             .map_err(|e| format!("{endpoint}: {e}"))?;
-        let body = body.to_string();
-        let request = format!(
-            "POST {path} HTTP/1.1\r\nHost: {endpoint}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        );
         stream
-            .write_all(request.as_bytes())
+            .write_all(post_request(endpoint, path, &body.to_string(), true).as_bytes())
             .await
             .map_err(|e| format!("{endpoint}: {e}"))?;
         let mut answer = Vec::new();
@@ -954,12 +959,8 @@ impl EtcdDirectory {
             .map_err(|_| "no connection".to_string())
             .and_then(|c| c.map_err(|e| e.to_string()))
             .map_err(closed(false))?;
-        let request = format!(
-            "POST /v3/watch HTTP/1.1\r\nHost: {endpoint}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        );
         stream
-            .write_all(request.as_bytes())
+            .write_all(post_request(endpoint, "/v3/watch", body, false).as_bytes())
             .await
             .map_err(|e| closed(false)(e.to_string()))?;
         let mut reader = WatchReader::new(stream);

@@ -10,11 +10,15 @@ use std::time::{Duration, Instant};
 use handoff_bootstrap::status::{render_table, status_json};
 use handoff_bootstrap::{
     serve, BootstrapClient, BootstrapError, BootstrapServer, ClientConfig, Key, QueryAnswer,
-    ServerConfig, WorkerRecord,
+    ServerConfig,
 };
 use handoff_transport::wire::{self, Message, ProtocolError, Query};
 use handoff_transport::zmtp::Dealer;
 use handoff_transport::{EngineId, FailureReason, RankInfo, Role};
+
+mod common;
+
+use common::record;
 
 const T: Duration = Duration::from_secs(5);
 /// Scheduling slack allowed past a deadline.
@@ -26,26 +30,6 @@ fn fast() -> ClientConfig {
         attempt_timeout: Duration::from_millis(500),
         backoff_min: Duration::from_millis(20),
         backoff_max: Duration::from_millis(200),
-    }
-}
-
-fn record(engine: &str, dp: (u32, u32), tp: (u32, u32), incarnation: u64) -> WorkerRecord {
-    let rank = RankInfo {
-        engine_id: EngineId::new(engine),
-        dp_rank: dp.0,
-        dp_size: dp.1,
-        tp_rank: tp.0,
-        tp_size: tp.1,
-        pp_rank: 0,
-        pp_size: 1,
-    };
-    WorkerRecord {
-        rank,
-        role: Role::Prefill,
-        incarnation,
-        control_address: format!("tcp://10.0.{}.{}:5000", dp.0, tp.0),
-        data_address: format!("10.0.{}.{}:6000", dp.0, tp.0),
-        data_descriptor: vec![dp.0 as u8, tp.0 as u8],
     }
 }
 

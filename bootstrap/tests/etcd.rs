@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 use handoff_bootstrap::etcd::{b64, CACHE_AGE_MAX};
 use handoff_bootstrap::{BootstrapError, EtcdDirectory, Key, WorkerRecord};
 use handoff_testkit::etcd::{address, Etcd};
-use handoff_transport::{EngineId, RankInfo, Role};
+use handoff_transport::EngineId;
+
+mod common;
 
 const T: Duration = Duration::from_secs(5);
 
@@ -16,23 +18,7 @@ fn soon() -> Instant {
 }
 
 fn record(engine: &str, tp: (u32, u32), incarnation: u64) -> WorkerRecord {
-    let rank = RankInfo {
-        engine_id: EngineId::new(engine),
-        dp_rank: 0,
-        dp_size: 1,
-        tp_rank: tp.0,
-        tp_size: tp.1,
-        pp_rank: 0,
-        pp_size: 1,
-    };
-    WorkerRecord {
-        rank,
-        role: Role::Prefill,
-        incarnation,
-        control_address: format!("tcp://10.0.0.{}:5000", tp.0),
-        data_address: format!("10.0.0.{}:6000", tp.0),
-        data_descriptor: vec![tp.0 as u8],
-    }
+    common::record(engine, (0, 1), tp, incarnation)
 }
 
 fn dir(etcd: &Etcd, cluster: &str, key: Option<Key>) -> EtcdDirectory {

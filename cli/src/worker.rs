@@ -43,7 +43,7 @@ use handoff_actors::{
 use handoff_gpu::checksum::{checksum64, fill_pattern};
 use handoff_gpu::DeviceBuffer;
 use handoff_net::{start_engine_runtime, DataTransport, EngineOptions, WorkerMemory};
-use handoff_transport::tp::HeadOrder;
+use handoff_transport::tp::{HeadGeometry, HeadOrder};
 use handoff_transport::KvHeads;
 use serde_json::json;
 
@@ -335,71 +335,47 @@ fn secs(s: f64) -> Duration {
     Duration::from_secs_f64(s.clamp(0.001, 1e7))
 }
 
-/// Which part of the model's blocks a worker holds, for [`pattern`].
-#[derive(Clone, Copy, Debug)]
-struct Share {
-    pp_rank: u32,
-    tp_rank: u32,
-    tp_size: u32,
-}
-
-impl Share {
-    fn of(a: &WorkerArgs) -> Self {
-        Self {
-            pp_rank: a.pp_rank,
-            tp_rank: a.tp_rank,
-            tp_size: a.tp_size,
-        }
-    }
-}
-
-/// The bytes of the `k`-th block of request `id` that a worker holding `share` of the
-/// model, laid out as `layout`, holds: prefill writes them, decode expects them. Every
+/// The bytes of the `k`-th block of request `id` that a worker at `rank`, laid out as
+/// `layout`, holds: prefill writes them, decode expects them. Every
 /// byte is one of the model's block, so prefill ranks together fill a decode block, each
 /// with its part: pipeline ranks hold consecutive slices of it (their layers); with heads
-/// (`layout.heads`), each (range, part, head, token) is the model's own run of bytes,
-/// wherever this rank's order puts it.
-fn pattern(id: &RequestId, k: usize, share: Share, layout: &KvLayout, bytes: &mut [u8]) {
+/// (`layout.heads`), each (part, head, token) is the model's own run of bytes, wherever
+/// this rank's order puts it.
+fn pattern(id: &RequestId, k: usize, rank: &RankInfo, layout: &KvLayout, bytes: &mut [u8]) {
     let seed = checksum64(id.as_str().as_bytes()) ^ k as u64;
     let Some(heads) = layout.heads else {
-        let offset = u64::from(share.pp_rank) * bytes.len() as u64;
+        let offset = u64::from(rank.pp_rank) * bytes.len() as u64;
         fill_pattern(bytes, seed, offset);
         return;
     };
-    let Ok(mine) = handoff_transport::tp::rank_heads(heads.kv_heads, share.tp_size, share.tp_rank)
+    let Ok(mine) = handoff_transport::tp::rank_heads(heads.kv_heads, rank.tp_size, rank.tp_rank)
     else {
         return; // refused when the pool was laid out
     };
-    let (held, tokens, hb) = (
-        u64::from(mine.end - mine.start),
-        u64::from(layout.block_tokens),
-        heads.head_bytes,
-    );
-    let part_bytes = held * tokens * hb;
-    let mut at = 0usize;
-    for (i, range) in layout.ranges.iter().enumerate() {
-        let parts = range.bytes as u64 / part_bytes.max(1);
-        for p in 0..parts {
-            for h in 0..held {
-                for t in 0..tokens {
-                    let local = match heads.order {
-                        HeadOrder::TokenMajor => (t * held + h) * hb,
-                        _ => (h * tokens + t) * hb,
-                    };
-                    let model = ((((i as u64) * 4 + p) * u64::from(heads.kv_heads)
-                        + u64::from(mine.start)
-                        + h)
-                        * tokens
-                        + t)
-                        * hb;
-                    let start = at + (p * part_bytes + local) as usize;
-                    if let Some(chunk) = bytes.get_mut(start..start + hb as usize) {
-                        fill_pattern(chunk, seed, model);
-                    }
+    let part = HeadGeometry {
+        order: heads.order,
+        heads: mine.end - mine.start,
+        block_tokens: layout.block_tokens,
+        head_bytes: heads.head_bytes,
+    };
+    let Some(part_bytes) = part.block_bytes().filter(|&b| b > 0) else {
+        return; // refused when the pool was laid out
+    };
+    // A logical block is a run of parts (layer 0's K, its V, ...), whichever ranges hold
+    // them: part `q`'s head `h` at token `t` is the model's (q, first + h, t).
+    let (tokens, hb) = (u64::from(layout.block_tokens), heads.head_bytes);
+    for q in 0..bytes.len() as u64 / part_bytes {
+        for h in 0..part.heads {
+            for t in 0..layout.block_tokens {
+                let model = ((q * u64::from(heads.kv_heads) + u64::from(mine.start + h)) * tokens
+                    + u64::from(t))
+                    * hb;
+                let start = (q * part_bytes + part.offset(h, t)) as usize;
+                if let Some(chunk) = bytes.get_mut(start..start + hb as usize) {
+                    fill_pattern(chunk, seed, model);
                 }
             }
         }
-        at += range.bytes;
     }
 }
 
@@ -647,7 +623,7 @@ async fn drive(
                     let (at, blocks) = opened.get(&id).cloned().unwrap_or((started, Vec::new()));
                     // Only decode can verify; prefill reports null.
                     let verified = (role == Role::Decode)
-                        .then(|| state == State::Done && verify(rt, Share::of(a), &id, &blocks));
+                        .then(|| state == State::Done && verify(rt, &rank_of(a), &id, &blocks));
                     let (kind, reason) = match &state {
                         State::Done => ("done".to_string(), String::new()),
                         State::Failed(r) => (r.kind().to_string(), r.to_string()),
@@ -693,7 +669,7 @@ async fn drive(
     // `--keep-done`: the blocks that arrived, checked again now.
     let mut recheck_bad = 0u32;
     for (id, blocks) in &kept {
-        let verified = verify(rt, Share::of(a), id, blocks);
+        let verified = verify(rt, &rank_of(a), id, blocks);
         emit(json!({"event": "recheck", "request": id.as_str(), "verified": verified}));
         if !verified {
             recheck_bad += 1;
@@ -720,12 +696,12 @@ fn open(
         Role::Prefill => {
             let sender = rt.sender(id.clone()).map_err(|e| e.to_string())?;
             let region = rt.region().clone();
-            let (hold, id, share) = (Duration::from_millis(a.hold_ms), id.clone(), Share::of(a));
+            let (hold, id, rank) = (Duration::from_millis(a.hold_ms), id.clone(), rank_of(a));
             tokio::spawn(async move {
                 tokio::time::sleep(hold).await;
                 let mut bytes = vec![0u8; region.block_bytes()];
                 for (k, b) in blocks.iter().enumerate() {
-                    pattern(&id, k, share, region.layout(), &mut bytes);
+                    pattern(&id, k, &rank, region.layout(), &mut bytes);
                     if region.write_block(*b, &bytes).is_err() {
                         sender.abort();
                         return;
@@ -754,10 +730,10 @@ fn open(
     Ok(())
 }
 
-fn verify(rt: &Runtime, share: Share, id: &RequestId, blocks: &[BlockId]) -> bool {
+fn verify(rt: &Runtime, rank: &RankInfo, id: &RequestId, blocks: &[BlockId]) -> bool {
     let mut want = vec![0u8; rt.region().block_bytes()];
     blocks.iter().enumerate().all(|(k, b)| {
-        pattern(id, k, share, rt.region().layout(), &mut want);
+        pattern(id, k, rank, rt.region().layout(), &mut want);
         rt.region().read_block(*b).is_ok_and(|got| got == want)
     })
 }

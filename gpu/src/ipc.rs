@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext};
 
-use crate::device::{primary_context, DeviceCopier};
+use crate::device::{device_allocation, primary_context, DeviceCopier};
 use crate::probe::guarded;
 use crate::GpuError;
 
@@ -73,7 +73,7 @@ impl IpcExport {
 pub fn ipc_export(ordinal: u32, addr: u64) -> Result<Option<IpcExport>, GpuError> {
     let context = primary_context(ordinal)?;
     guarded("cuCtxSetCurrent", || context.bind_to_thread())?;
-    let Some((base, len)) = address_range(addr)? else {
+    let Some((base, len)) = device_allocation(addr)? else {
         return Ok(None);
     };
     let mut handle = sys::CUipcMemHandle_st {
@@ -94,21 +94,6 @@ pub fn ipc_export(ordinal: u32, addr: u64) -> Result<Option<IpcExport>, GpuError
             Ok(None)
         }
         code => Err(driver("cuIpcGetMemHandle", code)),
-    }
-}
-
-/// `(base, len)` of the allocation holding `addr` in the current context; `None` when the
-/// driver does not know `addr` as device memory.
-fn address_range(addr: u64) -> Result<Option<(u64, u64)>, GpuError> {
-    let (mut base, mut len): (sys::CUdeviceptr, usize) = (0, 0);
-    // SAFETY: two valid out-parameters; the call only looks the address up.
-    let code = guarded("cuMemGetAddressRange", || {
-        Ok(unsafe { sys::cuMemGetAddressRange_v2(&raw mut base, &raw mut len, addr) })
-    })?;
-    match code {
-        sys::CUresult::CUDA_SUCCESS => Ok(Some((base, len as u64))),
-        sys::CUresult::CUDA_ERROR_INVALID_VALUE | sys::CUresult::CUDA_ERROR_NOT_FOUND => Ok(None),
-        code => Err(driver("cuMemGetAddressRange", code)),
     }
 }
 
@@ -160,13 +145,13 @@ impl IpcMapping {
             base,
             len: 0,
         };
-        match address_range(base)? {
+        match device_allocation(base)? {
             Some((start, len)) if start == base && len > 0 => {
                 mapping.len = len;
                 Ok(mapping)
             }
             other => Err(GpuError::Driver {
-                call: "cuMemGetAddressRange",
+                call: "cuPointerGetAttribute",
                 code: 0,
                 name: format!("the mapping at {base:#x} has no allocation of its own: {other:?}"),
             }),

@@ -137,25 +137,14 @@ def test_prefill_tp2_ranks_each_fill_their_heads_of_decode_tp1(bootstrap, mode):
     shards = [[np.ascontiguousarray(t[:, :, :, 2 * r : 2 * r + 2]) for t in model] for r in (0, 1)]
     whole = [np.zeros_like(t) for t in model]
     heads = dict(kv_heads=4, head_size=DIM, head_order="nhd", block_tokens=TOKENS)
+
+    def prefill(r: int) -> handoff.Runtime:
+        spec = handoff.vllm_kv_caches(shards[r])
+        return runtime("prefill", "P", bootstrap, spec, tp_rank=r, tp_size=2, **heads)
+
     with (
-        runtime(
-            "prefill",
-            "P",
-            bootstrap,
-            handoff.vllm_kv_caches(shards[0]),
-            tp_rank=0,
-            tp_size=2,
-            **heads,
-        ) as p0,
-        runtime(
-            "prefill",
-            "P",
-            bootstrap,
-            handoff.vllm_kv_caches(shards[1]),
-            tp_rank=1,
-            tp_size=2,
-            **heads,
-        ) as p1,
+        prefill(0) as p0,
+        prefill(1) as p1,
         runtime("decode", "D", bootstrap, handoff.vllm_kv_caches(whole), mode=mode, **heads) as d,
     ):
         r = d.receiver("r", "P", blocks=[12, 13])

@@ -9,6 +9,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt::Write as _;
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use handoff_actors::{
@@ -26,7 +27,7 @@ use crate::report::{
 use crate::rng::{Rng, PPM};
 use crate::trace::{Fnv64, Trace};
 use crate::SimError;
-use handoff_transport::tp::HeadOrder;
+use handoff_transport::tp::{HeadGeometry, HeadOrder};
 use handoff_transport::KvHeads;
 
 /// How often the engines drain their runtimes' events, virtual ms. One tick is the
@@ -253,13 +254,13 @@ fn worker_region(shape: &Shape, rank: &RankInfo, role: Role) -> Result<Region, R
         Role::Decode => (shape.decode_layout, stage_layers(shape.layers, 0, 1)),
     };
     let half = shape.block_bytes / (2 * shape.layers as usize);
-    let Some((heads, held)) = rank_heads(shape, rank, role) else {
+    let Some((heads, held)) = held_heads(shape, rank, role) else {
         let mut kv = KvLayout::shaped(layout.shape(), span.count, shape.blocks_per_worker, half);
         kv.layers = span;
         return Region::alloc(kv);
     };
     // This rank's share of the model's heads in each K and V half.
-    let half = half / shape.kv_heads as usize * held as usize;
+    let half = half / shape.kv_heads as usize * held.len();
     let mut kv = KvLayout::shaped(layout.shape(), span.count, shape.blocks_per_worker, half);
     kv.layers = span;
     kv.block_tokens = SIM_BLOCK_TOKENS;
@@ -267,15 +268,14 @@ fn worker_region(shape: &Shape, rank: &RankInfo, role: Role) -> Result<Region, R
     Region::alloc(kv)
 }
 
-/// How a worker's blocks hold heads, and how many it holds, when the shape has heads:
-/// prefill head-major, decode token-major (so every transfer reorders them).
-fn rank_heads(shape: &Shape, rank: &RankInfo, role: Role) -> Option<(KvHeads, u32)> {
+/// How a worker's blocks hold heads, and which of the model's it holds, when the shape
+/// has heads: prefill head-major, decode token-major (so every transfer reorders them).
+fn held_heads(shape: &Shape, rank: &RankInfo, role: Role) -> Option<(KvHeads, Range<u32>)> {
     if shape.kv_heads == 0 || shape.layers == 0 {
         return None;
     }
-    let held = handoff_transport::tp::rank_heads(shape.kv_heads, rank.tp_size, rank.tp_rank)
-        .ok()?
-        .len() as u32;
+    let held =
+        handoff_transport::tp::rank_heads(shape.kv_heads, rank.tp_size, rank.tp_rank).ok()?;
     let per_part = shape.block_bytes / (2 * shape.layers as usize);
     let head_bytes = (per_part / (shape.kv_heads as usize * SIM_BLOCK_TOKENS as usize)) as u64;
     let order = match role {
@@ -295,28 +295,24 @@ fn rank_heads(shape: &Shape, rank: &RankInfo, role: Role) -> Option<(KvHeads, u3
 /// The bytes of `whole` (the model's block: every part's heads, head-major) that a worker
 /// at `rank` holds: its heads of every part, in its order.
 fn head_part(shape: &Shape, whole: &[u8], rank: &RankInfo, role: Role) -> Option<Vec<u8>> {
-    let (heads, held) = rank_heads(shape, rank, role)?;
-    let first = handoff_transport::tp::rank_heads(shape.kv_heads, rank.tp_size, rank.tp_rank)
-        .ok()?
-        .start as usize;
-    let (hb, tokens, all) = (
-        heads.head_bytes as usize,
-        SIM_BLOCK_TOKENS as usize,
-        shape.kv_heads as usize,
-    );
-    let model_part = all * tokens * hb;
+    let (heads, held) = held_heads(shape, rank, role)?;
+    let geometry = |order, count| HeadGeometry {
+        order,
+        heads: count,
+        block_tokens: SIM_BLOCK_TOKENS,
+        head_bytes: heads.head_bytes,
+    };
+    let model = geometry(HeadOrder::HeadMajor, shape.kv_heads);
+    let mine = geometry(heads.order, held.end - held.start);
+    let (model_part, part) = (model.block_bytes()? as usize, mine.block_bytes()? as usize);
     let parts = whole.len() / model_part.max(1);
-    let held = held as usize;
-    let mut out = vec![0u8; parts * held * tokens * hb];
+    let hb = heads.head_bytes as usize;
+    let mut out = vec![0u8; parts * part];
     for p in 0..parts {
-        for h in 0..held {
-            for t in 0..tokens {
-                let from = p * model_part + ((first + h) * tokens + t) * hb;
-                let local = match heads.order {
-                    HeadOrder::TokenMajor => (t * held + h) * hb,
-                    _ => (h * tokens + t) * hb,
-                };
-                let to = p * held * tokens * hb + local;
+        for h in 0..mine.heads {
+            for t in 0..SIM_BLOCK_TOKENS {
+                let from = p * model_part + model.offset(held.start + h, t) as usize;
+                let to = p * part + mine.offset(h, t) as usize;
                 out[to..to + hb].copy_from_slice(&whole[from..from + hb]);
             }
         }
@@ -1237,11 +1233,6 @@ impl World {
             let (tp, decode_tp) = (self.cfg.shape.tp, self.cfg.shape.decode_tp());
             let share =
                 handoff_transport::tp::prefill_share(tp, decode_tp, d.tp).unwrap_or(d.tp..d.tp + 1);
-            let share = if tp == decode_tp {
-                d.tp..d.tp + 1
-            } else {
-                share
-            };
             for pp in 0..rec.prefill_pp {
                 let peers: Vec<&RankRec> = rec
                     .ranks

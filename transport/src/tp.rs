@@ -259,8 +259,9 @@ impl HeadGeometry {
         Ok(())
     }
 
-    /// Offset in the block of head `head` (local) at token `token`.
-    fn at(&self, head: u32, token: u32) -> u64 {
+    /// Offset in the block (one part) of head `head` (local: 0 is the range's first) at
+    /// token `token`: where an engine's tensor of this order keeps those bytes.
+    pub fn offset(&self, head: u32, token: u32) -> u64 {
         let (h, t) = (u64::from(head), u64::from(token));
         match self.order {
             HeadOrder::HeadMajor | HeadOrder::Latent => {
@@ -337,16 +338,16 @@ pub fn pair_heads(
     if src.whole_run(src_first, count) && dst.whole_run(dst_first, count) && src.order == dst.order
     {
         push(HeadPiece {
-            src: src.at(src_first, 0),
-            dst: dst.at(dst_first, 0),
+            src: src.offset(src_first, 0),
+            dst: dst.offset(dst_first, 0),
             len: run * u64::from(tokens),
         });
     } else if src.order == dst.order {
         // Token-major on both sides: the run of heads, token by token.
         for t in 0..tokens {
             push(HeadPiece {
-                src: src.at(src_first, t),
-                dst: dst.at(dst_first, t),
+                src: src.offset(src_first, t),
+                dst: dst.offset(dst_first, t),
                 len: run,
             });
         }
@@ -360,8 +361,8 @@ pub fn pair_heads(
         // Source order: head-major walks heads then tokens; token-major the reverse.
         let mut one = |h: u32, t: u32| {
             push(HeadPiece {
-                src: src.at(src_first + h, t),
-                dst: dst.at(dst_first + h, t),
+                src: src.offset(src_first + h, t),
+                dst: dst.offset(dst_first + h, t),
                 len: src.head_bytes,
             })
         };

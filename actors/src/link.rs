@@ -231,10 +231,11 @@ impl Inbox {
 
 /// The prefill ranks a decode rank receives from, out of an engine's registered ranks:
 /// the chosen dp rank (or the lowest registered), every pipeline rank, and the same tp rank,
-/// or, where decode's TP size divides prefill's, the decode rank's share of prefill's tp
-/// ranks (`handoff_transport::tp::prefill_share`: each of them holds some of its KV heads).
-/// A decode TP size above prefill's (one prefill rank serving several decode ranks) is
-/// refused by name; `NotReady` until all of those have registered.
+/// or, between different TP sizes, the decode rank's share of prefill's tp ranks
+/// (`handoff_transport::tp::prefill_share`: the ranks that hold its KV heads, several where
+/// decode's TP size divides prefill's, one where prefill's divides decode's). Sizes
+/// neither of which divides the other are refused by name; `NotReady` until all of those
+/// have registered.
 pub fn select_prefill_peers<'a>(
     me: &RankInfo,
     prefill: &EngineId,
@@ -259,12 +260,8 @@ pub fn select_prefill_peers<'a>(
             ),
         })
     };
-    if me.tp_size > first.tp_size {
-        return Err(refused(
-            "a decode TP size above prefill's (a prefill rank serving several decode ranks) is not supported yet".into(),
-        ));
-    }
-    // Equal sizes: the one rank of the same tp rank.
+    // Equal sizes: the one rank of the same tp rank; fan-in: the decode rank's share of
+    // prefill's ranks; fan-out: the one prefill rank holding all of its heads.
     let tp = handoff_transport::tp::prefill_share(first.tp_size, me.tp_size, me.tp_rank)
         .map_err(|e| refused(e.to_string()))?;
     let dp = dp_rank.unwrap_or_else(|| ranks.iter().map(|r| r.dp_rank).min().unwrap_or(0));

@@ -286,9 +286,14 @@ impl RequestState {
         );
         let _inside = span.clone().entered();
         let machine = match &args.kind {
-            Kind::Sender => Machine::Sender(
-                SenderMachine::new(t, args.timeouts).fence_reads(args.link.one_sided()),
-            ),
+            Kind::Sender => {
+                let me = args.link.me();
+                Machine::Sender(
+                    SenderMachine::new(t, args.timeouts)
+                        .fence_reads(args.link.one_sided())
+                        .tp(me.tp_size, me.tp_rank),
+                )
+            }
             Kind::Receiver { mode, .. } => Machine::Receiver(
                 ReceiverMachine::new(t, args.timeouts, *mode).fence_writes(args.link.one_sided()),
             ),
@@ -530,9 +535,10 @@ impl RequestState {
                 self.deed.with(|e| e.add_peer(&to));
                 let n = src.len();
                 let fut = self.link.write(id, &to, src, dst, deadline);
-                let done = |r: Result<(), TransferError>| match r {
-                    Ok(()) => SenderEvent::TransferComplete,
+                let done = move |r: Result<(), TransferError>| match r {
+                    Ok(()) => SenderEvent::TransferComplete { to },
                     Err(e) => SenderEvent::TransferFailed {
+                        to,
                         detail: e.to_string(),
                     },
                 };

@@ -436,6 +436,22 @@ struct Pending {
     events: Vec<MachineEvent>,
     /// What `events` hold ([`PeerMessage::held_bytes`]).
     bytes: usize,
+    /// Peers of `from` lost since they wrote: the request learns it after their messages.
+    lost: Vec<Peer>,
+}
+
+impl Pending {
+    /// The events a request opened now starts with: its messages, in order, then the loss
+    /// of every peer lost since it wrote.
+    fn backlog(self, role: Role) -> Vec<MachineEvent> {
+        let mut events = self.events;
+        events.extend(
+            self.lost
+                .into_iter()
+                .map(|peer| MachineEvent::for_role(role, Local::PeerLost { peer })),
+        );
+        events
+    }
 }
 
 /// A live request.
@@ -519,6 +535,15 @@ impl Router {
                         id: id.clone(),
                         event: MachineEvent::for_role(self.cfg.role, what),
                     });
+                }
+                // A request not opened yet that holds the peer's messages learns of the loss
+                // after them: its machine must not act on what a lost peer said (a transfer
+                // info names blocks that peer's process no longer holds; a restarted one
+                // under the same rank would take the writes).
+                for pending in self.pending.values_mut() {
+                    if pending.from.contains(&peer) && !pending.lost.contains(&peer) {
+                        pending.lost.push(peer.clone());
+                    }
                 }
             }
             Input::Timer(Timer::ExpirePending) => self.expire_pending(now, &mut out),
@@ -617,7 +642,11 @@ impl Router {
             out.push(Action::Refuse { id, reason });
             return;
         }
-        let backlog = self.take_pending(&id).map(|p| p.events).unwrap_or_default();
+        let role = self.cfg.role;
+        let backlog = self
+            .take_pending(&id)
+            .map(|p| p.backlog(role))
+            .unwrap_or_default();
         let reject = self.cfg.role == Role::Decode
             && self
                 .cfg
@@ -745,6 +774,7 @@ impl Router {
                 from: Vec::new(),
                 events: Vec::new(),
                 bytes: 0,
+                lost: Vec::new(),
             };
             self.pending.insert(id.clone(), fresh);
             self.pending_order.push_back((expires, id.clone()));

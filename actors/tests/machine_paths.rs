@@ -78,7 +78,7 @@ fn sender_push_writes_then_says_done_then_releases() {
             }
         ]
     );
-    m.handle(t, SenderEvent::TransferComplete);
+    m.handle(t, SenderEvent::TransferComplete { to: d.clone() });
     assert_eq!(
         drain_s(&mut m),
         vec![
@@ -497,6 +497,7 @@ fn a_prefill_rank_acknowledges_only_after_its_write_reported_back() {
     m.handle(
         t,
         SenderEvent::TransferFailed {
+            to: d.clone(),
             detail: "cancelled".into(),
         },
     );
@@ -567,7 +568,7 @@ fn the_engines_payload_travels_with_done_or_ready_and_reaches_decode_before_done
             },
         );
         if mode == TransferMode::Push {
-            s.handle(t, SenderEvent::TransferComplete);
+            s.handle(t, SenderEvent::TransferComplete { to: d.clone() });
         }
         let sent: Vec<PeerMessage> = drain_s(&mut s)
             .into_iter()
@@ -775,4 +776,248 @@ fn ready_after(t: Instant, p0: &RankInfo, after: Duration, hold: Duration) -> Ve
         },
     );
     drain_r(&mut m)
+}
+
+/// Decode rank `rank` of a decode engine at TP size `tp`.
+fn tp_rank(tp: u32, rank: u32) -> RankInfo {
+    let mut r = RankInfo::single("D");
+    r.tp_size = tp;
+    r.tp_rank = rank;
+    r
+}
+
+fn sends_to(actions: &[Action], peer: &RankInfo) -> Vec<PeerMessage> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Send { to, msg } if to == peer => Some(msg.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Fan-out, push: a prefill rank at TP 1 serves both decode ranks of a TP-2 decode. It
+/// waits for both transfer infos, writes to each, tells each `Done` as its write lands,
+/// and is `Done` itself only when both are.
+#[test]
+fn a_prefill_rank_writes_to_each_decode_rank_of_a_larger_tp_and_ends_when_both_have_theirs() {
+    let t = Instant::now();
+    let (d0, d1) = (tp_rank(2, 0), tp_rank(2, 1));
+    let mut m = SenderMachine::new(t, Timeouts::default());
+    let info = |from: &RankInfo, dst: &[u32]| SenderEvent::TransferInfo {
+        from: from.clone(),
+        mode: TransferMode::Push,
+        blocks: b(dst),
+    };
+    m.handle(t, info(&d0, &[7, 8]));
+    assert_eq!(
+        drain_s(&mut m),
+        vec![],
+        "one decode rank of two is not enough"
+    );
+    assert_eq!(*m.state(), State::Bootstrapping);
+    m.handle(t, info(&d1, &[3, 4]));
+    assert_eq!(drain_s(&mut m), vec![changed(State::WaitingForInput)]);
+    m.handle(
+        t,
+        SenderEvent::Input {
+            blocks: b(&[1, 2]),
+            aux: b"tok".to_vec(),
+        },
+    );
+    let deadline = t + Timeouts::default().transfer;
+    let write = |to: &RankInfo, dst: &[u32]| Action::Write {
+        to: to.clone(),
+        src: b(&[1, 2]),
+        dst: b(dst),
+        deadline,
+    };
+    assert_eq!(
+        drain_s(&mut m),
+        vec![
+            changed(State::Transferring),
+            write(&d0, &[7, 8]),
+            write(&d1, &[3, 4])
+        ]
+    );
+    m.handle(t, SenderEvent::TransferComplete { to: d1.clone() });
+    let done = PeerMessage::Done {
+        aux: b"tok".to_vec(),
+    };
+    assert_eq!(
+        drain_s(&mut m),
+        vec![Action::Send {
+            to: d1.clone(),
+            msg: done.clone()
+        }]
+    );
+    // A repeated completion changes nothing; nor does the loss of the decode rank that
+    // has its blocks (it needs nothing more of us), while the other one's would.
+    m.handle(t, SenderEvent::TransferComplete { to: d1.clone() });
+    m.handle(t, SenderEvent::PeerLost { peer: d1.clone() });
+    assert_eq!(drain_s(&mut m), vec![]);
+    assert_eq!(m.depends_on().collect::<Vec<_>>(), vec![&d0]);
+    m.handle(t, SenderEvent::TransferComplete { to: d0.clone() });
+    assert_eq!(
+        drain_s(&mut m),
+        vec![
+            Action::Send { to: d0, msg: done },
+            changed(State::Done),
+            released(&[1, 2], ReleaseReason::Done)
+        ]
+    );
+}
+
+/// Fan-out, pull, one-sided reads: `Ready` goes to both decode ranks. When the engine
+/// aborts after one has read, both are told, and the blocks stay until the other confirms
+/// it stopped reading.
+#[test]
+fn a_failed_fan_out_pull_holds_its_blocks_for_the_decode_rank_still_reading() {
+    let t = Instant::now();
+    let (d0, d1) = (tp_rank(2, 0), tp_rank(2, 1));
+    let mut m = SenderMachine::new(t, Timeouts::default()).fence_reads(true);
+    m.handle(
+        t,
+        SenderEvent::Input {
+            blocks: b(&[5]),
+            aux: vec![],
+        },
+    );
+    for (d, dst) in [(&d0, 1), (&d1, 2)] {
+        m.handle(
+            t,
+            SenderEvent::TransferInfo {
+                from: d.clone(),
+                mode: TransferMode::Pull,
+                blocks: b(&[dst]),
+            },
+        );
+    }
+    let actions = drain_s(&mut m);
+    for d in [&d0, &d1] {
+        assert!(
+            matches!(sends_to(&actions, d)[..], [PeerMessage::Ready { .. }]),
+            "{d}: {actions:?}"
+        );
+    }
+    m.handle(t, SenderEvent::ReadDone { from: d0.clone() });
+    assert_eq!(drain_s(&mut m), vec![]);
+    m.handle(t, SenderEvent::Abort);
+    let actions = drain_s(&mut m);
+    for d in [&d0, &d1] {
+        assert!(
+            matches!(sends_to(&actions, d)[..], [PeerMessage::Abort { .. }]),
+            "{d}: {actions:?}"
+        );
+    }
+    assert!(
+        !actions.iter().any(|a| matches!(a, Action::Release { .. })),
+        "released while decode rank 1 may be reading: {actions:?}"
+    );
+    assert!(!m.is_settled());
+    // Decode rank 0 had finished: its acknowledgement lifts nothing; rank 1's does.
+    m.handle(t, SenderEvent::AbortAck { from: d0 });
+    assert_eq!(drain_s(&mut m), vec![]);
+    m.handle(t, SenderEvent::AbortAck { from: d1 });
+    assert_eq!(
+        drain_s(&mut m),
+        vec![released(
+            &[5],
+            ReleaseReason::Failed {
+                reason: FailureReason::AbortedByEngine,
+                fence: Some(FenceEnd::Confirmed)
+            }
+        )]
+    );
+    assert!(m.is_settled());
+}
+
+/// A decode rank whose transfer info arrives after the request failed (its sibling's
+/// came, then the bootstrap deadline passed) is told at once, not left to its deadline;
+/// in push mode it may also release its blocks (nothing of ours was written there).
+#[test]
+fn a_decode_rank_that_comes_after_the_failure_is_told_at_once() {
+    let t = Instant::now();
+    let (d0, d1) = (tp_rank(2, 0), tp_rank(2, 1));
+    let timeouts = Timeouts::default();
+    let mut m = SenderMachine::new(t, timeouts);
+    m.handle(
+        t,
+        SenderEvent::TransferInfo {
+            from: d0.clone(),
+            mode: TransferMode::Push,
+            blocks: b(&[1]),
+        },
+    );
+    let late = t + timeouts.bootstrap;
+    m.handle_timeout(late);
+    let actions = drain_s(&mut m);
+    assert_eq!(
+        sends_to(&actions, &d0),
+        vec![
+            PeerMessage::Abort {
+                reason: FailureReason::BootstrapTimeout
+            },
+            PeerMessage::AbortAck
+        ]
+    );
+    m.handle(
+        late,
+        SenderEvent::TransferInfo {
+            from: d1.clone(),
+            mode: TransferMode::Push,
+            blocks: b(&[2]),
+        },
+    );
+    assert_eq!(
+        sends_to(&drain_s(&mut m), &d1),
+        vec![
+            PeerMessage::Abort {
+                reason: FailureReason::BootstrapTimeout
+            },
+            PeerMessage::AbortAck
+        ]
+    );
+}
+
+/// Pairings that cannot be: a decode rank whose TP rank does not read from this prefill
+/// rank, a rank of another decode, and a second rank in the same TP slot. Each fails the
+/// request by name, and the rank that asked is told.
+#[test]
+fn a_decode_rank_outside_this_prefill_ranks_share_is_refused_by_name() {
+    let t = Instant::now();
+    let prefill_rank_0 = || SenderMachine::new(t, Timeouts::default()).tp(2, 0);
+    let info = |from: &RankInfo| SenderEvent::TransferInfo {
+        from: from.clone(),
+        mode: TransferMode::Push,
+        blocks: b(&[1]),
+    };
+    // Decode tp 4: ranks 0 and 1 read from prefill rank 0; rank 2 from prefill rank 1.
+    let stranger = tp_rank(4, 2);
+    let mut m = prefill_rank_0();
+    m.handle(t, info(&stranger));
+    let actions = drain_s(&mut m);
+    assert!(
+        matches!(&sends_to(&actions, &stranger)[..], [PeerMessage::Abort { reason: FailureReason::Protocol { detail } }] if detail.contains("does not read from prefill tp rank 0")),
+        "{actions:?}"
+    );
+    // Decode tp 3 against prefill tp 2: neither divides the other.
+    let mut m = prefill_rank_0();
+    m.handle(t, info(&tp_rank(3, 0)));
+    assert!(
+        matches!(m.state(), State::Failed(FailureReason::Protocol { detail }) if detail.contains("neither divides")),
+        "{:?}",
+        m.state()
+    );
+    // A rank of another dp group of the decode, after rank 0 paired.
+    let mut m = prefill_rank_0();
+    m.handle(t, info(&tp_rank(4, 0)));
+    let mut other = tp_rank(4, 1);
+    other.dp_rank = 1;
+    m.handle(t, info(&other));
+    assert!(
+        matches!(m.state(), State::Failed(FailureReason::Protocol { detail }) if detail.contains("another decode")),
+        "{:?}",
+        m.state()
+    );
 }

@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 
 use handoff_actors::link::PLANE_ANSWER_GRACE;
 use handoff_actors::machine::{
-    merge, merge_all, Action, Phase, ReceiverEvent, ReceiverMachine, SenderEvent, SenderMachine,
-    State, Timeouts,
+    merge, merge_all, Action, PeerMessage, Phase, ReceiverEvent, ReceiverMachine, SenderEvent,
+    SenderMachine, State, Timeouts,
 };
 use handoff_actors::ReleaseReason;
 use handoff_transport::{BlockId, FailureReason, RankInfo, TransferMode};
@@ -63,8 +63,8 @@ enum SOp {
     Queued(u8),
     Rejected(u8, FailureReason),
     Input(usize),
-    Complete,
-    TransferFailed,
+    Complete(u8),
+    TransferFailed(u8),
     ReadDone(u8),
     Abort,
     PeerAbort(u8, FailureReason),
@@ -78,8 +78,8 @@ fn sender_op() -> impl Strategy<Value = SOp> {
         1 => (0u8..2).prop_map(SOp::Queued),
         1 => (0u8..2, reason()).prop_map(|(p, r)| SOp::Rejected(p, r)),
         4 => len().prop_map(SOp::Input),
-        3 => Just(SOp::Complete),
-        1 => Just(SOp::TransferFailed),
+        3 => (0u8..2).prop_map(SOp::Complete),
+        1 => (0u8..2).prop_map(SOp::TransferFailed),
         3 => (0u8..2).prop_map(SOp::ReadDone),
         1 => Just(SOp::Abort),
         1 => (0u8..2, reason()).prop_map(|(p, r)| SOp::PeerAbort(p, r)),
@@ -315,6 +315,138 @@ macro_rules! fire_due {
     };
 }
 
+/// Decode ranks 0 and 1 of a tp-2 decode, and (2) rank 0 of that decode's other dp group.
+fn fan_peer(i: u8) -> RankInfo {
+    let mut r = RankInfo::single("decode");
+    r.tp_size = 2;
+    r.tp_rank = u32::from(i % 2);
+    r.dp_size = 2;
+    r.dp_rank = u32::from(i / 2);
+    r
+}
+
+/// Sender ops over three peers ([`fan_peer`]), weighted towards the two that pair.
+fn fan_op() -> impl Strategy<Value = SOp> {
+    let p = || prop_oneof![4 => 0u8..2, 1 => Just(2u8)];
+    prop_oneof![
+        4 => (p(), mode(), len()).prop_map(|(p, m, n)| SOp::Info(p, m, n)),
+        1 => p().prop_map(SOp::Queued),
+        1 => (p(), reason()).prop_map(|(p, r)| SOp::Rejected(p, r)),
+        4 => len().prop_map(SOp::Input),
+        4 => p().prop_map(SOp::Complete),
+        1 => p().prop_map(SOp::TransferFailed),
+        4 => p().prop_map(SOp::ReadDone),
+        1 => Just(SOp::Abort),
+        1 => (p(), reason()).prop_map(|(p, r)| SOp::PeerAbort(p, r)),
+        1 => p().prop_map(SOp::PeerLost),
+        1 => Just(SOp::Internal),
+    ]
+}
+
+/// Drives a sender at `tp` (size, rank) with `ops` against peers named by `peer`, checking
+/// the ledger's properties at every step, and that a `Done` request delivered to every
+/// decode rank that reads from it: written to and completed (push), or told `Ready` and
+/// read by (pull), each exactly once.
+fn run_sender(tp: (u32, u32), peer: fn(u8) -> RankInfo, ops: &[(u64, SOp)]) {
+    let t = timeouts();
+    let start = Instant::now();
+    let mut now = start;
+    let mut m = SenderMachine::new(now, t).tp(tp.0, tp.1);
+    let mut ledger = Ledger::new(start);
+    // Per peer: writes posted or `Ready` sent, and completions or `ReadDone` fed.
+    let mut started: BTreeMap<RankInfo, u32> = BTreeMap::new();
+    let mut finished: BTreeMap<RankInfo, u32> = BTreeMap::new();
+    for (dt_ms, op) in ops.iter().cloned() {
+        let next = now + Duration::from_millis(dt_ms);
+        fire_due!(m, ledger, drain_sender, next);
+        now = next;
+        let before = m.state().clone();
+        let event = match op {
+            SOp::Info(p, mode, n) => SenderEvent::TransferInfo {
+                from: peer(p),
+                mode,
+                blocks: ledger.blocks(n, false),
+            },
+            SOp::Queued(p) => SenderEvent::Queued { from: peer(p) },
+            SOp::Rejected(p, reason) => SenderEvent::Rejected {
+                from: peer(p),
+                reason,
+            },
+            SOp::Input(n) => SenderEvent::Input {
+                blocks: ledger.blocks(n, true),
+                aux: vec![],
+            },
+            SOp::Complete(p) => SenderEvent::TransferComplete { to: peer(p) },
+            SOp::TransferFailed(p) => SenderEvent::TransferFailed {
+                to: peer(p),
+                detail: "x".into(),
+            },
+            SOp::ReadDone(p) => SenderEvent::ReadDone { from: peer(p) },
+            SOp::Abort => SenderEvent::Abort,
+            SOp::PeerAbort(p, reason) => SenderEvent::PeerAbort {
+                from: peer(p),
+                reason,
+            },
+            SOp::PeerLost(p) => SenderEvent::PeerLost { peer: peer(p) },
+            SOp::Internal => SenderEvent::Internal { detail: "x".into() },
+        };
+        let completion = match &event {
+            SenderEvent::TransferComplete { to } => Some(to.clone()),
+            SenderEvent::ReadDone { from } => Some(from.clone()),
+            _ => None,
+        };
+        m.handle(now, event);
+        let actions = drain_sender(&mut m);
+        for a in &actions {
+            match a {
+                Action::Write { to, .. }
+                | Action::Send {
+                    to,
+                    msg: PeerMessage::Ready { .. },
+                } => {
+                    *started.entry(to.clone()).or_default() += 1;
+                }
+                _ => {}
+            }
+        }
+        if let Some(p) = completion {
+            if before == State::Transferring {
+                *finished.entry(p).or_default() += 1;
+            }
+        }
+        ledger.check(now, m.state(), m.poll_timeout(), actions);
+        if *m.state() == State::Done && before != State::Done {
+            let readers: Vec<RankInfo> = m.peers().cloned().collect();
+            let want = handoff_transport::tp::decode_share(tp.0, readers[0].tp_size, tp.1).unwrap();
+            assert_eq!(readers.len(), want.len(), "done with {readers:?}");
+            for r in &readers {
+                assert!(
+                    want.contains(&r.tp_rank),
+                    "{r} does not read from this rank"
+                );
+                assert_eq!(started.get(r), Some(&1), "{r} not started exactly once");
+                assert!(
+                    finished.get(r).is_some_and(|&n| n >= 1),
+                    "{r} never finished"
+                );
+            }
+        }
+        for p in m.depends_on().cloned().collect::<Vec<_>>() {
+            let mut lost = m.clone();
+            lost.handle(now, SenderEvent::PeerLost { peer: p.clone() });
+            assert_lost_fails(m.state(), lost.state(), &p);
+        }
+    }
+    // With no more input, the deadlines alone must end it.
+    fire_due!(
+        m,
+        ledger,
+        drain_sender,
+        start + t.lifetime_max() + t.fence_max() + Duration::from_secs(1)
+    );
+    ledger.check_end(&t);
+}
+
 /// A request that depends on a peer (the runtime routes that peer's loss to it), in any
 /// state before its end, fails `PeerLost` naming it at once when the peer is lost.
 fn assert_lost_fails(before: &State, after: &State, peer: &RankInfo) {
@@ -334,42 +466,16 @@ proptest! {
 
     #[test]
     fn sender_machine_properties(ops in prop::collection::vec((0u64..8_000, sender_op()), 0..24)) {
-        let t = timeouts();
-        let start = Instant::now();
-        let mut now = start;
-        let mut m = SenderMachine::new(now, t);
-        let mut ledger = Ledger::new(start);
-        for (dt_ms, op) in ops {
-            let next = now + Duration::from_millis(dt_ms);
-            fire_due!(m, ledger, drain_sender, next);
-            now = next;
-            let event = match op {
-                SOp::Info(p, mode, n) => SenderEvent::TransferInfo { from: peer(p), mode, blocks: ledger.blocks(n, false) },
-                SOp::Queued(p) => SenderEvent::Queued { from: peer(p) },
-                SOp::Rejected(p, reason) => SenderEvent::Rejected { from: peer(p), reason },
-                SOp::Input(n) => SenderEvent::Input { blocks: ledger.blocks(n, true), aux: vec![] },
-                SOp::Complete => SenderEvent::TransferComplete,
-                SOp::TransferFailed => SenderEvent::TransferFailed { detail: "x".into() },
-                SOp::ReadDone(p) => SenderEvent::ReadDone { from: peer(p) },
-                SOp::Abort => SenderEvent::Abort,
-                SOp::PeerAbort(p, reason) => SenderEvent::PeerAbort { from: peer(p), reason },
-                SOp::PeerLost(p) => SenderEvent::PeerLost { peer: peer(p) },
-                SOp::Internal => SenderEvent::Internal { detail: "x".into() },
-            };
-            m.handle(now, event);
-            let actions = drain_sender(&mut m);
-            ledger.check(now, m.state(), m.poll_timeout(), actions);
-            for p in m.depends_on().cloned().collect::<Vec<_>>() {
-                let mut lost = m.clone();
-                lost.handle(now, SenderEvent::PeerLost { peer: p.clone() });
-                assert_lost_fails(m.state(), lost.state(), &p);
-            }
-        }
-        // With no more input, the deadlines alone must end it.
-        fire_due!(m, ledger, drain_sender, start + t.lifetime_max() + t.fence_max() + Duration::from_secs(1));
-        ledger.check_end(&t);
+        run_sender((1, 0), peer, &ops);
     }
 
+    /// Fan-out: prefill tp 1, decode tp 2 (each decode rank takes half the heads), plus a
+    /// rank of another dp group that must not pair. The request is `Done` only once both
+    /// decode ranks have their blocks.
+    #[test]
+    fn sender_machine_properties_fan_out(ops in prop::collection::vec((0u64..8_000, fan_op()), 0..32)) {
+        run_sender((1, 0), fan_peer, &ops);
+    }
     #[test]
     fn receiver_machine_properties(
         mode in mode(),

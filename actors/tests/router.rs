@@ -14,7 +14,8 @@
 //!   (as many as the per-request bound keeps); one never opened is answered at its bootstrap
 //!   deadline: every peer that wrote gets an abort (and, on prefill, an acknowledgement:
 //!   nothing of ours was written), and on prefill the id is remembered as failed.
-//! - A lost peer reaches every live request exactly once, and nothing else.
+//! - A lost peer reaches every live request exactly once, and every request not opened yet
+//!   that it wrote to once that request opens (after its messages), and nothing else.
 //! - Decode's admission control rejects an opened request exactly when as many live
 //!   requests as its limit still wait for their blocks.
 //! - A request whose actor died fails (if it had not ended), its grants are revoked before
@@ -150,6 +151,8 @@ struct Buffered {
     senders: Vec<Peer>,
     events: Vec<MachineEvent>,
     bytes: usize,
+    /// Senders lost since they wrote: their loss follows the messages.
+    lost: Vec<Peer>,
 }
 
 /// What the model expects the router to hold.
@@ -277,7 +280,7 @@ impl Harness {
             Op::Lose(p) => {
                 let lost = peer(p);
                 let got = self.feed(Input::PeerLost { peer: lost.clone() });
-                let what = Local::PeerLost { peer: lost };
+                let what = Local::PeerLost { peer: lost.clone() };
                 let expect: Vec<Action> = self
                     .model
                     .live
@@ -288,6 +291,12 @@ impl Harness {
                     })
                     .collect();
                 assert_eq!(got, expect, "a lost peer reaches every live request once");
+                // And every request not opened yet that it wrote to, after its messages.
+                for b in self.model.pending.values_mut() {
+                    if b.senders.contains(&lost) && !b.lost.contains(&lost) {
+                        b.lost.push(lost.clone());
+                    }
+                }
             }
             Op::Wait(ms) => self.wait(Duration::from_millis(ms)),
         }
@@ -326,11 +335,18 @@ impl Harness {
             }
             return;
         }
+        let role = self.setup.role;
         let backlog = self
             .model
             .pending
             .remove(&id)
-            .map(|p| p.events)
+            .map(|p| {
+                let lost = p
+                    .lost
+                    .into_iter()
+                    .map(|peer| MachineEvent::for_role(role, Local::PeerLost { peer }));
+                p.events.into_iter().chain(lost).collect()
+            })
             .unwrap_or_default();
         let waiting = self.model.live.values().filter(|h| !**h).count();
         let reject = self.setup.role == Role::Decode
@@ -435,6 +451,7 @@ impl Harness {
                     senders: vec![from],
                     events: vec![event],
                     bytes,
+                    lost: Vec::new(),
                 };
                 self.model.pending.insert(id, fresh);
                 expect.push(Action::After {

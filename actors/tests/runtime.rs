@@ -1221,54 +1221,62 @@ fn tp_block(block: BlockId, first: u32, held: u32, order: HeadOrder) -> Vec<u8> 
     out
 }
 
-/// Prefill at TP 4 (head-major, 2 of the model's 8 KV heads per rank), decode at TP 2
-/// (token-major, 4 per rank): each decode rank gathers its heads from its two prefill
-/// ranks, and every byte of its blocks is the model's; both modes.
-async fn decode_ranks_gather_their_heads_from_prefills_ranks(mode: TransferMode) {
+/// Prefill at TP `prefill_tp` (head-major), decode at TP `decode_tp` (token-major), a model
+/// of `kv_heads` KV heads: each decode rank takes its heads from the prefill ranks holding
+/// them (gathering from several where decode's TP is smaller, taking a share of one where
+/// it is larger, replicas where a TP size exceeds the heads), and every byte of its blocks
+/// is the model's; both modes.
+async fn decode_ranks_take_their_heads_from_prefills_ranks(
+    mode: TransferMode,
+    (prefill_tp, decode_tp, kv_heads): (u32, u32, u32),
+) {
     let fabric = Fabric::new();
     let layout = |held: u32, order| {
         let mut layout = KvLayout::shaped(KvShape::KvHalves, 2, BLOCKS, (held * 4 * 8) as usize);
         layout.block_tokens = 4;
         layout.heads = Some(KvHeads {
-            kv_heads: 8,
+            kv_heads,
             order,
             head_bytes: 8,
         });
         layout
     };
+    let heads = |tp: u32, r: u32| handoff_transport::tp::rank_heads(kv_heads, tp, r).unwrap();
     let mut prefill = Vec::new();
-    for r in 0..4 {
-        let rank = tp_rank("P", r, 4);
+    for r in 0..prefill_tp {
+        let held = heads(prefill_tp, r).len() as u32;
+        let rank = tp_rank("P", r, prefill_tp);
         let p = start_laid_out(
             &fabric,
             Role::Prefill,
             rank,
             mode,
-            layout(2, HeadOrder::HeadMajor),
+            layout(held, HeadOrder::HeadMajor),
         )
         .await;
         prefill.push(p);
     }
     let mut decode = Vec::new();
-    for r in 0..2 {
-        let rank = tp_rank("D", r, 2);
+    for r in 0..decode_tp {
+        let held = heads(decode_tp, r).len() as u32;
+        let rank = tp_rank("D", r, decode_tp);
         decode.push(
             start_laid_out(
                 &fabric,
                 Role::Decode,
                 rank,
                 mode,
-                layout(4, HeadOrder::TokenMajor),
+                layout(held, HeadOrder::TokenMajor),
             )
             .await,
         );
     }
     let (src, dst) = (blocks(5..9), blocks(30..34));
     for (r, p) in prefill.iter().enumerate() {
+        let mine = heads(prefill_tp, r as u32);
         for b in &src {
-            p.region()
-                .write_block(*b, &tp_block(*b, 2 * r as u32, 2, HeadOrder::HeadMajor))
-                .unwrap();
+            let bytes = tp_block(*b, mine.start, mine.len() as u32, HeadOrder::HeadMajor);
+            p.region().write_block(*b, &bytes).unwrap();
         }
     }
     let receivers: Vec<_> = decode
@@ -1286,10 +1294,11 @@ async fn decode_ranks_gather_their_heads_from_prefills_ranks(mode: TransferMode)
         assert_eq!(s.completion().await, State::Done, "{mode:?}");
     }
     for (r, d) in decode.iter().enumerate() {
+        let mine = heads(decode_tp, r as u32);
         for (from, to) in src.iter().zip(&dst) {
             assert_eq!(
                 d.region().read_block(*to).unwrap(),
-                tp_block(*from, 4 * r as u32, 4, HeadOrder::TokenMajor),
+                tp_block(*from, mine.start, mine.len() as u32, HeadOrder::TokenMajor),
                 "{mode:?}: decode rank {r}, {to}"
             );
         }
@@ -1298,29 +1307,53 @@ async fn decode_ranks_gather_their_heads_from_prefills_ranks(mode: TransferMode)
 
 #[tokio::test(start_paused = true)]
 async fn prefill_tp4_pushes_each_decode_tp2_rank_its_heads() {
-    decode_ranks_gather_their_heads_from_prefills_ranks(TransferMode::Push).await;
+    decode_ranks_take_their_heads_from_prefills_ranks(TransferMode::Push, (4, 2, 8)).await;
 }
 
 #[tokio::test(start_paused = true)]
 async fn decode_tp2_pulls_its_heads_from_prefill_tp4() {
-    decode_ranks_gather_their_heads_from_prefills_ranks(TransferMode::Pull).await;
+    decode_ranks_take_their_heads_from_prefills_ranks(TransferMode::Pull, (4, 2, 8)).await;
 }
 
-/// A decode TP size above prefill's is refused by name, before a byte moves; so is a pair
-/// of TP sizes whose layouts do not say how they hold heads.
+/// Fan-out: one prefill rank serves both decode ranks, each its half of the heads.
+#[tokio::test(start_paused = true)]
+async fn prefill_tp1_pushes_each_decode_tp2_rank_its_half_of_the_heads() {
+    decode_ranks_take_their_heads_from_prefills_ranks(TransferMode::Push, (1, 2, 8)).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn decode_tp4_ranks_pull_their_heads_from_prefill_tp2() {
+    decode_ranks_take_their_heads_from_prefills_ranks(TransferMode::Pull, (2, 4, 8)).await;
+}
+
+/// Fan-out with replicated heads: 2 KV heads, decode TP 4 holds each on two ranks, and
+/// each prefill rank (one head each) serves the two decode ranks holding its head.
+#[tokio::test(start_paused = true)]
+async fn replicated_decode_heads_are_read_from_the_prefill_rank_holding_them() {
+    for mode in [TransferMode::Push, TransferMode::Pull] {
+        decode_ranks_take_their_heads_from_prefills_ranks(mode, (2, 4, 2)).await;
+    }
+}
+
+/// TP sizes neither of which divides the other are refused by name, before a byte moves;
+/// so is a pair of TP sizes whose layouts do not say how they hold heads.
 #[tokio::test(start_paused = true)]
 async fn tp_pairings_not_supported_fail_by_name() {
     let fabric = Fabric::new();
     let mode = TransferMode::Push;
     let plain = || KvLayout::shaped(KvShape::KvHalves, 2, BLOCKS, 64);
-    let _p = start_laid_out(&fabric, Role::Prefill, tp_rank("P", 0, 1), mode, plain()).await;
-    let d = start_laid_out(&fabric, Role::Decode, tp_rank("D", 1, 2), mode, plain()).await;
+    let mut prefill = Vec::new();
+    for r in 0..2 {
+        prefill
+            .push(start_laid_out(&fabric, Role::Prefill, tp_rank("P", r, 2), mode, plain()).await);
+    }
+    let d = start_laid_out(&fabric, Role::Decode, tp_rank("D", 1, 3), mode, plain()).await;
     let r = d.receiver("up", spec("P", Some(blocks(0..2)))).unwrap();
     match r.completion().await {
         State::Failed(FailureReason::Protocol { detail }) => {
-            assert!(detail.contains("not supported yet"), "{detail}")
+            assert!(detail.contains("neither divides"), "{detail}")
         }
-        other => panic!("decode tp above prefill's: {other:?}"),
+        other => panic!("decode tp 3 against prefill tp 2: {other:?}"),
     }
     // Prefill TP 2 without head information, decode TP 1: the pairing is refused.
     let fabric = Fabric::new();

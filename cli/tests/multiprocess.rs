@@ -381,39 +381,50 @@ fn all_done_and_verified(d: &Proc, n: u64, what: &str) {
     );
 }
 
-/// Heterogeneous TP across processes: prefill at TP 2 (head-major, 2 of 4 KV heads each),
-/// decode at TP 1 (token-major, all 4): decode gathers each block's heads from both
-/// prefill ranks, and checks every byte against the model's.
-fn tp_ranks_meet_in_decode(mode: &str, transport: &str) {
+/// Heterogeneous TP across processes, 4 KV heads: prefill at TP `prefill_tp` (head-major),
+/// decode at TP `decode_tp` (token-major), each rank holding its share of the heads. Fan-in
+/// (2 → 1): decode gathers each block's heads from both prefill ranks; fan-out (1 → 2): the
+/// prefill rank serves both decode ranks, each its half. Every decode rank checks every
+/// byte against the model's.
+fn tp_ranks_meet_in_decode(mode: &str, transport: &str, (prefill_tp, decode_tp): (u32, u32)) {
     let (_boot, addr) = bootstrap();
     let heads = ["--layers", "2", "--kv-heads", "4", "--block-tokens", "8"];
-    let mut prefill = Vec::new();
-    for tp_rank in ["0", "1"] {
-        let mut args = vec!["--requests", "6", "--serve", "--transport", transport];
-        args.extend([
-            "--tp-size",
-            "2",
-            "--tp-rank",
-            tp_rank,
-            "--block-bytes",
-            "4096",
-        ]);
-        args.extend(heads);
-        args.extend(["--head-order", "hnd"]);
-        prefill.push(worker(
-            &format!("prefill-tp{tp_rank}"),
-            "prefill",
-            "P",
-            &addr,
-            &args,
-        ));
+    // 2 layers × K and V × 8 tokens × 64 bytes per head, times the heads a rank holds.
+    let block_bytes = |tp: u32| (4 / tp * 2 * 2 * 8 * 64).to_string();
+    let ranks = |role: &str, tp: u32, extra: &[&str]| -> Vec<Proc> {
+        (0..tp)
+            .map(|r| {
+                let (size, rank, bytes) = (tp.to_string(), r.to_string(), block_bytes(tp));
+                let mut args = vec!["--requests", "6", "--transport", transport];
+                args.extend([
+                    "--tp-size",
+                    &size,
+                    "--tp-rank",
+                    &rank,
+                    "--block-bytes",
+                    &bytes,
+                ]);
+                args.extend(heads);
+                args.extend(extra);
+                let (name, engine) = if role == "prefill" {
+                    ("prefill", "P")
+                } else {
+                    ("decode", "D")
+                };
+                worker(&format!("{name}-tp{r}"), role, engine, &addr, &args)
+            })
+            .collect()
+    };
+    let _prefill = ranks("prefill", prefill_tp, &["--serve", "--head-order", "hnd"]);
+    let decode = ranks(
+        "decode",
+        decode_tp,
+        &["--prefill", "P", "--mode", mode, "--head-order", "nhd"],
+    );
+    for (r, d) in decode.iter().enumerate() {
+        let what = format!("{mode} {transport} tp {prefill_tp} -> {decode_tp}, decode rank {r}");
+        all_done_and_verified(d, 6, &what);
     }
-    let mut d_args = vec!["--requests", "6", "--prefill", "P", "--mode", mode];
-    d_args.extend(["--transport", transport, "--block-bytes", "8192"]);
-    d_args.extend(heads);
-    d_args.extend(["--head-order", "nhd"]);
-    let d = worker("decode", "decode", "D", &addr, &d_args);
-    all_done_and_verified(&d, 6, &format!("{mode} {transport}"));
 }
 
 /// Head flags that cannot describe a pool fail at start, by name: heads without layers,
@@ -444,15 +455,29 @@ fn head_flags_that_describe_no_pool_are_refused_at_start() {
 
 #[test]
 fn tp2_prefill_ranks_each_deliver_their_heads_over_tcp() {
-    tp_ranks_meet_in_decode("push", "tcp");
-    tp_ranks_meet_in_decode("pull", "tcp");
+    tp_ranks_meet_in_decode("push", "tcp", (2, 1));
+    tp_ranks_meet_in_decode("pull", "tcp", (2, 1));
 }
 
 #[test]
 fn tp2_prefill_ranks_each_deliver_their_heads_over_ucx() {
     if ucx_available() {
-        tp_ranks_meet_in_decode("push", "ucx");
-        tp_ranks_meet_in_decode("pull", "ucx");
+        tp_ranks_meet_in_decode("push", "ucx", (2, 1));
+        tp_ranks_meet_in_decode("pull", "ucx", (2, 1));
+    }
+}
+
+#[test]
+fn tp1_prefill_serves_each_tp2_decode_rank_its_heads_over_tcp() {
+    tp_ranks_meet_in_decode("push", "tcp", (1, 2));
+    tp_ranks_meet_in_decode("pull", "tcp", (1, 2));
+}
+
+#[test]
+fn tp1_prefill_serves_each_tp2_decode_rank_its_heads_over_ucx() {
+    if ucx_available() {
+        tp_ranks_meet_in_decode("push", "ucx", (1, 2));
+        tp_ranks_meet_in_decode("pull", "ucx", (1, 2));
     }
 }
 

@@ -39,8 +39,8 @@ pub struct SimArgs {
     /// Tensor-parallel ranks of every dp group, both sides (prefill's, with `--decode-tp`).
     #[arg(long, default_value_t = 1)]
     pub tp: u32,
-    /// Decode's tensor-parallel ranks when they differ from prefill's: must divide
-    /// `--tp`, and needs `--kv-heads` and `--layers` (with `--pp 1`).
+    /// Decode's tensor-parallel ranks when they differ from prefill's: one of the two must
+    /// divide the other, and it needs `--kv-heads` and `--layers` (with `--pp 1`).
     #[arg(long)]
     pub decode_tp: Option<u32>,
     /// The model's KV heads: every block is 2 tokens of these heads in each K and V half

@@ -224,8 +224,8 @@ impl Shape {
             if self.kv_heads == 0 {
                 return bad("a decode tp other than prefill's needs kv heads");
             }
-            if decode_tp > self.tp || self.tp % decode_tp != 0 {
-                return bad("decode tp must divide prefill tp");
+            if self.tp % decode_tp != 0 && decode_tp % self.tp != 0 {
+                return bad("one of prefill's and decode's tp must divide the other");
             }
             if self.pp != 1 {
                 return bad(

@@ -331,11 +331,13 @@ struct NetState {
     /// RDMA: which incarnation granted access, as each worker learned it for a request
     /// (from a delivered `TransferInfo` or `Ready`). A one-sided transfer targets that
     /// registration, so it fails once the granting worker has restarted (its memory was
-    /// registered anew; the old key is dead), as on real hardware.
+    /// registered anew; the old key is dead), as on real hardware. Keyed by the worker, the
+    /// request and the granting worker: a prefill rank serving several decode ranks holds
+    /// one grant from each.
     /// With it, the loss count between the two at the time ([`Grant`]): a one-sided write
     /// is posted only while no loss was declared between them since (the writer's lease,
     /// `Link::write`; a declared loss drops the connection its lease was on).
-    rkeys: BTreeMap<(usize, RequestId), Grant>,
+    rkeys: BTreeMap<(usize, RequestId, usize), Grant>,
     /// Loss declarations so far, by (observer, peer); never reset.
     losses: BTreeMap<(usize, usize), u64>,
     /// Frozen workers, and when they resume.
@@ -808,7 +810,7 @@ impl NetState {
             PeerMessage::TransferInfo { .. } | PeerMessage::Ready { .. }
         ) {
             let grant = Grant { node: from, losses };
-            self.rkeys.insert((to.0, id.clone()), grant);
+            self.rkeys.insert((to.0, id.clone(), from.0), grant);
         }
         let from_rank = self.ranks[from.0].clone();
         if let Some(inbox) = self.node_at(to.0).and_then(|n| n.inbox.clone()) {
@@ -1374,7 +1376,14 @@ impl SimLink {
                 src,
                 dst,
                 deadline_ms,
-                grant: st.rkeys.get(&(self.idx, id.clone())).copied(),
+                grant: st
+                    .node_of(if *src_node == self.me {
+                        dst_node
+                    } else {
+                        src_node
+                    })
+                    .and_then(|n| st.rkeys.get(&(self.idx, id.clone(), n.idx)))
+                    .copied(),
                 reply: tx,
             };
             match st.frozen.get(&self.idx).copied() {
@@ -1644,7 +1653,11 @@ impl Link for SimLink {
 
     fn request_ended(&self, id: &RequestId) {
         let mut st = self.net.lock();
-        st.rkeys.remove(&(self.idx, id.clone()));
+        let mine = (self.idx, id.clone(), 0)..=(self.idx, id.clone(), usize::MAX);
+        let granted: Vec<_> = st.rkeys.range(mine).map(|(k, _)| k.clone()).collect();
+        for key in granted {
+            st.rkeys.remove(&key);
+        }
         if let Some(node) = st.node_at(self.idx).filter(|n| n.inc == self.inc) {
             node.grants.revoke(id);
         }

@@ -1218,8 +1218,10 @@ impl World {
     ///
     /// A decode rank's `Done` means it has the data, so it must be backed by the prefill
     /// ranks it received from: in push mode each of them ended `Done` (they send `Done` only
-    /// after their write landed); in pull mode each of them opened the request (they sent
-    /// `Ready`), and the bytes themselves were checked at release. The converse is not
+    /// after their write landed; with fan-out, a prefill rank serving several decode ranks
+    /// may fail for another one after this one's write landed, so only opened is required);
+    /// in pull mode each of them opened the request (they sent `Ready`), and the bytes
+    /// themselves were checked at release. The converse is not
     /// required: prefill may end `Done` while decode fails (prefill's final `Done` lost;
     /// decode's `ReadDone` raced a failure), and ranks of one side may split `Done`/`Failed`
     /// when one rank finished before a sibling failed. Such splits are counted, not failed.
@@ -1239,9 +1241,13 @@ impl World {
                     .iter()
                     .filter(|p| p.role == Role::Prefill && share.contains(&p.tp) && p.pp == pp)
                     .collect();
+                // Fan-out (decode's TP above prefill's): a prefill rank tells each decode
+                // rank `Done` once its own write landed, and may still fail for another
+                // decode rank's write; the bytes themselves are checked at release.
+                let fan_out = decode_tp > tp;
                 let backed = match rec.mode {
-                    TransferMode::Push => peers.iter().any(|p| p.state == State::Done),
-                    TransferMode::Pull => !peers.is_empty(),
+                    TransferMode::Push if !fan_out => peers.iter().any(|p| p.state == State::Done),
+                    _ => !peers.is_empty(),
                 };
                 if !backed {
                     let states: Vec<String> = peers

@@ -541,11 +541,12 @@ fn pipeline_ranks_each_deliver_their_slice_of_every_block() {
 
 // ----- heterogeneous tensor parallelism -----
 
-/// Prefill at one TP size, decode at a smaller one that divides it: each decode rank
-/// gathers its KV heads from its share of prefill's ranks (head-major there, token-major
-/// here), and the integrity invariant compares every byte of its blocks with the model's
-/// heads. Without faults every request ends `Done` on every rank, in every mode and on
-/// both data planes, replicated heads included (8 prefill ranks over 4 heads).
+/// Prefill and decode at TP sizes one of which divides the other: each decode rank gathers
+/// its KV heads from its share of prefill's ranks, or takes its share of one prefill
+/// rank's heads (head-major there, token-major here), and the integrity invariant compares
+/// every byte of its blocks with the model's heads. Without faults every request ends
+/// `Done` on every rank, in every mode and on both data planes, replicated heads included
+/// (8 prefill ranks over 4 heads; 4 decode ranks over 2).
 #[test]
 fn decode_ranks_gather_their_heads_from_prefill_ranks_of_another_tp_size() {
     use handoff_sim::LayoutChoice::{Contiguous, PerLayer};
@@ -554,6 +555,10 @@ fn decode_ranks_gather_their_heads_from_prefill_ranks_of_another_tp_size() {
         (7002, 4, 2, 8, ModeChoice::Pull, DataPlane::Fenced),
         (7003, 4, 1, 4, ModeChoice::Mixed, DataPlane::Rdma),
         (7004, 8, 2, 4, ModeChoice::Pull, DataPlane::Rdma),
+        (7005, 1, 2, 4, ModeChoice::Push, DataPlane::Fenced),
+        (7006, 2, 4, 8, ModeChoice::Pull, DataPlane::Rdma),
+        (7007, 2, 4, 2, ModeChoice::Mixed, DataPlane::Fenced),
+        (7008, 1, 4, 4, ModeChoice::Mixed, DataPlane::Rdma),
     ] {
         let mut cfg = base(seed);
         cfg.shape.tp = tp;
@@ -615,6 +620,45 @@ fn heterogeneous_tp_under_swarm_faults_keeps_every_invariant() {
                 "fenced",
             ],
         ),
+        (
+            7104,
+            [
+                "--tp",
+                "1",
+                "--decode-tp",
+                "2",
+                "--mode",
+                "push",
+                "--data-plane",
+                "rdma",
+            ],
+        ),
+        (
+            7105,
+            [
+                "--tp",
+                "2",
+                "--decode-tp",
+                "4",
+                "--mode",
+                "mixed",
+                "--data-plane",
+                "fenced",
+            ],
+        ),
+        (
+            7106,
+            [
+                "--tp",
+                "1",
+                "--decode-tp",
+                "4",
+                "--mode",
+                "pull",
+                "--data-plane",
+                "rdma",
+            ],
+        ),
     ] {
         let mut argv = args.to_vec();
         argv.extend(["--kv-heads", "4", "--layers", "2", "--block-bytes", "128"]);
@@ -629,7 +673,6 @@ fn heterogeneous_tp_under_swarm_faults_keeps_every_invariant() {
 fn tp_pairings_that_cannot_work_are_refused() {
     for (what, decode_tp, kv_heads, pp, want) in [
         ("no heads", 1, 0, 1, "needs kv heads"),
-        ("decode above prefill", 4, 4, 1, "must divide"),
         ("not dividing", 3, 12, 1, "must divide"),
         ("pipeline stages", 1, 4, 2, "pp 1"),
     ] {

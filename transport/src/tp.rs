@@ -151,10 +151,10 @@ pub struct HeadSource {
 ///
 /// Among a head's replicas (prefill `tp > kv_heads`) the one read is the
 /// `(decode_rank + head) mod n`th of the `n` that lie in the decode rank's share of prefill
-/// ranks (when `decode_tp` divides `prefill_tp`: [`prefill_share`]), else of all `n`: the
+/// ranks (when one size divides the other: [`prefill_share`]), else of all `n`: the
 /// decode ranks that read one head spread over its replicas within one read of each other.
-/// So where `decode_tp` divides `prefill_tp`, a decode rank talks only to its share, and each
-/// prefill rank to one decode rank.
+/// So where one size divides the other, a decode rank talks only to its share, and each
+/// prefill rank to its [`decode_share`] of decode ranks.
 ///
 /// # Errors
 /// As [`rank_heads`], for either side.
@@ -166,13 +166,10 @@ pub fn head_sources(
 ) -> Result<Vec<HeadSource>, TpError> {
     let (replicas, per_prefill_rank) = split(kv_heads, prefill_tp)?;
     let mine = rank_heads(kv_heads, decode_tp, decode_rank)?;
-    // Where decode has no more ranks than prefill, its rank reads only from its own share
-    // of prefill's ranks (`decode_rank × prefill_tp / decode_tp`, `prefill_tp / decode_tp`
-    // of them): which ranks it talks to then follows from the two sizes alone.
-    let share = (decode_tp <= prefill_tp && prefill_tp % decode_tp == 0).then(|| {
-        let n = prefill_tp / decode_tp;
-        decode_rank * n..(decode_rank + 1) * n
-    });
+    // Where one size divides the other, a decode rank reads only from its share of
+    // prefill's ranks ([`prefill_share`]): which ranks it talks to then follows from the
+    // two sizes alone.
+    let share = prefill_share(prefill_tp, decode_tp, decode_rank).ok();
     let mut out: Vec<HeadSource> = Vec::new();
     for head in mine {
         let holder = head / per_prefill_rank * replicas;
@@ -534,14 +531,18 @@ pub fn tp_spans(src: &TpSide, dst: &TpSide) -> Result<Vec<Span>, TpError> {
     Ok(spans)
 }
 
-/// The prefill ranks decode rank `decode_rank` of `decode_tp` reads from when `decode_tp`
-/// divides `prefill_tp` ([`head_sources`] never leaves them): its `prefill_tp / decode_tp`
-/// consecutive ranks from `decode_rank × prefill_tp / decode_tp`. They follow from the two
-/// sizes alone, so a decode rank knows whom to ask before it knows the model's heads.
+/// The prefill ranks decode rank `decode_rank` of `decode_tp` reads from ([`head_sources`]
+/// never leaves them), when one TP size divides the other: where `decode_tp` divides
+/// `prefill_tp`, its `prefill_tp / decode_tp` consecutive ranks from
+/// `decode_rank × prefill_tp / decode_tp` (fan-in: it gathers their heads); where
+/// `prefill_tp` divides `decode_tp`, the one rank `decode_rank / (decode_tp / prefill_tp)`
+/// (fan-out: that rank holds every head the decode rank holds, and serves
+/// `decode_tp / prefill_tp` decode ranks, [`decode_share`]). They follow from the two sizes
+/// alone, so a decode rank knows whom to ask before it knows the model's heads.
 ///
 /// # Errors
 /// [`TpError::OutOfRange`], [`TpError::NoSuchRank`], and [`TpError::Indivisible`] when
-/// `decode_tp` does not divide `prefill_tp`.
+/// neither size divides the other.
 pub fn prefill_share(
     prefill_tp: u32,
     decode_tp: u32,
@@ -554,13 +555,54 @@ pub fn prefill_share(
             tp: decode_tp,
         });
     }
-    if prefill_tp % decode_tp != 0 {
-        return Err(TpError::Indivisible {
+    if prefill_tp % decode_tp == 0 {
+        let n = prefill_tp / decode_tp;
+        Ok(decode_rank * n..(decode_rank + 1) * n)
+    } else if decode_tp % prefill_tp == 0 {
+        let first = decode_rank / (decode_tp / prefill_tp);
+        Ok(first..first + 1)
+    } else {
+        Err(TpError::Indivisible {
             what: "prefill tp and decode tp",
             a: prefill_tp,
             b: decode_tp,
+        })
+    }
+}
+
+/// The decode ranks that read from prefill rank `prefill_rank` of `prefill_tp`: those
+/// whose [`prefill_share`] holds it. One rank where `decode_tp` divides `prefill_tp`
+/// (`prefill_rank / (prefill_tp / decode_tp)`); where `prefill_tp` divides `decode_tp`,
+/// the `decode_tp / prefill_tp` consecutive ranks from
+/// `prefill_rank × decode_tp / prefill_tp`, each taking its own heads. A prefill rank knows
+/// from the sizes alone how many decode ranks of a request it waits for.
+///
+/// # Errors
+/// [`TpError::OutOfRange`], [`TpError::NoSuchRank`], and [`TpError::Indivisible`] when
+/// neither size divides the other.
+pub fn decode_share(
+    prefill_tp: u32,
+    decode_tp: u32,
+    prefill_rank: u32,
+) -> Result<Range<u32>, TpError> {
+    let (prefill_tp, decode_tp) = (bounded("tp", prefill_tp)?, bounded("tp", decode_tp)?);
+    if prefill_rank >= prefill_tp {
+        return Err(TpError::NoSuchRank {
+            rank: prefill_rank,
+            tp: prefill_tp,
         });
     }
-    let n = prefill_tp / decode_tp;
-    Ok(decode_rank * n..(decode_rank + 1) * n)
+    if decode_tp % prefill_tp == 0 {
+        let n = decode_tp / prefill_tp;
+        Ok(prefill_rank * n..(prefill_rank + 1) * n)
+    } else if prefill_tp % decode_tp == 0 {
+        let first = prefill_rank / (prefill_tp / decode_tp);
+        Ok(first..first + 1)
+    } else {
+        Err(TpError::Indivisible {
+            what: "prefill tp and decode tp",
+            a: prefill_tp,
+            b: decode_tp,
+        })
+    }
 }

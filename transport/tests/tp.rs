@@ -7,8 +7,8 @@
 use std::collections::BTreeMap;
 
 use handoff_transport::tp::{
-    head_sources, pair_heads, prefill_share, rank_heads, tp_spans, HeadGeometry, HeadLayout,
-    HeadOrder, TpError, TpSide, TP_HEADS_MAX,
+    decode_share, head_sources, pair_heads, prefill_share, rank_heads, tp_spans, HeadGeometry,
+    HeadLayout, HeadOrder, TpError, TpSide, TP_HEADS_MAX,
 };
 use proptest::prelude::*;
 
@@ -64,9 +64,8 @@ proptest! {
                     "unmerged {:?}", pair
                 );
             }
-            if prefill_tp % decode_tp == 0 {
+            if let Ok(share) = prefill_share(prefill_tp, decode_tp, rank) {
                 // Only from its own share of prefill ranks, known from the sizes alone.
-                let share = prefill_share(prefill_tp, decode_tp, rank).unwrap();
                 for s in &sources {
                     prop_assert!(share.contains(&s.prefill_rank), "{:?} outside {:?}", s, share);
                 }
@@ -88,6 +87,36 @@ proptest! {
             let (lo, hi) = (counts.iter().min().unwrap(), counts.iter().max().unwrap());
             prop_assert!(hi - lo <= 1, "head {}: reads per replica {:?}", head, counts);
         }
+    }
+
+    /// Where one TP size divides the other, each side's share is the other's inverse: the
+    /// decode ranks a prefill rank waits for ([`decode_share`]) are exactly those whose
+    /// share holds it, every decode rank reads from exactly its share, and every prefill
+    /// rank serves the same number of decode ranks (the load spread evenly). Otherwise
+    /// both refuse by name.
+    #[test]
+    fn prefill_and_decode_shares_are_each_others_inverse(
+        p in 0..TPS.len(),
+        d in 0..TPS.len(),
+    ) {
+        let (prefill_tp, decode_tp) = (TPS[p], TPS[d]);
+        let divides = prefill_tp % decode_tp == 0 || decode_tp % prefill_tp == 0;
+        if !divides {
+            let refused = |r: Result<std::ops::Range<u32>, TpError>| matches!(r, Err(TpError::Indivisible { .. }));
+            prop_assert!(refused(prefill_share(prefill_tp, decode_tp, 0)), "prefill_share");
+            prop_assert!(refused(decode_share(prefill_tp, decode_tp, 0)), "decode_share");
+            return Ok(());
+        }
+        let per_prefill = (decode_tp / prefill_tp).max(1);
+        for r in 0..prefill_tp {
+            let readers = decode_share(prefill_tp, decode_tp, r).unwrap();
+            prop_assert_eq!(readers.len() as u32, per_prefill);
+            let expect: Vec<u32> = (0..decode_tp)
+                .filter(|&d| prefill_share(prefill_tp, decode_tp, d).unwrap().contains(&r))
+                .collect();
+            prop_assert_eq!(readers.collect::<Vec<_>>(), expect);
+        }
+        prop_assert!(decode_share(prefill_tp, decode_tp, prefill_tp).is_err());
     }
 
     /// The pieces of a run of heads move exactly those heads' bytes, for every token,

@@ -1,5 +1,11 @@
 //! The prefill side of one request on one prefill rank.
 //!
+//! A prefill rank sends to every decode rank that reads from it: one, or, where decode's
+//! TP size is a multiple of prefill's, `decode_tp / prefill_tp` of them, each taking its
+//! own KV heads ([`handoff_transport::tp::decode_share`]). The request waits for every one
+//! of them, moves to each, and is `Done` only when each has its blocks; any failure is told
+//! to all of them.
+//!
 //! ```text
 //!                 TransferInfo                 send(blocks)
 //! Bootstrapping ─────────────▶ WaitingForInput ───────────▶ Transferring ──▶ Done
@@ -48,10 +54,15 @@ pub enum SenderEvent {
         /// (push) or `Ready` (pull).
         aux: Vec<u8>,
     },
-    /// Push: the data plane finished writing every block.
-    TransferComplete,
-    /// The data plane failed.
+    /// Push: the data plane finished writing every block to one decode rank.
+    TransferComplete {
+        /// The decode rank written to.
+        to: Peer,
+    },
+    /// The data plane failed a write to one decode rank.
     TransferFailed {
+        /// The decode rank written to.
+        to: Peer,
         /// What it said.
         detail: String,
     },
@@ -94,32 +105,62 @@ pub enum SenderEvent {
     },
 }
 
+/// One decode rank this prefill rank serves, and how far it has got.
+#[derive(Clone, Debug)]
+struct Reader {
+    peer: Peer,
+    /// Its destination blocks, once its transfer info has arrived.
+    dst: Option<Vec<BlockId>>,
+    /// Our write to it was posted (push) or `Ready` sent to it (pull).
+    started: bool,
+    /// Push: our write to it finished; pull: it read every block.
+    finished: bool,
+    /// A push write to it was handed to the data plane and has not reported back.
+    write_outstanding: bool,
+    /// It is owed an `AbortAck` as soon as no write to it is outstanding.
+    ack_owed: bool,
+    /// Pull: it said `AbortAck` before we failed (it overtook its `Abort`): no read of its
+    /// can land, so our failure fences nothing for it.
+    acked_early: bool,
+    /// Failed, and its reads may still land in our blocks (pull, one-sided) until it
+    /// confirms.
+    fenced: bool,
+}
+
+impl Reader {
+    fn new(peer: Peer) -> Self {
+        Self {
+            peer,
+            dst: None,
+            started: false,
+            finished: false,
+            write_outstanding: false,
+            ack_owed: false,
+            acked_early: false,
+            fenced: false,
+        }
+    }
+}
+
 /// One request's lifecycle on one prefill rank. See the [module docs](super).
 #[derive(Clone, Debug)]
 pub struct SenderMachine {
     core: Core,
-    /// The decode rank, once it has said `Queued` or sent its transfer info: the one to
-    /// tell if this request fails.
-    peer: Option<Peer>,
-    mode: TransferMode,
-    /// Decode's destination blocks, once its transfer info has arrived.
-    dst: Option<Vec<BlockId>>,
+    /// This rank's TP group size and rank: which decode ranks read from it, and how many.
+    tp: (u32, u32),
+    /// The decode ranks paired so far (from `Queued` or transfer info), in arrival order.
+    readers: Vec<Reader>,
+    /// How many decode ranks read from this rank, once the first has said who it is.
+    expected: usize,
+    /// Push or pull, as the first transfer info said (every reader must agree).
+    mode: Option<TransferMode>,
     /// True once the engine has handed over its blocks.
     has_input: bool,
     /// The engine's payload for decode, handed over with the blocks.
     aux: Vec<u8>,
-    /// A push write was handed to the data plane and has not reported back.
-    write_outstanding: bool,
-    /// Decode is owed an `AbortAck` as soon as no write is outstanding.
-    ack_owed: bool,
     /// Reads are one-sided (RDMA): a failed pull request holds its source blocks until
-    /// decode confirms it stopped reading.
+    /// every decode rank that may be reading confirms it stopped.
     fence_reads: bool,
-    /// Failed, with the source blocks held until decode confirms (pull, one-sided).
-    fencing: bool,
-    /// Pull: decode said `AbortAck` before we failed (it overtook decode's `Abort`): no
-    /// read of its can land, so our failure fences nothing.
-    acked_early: bool,
     /// The latest instant the driver gave, for deadlines set inside.
     now: Instant,
 }
@@ -129,16 +170,13 @@ impl SenderMachine {
     pub fn new(now: Instant, timeouts: Timeouts) -> Self {
         Self {
             core: Core::new(now, timeouts),
-            peer: None,
-            mode: TransferMode::Push,
-            dst: None,
+            tp: (1, 0),
+            readers: Vec::new(),
+            expected: 1,
+            mode: None,
             has_input: false,
             aux: Vec::new(),
-            write_outstanding: false,
-            ack_owed: false,
             fence_reads: false,
-            fencing: false,
-            acked_early: false,
             now,
         }
     }
@@ -151,11 +189,21 @@ impl SenderMachine {
         self
     }
 
+    /// This rank's place in its TP group (`tp_size`, `tp_rank`; 1 and 0 by default): the
+    /// decode ranks that read from it are those of
+    /// [`decode_share`](handoff_transport::tp::decode_share), and the request waits for
+    /// each of them.
+    pub fn tp(mut self, tp_size: u32, tp_rank: u32) -> Self {
+        self.tp = (tp_size, tp_rank);
+        self
+    }
+
     /// True once the machine is terminal and no write of its is in flight: its driver may
     /// stop. (A write it started ends by its own deadline; until then the request's actor
     /// stays, so that `AbortAck` is sent only once the write can no longer land.)
     pub fn is_settled(&self) -> bool {
-        self.core.state.is_terminal() && !self.write_outstanding && !self.fencing
+        self.core.state.is_terminal()
+            && !self.readers.iter().any(|r| r.write_outstanding || r.fenced)
     }
 
     /// The current state.
@@ -163,14 +211,16 @@ impl SenderMachine {
         &self.core.state
     }
 
-    /// The decode rank this request is paired with, once known (from `Queued` or transfer info).
-    pub fn peer(&self) -> Option<&Peer> {
-        self.peer.as_ref()
+    /// The decode ranks this request is paired with so far (from `Queued` or transfer
+    /// info), in the order they came.
+    pub fn peers(&self) -> impl Iterator<Item = &Peer> {
+        self.readers.iter().map(|r| &r.peer)
     }
 
-    /// The peers whose loss fails this request at once (its decode rank, once paired).
+    /// The peers whose loss fails this request at once: its decode ranks, once paired,
+    /// until each has its blocks (one that has them may go: it needs nothing more of us).
     pub fn depends_on(&self) -> impl Iterator<Item = &Peer> {
-        self.peer.iter()
+        self.readers.iter().filter(|r| !r.finished).map(|r| &r.peer)
     }
 
     /// Blocks the machine holds now (released on the terminal state).
@@ -197,11 +247,13 @@ impl SenderMachine {
         let reason = match (&self.core.state, self.mode) {
             (State::Bootstrapping, _) => FailureReason::BootstrapTimeout,
             (State::WaitingForInput, _) => FailureReason::WaitingTimeout,
-            (State::Transferring, TransferMode::Push) => FailureReason::TransferTimeout,
-            (State::Transferring, TransferMode::Pull) => FailureReason::TtlExpired,
+            (State::Transferring, Some(TransferMode::Pull)) => FailureReason::TtlExpired,
+            (State::Transferring, _) => FailureReason::TransferTimeout,
             (State::Done | State::Failed(_), _) => {
                 // The read fence's deadline: decode's reads have all ended by now.
-                self.fencing = false;
+                for r in &mut self.readers {
+                    r.fenced = false;
+                }
                 return self.core.release_now(FenceEnd::Bound);
             }
         };
@@ -220,14 +272,18 @@ impl SenderMachine {
             }
             SenderEvent::Queued { from } => {
                 // Decode lives but has no blocks yet; the bootstrap deadline still holds, and
-                // if it passes, this is the rank to tell.
-                self.peer.get_or_insert(from);
+                // if it passes, this is a rank to tell.
+                if let Err(detail) = self.pair(&from) {
+                    self.refuse(&from, detail);
+                }
             }
             SenderEvent::Rejected { from, reason } => self.fail(reason, Some(&from)),
             SenderEvent::Input { blocks, aux } => self.on_input(now, blocks, aux),
-            SenderEvent::TransferComplete => self.on_transfer_complete(),
-            SenderEvent::TransferFailed { detail } => {
-                self.write_outstanding = false;
+            SenderEvent::TransferComplete { to } => self.on_transfer_complete(&to),
+            SenderEvent::TransferFailed { to, detail } => {
+                if let Some(r) = self.reader_mut(&to) {
+                    r.write_outstanding = false;
+                }
                 if self.core.state == State::Transferring {
                     self.fail(FailureReason::TransferFailed { detail }, None);
                 }
@@ -236,8 +292,8 @@ impl SenderMachine {
             // An acknowledgement that overtook decode's `Abort` (control messages may be
             // reordered): remembered, so the failure it announces fences nothing.
             SenderEvent::AbortAck { from } => {
-                if self.peer.as_ref() == Some(&from) {
-                    self.acked_early = true;
+                if let Some(r) = self.reader_mut(&from) {
+                    r.acked_early = true;
                 }
             }
             SenderEvent::Abort => self.fail(FailureReason::AbortedByEngine, None),
@@ -247,22 +303,91 @@ impl SenderMachine {
                 self.fail(FailureReason::AbortedByPeer { peer, cause }, Some(&from));
             }
             SenderEvent::PeerLost { peer } => {
-                if self.peer.as_ref() == Some(&peer) {
+                if self.reader(&peer).is_some_and(|r| !r.finished) {
                     let name = peer.to_string();
                     self.fail(FailureReason::PeerLost { peer: name }, Some(&peer));
                 }
             }
             SenderEvent::Unexpected { from, what } => {
-                if self.peer.is_none() && !self.core.state.is_terminal() {
+                if self.readers.is_empty() {
                     // Not paired yet: its invalid message was the one that would have
                     // paired us (e.g. transfer info with a region we cannot use), and it
                     // now waits on us. Tell it, or it waits out its whole deadline.
-                    self.peer = Some(from.clone());
+                    self.readers.push(Reader::new(from.clone()));
                 }
                 self.fail(protocol(&from, format!("unexpected {what}")), None)
             }
             SenderEvent::Internal { detail } => self.fail(FailureReason::Internal { detail }, None),
         }
+    }
+
+    fn reader(&self, peer: &Peer) -> Option<&Reader> {
+        self.readers.iter().find(|r| r.peer == *peer)
+    }
+
+    fn reader_mut(&mut self, peer: &Peer) -> Option<&mut Reader> {
+        self.readers.iter_mut().find(|r| r.peer == *peer)
+    }
+
+    /// Pairs a decode rank with this request (if it is not already): one of the same
+    /// decode engine and dp rank as those before it, whose TP rank reads from ours
+    /// ([`decode_share`](handoff_transport::tp::decode_share)) and is not taken. Its index.
+    fn pair(&mut self, from: &Peer) -> Result<usize, String> {
+        if let Some(i) = self.readers.iter().position(|r| r.peer == *from) {
+            return Ok(i);
+        }
+        let (tp_size, tp_rank) = self.tp;
+        let share =
+            handoff_transport::tp::decode_share(tp_size, from.tp_size, tp_rank).map_err(|e| {
+                format!(
+                    "decode tp {} against prefill tp {tp_size}: {e}",
+                    from.tp_size
+                )
+            })?;
+        if let Some(first) = self.readers.first() {
+            let p = &first.peer;
+            if (&p.engine_id, p.dp_rank, p.tp_size) != (&from.engine_id, from.dp_rank, from.tp_size)
+            {
+                return Err(format!(
+                    "a rank of another decode for a request paired with {p}"
+                ));
+            }
+        }
+        if let Some(taken) = self.readers.iter().find(|r| r.peer.tp_rank == from.tp_rank) {
+            return Err(format!(
+                "transfer info for a request paired with {}",
+                taken.peer
+            ));
+        }
+        if !share.contains(&from.tp_rank) {
+            return Err(format!(
+                "decode tp rank {} does not read from prefill tp rank {tp_rank} (its decode ranks: {share:?})",
+                from.tp_rank
+            ));
+        }
+        self.expected = share.len();
+        self.readers.push(Reader::new(from.clone()));
+        Ok(self.readers.len() - 1)
+    }
+
+    /// Fails the request for a rank that cannot pair with it, and tells that rank too (it
+    /// waits on us otherwise).
+    fn refuse(&mut self, from: &Peer, detail: String) {
+        let reason = protocol(from, detail);
+        if self.reader(from).is_none() {
+            self.core.send(
+                from,
+                PeerMessage::Abort {
+                    reason: reason.clone(),
+                },
+            );
+        }
+        self.fail(reason, None)
+    }
+
+    /// Every decode rank of this request has said where its blocks go.
+    fn all_infos_in(&self) -> bool {
+        self.readers.len() == self.expected && self.readers.iter().all(|r| r.dst.is_some())
     }
 
     fn on_transfer_info(
@@ -272,21 +397,28 @@ impl SenderMachine {
         mode: TransferMode,
         blocks: Vec<BlockId>,
     ) {
-        if let Some(p) = &self.peer {
-            if *p != from {
-                let detail = format!("transfer info for a request paired with {p}");
-                return self.fail(protocol(&from, detail), None);
-            }
-        }
-        if let Some(dst) = &self.dst {
-            if *dst == blocks && self.mode == mode {
+        let i = match self.pair(&from) {
+            Ok(i) => i,
+            Err(detail) => return self.refuse(&from, detail),
+        };
+        if let Some(dst) = &self.readers[i].dst {
+            if *dst == blocks && self.mode == Some(mode) {
                 return; // a duplicate (retry, duplicated frame): harmless
             }
             return self.fail(protocol(&from, "a second, different transfer info"), None);
         }
-        self.peer = Some(from);
-        self.mode = mode;
-        self.dst = Some(blocks);
+        if self.mode.is_some_and(|m| m != mode) {
+            let detail = format!(
+                "{mode:?} mode for a request another decode rank set to {:?}",
+                self.mode
+            );
+            return self.fail(protocol(&from, detail), None);
+        }
+        self.mode = Some(mode);
+        self.readers[i].dst = Some(blocks);
+        if !self.all_infos_in() {
+            return; // the other decode ranks are still to come, under the same deadline
+        }
         if self.has_input {
             self.start_transfer(now);
         } else {
@@ -309,154 +441,185 @@ impl SenderMachine {
     }
 
     fn start_transfer(&mut self, now: Instant) {
-        let (Some(peer), Some(dst)) = (self.peer.clone(), self.dst.clone()) else {
-            return self.fail(internal("transfer started without transfer info"), None);
-        };
-        if dst.len() != self.core.held.len() {
-            let detail = format!(
-                "decode granted {} blocks, prefill holds {}",
-                dst.len(),
-                self.core.held.len()
-            );
+        let held = self.core.held.len();
+        if let Some(r) = self
+            .readers
+            .iter()
+            .find(|r| r.dst.as_ref().is_none_or(|d| d.len() != held))
+        {
+            let granted = r.dst.as_ref().map_or(0, Vec::len);
+            let detail = format!("decode granted {granted} blocks, prefill holds {held}");
+            let peer = r.peer.clone();
             return self.fail(protocol(&peer, detail), None);
         }
-        let src = self.core.held.clone();
-        match self.mode {
+        match self.mode.unwrap_or(TransferMode::Push) {
             TransferMode::Push => {
                 let limit = self.core.timeouts.transfer;
                 self.core.advance(now, State::Transferring, limit);
-                self.write_outstanding = true;
-                // The state's deadline is the write's: one deadline, decided here.
+                // The state's deadline is every write's: one deadline, decided here.
                 let deadline = self.core.deadline.unwrap_or(now + limit);
-                self.core.actions.push_back(Action::Write {
-                    to: peer,
-                    src,
-                    dst,
-                    deadline,
-                });
+                for r in &mut self.readers {
+                    r.started = true;
+                    r.write_outstanding = true;
+                    self.core.actions.push_back(Action::Write {
+                        to: r.peer.clone(),
+                        src: self.core.held.clone(),
+                        dst: r.dst.clone().unwrap_or_default(),
+                        deadline,
+                    });
+                }
             }
             TransferMode::Pull => {
                 let limit = self.core.timeouts.pull_ttl;
                 self.core.advance(now, State::Transferring, limit);
-                let aux = self.aux.clone();
-                let hold = limit;
-                self.core.send(
-                    &peer,
-                    PeerMessage::Ready {
-                        blocks: src,
-                        aux,
-                        hold,
-                    },
-                );
+                for i in 0..self.readers.len() {
+                    self.readers[i].started = true;
+                    let peer = self.readers[i].peer.clone();
+                    let msg = PeerMessage::Ready {
+                        blocks: self.core.held.clone(),
+                        aux: self.aux.clone(),
+                        hold: limit,
+                    };
+                    self.core.send(&peer, msg);
+                }
             }
         }
     }
 
-    fn on_transfer_complete(&mut self) {
-        self.write_outstanding = false;
-        if self.core.state != State::Transferring || self.mode != TransferMode::Push {
+    /// Ends `Done` once every decode rank has its blocks.
+    fn finish_if_all_done(&mut self) {
+        if self.readers.len() == self.expected && self.readers.iter().all(|r| r.finished) {
+            self.core.finish(State::Done);
+        }
+    }
+
+    fn on_transfer_complete(&mut self, to: &Peer) {
+        let push = self.core.state == State::Transferring && self.mode == Some(TransferMode::Push);
+        let Some(r) = self.reader_mut(to) else {
+            return; // not a write of ours
+        };
+        r.write_outstanding = false;
+        if !push || r.finished || !r.started {
             return; // stale completion
         }
-        if let Some(peer) = self.peer.clone() {
-            let aux = std::mem::take(&mut self.aux);
-            self.core.send(&peer, PeerMessage::Done { aux });
-        }
-        self.core.finish(State::Done);
+        r.finished = true;
+        let peer = r.peer.clone();
+        let aux = self.aux.clone();
+        self.core.send(&peer, PeerMessage::Done { aux });
+        self.finish_if_all_done();
     }
 
     fn on_read_done(&mut self, from: Peer) {
-        if self.peer.as_ref() != Some(&from) {
+        let pull = self.core.state == State::Transferring && self.mode == Some(TransferMode::Pull);
+        let state = self.core.state.clone();
+        let mode = self.mode;
+        let Some(r) = self.reader_mut(&from) else {
             return self.fail(
                 protocol(&from, "ReadDone from a rank not paired with this request"),
                 None,
             );
+        };
+        if !pull || !r.started {
+            let detail = format!("ReadDone in {state} ({mode:?} mode)");
+            return self.fail(protocol(&from, detail), None);
         }
-        match (&self.core.state, self.mode) {
-            (State::Transferring, TransferMode::Pull) => self.core.finish(State::Done),
-            _ => {
-                let detail = format!("ReadDone in {} ({:?} mode)", self.core.state, self.mode);
-                self.fail(protocol(&from, detail), None)
-            }
-        }
+        r.finished = true; // a second one is a harmless duplicate
+        self.finish_if_all_done();
     }
 
     /// After the end: blocks handed over are released at once; a write reporting back
-    /// settles the machine (and pays an `AbortAck` owed); decode's abort is acknowledged;
-    /// everything else is stale.
+    /// settles its part (and pays an `AbortAck` owed); decode's abort is acknowledged; a
+    /// decode rank that comes only now is told the request failed; the rest is stale.
     fn handle_after_end(&mut self, event: SenderEvent) {
         match event {
             SenderEvent::Input { blocks, .. } => self.core.release_late(blocks),
-            SenderEvent::TransferComplete | SenderEvent::TransferFailed { .. } => {
-                self.write_outstanding = false;
-                self.pay_ack();
+            SenderEvent::TransferComplete { to } | SenderEvent::TransferFailed { to, .. } => {
+                if let Some(r) = self.reader_mut(&to) {
+                    r.write_outstanding = false;
+                }
+                self.pay_acks();
             }
-            SenderEvent::PeerAbort { from, .. } if self.peer.as_ref() == Some(&from) => {
-                self.owe_ack();
+            SenderEvent::PeerAbort { from, .. } => {
+                let push = self.mode == Some(TransferMode::Push);
+                if let Some(r) = self.reader_mut(&from) {
+                    r.ack_owed |= push && r.dst.is_some();
+                }
+                self.pay_acks();
             }
-            SenderEvent::AbortAck { from } | SenderEvent::ReadDone { from }
-                if self.fencing && self.peer.as_ref() == Some(&from) =>
-            {
-                self.fencing = false;
-                self.core.release_now(FenceEnd::Confirmed);
+            SenderEvent::AbortAck { from } | SenderEvent::ReadDone { from } => {
+                let fencing = self.readers.iter().any(|r| r.fenced);
+                if let Some(r) = self.reader_mut(&from) {
+                    r.fenced = false;
+                }
+                if fencing && !self.readers.iter().any(|r| r.fenced) {
+                    self.core.release_now(FenceEnd::Confirmed);
+                }
+            }
+            SenderEvent::TransferInfo { from, mode, .. } if self.reader(&from).is_none() => {
+                self.tell_late(&from, Some(mode))
+            }
+            SenderEvent::Queued { from } if self.reader(&from).is_none() => {
+                self.tell_late(&from, None)
             }
             _ => {}
         }
     }
 
-    /// Push mode, decode granted its blocks: decode holds them until we say no write of
-    /// ours can land any more.
-    fn owe_ack(&mut self) {
-        if self.mode == TransferMode::Push && self.dst.is_some() {
-            self.ack_owed = true;
-            self.pay_ack();
+    /// A decode rank of this request that comes after it failed waits on us: tell it.
+    /// Nothing of ours was ever written into its blocks (push: it may release them).
+    fn tell_late(&mut self, from: &Peer, mode: Option<TransferMode>) {
+        if let State::Failed(reason) = self.core.state.clone() {
+            self.core.send(from, PeerMessage::Abort { reason });
+            if mode == Some(TransferMode::Push) {
+                self.core.send(from, PeerMessage::AbortAck);
+            }
         }
     }
 
-    fn pay_ack(&mut self) {
-        if !self.ack_owed || self.write_outstanding {
-            return;
-        }
-        if let Some(peer) = self.peer.clone() {
-            self.ack_owed = false;
-            self.core.send(&peer, PeerMessage::AbortAck);
+    /// Push mode: each decode rank that granted its blocks holds them until we say no
+    /// write of ours can land any more; says so to each whose write is not in flight.
+    fn pay_acks(&mut self) {
+        for i in 0..self.readers.len() {
+            let r = &mut self.readers[i];
+            if r.ack_owed && !r.write_outstanding {
+                r.ack_owed = false;
+                let peer = r.peer.clone();
+                self.core.send(&peer, PeerMessage::AbortAck);
+            }
         }
     }
 
-    /// Fails the request: tells the paired decode rank (unless it is the one that caused
-    /// the failure), releases every held block, and, in push mode, owes decode an
-    /// `AbortAck` once no write is in flight.
+    /// Fails the request: tells every paired decode rank (but the one that caused the
+    /// failure), releases every held block (pull, one-sided: once every rank that may be
+    /// reading confirms), and, in push mode, owes each decode rank that granted blocks an
+    /// `AbortAck` once no write to it is in flight.
     fn fail(&mut self, reason: FailureReason, caused_by: Option<&Peer>) {
         if self.core.state.is_terminal() {
             return;
         }
-        if let Some(peer) = self.peer.clone() {
-            if caused_by != Some(&peer) {
-                self.core.send(
-                    &peer,
-                    PeerMessage::Abort {
-                        reason: reason.clone(),
-                    },
-                );
+        let readable = self.fence_reads
+            && self.mode == Some(TransferMode::Pull)
+            && self.core.state == State::Transferring;
+        let push = self.mode == Some(TransferMode::Push);
+        for i in 0..self.readers.len() {
+            let r = &mut self.readers[i];
+            // Decode may be reading our blocks one-sidedly: hold them until it confirms.
+            r.fenced = readable && r.started && !r.finished && !r.acked_early;
+            r.ack_owed = push && r.dst.is_some();
+            if caused_by != Some(&r.peer) {
+                let peer = r.peer.clone();
+                let msg = PeerMessage::Abort {
+                    reason: reason.clone(),
+                };
+                self.core.send(&peer, msg);
             }
         }
-        let readable = self.fence_reads
-            && self.mode == TransferMode::Pull
-            && self.core.state == State::Transferring
-            && !self.acked_early;
-        if readable {
-            // Decode may be reading our blocks one-sidedly: hold them until it confirms.
-            self.fencing = true;
+        if self.readers.iter().any(|r| r.fenced) {
             let until = self.now + self.core.timeouts.fence_max();
             self.core.finish_fenced(State::Failed(reason), until);
         } else {
             self.core.finish(State::Failed(reason));
         }
-        self.owe_ack();
-    }
-}
-
-fn internal(detail: &str) -> FailureReason {
-    FailureReason::Internal {
-        detail: detail.to_string(),
+        self.pay_acks();
     }
 }

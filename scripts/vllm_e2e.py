@@ -6,7 +6,10 @@ table of timings for both connectors, and exits 0 only when every check passed.
 
 A tiny Llama (4 layers, hidden 256, 2 KV heads, vocab 1024) with dummy weights gives every
 instance the same seeded weights, so decode's greedy tokens after a transfer must equal the
-tokens prefill computes alone for the same prompt.
+tokens prefill computes alone for the same prompt. The heterogeneous TP pairings (TP 1 to 2,
+TP 2 to 1) load a checkpoint of the same model written here with seeded random weights
+instead: dummy weights are drawn per TP rank, so instances of different TP sizes would hold
+different models.
 """
 
 from __future__ import annotations
@@ -41,21 +44,30 @@ TTL_S = 120
 
 
 class Server(ServerProcess):
-    """One vLLM OpenAI server process."""
+    """One vLLM OpenAI server process: the dummy-weight tiny model, or, with ``tp`` above 1,
+    the checkpoint `real_checkpoint` wrote (its ``tp`` workers bound to cores 0 and 1)."""
 
-    def __init__(self, args, name: str, port: int, cpu: int, kv: dict, env: dict):
+    def __init__(self, args, name: str, port: int, cpu: int, kv: dict, env: dict, tp: int = 1):
         full_env = dict(os.environ)
         full_env.update(
             VLLM_CPU_KVCACHE_SPACE="1",
-            VLLM_CPU_OMP_THREADS_BIND=str(cpu),
+            VLLM_CPU_OMP_THREADS_BIND="|".join(str(c % 2) for c in range(cpu, cpu + tp)),
             PYTHONUNBUFFERED="1",
             VLLM_LOGGING_LEVEL="INFO",
         )
         full_env.update(env)
+        # The TP pairings in float32: decode's steps at one TP size against the reference's
+        # at another round differently, and bf16's rounding flips near-ties of this random
+        # model's greedy tokens within a few steps (seen at 512 tokens, TP 2 to 1).
+        weights = (
+            ["--load-format", "dummy", "--dtype", "bfloat16"]
+            if args.model_dir is None
+            else ["--dtype", "float32"]
+        )
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(Path(args.dir) / "tiny"), "--load-format", "dummy",
-            "--skip-tokenizer-init", "--max-model-len", "4096", "--dtype", "bfloat16",
+            "--model", model(args), *weights, "--tensor-parallel-size", str(tp),
+            "--skip-tokenizer-init", "--max-model-len", "4096",
             "--host", "127.0.0.1", "--port", str(port),
             "--kv-transfer-config", json.dumps(kv),
         ]  # fmt: skip
@@ -125,7 +137,7 @@ def metrics(port: int) -> dict[str, float]:
 
 
 def model(args) -> str:
-    return str(Path(args.dir) / "tiny")
+    return args.model_dir or str(Path(args.dir) / "tiny")
 
 
 def prefill_request(args, p: list[int]) -> tuple[float, dict | None, str]:
@@ -145,12 +157,12 @@ def reference(args, p: list[int]) -> list[int] | None:
     return None if r is None else r["choices"][0]["token_ids"]
 
 
-def handoff_kv(args, role: str, extra: dict | None = None) -> dict:
+def handoff_kv(args, role: str, extra: dict | None = None, engine: str = "") -> dict:
     return {
         "kv_connector": "HandoffConnector",
         "kv_connector_module_path": "handoff.vllm",
         "kv_role": role,
-        "engine_id": f"vllm-{role}",
+        "engine_id": engine or f"vllm-{role}",
         "kv_connector_extra_config": {
             "bootstrap": args.bootstrap, "transport": args.transport, "ttl_s": TTL_S,
             # Each request's states, timestamped by the runtime (`runtime_times`).
@@ -369,7 +381,12 @@ def main() -> int:
     ap.add_argument("--transport", default="auto", help="auto | ucx | tcp")
     ap.add_argument("--reps", type=int, default=6, help="timed requests per prompt size")
     ap.add_argument("--skip-nixl", action="store_true", help="only HandoffConnector")
+    ap.add_argument(
+        "--skip-tp", action="store_true", help="no heterogeneous TP pairings (TP 1 and 2)"
+    )
+    ap.add_argument("--only-tp", action="store_true", help="only the TP pairings")
     args = ap.parse_args()
+    args.model_dir = None
     (Path(args.dir) / "tiny").mkdir(parents=True, exist_ok=True)
     (Path(args.dir) / "tiny" / "config.json").write_text(json.dumps(TINY_CONFIG, indent=1))
     args.prefill_port, args.decode_port = free_port(), free_port()
@@ -385,33 +402,41 @@ def main() -> int:
     handoff_ms: dict[int, list[float]] = {}
     runtime_ms: dict[int, list[tuple[float, float]]] = {}
     try:
-        # 1. HandoffConnector: correctness and timings.
-        args.label = "handoff"
-        p, d = start_pair(args, handoff_kv(args, "kv_producer"), handoff_kv(args, "kv_consumer"))
-        servers += [p, d]
-        for size in SIZES:
-            handoff_ms[size] = []
-        rows["handoff"] = {}
-        for si, size in enumerate(SIZES):
-            mark = d.log_size()
-            part = run_connector_size(args, "handoff", size, si)
-            rows["handoff"][size] = part
-            handoff_ms[size] = handoff_times(d, mark)[1:]  # the warm-up's is dropped
-            runtime_ms[size] = runtime_times(d, mark)[1:]
-        # 2. Prefill killed after its prefill.
-        prefill_loss(args, p, d, "handoff")
-        # 3. Decode killed mid-handoff (prefill hands its blocks over late, as a slow
-        #    engine would, so that decode dies while prefill still holds them).
-        args.label = "handoff-slow"
-        p2 = Server(args, "handoff-slow-prefill", args.prefill_port, 0,
-                    handoff_kv(args, "kv_producer", {"send_delay_ms": 20000}), {})  # fmt: skip
-        servers.append(p2)
-        wait_up([p2])
-        decode_loss(args, p2, d)
-        for s in servers:
-            s.stop()
-        # 4. NixlConnector on the same prompts.
-        if not args.skip_nixl:
+        if not args.only_tp:
+            # 1. HandoffConnector: correctness and timings.
+            args.label = "handoff"
+            p, d = start_pair(
+                args, handoff_kv(args, "kv_producer"), handoff_kv(args, "kv_consumer")
+            )
+            servers += [p, d]
+            for size in SIZES:
+                handoff_ms[size] = []
+            rows["handoff"] = {}
+            for si, size in enumerate(SIZES):
+                mark = d.log_size()
+                part = run_connector_size(args, "handoff", size, si)
+                rows["handoff"][size] = part
+                handoff_ms[size] = handoff_times(d, mark)[1:]  # the warm-up's is dropped
+                runtime_ms[size] = runtime_times(d, mark)[1:]
+            # 2. Prefill killed after its prefill.
+            prefill_loss(args, p, d, "handoff")
+            # 3. Decode killed mid-handoff (prefill hands its blocks over late, as a slow
+            #    engine would, so that decode dies while prefill still holds them).
+            args.label = "handoff-slow"
+            p2 = Server(args, "handoff-slow-prefill", args.prefill_port, 0,
+                        handoff_kv(args, "kv_producer", {"send_delay_ms": 20000}), {})  # fmt: skip
+            servers.append(p2)
+            wait_up([p2])
+            decode_loss(args, p2, d)
+            for s in servers:
+                s.stop()
+        # 4. Heterogeneous TP: prefill and decode of different TP sizes, both ways.
+        if not args.skip_tp:
+            tp_pairings(args, servers)
+            for s in servers:
+                s.stop()
+        # 5. NixlConnector on the same prompts.
+        if not args.skip_nixl and not args.only_tp:
             args.label = "nixl"
             env_p = {
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
@@ -435,6 +460,74 @@ def main() -> int:
         boot.wait(timeout=10)
     summarize(rows, handoff_ms, runtime_ms)
     return common.finish()
+
+
+#: The TP pairings run on real vLLM: (prefill's TP size, decode's).
+TP_PAIRS = ((1, 2), (2, 1))
+
+
+def real_checkpoint(args) -> str:
+    """The tiny model with real weights (a seeded random init, float32, saved as safetensors) in the
+    run's folder: dummy weights are drawn per TP rank, so instances of different TP sizes
+    would not hold the same model; a checkpoint is sharded the same way by both."""
+    path = Path(args.dir) / "tiny-real-f32"
+    if not (path / "model.safetensors").exists():
+        code = (
+            "import json, sys, torch\n"
+            "from transformers import LlamaConfig, LlamaForCausalLM\n"
+            "cfg = json.load(open(sys.argv[1]))\n"
+            "cfg.pop('architectures')\n"
+            "torch.manual_seed(20261127)\n"
+            "m = LlamaForCausalLM(LlamaConfig(**cfg))\n"
+            "m.save_pretrained(sys.argv[2], safe_serialization=True)\n"
+        )
+        config = Path(args.dir) / "tiny" / "config.json"
+        subprocess.run([sys.executable, "-c", code, str(config), str(path)], check=True)
+    return str(path)
+
+
+def tp_pairings(args, servers: list[Server]) -> None:
+    """Heterogeneous TP on real vLLM (a real checkpoint of the tiny model: 2 KV heads):
+    prefill at TP 1 and decode at TP 2 (each decode rank takes its one head from the one
+    prefill rank), and prefill at TP 2 and decode at TP 1 (decode gathers its two heads
+    from both), all four instances up together. Per prompt size, decode's greedy tokens
+    equal what its prefill instance computes alone, and decode counts the prompt as an
+    external prefix-cache hit."""
+    args.model_dir = real_checkpoint(args)
+    pairs = []
+    for ptp, dtp in TP_PAIRS:
+        ports = (free_port(), free_port())
+        name = f"tp{ptp}to{dtp}"
+        kv_p = handoff_kv(args, "kv_producer", engine=f"{name}-prefill")
+        kv_d = handoff_kv(args, "kv_consumer", engine=f"{name}-decode")
+        p = Server(args, f"{name}-prefill", ports[0], 0, kv_p, {}, tp=ptp)
+        d = Server(args, f"{name}-decode", ports[1], 1, kv_d, {}, tp=dtp)
+        servers += [p, d]
+        pairs.append((ptp, dtp, ports))
+    wait_up(servers[-2 * len(TP_PAIRS) :])
+    saved = (args.prefill_port, args.decode_port)
+    try:
+        for ptp, dtp, ports in pairs:
+            args.prefill_port, args.decode_port = ports
+            for si, size in enumerate(SIZES):
+                r = pd_round(args, size, salt=7000 + 100 * ptp + 10 * dtp + si)
+                label = f"tp {ptp} -> {dtp}: {size}-token prompt"
+                if r.get("error"):
+                    check(label, False, r["error"])
+                    continue
+                ref = reference(args, r["prompt"])
+                check(
+                    f"{label}, decode's greedy tokens equal prefill alone",
+                    ref is not None and r["tokens"] == ref,
+                    f"decode {r['tokens']} reference {ref}",
+                )  # fmt: skip
+                check(
+                    f"{label} counted as an external prefix-cache hit",
+                    r["hits"] >= size - 1, f"{r['hits']:.0f} tokens",
+                )  # fmt: skip
+    finally:
+        args.prefill_port, args.decode_port = saved
+        args.model_dir = None
 
 
 def run_connector_size(args, label: str, size: int, si: int) -> list[dict]:

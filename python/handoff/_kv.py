@@ -295,3 +295,58 @@ def _spec_of_items(items: list[Any], num_blocks: int | None, device: str | None)
         raise InvalidInput("no KV caches given")
     blocks, dev = _check_same(seen, "KV caches")
     return KvSpec(ranges, blocks, dev, 0, itemsize, owners)
+
+
+class HeadLayout(NamedTuple):
+    """How every K or V part of a block holds a rank's KV heads (what `Runtime` takes as
+    ``head_size`` and ``head_order``)."""
+
+    #: ``"hnd"`` (each head's tokens together) or ``"nhd"`` (each token's heads together).
+    order: str
+    #: Elements of one head for one token (for vLLM's CPU layout, K and V together).
+    head_size: int
+
+
+def vllm_head_layout(
+    tensors: list[Any], num_blocks: int, heads: int, block_tokens: int
+) -> HeadLayout | str:
+    """How vLLM's per-layer KV cache tensors hold this rank's ``heads`` KV heads in blocks
+    of ``block_tokens`` tokens, read from their shapes and strides; or why it cannot be
+    told (a string).
+
+    Inside one block of one range (after K/V halves are split off), the dimension of size
+    ``heads`` and the one of size ``block_tokens`` are found; the one with the larger
+    stride is outer (``hnd`` when it is the heads'), everything inside both is one head's
+    bytes for one token, and anything outside both is K and V parts of that range. The
+    CPU backend's ``[num_blocks, heads, block_tokens, 2 * head_size]`` is ``hnd`` with
+    each head's K and V rows inside its run (heads move whole either way); FlashAttention's
+    ``[2, num_blocks, block_tokens, heads, head_size]`` is ``nhd`` unless vLLM was asked
+    for a head-major layout (``get_required_kvcache_layout``).
+    """
+    seen: set[HeadLayout] = set()
+    for t in tensors:
+        d = _describe(t)
+        shape, strides = d.shape, d.strides
+        split_kv = len(shape) >= 4 and shape[0] == 2 and shape[1] % num_blocks == 0
+        dims = list(zip(shape, strides))[2 if split_kv else 1 :]
+        if (shape[1] if split_kv else shape[0]) != num_blocks:
+            return f"kernel blocks smaller than vLLM's blocks (shape {shape})"
+        # The innermost dimension is a head's content (its elements), never heads or tokens.
+        content = min(range(len(dims)), key=lambda i: dims[i][1], default=None)
+        head_dims = [i for i, (n, _) in enumerate(dims) if n == heads and i != content]
+        token_dims = [i for i, (n, _) in enumerate(dims) if n == block_tokens and i != content]
+        pairs = [(h, k) for h in head_dims for k in token_dims if h != k]
+        if heads == block_tokens or len(pairs) != 1:
+            return (
+                f"cannot tell {heads} heads from {block_tokens} tokens in a block of shape {shape}"
+            )
+        h, k = pairs[0]
+        # One head: its dimension's stride says nothing (torch keeps any stride for size 1),
+        # and both orders are the same bytes.
+        lo = dims[k][1] if heads == 1 else min(dims[h][1], dims[k][1])
+        inner = [n for i, (n, st) in enumerate(dims) if i not in (h, k) and st < lo]
+        order = "hnd" if heads == 1 or dims[h][1] > dims[k][1] else "nhd"
+        seen.add(HeadLayout(order, math.prod(inner) if inner else 1))
+    if len(seen) != 1:
+        return f"layers hold their heads differently: {sorted(seen)}"
+    return seen.pop()

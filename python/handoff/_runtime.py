@@ -109,8 +109,9 @@ class Runtime:
     ``"nhd"``: each token's heads together, vLLM's default; ``"latent"`` for MLA) say how
     every K or V part of a block holds this rank's share of the heads, with
     ``block_tokens`` and ``dtype_bytes``. Both sides need them to hand over between
-    different TP sizes (decode's ``tp_size`` must divide prefill's): each decode rank then
-    gathers its heads from its share of prefill's ranks.
+    different TP sizes (one ``tp_size`` must divide the other): each decode rank then
+    gathers its heads from its share of prefill's ranks, or takes its share of one prefill
+    rank's heads.
     """
 
     def __init__(

@@ -73,6 +73,13 @@ Options (``kv_connector_extra_config``), every one optional but ``bootstrap``:
     Over TCP, wait for bytes spinning up to this many microseconds (0 to 1000) before the
     runtime's thread sleeps: lower one-block latency for the CPU spun. Default 0; only for
     servers with cores to spare.
+``head_major``
+    ``true`` (the default) asks vLLM for head-major KV blocks (``LBHNC``, as NixlConnector
+    does), so that prefill and decode of different TP sizes move one piece per block and
+    part; ``false`` leaves the layout to vLLM (token-major blocks then cost one piece per
+    token between different TP sizes). Either way each worker describes its heads to its
+    peers, read from its tensors' shapes, and decode's TP size may be a multiple or a
+    divisor of prefill's.
 ``engine_id``
     The name this instance registers under (default: vLLM's ``kv_transfer_config.engine_id``).
 ``load_wait_ms``, ``load_wait_ms_per_mib``
@@ -113,6 +120,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 import handoff
+from handoff._kv import vllm_head_layout
 from handoff._runtime import LoadWait
 
 if TYPE_CHECKING:
@@ -200,6 +208,21 @@ class HandoffConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = _WorkerSide(vllm_config, kv_cache_config, self._engine_id, extra)
 
     # ------------------------------------------------------------------ scheduler side
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """Asks vLLM for head-major block interiors (``LBHNC``, vLLM's HND), as
+        NixlConnector does: a rank's share of the heads is then one run per block per K or
+        V part, so handing over between different TP sizes moves one piece per part
+        instead of one per token (and the same TP sizes move whole blocks either way).
+        MLA has no heads to split: its layout is left to vLLM; so is every layout with
+        ``"head_major": false`` in ``kv_connector_extra_config``."""
+        model = getattr(vllm_config, "model_config", None)
+        if model is None or getattr(model, "use_mla", False):
+            return None
+        if not bool(_extra(vllm_config).get("head_major", True)):
+            return None
+        return "LBHNC"
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -454,6 +477,7 @@ class _WorkerSide:
         ranges = vllm_block_ranges(tensors, num_blocks)
         self.block_bytes = sum(r.bytes for r in ranges)
         first = tensors[0]
+        heads = self._heads(tensors, num_blocks, block_size)
         layers_total = int(self.vllm_config.model_config.get_total_num_hidden_layers())
         first_layer = _layer_index(names[0])
         parallel = self.vllm_config.parallel_config
@@ -474,6 +498,7 @@ class _WorkerSide:
             layers=(first_layer, len(tensors), layers_total),
             block_tokens=block_size,
             dtype_bytes=int(first.element_size()),
+            **heads,
             dp_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0),
             dp_size=int(parallel.data_parallel_size),
             tp_rank=int(get_tensor_model_parallel_rank()),
@@ -516,6 +541,27 @@ class _WorkerSide:
             num_blocks,
             block_size,
         )
+
+    def _heads(self, tensors: list[torch.Tensor], num_blocks: int, block_size: int) -> dict:
+        """How this rank's tensors hold the model's KV heads, as `Runtime` takes it: what
+        lets prefill and decode of different TP sizes pair (each decode rank takes its
+        heads). Empty, with the reason logged, when the tensors do not say (then only equal
+        TP sizes pair)."""
+        model = self.vllm_config.model_config
+        if getattr(model, "use_mla", False):
+            return {"kv_heads": 1, "head_size": int(tensors[0].shape[-1]), "head_order": "latent"}
+        total = int(model.get_total_num_kv_heads())
+        local = int(model.get_num_kv_heads(self.vllm_config.parallel_config))
+        found = vllm_head_layout(tensors, num_blocks, local, block_size)
+        if isinstance(found, str):
+            log.warning(
+                "handoff %s: KV heads not described (%s): only a peer of the same TP size "
+                "can pair with this worker",
+                self.engine_id,
+                found,
+            )
+            return {}
+        return {"kv_heads": total, "head_size": found.head_size, "head_order": found.order}
 
     # Called once per step, before the forward pass.
     def start(self, meta: HandoffConnectorMetadata) -> None:

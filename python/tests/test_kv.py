@@ -131,3 +131,32 @@ def test_per_layer_ranges_register_or_say_why(bootstrap):
     rt = handoff.Runtime("prefill", "P", bootstrap.address, spec, transport="tcp")
     with rt:
         assert rt.block_bytes == spec.block_bytes == 4 * 64
+
+
+def test_vllm_head_layout_reads_the_head_order_from_shapes_and_strides():
+    from handoff._kv import HeadLayout, vllm_head_layout
+
+    nb, heads, tokens, hs = 5, 2, 16, 8
+    # vLLM's CPU backend: [num_blocks, heads, block_size, 2 * head_size], head-major with
+    # each head's K and V rows inside its run.
+    cpu = [np.zeros((nb, heads, tokens, 2 * hs), np.float16) for _ in range(3)]
+    assert vllm_head_layout(cpu, nb, heads, tokens) == HeadLayout("hnd", 2 * hs)
+    # FlashAttention: [2, num_blocks, block_size, heads, head_size], token-major ...
+    flash = [np.zeros((2, nb, tokens, heads, hs), np.float16)]
+    assert vllm_head_layout(flash, nb, heads, tokens) == HeadLayout("nhd", hs)
+    # ... or head-major when vLLM allocates LBHNC and hands out an NHD-shaped view.
+    hnd = np.zeros((2, nb, heads, tokens, hs), np.float16).transpose(0, 1, 3, 2, 4)
+    assert vllm_head_layout([hnd], nb, heads, tokens) == HeadLayout("hnd", hs)
+    # One head per rank (TP equal to the KV heads): either order is the same bytes.
+    one = [np.zeros((nb, 1, tokens, 2 * hs), np.float16)]
+    assert vllm_head_layout(one, nb, 1, tokens) == HeadLayout("hnd", 2 * hs)
+    # A head's content as long as the block's tokens (head size 64, blocks of 128) is
+    # still told apart: it is the innermost dimension.
+    square = [np.zeros((nb, heads, 2 * hs, 2 * hs), np.float16)]
+    assert vllm_head_layout(square, nb, heads, 2 * hs) == HeadLayout("hnd", 2 * hs)
+    # What cannot be told is said, not guessed.
+    assert "cannot tell" in vllm_head_layout(cpu, nb, tokens, tokens)
+    assert "cannot tell" in vllm_head_layout(cpu, nb, 3, tokens)
+    mixed = [cpu[0], flash[0]]
+    assert "differently" in vllm_head_layout(mixed, nb, heads, tokens)
+    assert "kernel blocks" in vllm_head_layout([np.zeros((2 * nb, heads, 8, hs))], nb, heads, 8)

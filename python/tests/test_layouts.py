@@ -157,6 +157,44 @@ def test_prefill_tp2_ranks_each_fill_their_heads_of_decode_tp1(bootstrap, mode):
             assert np.array_equal(whole[layer][:, 12:14], model[layer][:, 5:7]), f"layer {layer}"
 
 
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_prefill_tp1_fills_each_decode_tp2_rank_with_its_heads(bootstrap, mode):
+    """Heterogeneous TP the other way: one prefill rank at TP 1 holds all 4 KV heads
+    (head-major, as the vLLM connector asks vLLM for); two decode ranks at TP 2 hold 2 each
+    (token-major) and each takes its own from it, every element in place. The prefill
+    request is Done once both have theirs."""
+    hnd = [np.zeros((2, BLOCKS, 4, TOKENS, DIM), np.float16) for _ in range(LAYERS)]
+    fill(hnd, [5, 6], seed=11)
+    # The same model as vLLM's token-major view: [2, blocks, tokens, heads, dim].
+    model = [t.transpose(0, 1, 3, 2, 4) for t in hnd]
+    shards = [[np.zeros((2, BLOCKS, TOKENS, 2, DIM), np.float16) for _ in model] for _ in (0, 1)]
+
+    def heads(order: str) -> dict:
+        return dict(kv_heads=4, head_size=DIM, head_order=order, block_tokens=TOKENS)
+
+    def decode(r: int) -> handoff.Runtime:
+        spec = handoff.vllm_kv_caches(shards[r])
+        return runtime(
+            "decode", "D", bootstrap, spec, tp_rank=r, tp_size=2, mode=mode, **heads("nhd")
+        )
+
+    p_spec = handoff.vllm_kv_caches(hnd, layout="kv_first")
+    with (
+        runtime("prefill", "P", bootstrap, p_spec, **heads("hnd")) as p,
+        decode(0) as d0,
+        decode(1) as d1,
+    ):
+        r0, r1 = d0.receiver("r", "P", blocks=[12, 13]), d1.receiver("r", "P", blocks=[3, 4])
+        s = p.sender("r")
+        s.send([5, 6])
+        assert r0.wait(30) == "Done" and r1.wait(30) == "Done"
+        assert s.wait(30) == "Done"
+        for layer in range(LAYERS):
+            want = model[layer][:, 5:7]
+            assert np.array_equal(shards[0][layer][:, 12:14], want[..., 0:2, :]), f"layer {layer}"
+            assert np.array_equal(shards[1][layer][:, 3:5], want[..., 2:4, :]), f"layer {layer}"
+
+
 def test_heads_that_say_too_little_are_refused_by_name(bootstrap):
     spec = handoff.vllm_kv_caches(kv_first())
     with pytest.raises(handoff.InvalidInput, match="head_size"):

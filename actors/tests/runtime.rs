@@ -1372,3 +1372,61 @@ async fn tp_pairings_not_supported_fail_by_name() {
     }
     assert!(matches!(s.completion().await, State::Failed(_)));
 }
+
+/// Fan-out failure (seed 003 with one prefill rank serving two decode ranks): prefill holds
+/// its blocks and decode rank 0 has paired; decode rank 1's engine aborts as it opens.
+/// Prefill fails at once and tells decode rank 0, which fails too instead of waiting out
+/// its deadline; every side gives its blocks back exactly once.
+#[tokio::test(start_paused = true)]
+async fn one_decode_rank_of_two_aborting_fails_the_request_on_every_rank() {
+    for mode in [TransferMode::Push, TransferMode::Pull] {
+        let fabric = Fabric::new();
+        let layout = |held: u32| {
+            let mut layout =
+                KvLayout::shaped(KvShape::KvHalves, 2, BLOCKS, (held * 4 * 8) as usize);
+            layout.block_tokens = 4;
+            layout.heads = Some(KvHeads {
+                kv_heads: 4,
+                order: HeadOrder::HeadMajor,
+                head_bytes: 8,
+            });
+            layout
+        };
+        let p = start_laid_out(&fabric, Role::Prefill, tp_rank("P", 0, 1), mode, layout(4)).await;
+        let d0 = start_laid_out(&fabric, Role::Decode, tp_rank("D", 0, 2), mode, layout(2)).await;
+        let d1 = start_laid_out(&fabric, Role::Decode, tp_rank("D", 1, 2), mode, layout(2)).await;
+        let s = p.sender("r").unwrap();
+        s.send(blocks(8..10)).unwrap();
+        let r0 = d0.receiver("r", spec("P", Some(blocks(0..2)))).unwrap();
+        settle().await;
+        assert_eq!(
+            s.poll(),
+            State::Bootstrapping,
+            "{mode:?}: one decode rank of two"
+        );
+        let t0 = tokio::time::Instant::now();
+        let r1 = d1.receiver("r", spec("P", Some(blocks(4..6)))).unwrap();
+        r1.abort();
+        assert!(matches!(s.completion().await, State::Failed(_)), "{mode:?}");
+        match r0.completion().await {
+            State::Failed(FailureReason::AbortedByPeer { .. }) => {}
+            other => panic!("{mode:?}: decode rank 0 ended {other}"),
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(1),
+            "{mode:?}: decode rank 0 waited out a deadline"
+        );
+        settle().await;
+        let (mut op, mut o0, mut o1) = (
+            Outcomes::default(),
+            Outcomes::default(),
+            Outcomes::default(),
+        );
+        op.absorb(p.drain_events());
+        o0.absorb(d0.drain_events());
+        o1.absorb(d1.drain_events());
+        assert_eq!(op.released("r"), blocks(8..10), "{mode:?}");
+        assert_eq!(o0.released("r"), blocks(0..2), "{mode:?}");
+        assert_eq!(o1.released("r"), blocks(4..6), "{mode:?}");
+    }
+}

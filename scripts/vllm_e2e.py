@@ -515,19 +515,25 @@ def tp_pairings(args, servers: list[Server]) -> None:
                 if r.get("error"):
                     check(label, False, r["error"])
                     continue
-                ref = reference(args, r["prompt"])
-                check(
-                    f"{label}, decode's greedy tokens equal prefill alone",
-                    ref is not None and r["tokens"] == ref,
-                    f"decode {r['tokens']} reference {ref}",
-                )  # fmt: skip
-                check(
-                    f"{label} counted as an external prefix-cache hit",
-                    r["hits"] >= size - 1, f"{r['hits']:.0f} tokens",
-                )  # fmt: skip
+                check_round(args, label, size, r)
     finally:
         args.prefill_port, args.decode_port = saved
         args.model_dir = None
+
+
+def check_round(args, label: str, size: int, r: dict) -> None:
+    """A round's checks: decode's greedy tokens equal what its prefill instance computes
+    alone, and decode counted the prompt as an external prefix-cache hit."""
+    ref = reference(args, r["prompt"])
+    check(
+        f"{label}, decode's greedy tokens equal prefill alone",
+        ref is not None and r["tokens"] == ref,
+        f"decode {r['tokens']} reference {ref}",
+    )  # fmt: skip
+    check(
+        f"{label} counted as an external prefix-cache hit",
+        r["hits"] >= size - 1, f"{r['hits']:.0f} tokens",
+    )  # fmt: skip
 
 
 def run_connector_size(args, label: str, size: int, si: int) -> list[dict]:
@@ -538,16 +544,7 @@ def run_connector_size(args, label: str, size: int, si: int) -> list[dict]:
             check(f"{label}: {size}-token prompt round {rep}", False, r["error"])
             continue
         if rep == 0:
-            ref = reference(args, r["prompt"])
-            check(
-                f"{label}: {size}-token prompt, decode's greedy tokens equal prefill alone",
-                ref is not None and r["tokens"] == ref,
-                f"decode {r['tokens']} reference {ref}",
-            )  # fmt: skip
-            check(
-                f"{label}: {size}-token prompt counted as an external prefix-cache hit",
-                r["hits"] >= size - 1, f"{r['hits']:.0f} tokens",
-            )  # fmt: skip
+            check_round(args, f"{label}: {size}-token prompt", size, r)
             continue
         out.append(r)
     return out

@@ -548,26 +548,7 @@ pub fn prefill_share(
     decode_tp: u32,
     decode_rank: u32,
 ) -> Result<Range<u32>, TpError> {
-    let (prefill_tp, decode_tp) = (bounded("tp", prefill_tp)?, bounded("tp", decode_tp)?);
-    if decode_rank >= decode_tp {
-        return Err(TpError::NoSuchRank {
-            rank: decode_rank,
-            tp: decode_tp,
-        });
-    }
-    if prefill_tp % decode_tp == 0 {
-        let n = prefill_tp / decode_tp;
-        Ok(decode_rank * n..(decode_rank + 1) * n)
-    } else if decode_tp % prefill_tp == 0 {
-        let first = decode_rank / (decode_tp / prefill_tp);
-        Ok(first..first + 1)
-    } else {
-        Err(TpError::Indivisible {
-            what: "prefill tp and decode tp",
-            a: prefill_tp,
-            b: decode_tp,
-        })
-    }
+    share(prefill_tp, decode_tp, decode_rank, (prefill_tp, decode_tp))
 }
 
 /// The decode ranks that read from prefill rank `prefill_rank` of `prefill_tp`: those
@@ -585,24 +566,29 @@ pub fn decode_share(
     decode_tp: u32,
     prefill_rank: u32,
 ) -> Result<Range<u32>, TpError> {
-    let (prefill_tp, decode_tp) = (bounded("tp", prefill_tp)?, bounded("tp", decode_tp)?);
-    if prefill_rank >= prefill_tp {
-        return Err(TpError::NoSuchRank {
-            rank: prefill_rank,
-            tp: prefill_tp,
-        });
+    share(decode_tp, prefill_tp, prefill_rank, (prefill_tp, decode_tp))
+}
+
+/// The ranks of a TP group of `tp` that pair with rank `rank` of a group of `other_tp`:
+/// `tp / other_tp` consecutive ones where `other_tp` divides `tp`, else the one holding
+/// `rank`'s share where `tp` divides `other_tp` ([`prefill_share`], [`decode_share`]).
+/// `(a, b)`: prefill's and decode's sizes, as an error names them.
+fn share(tp: u32, other_tp: u32, rank: u32, (a, b): (u32, u32)) -> Result<Range<u32>, TpError> {
+    let (tp, other_tp) = (bounded("tp", tp)?, bounded("tp", other_tp)?);
+    if rank >= other_tp {
+        return Err(TpError::NoSuchRank { rank, tp: other_tp });
     }
-    if decode_tp % prefill_tp == 0 {
-        let n = decode_tp / prefill_tp;
-        Ok(prefill_rank * n..(prefill_rank + 1) * n)
-    } else if prefill_tp % decode_tp == 0 {
-        let first = prefill_rank / (prefill_tp / decode_tp);
+    if tp % other_tp == 0 {
+        let n = tp / other_tp;
+        Ok(rank * n..(rank + 1) * n)
+    } else if other_tp % tp == 0 {
+        let first = rank / (other_tp / tp);
         Ok(first..first + 1)
     } else {
         Err(TpError::Indivisible {
             what: "prefill tp and decode tp",
-            a: prefill_tp,
-            b: decode_tp,
+            a,
+            b,
         })
     }
 }

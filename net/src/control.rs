@@ -25,7 +25,8 @@ use tracing::{debug, info, trace, warn};
 
 use super::peers::{Incarnation, PeerTable};
 use super::{
-    layer_slices, Cmd, DataPlane, Directory, NetConfig, PeerData, PeerInfo, DIAL_QUEUE_MESSAGES_MAX,
+    layer_slices, Cmd, DataPlane, Directory, NetConfig, PeerData, PeerInfo, DIAL_ATTEMPTS_MAX,
+    DIAL_QUEUE_MESSAGES_MAX,
 };
 use handoff_actors::link::Inbox;
 use handoff_actors::machine::{Peer, PeerMessage};
@@ -57,7 +58,7 @@ enum Report {
     Dialed {
         peer: Peer,
         generation: u64,
-        result: Result<Box<Dialed>, String>,
+        result: Result<Box<Dialed>, DialFailure>,
     },
     FromDealer {
         peer: Peer,
@@ -86,6 +87,23 @@ struct Dialed {
     addrs: Option<(SocketAddr, SocketAddr)>,
 }
 
+/// Why a dial failed, and whether the peer said anything at all.
+struct DialFailure {
+    detail: String,
+    /// Nothing answered within the timeout (no refusal, no reply): worth another try.
+    silent: bool,
+}
+
+/// A failure the peer (or its absence from the directory) stated: not worth another try.
+impl From<String> for DialFailure {
+    fn from(detail: String) -> Self {
+        Self {
+            detail,
+            silent: false,
+        }
+    }
+}
+
 /// A peer's connections (its liveness is in the [`PeerTable`]).
 #[derive(Default)]
 struct PeerState {
@@ -94,6 +112,8 @@ struct PeerState {
     /// The peer's connection to our ROUTER.
     inbound: Option<ConnId>,
     dialing: Option<u64>,
+    /// Dials in a row that nothing answered ([`DIAL_ATTEMPTS_MAX`]).
+    silent_dials: u32,
     queue: VecDeque<Vec<u8>>,
 }
 
@@ -668,7 +688,7 @@ impl Control {
         });
     }
 
-    fn on_dialed(&mut self, peer: Peer, generation: u64, result: Result<Box<Dialed>, String>) {
+    fn on_dialed(&mut self, peer: Peer, generation: u64, result: Result<Box<Dialed>, DialFailure>) {
         let Some(state) = self.peers.get_mut(&peer) else {
             return;
         };
@@ -676,6 +696,12 @@ impl Control {
             return;
         }
         state.dialing = None;
+        match &result {
+            Ok(_) => state.silent_dials = 0,
+            Err(failure) if failure.silent => state.silent_dials += 1,
+            Err(_) => {}
+        }
+        let again = state.silent_dials < DIAL_ATTEMPTS_MAX;
         match result.map(|d| *d) {
             Ok(Dialed {
                 tx,
@@ -725,9 +751,14 @@ impl Control {
                 });
                 self.flush(&peer);
             }
-            Err(why) => {
-                warn!(%peer, error = %why, "cannot reach peer");
-                self.lose(&peer, &why);
+            Err(DialFailure { detail, silent }) if silent && again => {
+                // The messages for it stay queued; this try is bounded like the last.
+                warn!(%peer, error = %detail, "peer did not answer; dialing it again");
+                self.dial(&peer);
+            }
+            Err(DialFailure { detail, .. }) => {
+                warn!(%peer, error = %detail, "cannot reach peer");
+                self.lose(&peer, &detail);
             }
         }
     }
@@ -833,7 +864,7 @@ struct DialJob {
 impl DialJob {
     /// Looks the peer up, connects, says `Hello` and waits for `HelloAck`, all within the
     /// timeout.
-    async fn run(self) -> Result<Dialed, String> {
+    async fn run(self) -> Result<Dialed, DialFailure> {
         let work = async {
             let records = self
                 .directory
@@ -847,7 +878,13 @@ impl DialJob {
             let dealer =
                 Dealer::connect_with(&record.control_address, b"", self.timeout, self.key.clone())
                     .await
-                    .map_err(|e| format!("{}: {e}", record.control_address))?;
+                    .map_err(|e| DialFailure {
+                        silent: matches!(
+                            e,
+                            handoff_transport::zmtp::ZmtpError::HandshakeTimeout(_)
+                        ),
+                        detail: format!("{}: {e}", record.control_address),
+                    })?;
             let addrs = dealer.socket_addrs();
             let (tx, mut rx) = dealer.split();
             let hello = wire::encode(&Message::Hello(self.hello.clone()), self.key.as_ref())
@@ -865,19 +902,17 @@ impl DialJob {
                     "{}: a reply of {} frames",
                     record.control_address,
                     frames.len()
-                ));
+                )
+                .into());
             };
             let reply = wire::decode(frame, self.key.as_ref())
                 .map_err(|e| format!("{}: {e}", record.control_address))?;
             if let Message::ProtocolError(p) = &reply {
-                return Err(format!(
-                    "{} refused us: {}",
-                    record.control_address, p.detail
-                ));
+                return Err(format!("{} refused us: {}", record.control_address, p.detail).into());
             }
             let ack = messages::check_hello_ack(&reply)
                 .map_err(|e| format!("{}: {e}", record.control_address))?;
-            Ok(Dialed {
+            Ok::<Dialed, DialFailure>(Dialed {
                 tx,
                 rx,
                 incarnation: ack.incarnation,
@@ -891,10 +926,10 @@ impl DialJob {
         };
         match tokio::time::timeout(self.timeout, work).await {
             Ok(result) => result,
-            Err(_) => Err(format!(
-                "no answer from {} within {:?}",
-                self.peer, self.timeout
-            )),
+            Err(_) => Err(DialFailure {
+                detail: format!("no answer from {} within {:?}", self.peer, self.timeout),
+                silent: true,
+            }),
         }
     }
 }

@@ -81,6 +81,13 @@ pub const CONTROL_QUEUE_MESSAGES_MAX: usize = 65_536;
 /// Messages held for one peer while it is being dialed.
 pub const DIAL_QUEUE_MESSAGES_MAX: usize = 4_096;
 
+/// Dials of a peer in a row that may go unanswered (a connection or handshake that did
+/// not finish within `connect_timeout`) before the peer is taken as lost: a refused
+/// connection is a dead peer at once, a silent one may be a starved process (seen with four
+/// vLLM servers on two cores: a first handshake unanswered for 5 s, the next one answered
+/// at once). Each try is bounded by `connect_timeout`.
+pub const DIAL_ATTEMPTS_MAX: u32 = 3;
+
 /// How a [`NetTransport`] behaves.
 #[derive(Clone, Debug)]
 pub struct NetConfig {
@@ -170,10 +177,14 @@ pub(crate) struct PeerInfo {
     pub(crate) verifying: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
-/// How long a transfer with a peer's device memory waits for the same-host check of its
-/// connection before UCX carries it: the first transfer through UCX would map the peer's
-/// CUDA IPC handles in UCX's cache, and a handle maps once per context, so the plane's own
-/// IPC lane could never open them after.
+/// How long a transfer waits for the same-host check of its connection (a peer that offered
+/// its pid) before UCX carries it. Device memory: the first transfer through UCX would map
+/// the peer's CUDA IPC handles in UCX's cache, and a handle maps once per context, so the
+/// plane's own IPC lane could never open them after. Host memory: the first transfer
+/// through UCX unpacks the peer's keys, which an older UCX (before 1.19) does in a forked
+/// copy of this process first (`ucx::rkey`): with an engine's address space and its cores
+/// busy that fork took a second and more (four vLLM servers on two cores), where the kernel
+/// copy the check opens takes a system call. The check itself takes milliseconds.
 pub const SAME_HOST_CHECK_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Peers' [`PeerInfo`], learned at connect; replaced when a peer reconnects.
@@ -431,10 +442,10 @@ impl NetLink {
         let (metrics, op) = (self.metrics.clone(), if write { "write" } else { "read" });
         let peer_data = self.peer_data.clone();
         Box::pin(async move {
-            // Device memory: the same-host check decides the lane before the first
-            // transfer ([`SAME_HOST_CHECK_WAIT_MAX`]).
+            // The same-host check decides the lane before the first transfer
+            // ([`SAME_HOST_CHECK_WAIT_MAX`]).
             let process = match (process, verifying) {
-                (None, Some(mut done)) if descriptor.cuda_device.is_some() => {
+                (None, Some(mut done)) => {
                     let until = tokio::time::Instant::now() + SAME_HOST_CHECK_WAIT_MAX;
                     let _ = tokio::time::timeout_at(until, done.wait_for(|d| *d)).await;
                     peer_data

@@ -410,3 +410,53 @@ async fn garbage_on_the_control_port_costs_one_connection() {
         State::Failed(FailureReason::RejectedBusy)
     );
 }
+
+/// A peer whose first connection goes unanswered (a process starved of its core for
+/// seconds, seen with four vLLM servers on two cores) is dialed again, not taken as lost:
+/// the request reaches it. Here a proxy in front of the real prefill holds the first
+/// connection silently and forwards every later one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_leaves_one_dial_unanswered_is_dialed_again_not_lost() {
+    use handoff_net::Directory as _;
+    let dir = Arc::new(StaticDirectory::new());
+    let p = worker(&dir, Role::Prefill, "P", None).await;
+    let mut record = dir.lookup(&EngineId::new("P")).await.unwrap().remove(0);
+    let real = record
+        .control_address
+        .trim_start_matches("tcp://")
+        .to_string();
+    let proxy = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    record.control_address = format!("tcp://{}", proxy.local_addr().unwrap());
+    dir.insert(record);
+    let (held_tx, mut held_rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut first = true;
+        while let Ok((mut client, _)) = proxy.accept().await {
+            if std::mem::take(&mut first) {
+                let _ = held_tx.send(client); // accepted, never answered
+                continue;
+            }
+            let real = real.clone();
+            tokio::spawn(async move {
+                if let Ok(mut server) = tokio::net::TcpStream::connect(real).await {
+                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                }
+            });
+        }
+    });
+    let d = worker(&dir, Role::Decode, "D", None).await;
+    let s = p.sender("r").unwrap();
+    s.send(vec![BlockId(1)]).unwrap();
+    let r = d.receiver("r", spec("P", Some(vec![BlockId(0)]))).unwrap();
+    // The first dial was held (and with it, 2 s of connect timeout) ...
+    let _held = tokio::time::timeout(T, held_rx.recv()).await.unwrap();
+    // ... the second reached prefill, which wrote (and this plane moves nothing): the
+    // request fails for the transfer, not for a lost peer.
+    let end = tokio::time::timeout(T, r.completion()).await.unwrap();
+    assert!(end.to_string().contains("this test moves no data"), "{end}");
+    assert!(
+        !matches!(s.poll(), State::Bootstrapping),
+        "prefill never heard decode: {}",
+        s.poll()
+    );
+}

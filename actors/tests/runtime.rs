@@ -1230,6 +1230,17 @@ async fn decode_ranks_take_their_heads_from_prefills_ranks(
     mode: TransferMode,
     (prefill_tp, decode_tp, kv_heads): (u32, u32, u32),
 ) {
+    let orders = (HeadOrder::HeadMajor, HeadOrder::TokenMajor);
+    ranks_take_their_heads(mode, (prefill_tp, decode_tp, kv_heads), orders).await;
+}
+
+/// [`decode_ranks_take_their_heads_from_prefills_ranks`] with each side's order of heads
+/// (prefill's, decode's): a latent cache (MLA) on both is one head every rank holds.
+async fn ranks_take_their_heads(
+    mode: TransferMode,
+    (prefill_tp, decode_tp, kv_heads): (u32, u32, u32),
+    (prefill_order, decode_order): (HeadOrder, HeadOrder),
+) {
     let fabric = Fabric::new();
     let layout = |held: u32, order| {
         let mut layout = KvLayout::shaped(KvShape::KvHalves, 2, BLOCKS, (held * 4 * 8) as usize);
@@ -1251,7 +1262,7 @@ async fn decode_ranks_take_their_heads_from_prefills_ranks(
             Role::Prefill,
             rank,
             mode,
-            layout(held, HeadOrder::HeadMajor),
+            layout(held, prefill_order),
         )
         .await;
         prefill.push(p);
@@ -1266,7 +1277,7 @@ async fn decode_ranks_take_their_heads_from_prefills_ranks(
                 Role::Decode,
                 rank,
                 mode,
-                layout(held, HeadOrder::TokenMajor),
+                layout(held, decode_order),
             )
             .await,
         );
@@ -1275,7 +1286,7 @@ async fn decode_ranks_take_their_heads_from_prefills_ranks(
     for (r, p) in prefill.iter().enumerate() {
         let mine = heads(prefill_tp, r as u32);
         for b in &src {
-            let bytes = tp_block(*b, mine.start, mine.len() as u32, HeadOrder::HeadMajor);
+            let bytes = tp_block(*b, mine.start, mine.len() as u32, prefill_order);
             p.region().write_block(*b, &bytes).unwrap();
         }
     }
@@ -1298,7 +1309,7 @@ async fn decode_ranks_take_their_heads_from_prefills_ranks(
         for (from, to) in src.iter().zip(&dst) {
             assert_eq!(
                 d.region().read_block(*to).unwrap(),
-                tp_block(*from, mine.start, mine.len() as u32, HeadOrder::TokenMajor),
+                tp_block(*from, mine.start, mine.len() as u32, decode_order),
                 "{mode:?}: decode rank {r}, {to}"
             );
         }
@@ -1332,6 +1343,18 @@ async fn decode_tp4_ranks_pull_their_heads_from_prefill_tp2() {
 async fn replicated_decode_heads_are_read_from_the_prefill_rank_holding_them() {
     for mode in [TransferMode::Push, TransferMode::Pull] {
         decode_ranks_take_their_heads_from_prefills_ranks(mode, (2, 4, 2)).await;
+    }
+}
+
+/// Latent attention (MLA): one latent row per token, the same on every rank; each decode
+/// rank reads its whole block from one prefill rank, in both directions.
+#[tokio::test(start_paused = true)]
+async fn latent_caches_are_read_whole_from_one_prefill_rank_between_tp_sizes() {
+    let latent = (HeadOrder::Latent, HeadOrder::Latent);
+    for mode in [TransferMode::Push, TransferMode::Pull] {
+        for sizes in [(2, 1), (1, 2), (4, 2), (2, 4)] {
+            ranks_take_their_heads(mode, (sizes.0, sizes.1, 1), latent).await;
+        }
     }
 }
 

@@ -174,8 +174,9 @@ pub struct WorkerArgs {
     /// rank holds its share of (`kv_heads / tp_size` from `tp_rank × kv_heads / tp_size`,
     /// or one replicated head past that): the KV halves of every layer are then
     /// `--block-tokens` tokens of those heads, ordered as `--head-order` says. Needed on
-    /// both sides to hand over between different TP sizes (decode's must divide
-    /// prefill's); blocks are filled and checked head by head.
+    /// both sides to hand over between different TP sizes (one must divide the other: each
+    /// decode rank gathers its heads from several prefill ranks, or takes its share of one);
+    /// blocks are filled and checked head by head.
     #[arg(long, value_name = "H")]
     pub kv_heads: Option<u32>,
     /// With `--kv-heads`: tokens per block.

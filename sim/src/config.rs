@@ -101,8 +101,8 @@ pub struct Shape {
     pub decode_engines: u32,
     /// Tensor-parallel ranks per prefill dp group (and decode's, unless `decode_tp`).
     pub tp: u32,
-    /// Decode's tensor-parallel ranks per dp group when they differ from prefill's (it
-    /// must divide `tp`; needs `kv_heads`, `layers`, and `pp` 1).
+    /// Decode's tensor-parallel ranks per dp group when they differ from prefill's (it must
+    /// divide `tp` or be a multiple of it; needs `kv_heads`, `layers`, and `pp` 1).
     pub decode_tp: Option<u32>,
     /// The model's KV heads: 0 keeps each tp rank's blocks its own; otherwise every block
     /// is `SIM_BLOCK_TOKENS` tokens of these heads in each K and V half of every layer, and

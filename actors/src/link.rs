@@ -22,6 +22,9 @@ use crate::Error;
 
 pub use crate::machine::PLANE_ANSWER_GRACE;
 
+/// Resolves once a peer's process has exited ([`Link::writer_exit`]).
+pub type ExitFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
+
 /// The outcome of a data transfer.
 pub type TransferFuture = Pin<Box<dyn Future<Output = Result<(), TransferError>> + Send>>;
 
@@ -167,6 +170,16 @@ pub trait Link: Send + Sync + 'static {
     /// every operation is checked against a grant on arrival (TCP, in-process).
     fn one_sided(&self) -> bool {
         false
+    }
+
+    /// A lost peer that may still write into our blocks one-sidedly (it was stopped between
+    /// the check of its lease and a post, say): a future that resolves once its process
+    /// has exited, when this link can watch it (a process on this host, verified to hold
+    /// the other end of our control connection). `None` when it cannot (another host, or
+    /// a plane that checks every write on arrival).
+    fn writer_exit(&self, peer: &Peer) -> Option<ExitFuture> {
+        let _ = peer;
+        None
     }
 
     /// The data plane's name in logs and metrics (`ucx`, `tcp`, `inproc`, `sim`).

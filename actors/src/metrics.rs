@@ -12,6 +12,7 @@
 //! | `handoff_blocks_held` | gauge | `role` | blocks the runtime holds for requests |
 //! | `handoff_blocks_released_total` | counter | `role`, `why` | blocks given back (`done`, `failed`, `late`, `shutdown`) |
 //! | `handoff_fences_pending` | gauge | `role` | ended requests whose blocks wait behind a fence |
+//! | `handoff_blocks_quarantined` | gauge | `role` | blocks held past the fence bound for a lost writer on this host that may still land a write (until it exits or confirms) |
 //! | `handoff_transfers_total` | counter | `transport`, `op`, `outcome` | data-plane transfers (`write`/`read`) that answered `ok` or `failed` |
 //! | `handoff_transfer_blocks_total` | counter | `transport`, `op` | blocks those transfers moved (ok ones) |
 //! | `handoff_transfer_bytes_total` | counter | `transport`, `op` | bytes they moved (network planes: each block's share both ranks hold) |
@@ -94,6 +95,7 @@ pub struct Metrics {
     blocks_held: Family<RoleLabel, Gauge>,
     released: Family<ReleaseLabels, Counter>,
     fences: Family<RoleLabel, Gauge>,
+    quarantined: Family<RoleLabel, Gauge>,
     transfers: Family<TransferEnd, Counter>,
     transfer_blocks: Family<TransferLabels, Counter>,
     transfer_bytes: Family<TransferLabels, Counter>,
@@ -182,6 +184,12 @@ impl Metrics {
             "Ended requests whose blocks wait behind a fence",
             fences.clone(),
         );
+        let quarantined = Family::default();
+        registry.register(
+            "blocks_quarantined",
+            "Blocks held past the fence bound for a lost writer on this host that may still land a write",
+            quarantined.clone(),
+        );
         let transfers = Family::default();
         registry.register(
             "transfers",
@@ -246,6 +254,7 @@ impl Metrics {
             blocks_held,
             released,
             fences,
+            quarantined,
             transfers,
             transfer_blocks,
             transfer_bytes,
@@ -347,6 +356,17 @@ impl Metrics {
         } else {
             gauge.dec();
         }
+    }
+
+    /// `delta` blocks of a request of `r` entered (positive) or left (negative) quarantine.
+    pub fn quarantined(&self, r: Role, delta: i64) {
+        let role = match r {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        };
+        self.quarantined
+            .get_or_create(&RoleLabel { role })
+            .inc_by(delta);
     }
 
     /// A transfer over `transport` (`op`: `write` or `read`) of `blocks` answered after

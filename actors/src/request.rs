@@ -259,6 +259,8 @@ pub(crate) struct RequestState {
     /// lookups is inside it (`peer`: the first peer the request deals with).
     span: Span,
     peer_named: std::cell::Cell<bool>,
+    /// Blocks held in quarantine for a lost writer (counted in the metrics until released).
+    quarantined: usize,
 }
 
 fn now() -> Instant {
@@ -271,6 +273,7 @@ impl Drop for RequestState {
         if let Some(task) = self.resolve.take() {
             task.abort();
         }
+        self.unquarantine();
     }
 }
 
@@ -313,6 +316,7 @@ impl RequestState {
             metrics: args.metrics,
             span,
             peer_named: std::cell::Cell::new(false),
+            quarantined: 0,
         };
         if let Kind::Receiver {
             prefill,
@@ -564,12 +568,54 @@ impl RequestState {
                     MachineEvent::Receiver(done(r))
                 });
             }
-            Action::Release { blocks, why } => self.estate(|e| e.release(&blocks, why)),
+            Action::Quarantine { peers, blocks } => self.quarantine(peers, blocks),
+            Action::Release { blocks, why } => {
+                self.unquarantine();
+                self.estate(|e| e.release(&blocks, why))
+            }
             Action::Aux { from, bytes } => self.estate(|e| e.add_aux(from, bytes)),
             Action::StateChanged(state) => {
                 self.announce(&state);
                 self.estate(|e| e.transition(state));
             }
+        }
+    }
+
+    /// The fence bound passed with lost writers unconfirmed (push over a one-sided plane):
+    /// watch each one's process where the link can, and hold the blocks until it exits or
+    /// confirms; one the link cannot watch is let go on the bound, as before.
+    fn quarantine(&mut self, peers: Vec<crate::machine::Peer>, blocks: usize) {
+        let mut watched = Vec::new();
+        for peer in peers {
+            match self.link.writer_exit(&peer) {
+                Some(exit) => {
+                    watched.push(peer.to_string());
+                    self.transfers.push(Box::pin(async move {
+                        exit.await;
+                        MachineEvent::Receiver(ReceiverEvent::WriterGone { peer, exited: true })
+                    }));
+                }
+                None => {
+                    let event = ReceiverEvent::WriterGone {
+                        peer,
+                        exited: false,
+                    };
+                    self.feed(now(), MachineEvent::Receiver(event));
+                }
+            }
+        }
+        if !watched.is_empty() {
+            warn!(request = %self.id, writers = ?watched, blocks, "quarantined: a lost writer on this host may still land one write in these blocks when it resumes; they are held until it exits or confirms");
+            self.quarantined = blocks;
+            self.metrics.quarantined(self.role, blocks as i64);
+        }
+    }
+
+    /// The quarantined blocks go (or the actor is gone): the gauge forgets them.
+    fn unquarantine(&mut self) {
+        let n = std::mem::take(&mut self.quarantined);
+        if n > 0 {
+            self.metrics.quarantined(self.role, -(n as i64));
         }
     }
 

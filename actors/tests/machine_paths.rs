@@ -454,6 +454,91 @@ fn a_fence_without_acknowledgement_lifts_at_its_deadline() {
     assert!(m.is_settled());
 }
 
+/// A writer lost past the fence bound may be one stopped between its lease check and a
+/// post: no time bound covers that, so its blocks are quarantined (no deadline) until the
+/// driver sees it exit or it confirms; a live rank that never confirmed is let go then.
+#[test]
+fn a_lost_writer_keeps_its_blocks_quarantined_past_the_fence_bound() {
+    let t = Instant::now();
+    let (p0, p1) = (rank("P", 0), rank("P", 1));
+    let timeouts = Timeouts::default();
+    let start = |m: &mut ReceiverMachine| {
+        m.handle(
+            t,
+            ReceiverEvent::PeersResolved {
+                peers: vec![p0.clone(), p1.clone()],
+            },
+        );
+        m.handle(t, ReceiverEvent::Allocated { blocks: b(&[4, 5]) });
+        m.handle(t, ReceiverEvent::PeerLost { peer: p0.clone() });
+        drain_r(m);
+        m.handle_timeout(t + timeouts.fence_max());
+    };
+    let lost = |why: FenceEnd| {
+        released(
+            &[4, 5],
+            failed(
+                FailureReason::PeerLost {
+                    peer: p0.to_string(),
+                },
+                Some(why),
+            ),
+        )
+    };
+    // Its process exits: the blocks go.
+    let mut m = ReceiverMachine::new(t, timeouts, TransferMode::Push).fence_writes(true);
+    start(&mut m);
+    assert_eq!(
+        drain_r(&mut m),
+        vec![Action::Quarantine {
+            peers: vec![p0.clone()],
+            blocks: 2
+        }]
+    );
+    assert_eq!(m.poll_timeout(), None, "no time bound on a quarantine");
+    assert!(!m.is_settled());
+    m.handle_timeout(t + timeouts.fence_max() * 100);
+    m.handle(
+        t,
+        ReceiverEvent::WriterGone {
+            peer: p1.clone(),
+            exited: true,
+        },
+    );
+    assert_eq!(drain_r(&mut m), vec![], "p1 was not what it waits for");
+    m.handle(
+        t,
+        ReceiverEvent::WriterGone {
+            peer: p0.clone(),
+            exited: true,
+        },
+    );
+    assert_eq!(drain_r(&mut m), vec![lost(FenceEnd::Confirmed)]);
+    assert!(m.is_settled());
+    // It comes back and confirms.
+    let mut m = ReceiverMachine::new(t, timeouts, TransferMode::Push).fence_writes(true);
+    start(&mut m);
+    drain_r(&mut m);
+    m.handle(t, ReceiverEvent::AbortAck { from: p0.clone() });
+    assert_eq!(drain_r(&mut m), vec![lost(FenceEnd::Confirmed)]);
+    // Its driver cannot watch it (another host): the bound is all there is.
+    let mut m = ReceiverMachine::new(t, timeouts, TransferMode::Push).fence_writes(true);
+    start(&mut m);
+    drain_r(&mut m);
+    m.handle(
+        t,
+        ReceiverEvent::WriterGone {
+            peer: p0.clone(),
+            exited: false,
+        },
+    );
+    assert_eq!(drain_r(&mut m), vec![lost(FenceEnd::Bound)]);
+    // A plane that checks every write on arrival fences nothing.
+    let mut m = ReceiverMachine::new(t, timeouts, TransferMode::Push);
+    start(&mut m);
+    assert!(m.is_settled());
+}
+
 #[test]
 fn a_prefill_rank_acknowledges_only_after_its_write_reported_back() {
     let t = Instant::now();

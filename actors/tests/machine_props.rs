@@ -7,6 +7,8 @@
 //! - the machine is terminal no later than `created + Timeouts::lifetime_max()`,
 //! - every block handed in is released exactly once, and none before the end (except
 //!   blocks handed in twice or after the end, which go back at once),
+//! - a lost writer's blocks (push over a one-sided plane) are never let go on a time bound
+//!   while its driver watches it: they are quarantined until it is reported gone,
 //! - `merge` is commutative, associative and idempotent, and `Failed` dominates.
 
 use std::collections::BTreeMap;
@@ -136,6 +138,8 @@ struct Ledger {
     fence_max: Duration,
     /// Prefill ranks whose payload was handed to the engine.
     aux_from: Vec<RankInfo>,
+    /// Lost prefill ranks whose blocks the machine quarantined past the fence bound.
+    quarantined: Vec<RankInfo>,
 }
 
 impl Ledger {
@@ -150,6 +154,7 @@ impl Ledger {
             fenced_by: None,
             fence_max: timeouts().fence_max(),
             aux_from: Vec::new(),
+            quarantined: Vec::new(),
         }
     }
 
@@ -236,6 +241,15 @@ impl Ledger {
                     );
                 }
                 Action::Send { .. } => {}
+                Action::Quarantine { peers, blocks } => {
+                    assert!(state.is_terminal(), "quarantined before the end");
+                    assert!(!peers.is_empty(), "a quarantine waiting for nobody");
+                    assert!(self.quarantined.is_empty(), "quarantined twice");
+                    let held = self.given.keys().filter(|b| !self.released.contains_key(b));
+                    assert_eq!(blocks, held.count(), "quarantine counts other blocks");
+                    assert!(deadline.is_none(), "a quarantine with a time bound");
+                    self.quarantined = peers;
+                }
                 Action::Aux { from, bytes } => {
                     assert!(!bytes.is_empty(), "an empty payload handed to the engine");
                     assert!(
@@ -515,9 +529,19 @@ proptest! {
                 assert_lost_fails(m.state(), lost.state(), &p);
             }
         }
-        // The deadlines alone end it, and a fence lifts by its own deadline at the latest.
+        // The deadlines alone end it, and a fence lifts by its own deadline at the latest,
+        // unless it quarantined lost writers: then only their end lets the blocks go.
         fire_due!(m, ledger, drain_receiver, start + t.lifetime_max() + t.fence_max() + Duration::from_secs(1));
-        assert!(m.is_settled(), "receiver still fencing after the fence deadline");
+        let lost = std::mem::take(&mut ledger.quarantined);
+        prop_assert!(lost.is_empty() || (fence && mode == TransferMode::Push));
+        for (i, p) in lost.iter().enumerate() {
+            prop_assert!(!m.is_settled(), "quarantined blocks let go before {p} was gone");
+            let later = now + t.fence_max() * 10;
+            m.handle(later, ReceiverEvent::WriterGone { peer: p.clone(), exited: i % 2 == 0 });
+            let actions = drain_receiver(&mut m);
+            ledger.check(later, m.state(), m.poll_timeout(), actions);
+        }
+        prop_assert!(m.is_settled(), "receiver still fencing after the fence deadline");
         ledger.check_end(&t);
     }
 

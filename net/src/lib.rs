@@ -187,6 +187,10 @@ pub(crate) struct PeerInfo {
 /// copy the check opens takes a system call. The check itself takes milliseconds.
 pub const SAME_HOST_CHECK_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// How often a quarantine looks whether a lost writer's process has exited (one `poll` of
+/// its pidfd).
+pub const WRITER_EXIT_POLL: std::time::Duration = std::time::Duration::from_millis(250);
+
 /// Peers' [`PeerInfo`], learned at connect; replaced when a peer reconnects.
 pub(crate) type PeerData = Arc<Mutex<BTreeMap<RankInfo, PeerInfo>>>;
 
@@ -556,6 +560,20 @@ impl Link for NetLink {
 
     fn one_sided(&self) -> bool {
         self.data.one_sided()
+    }
+
+    /// A same-host peer verified at connect: its pidfd, polled every [`WRITER_EXIT_POLL`]
+    /// until the process has exited (a stopped process is alive).
+    fn writer_exit(&self, peer: &Peer) -> Option<handoff_actors::link::ExitFuture> {
+        let process = {
+            let map = self.peer_data.lock().unwrap_or_else(|e| e.into_inner());
+            map.get(peer)?.process.clone()?
+        };
+        Some(Box::pin(async move {
+            while process.alive() {
+                tokio::time::sleep(WRITER_EXIT_POLL).await;
+            }
+        }))
     }
 
     fn transport(&self) -> &'static str {

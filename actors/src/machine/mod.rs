@@ -344,6 +344,17 @@ pub enum Action {
         /// The bytes, as the prefill engine gave them.
         bytes: Vec<u8>,
     },
+    /// Decode, push, one-sided plane: the fence bound passed while these lost prefill ranks
+    /// had not confirmed. The request's `blocks` stay held; the driver reports each rank
+    /// with [`ReceiverEvent::WriterGone`](crate::machine::ReceiverEvent::WriterGone) once its
+    /// process has exited (at once, `exited: false`, when it cannot watch it), unless the
+    /// rank confirms first.
+    Quarantine {
+        /// The lost prefill ranks.
+        peers: Vec<Peer>,
+        /// How many blocks stay held.
+        blocks: usize,
+    },
     /// The state changed (emitted after every transition, for events and logs).
     StateChanged(State),
 }

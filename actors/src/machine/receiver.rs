@@ -90,6 +90,16 @@ pub enum ReceiverEvent {
         /// Who.
         peer: Peer,
     },
+    /// Push, one-sided plane, after [`Action::Quarantine`]: what the driver knows of a lost
+    /// prefill rank that never confirmed. `exited`: its process has exited (the kernel
+    /// says so), so nothing of it can write any more; `false`: the driver cannot watch
+    /// it (another host), and the fence bound that has passed is all there is.
+    WriterGone {
+        /// The prefill rank.
+        peer: Peer,
+        /// Whether its process was seen to exit.
+        exited: bool,
+    },
     /// A peer sent a message that has no place on this side of the protocol.
     Unexpected {
         /// Who.
@@ -148,6 +158,11 @@ pub struct ReceiverMachine {
     /// Push: prefill ranks that said `AbortAck` before we failed (it overtook their
     /// `Abort`): they promised no write of theirs can land, so no fence waits for them.
     acked_early: Vec<Peer>,
+    /// Push, one-sided: the fence bound passed with lost prefill ranks unconfirmed, and the
+    /// blocks stay held until the driver reports each gone or it confirms after all.
+    quarantined: bool,
+    /// A lost writer was let go on the bound alone (its driver could not watch it).
+    bound_only: bool,
     /// The data plane's writes are one-sided (RDMA): our side cannot refuse a late one, so a
     /// failed push request fences its blocks. Off for planes that check a grant per write.
     fence_writes: bool,
@@ -173,6 +188,8 @@ impl ReceiverMachine {
             reads_outstanding: 0,
             acks_owed: Vec::new(),
             acked_early: Vec::new(),
+            quarantined: false,
+            bound_only: false,
             fence_writes: false,
             now,
         }
@@ -232,12 +249,7 @@ impl ReceiverMachine {
             State::Bootstrapping => FailureReason::BootstrapTimeout,
             State::WaitingForInput => FailureReason::WaitingTimeout,
             State::Transferring => FailureReason::TransferTimeout,
-            State::Done | State::Failed(_) => {
-                // The fence's deadline: no acknowledgement came; every prefill rank's own
-                // deadlines have passed by now, so none can still write.
-                self.fencing = false;
-                return self.core.release_now(FenceEnd::Bound);
-            }
+            State::Done | State::Failed(_) => return self.on_fence_bound(),
         };
         self.fail(reason, None);
     }
@@ -302,6 +314,8 @@ impl ReceiverMachine {
             ReceiverEvent::Internal { detail } => {
                 self.fail(FailureReason::Internal { detail }, None)
             }
+            // Only ever asked for after the end.
+            ReceiverEvent::WriterGone { .. } => {}
         }
     }
 
@@ -559,6 +573,41 @@ impl ReceiverMachine {
         }
     }
 
+    /// The fence's deadline, with no acknowledgement from some prefill ranks. Every rank's
+    /// own deadlines have passed by now, so a live one (it answers heartbeats, so it is not
+    /// stopped) posts nothing more. A lost one may be a writer stopped between the check of
+    /// its lease and its next post (`SIGSTOP`, a frozen VM): whenever it resumes, that one
+    /// post lands, and no time bound can cover a stop of any length. Its blocks are then
+    /// quarantined ([`Action::Quarantine`]) until it confirms (`AbortAck`/`Done`, after it
+    /// comes back) or the driver reports it gone ([`ReceiverEvent::WriterGone`]).
+    fn on_fence_bound(&mut self) {
+        let lost: Vec<Peer> = self
+            .peers
+            .iter()
+            .filter(|(peer, p)| {
+                self.write_fence && *p == Progress::Gone && !self.acked_early.contains(peer)
+            })
+            .map(|(peer, _)| peer.clone())
+            .collect();
+        if lost.is_empty() || self.quarantined {
+            self.fencing = false;
+            return self.core.release_now(FenceEnd::Bound);
+        }
+        // The live ones are past every deadline of theirs: only the lost ones are waited for.
+        for (_, p) in &mut self.peers {
+            if *p == Progress::Waiting {
+                *p = Progress::Complete;
+            }
+        }
+        self.quarantined = true;
+        self.core.deadline = None;
+        let blocks = self.core.held.len();
+        self.core.actions.push_back(Action::Quarantine {
+            peers: lost,
+            blocks,
+        });
+    }
+
     /// Pull: tells prefill ranks we stopped reading, once no read of ours is in flight.
     fn pay_acks(&mut self) {
         if self.reads_outstanding > 0 {
@@ -591,6 +640,23 @@ impl ReceiverMachine {
                     self.peers[i].1 = Progress::Complete;
                 }
             }
+            ReceiverEvent::WriterGone { peer, exited } => match self.index(&peer) {
+                Some(i) if self.quarantined && self.peers[i].1 == Progress::Gone => {
+                    self.peers[i].1 = Progress::Complete;
+                    self.bound_only |= !exited;
+                }
+                _ => return,
+            },
+            // A writer lost after the end, while its part of the fence still holds: it
+            // may be a stopped one, and is treated as one at the fence's bound.
+            ReceiverEvent::PeerLost { peer } if self.write_fence => {
+                if let Some(i) = self.index(&peer) {
+                    if self.peers[i].1 == Progress::Waiting {
+                        self.peers[i].1 = Progress::Gone;
+                    }
+                }
+                return;
+            }
             ReceiverEvent::ReadComplete { .. } | ReceiverEvent::TransferFailed { .. } => {
                 self.reads_outstanding = self.reads_outstanding.saturating_sub(1);
                 self.pay_acks();
@@ -610,7 +676,12 @@ impl ReceiverMachine {
         }
         if self.fencing && self.fence_can_lift() {
             self.fencing = false;
-            self.core.release_now(FenceEnd::Confirmed);
+            let end = if self.bound_only {
+                FenceEnd::Bound
+            } else {
+                FenceEnd::Confirmed
+            };
+            self.core.release_now(end);
         }
     }
 }

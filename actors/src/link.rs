@@ -70,6 +70,13 @@ pub enum TransferError {
         /// The peer's data address.
         address: String,
     },
+    /// The peer's write grant came over a control connection that has since closed: the
+    /// peer may have taken us as lost and failed the request, so nothing is written.
+    #[error("the write grant of {peer} came over a connection that has since closed: it may have failed the request and given the blocks back")]
+    GrantFromOldConnection {
+        /// The peer.
+        peer: Peer,
+    },
     /// The transfer was asked for after its deadline.
     #[error("the transfer's deadline passed before it started")]
     Late,

@@ -7,7 +7,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use handoff_transport::auth::Key;
@@ -25,8 +25,8 @@ use tracing::{debug, info, trace, warn};
 
 use super::peers::{Incarnation, PeerTable};
 use super::{
-    layer_slices, Cmd, DataPlane, Directory, NetConfig, PeerData, PeerInfo, DIAL_ATTEMPTS_MAX,
-    DIAL_QUEUE_MESSAGES_MAX,
+    layer_slices, Cmd, DataPlane, Directory, NetConfig, PeerData, PeerInfo, WriteGrants,
+    DIAL_ATTEMPTS_MAX, DIAL_QUEUE_MESSAGES_MAX,
 };
 use handoff_actors::link::Inbox;
 use handoff_actors::machine::{Peer, PeerMessage};
@@ -50,6 +50,7 @@ pub(crate) struct Setup {
     /// The same, checked: what peers' requests are paired against.
     pub(crate) layout: KvLayout,
     pub(crate) peer_data: PeerData,
+    pub(crate) write_grants: Arc<Mutex<WriteGrants>>,
     pub(crate) cmds: mpsc::Receiver<Cmd>,
 }
 
@@ -135,6 +136,8 @@ struct Control {
     descriptor: LayoutDescriptor,
     layout: KvLayout,
     peer_data: PeerData,
+    /// Write grants and each peer's connection epoch ([`WriteGrants`]).
+    write_grants: Arc<Mutex<WriteGrants>>,
     peers: BTreeMap<Peer, PeerState>,
     /// Every peer's liveness: incarnations, last heard, heartbeats, leases.
     table: PeerTable,
@@ -159,6 +162,7 @@ pub(crate) fn spawn(setup: Setup) -> tokio::task::JoinHandle<()> {
         descriptor,
         layout,
         peer_data,
+        write_grants,
         cmds,
     } = setup;
     let table = PeerTable::new(cfg.heartbeat_interval * cfg.heartbeats_missed_max);
@@ -174,6 +178,7 @@ pub(crate) fn spawn(setup: Setup) -> tokio::task::JoinHandle<()> {
         descriptor,
         layout,
         peer_data,
+        write_grants,
         peers: BTreeMap::new(),
         table,
         conns: BTreeMap::new(),
@@ -235,6 +240,7 @@ impl Control {
                     if let Some(state) = self.peers.get_mut(&peer) {
                         state.inbound = state.inbound.filter(|c| *c != conn);
                     }
+                    self.note_closed(&peer);
                     self.lose_if_unreachable(&peer, "its connection closed");
                 }
             }
@@ -325,6 +331,11 @@ impl Control {
                     self.inbox.deliver_invalid(peer.clone(), t.request_id, e);
                     return Ok(());
                 }
+                // Written under only while we stay connected to it ([`WriteGrants`]).
+                self.write_grants
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .record(&t.request_id, peer);
                 (
                     t.request_id,
                     PeerMessage::TransferInfo {
@@ -569,7 +580,20 @@ impl Control {
                 state.out = None;
             }
         }
+        self.note_closed(peer);
         self.lose_if_unreachable(peer, "its connection closed");
+    }
+
+    /// A connection with `peer` closed: once none is left, the peer may have taken us as
+    /// lost (it closes every connection when it does), so its write grants so far are void
+    /// even if we reconnect at once.
+    fn note_closed(&mut self, peer: &Peer) {
+        if self.peers.get(peer).is_none_or(|s| !s.connected()) {
+            self.write_grants
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .disconnected(peer);
+        }
     }
 
     // ---- outbound ----
@@ -815,6 +839,10 @@ impl Control {
         // late message of the old incarnation is still stale.
         let known = self.table.lose(peer);
         let state = self.peers.remove(peer);
+        self.write_grants
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .disconnected(peer);
         if state.is_none() && !known {
             return;
         }

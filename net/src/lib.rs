@@ -191,6 +191,73 @@ pub const SAME_HOST_CHECK_WAIT_MAX: std::time::Duration = std::time::Duration::f
 /// its pidfd).
 pub const WRITER_EXIT_POLL: std::time::Duration = std::time::Duration::from_millis(250);
 
+/// Write grants (transfer info) remembered, at most; the oldest are forgotten first, and a
+/// write under a forgotten grant fails by name.
+pub const WRITE_GRANTS_REMEMBERED_MAX: usize = 1 << 16;
+
+/// Which write grants came while we were continuously connected to their peer.
+///
+/// A peer that takes us as lost closes every connection with us and fails the requests it
+/// granted us; if we then reconnect (we were stopped, or cut off, and come back), the new
+/// connection's lease is good, but those grants are not: the peer may have given the
+/// blocks back. So each peer has an epoch, bumped whenever we are left with no connection
+/// to it at all, and a grant is written under only in the epoch it came in. Shared between
+/// the control loop (records, bumps) and the links (check before a write).
+#[derive(Debug, Default)]
+pub(crate) struct WriteGrants {
+    epochs: BTreeMap<Peer, u64>,
+    granted: BTreeMap<RequestId, Vec<(Peer, u64)>>,
+    /// Request ids in the order their first grant came (some may be forgotten already).
+    order: std::collections::VecDeque<RequestId>,
+}
+
+impl WriteGrants {
+    /// `peer` granted writes for `id` over a connection of the current epoch.
+    pub(crate) fn record(&mut self, id: &RequestId, peer: &Peer) {
+        let epoch = self.epochs.get(peer).copied().unwrap_or(0);
+        match self.granted.get_mut(id) {
+            Some(grants) => {
+                grants.retain(|(p, _)| p != peer);
+                grants.push((peer.clone(), epoch));
+            }
+            None => {
+                self.granted.insert(id.clone(), vec![(peer.clone(), epoch)]);
+                self.order.push_back(id.clone());
+            }
+        }
+        while self.granted.len() > WRITE_GRANTS_REMEMBERED_MAX {
+            match self.order.pop_front() {
+                Some(old) => {
+                    self.granted.remove(&old);
+                }
+                None => break,
+            }
+        }
+        if self.order.len() > 2 * WRITE_GRANTS_REMEMBERED_MAX {
+            let granted = &self.granted;
+            self.order.retain(|id| granted.contains_key(id));
+        }
+    }
+
+    /// Every connection with `peer` is gone: its grants so far are void.
+    pub(crate) fn disconnected(&mut self, peer: &Peer) {
+        *self.epochs.entry(peer.clone()).or_default() += 1;
+    }
+
+    /// Whether `peer`'s grant for `id` came in the current epoch.
+    pub(crate) fn holds(&self, id: &RequestId, peer: &Peer) -> bool {
+        let epoch = self.epochs.get(peer).copied().unwrap_or(0);
+        self.granted
+            .get(id)
+            .is_some_and(|g| g.iter().any(|(p, e)| p == peer && *e == epoch))
+    }
+
+    /// The request ended here.
+    pub(crate) fn forget(&mut self, id: &RequestId) {
+        self.granted.remove(id);
+    }
+}
+
 /// Peers' [`PeerInfo`], learned at connect; replaced when a peer reconnects.
 pub(crate) type PeerData = Arc<Mutex<BTreeMap<RankInfo, PeerInfo>>>;
 
@@ -330,6 +397,7 @@ impl Attach for NetTransport {
         })?;
         let (cmds, cmd_rx) = mpsc::channel(CONTROL_QUEUE_MESSAGES_MAX);
         let peer_data: PeerData = Arc::default();
+        let write_grants: Arc<Mutex<WriteGrants>> = Arc::default();
         let metrics = inbox.metrics().clone();
         let task = control::spawn(control::Setup {
             cfg: self.cfg.clone(),
@@ -343,6 +411,7 @@ impl Attach for NetTransport {
             descriptor,
             layout: layout.clone(),
             peer_data: peer_data.clone(),
+            write_grants: write_grants.clone(),
             cmds: cmd_rx,
         });
         let siblings = Arc::default();
@@ -354,6 +423,7 @@ impl Attach for NetTransport {
         ));
         Ok(Arc::new(NetLink {
             peer_data,
+            write_grants,
             me: rank,
             siblings,
             cmds,
@@ -369,6 +439,8 @@ impl Attach for NetTransport {
 /// One runtime's view of the network transport.
 struct NetLink {
     peer_data: PeerData,
+    /// Which write grants came in the current connection epoch with their peer.
+    write_grants: Arc<Mutex<WriteGrants>>,
     me: RankInfo,
     /// The other ranks of this engine at this dp rank, filled by a lookup at attach.
     siblings: Arc<Mutex<Vec<Peer>>>,
@@ -436,6 +508,15 @@ impl NetLink {
             let peer = peer.clone();
             return Box::pin(async move { Err(TransferError::NoLayout { peer }) });
         };
+        let granted = self
+            .write_grants
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .holds(id, peer);
+        if write && !granted {
+            let peer = peer.clone();
+            return Box::pin(async move { Err(TransferError::GrantFromOldConnection { peer }) });
+        }
         let slices = match layer_slices(&self.me, &self.layout, peer, &theirs, write) {
             // The two ranks hold nothing in common (no layer, no head): nothing to move.
             Ok(slices) if slices.is_empty() => return Box::pin(async { Ok(()) }),
@@ -582,6 +663,10 @@ impl Link for NetLink {
 
     fn request_ended(&self, id: &RequestId) {
         self.data.grants().revoke(id);
+        self.write_grants
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .forget(id);
     }
 
     fn detach(&self) {
@@ -624,4 +709,50 @@ async fn find_siblings(
         }
     }
     tracing::warn!(rank = %me, "sibling ranks never all registered; failures will not be forwarded to them");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rank(engine: &str) -> Peer {
+        RankInfo::single(engine)
+    }
+
+    #[test]
+    fn a_write_grant_holds_only_in_the_connection_epoch_it_came_in() {
+        let (d, other) = (rank("D"), rank("E"));
+        let id = RequestId::new("r");
+        let mut grants = WriteGrants::default();
+        assert!(!grants.holds(&id, &d), "never granted");
+        grants.record(&id, &d);
+        assert!(grants.holds(&id, &d));
+        assert!(!grants.holds(&id, &other), "granted by another peer");
+        // Every connection with D closed: D may have failed the request. Reconnecting
+        // does not bring the grant back; a grant made again in the new epoch does.
+        grants.disconnected(&d);
+        assert!(!grants.holds(&id, &d));
+        grants.record(&id, &d);
+        assert!(grants.holds(&id, &d));
+        grants.forget(&id);
+        assert!(!grants.holds(&id, &d));
+    }
+
+    #[test]
+    fn write_grants_remembered_are_bounded_oldest_first() {
+        let d = rank("D");
+        let mut grants = WriteGrants::default();
+        let ids: Vec<RequestId> = (0..WRITE_GRANTS_REMEMBERED_MAX + 2)
+            .map(|i| RequestId::new(format!("r{i}")))
+            .collect();
+        for id in &ids {
+            grants.record(id, &d);
+            grants.forget(id); // ended: its order entry stays until pruned
+            grants.record(id, &d);
+        }
+        assert_eq!(grants.granted.len(), WRITE_GRANTS_REMEMBERED_MAX);
+        assert!(!grants.holds(&ids[0], &d), "the oldest is forgotten");
+        assert!(grants.holds(&ids[ids.len() - 1], &d));
+        assert!(grants.order.len() <= 2 * WRITE_GRANTS_REMEMBERED_MAX + 1);
+    }
 }

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use handoff_actors::link::PLANE_ANSWER_GRACE;
 use handoff_actors::machine::{
     merge, merge_all, Action, PeerMessage, Phase, ReceiverEvent, ReceiverMachine, SenderEvent,
-    SenderMachine, State, Timeouts,
+    SenderMachine, State, Timeouts, QUARANTINE_ASK_EVERY,
 };
 use handoff_actors::ReleaseReason;
 use handoff_transport::{BlockId, FailureReason, RankInfo, TransferMode};
@@ -247,7 +247,6 @@ impl Ledger {
                     assert!(self.quarantined.is_empty(), "quarantined twice");
                     let held = self.given.keys().filter(|b| !self.released.contains_key(b));
                     assert_eq!(blocks, held.count(), "quarantine counts other blocks");
-                    assert!(deadline.is_none(), "a quarantine with a time bound");
                     self.quarantined = peers;
                 }
                 Action::Aux { from, bytes } => {
@@ -276,8 +275,14 @@ impl Ledger {
                 self.terminal_at = Some(now);
                 self.fenced_by = Some(now + self.fence_max);
             }
+            // Quarantined: its deadlines only ask the lost writers again, one interval on.
+            let bound = if self.quarantined.is_empty() {
+                self.fenced_by
+            } else {
+                Some(now + QUARANTINE_ASK_EVERY)
+            };
             assert!(
-                deadline.is_none() || self.fenced_by.is_some_and(|t| deadline <= Some(t)),
+                deadline.is_none() || bound.is_some_and(|t| deadline <= Some(t)),
                 "terminal state with a deadline past the fence bound"
             );
         } else {
@@ -532,11 +537,14 @@ proptest! {
         // The deadlines alone end it, and a fence lifts by its own deadline at the latest,
         // unless it quarantined lost writers: then only their end lets the blocks go.
         fire_due!(m, ledger, drain_receiver, start + t.lifetime_max() + t.fence_max() + Duration::from_secs(1));
-        let lost = std::mem::take(&mut ledger.quarantined);
+        let lost = ledger.quarantined.clone();
         prop_assert!(lost.is_empty() || (fence && mode == TransferMode::Push));
+        // However long it waits, a quarantine only asks the lost writers again.
+        let much_later = start + t.lifetime_max() + t.fence_max() * 10;
+        fire_due!(m, ledger, drain_receiver, much_later);
         for (i, p) in lost.iter().enumerate() {
             prop_assert!(!m.is_settled(), "quarantined blocks let go before {p} was gone");
-            let later = now + t.fence_max() * 10;
+            let later = much_later;
             m.handle(later, ReceiverEvent::WriterGone { peer: p.clone(), exited: i % 2 == 0 });
             let actions = drain_receiver(&mut m);
             ledger.check(later, m.state(), m.poll_timeout(), actions);

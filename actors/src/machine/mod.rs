@@ -56,6 +56,12 @@ pub const PULL_TTL_DEFAULT: Duration = Duration::from_secs(480);
 /// which only a stuck plane makes it do (and says so in the log); every fence outlasts it.
 pub const PLANE_ANSWER_GRACE: Duration = Duration::from_secs(5);
 
+/// How often a decode request whose blocks are quarantined for lost writers asks each of
+/// them again (`Abort`): its acknowledgement may have been lost with its connection, and a
+/// writer that is back answers at once (its request has ended, or ends and answers once no
+/// write of its is in flight).
+pub const QUARANTINE_ASK_EVERY: Duration = Duration::from_secs(5);
+
 /// The deadlines of every non-terminal state. Each is measured from entering the state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Timeouts {

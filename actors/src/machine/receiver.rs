@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use handoff_transport::{BlockId, FailureReason, TransferMode};
 
-use super::{protocol, Action, Core, Peer, PeerMessage, State, Timeouts};
+use super::{protocol, Action, Core, Peer, PeerMessage, State, Timeouts, QUARANTINE_ASK_EVERY};
 use crate::event::FenceEnd;
 
 /// What can happen to a receiver. Fed with [`ReceiverMachine::handle`].
@@ -249,6 +249,7 @@ impl ReceiverMachine {
             State::Bootstrapping => FailureReason::BootstrapTimeout,
             State::WaitingForInput => FailureReason::WaitingTimeout,
             State::Transferring => FailureReason::TransferTimeout,
+            State::Done | State::Failed(_) if self.quarantined => return self.ask_lost(now),
             State::Done | State::Failed(_) => return self.on_fence_bound(),
         };
         self.fail(reason, None);
@@ -600,12 +601,33 @@ impl ReceiverMachine {
             }
         }
         self.quarantined = true;
-        self.core.deadline = None;
         let blocks = self.core.held.len();
         self.core.actions.push_back(Action::Quarantine {
             peers: lost,
             blocks,
         });
+        // The first ask after one interval: a driver that cannot watch the writers answers
+        // at once, and the blocks go without a word to peers that are gone.
+        self.core.deadline = Some(self.now + QUARANTINE_ASK_EVERY);
+    }
+
+    /// Quarantined: asks every lost writer still unconfirmed to confirm (`Abort`; its
+    /// `AbortAck` may have been lost with its connection), and again every
+    /// [`QUARANTINE_ASK_EVERY`]. This deadline never releases anything.
+    fn ask_lost(&mut self, now: Instant) {
+        let reason = match &self.core.state {
+            State::Failed(reason) => reason.clone(),
+            _ => FailureReason::Internal {
+                detail: "quarantined without a failure".into(),
+            },
+        };
+        for (peer, p) in self.peers.clone() {
+            if p == Progress::Gone {
+                let reason = reason.clone();
+                self.core.send(&peer, PeerMessage::Abort { reason });
+            }
+        }
+        self.core.deadline = Some(now + QUARANTINE_ASK_EVERY);
     }
 
     /// Pull: tells prefill ranks we stopped reading, once no read of ours is in flight.

@@ -181,6 +181,9 @@ pub struct NetStats {
     /// One-sided writes refused before posting: the writer's lease with the peer had ended
     /// (a loss was declared between them since the peer granted the blocks).
     pub lease_refused: u64,
+    /// Writes a frozen worker posted as it resumed without a lease check (its stop fell
+    /// between the check and the post).
+    pub posted_unchecked: u64,
     /// Transfers a frozen worker started, held until it resumed.
     pub deferred: u64,
 }
@@ -280,6 +283,9 @@ struct Post {
     /// RDMA: the grant the worker holds for the request when it starts the transfer (its
     /// lease is checked at the post, even if the request ended in between).
     grant: Option<Grant>,
+    /// A write whose lease check passed just before its worker stopped: posted as it
+    /// resumes without another (`NetState::stop_in_gap`).
+    checked: bool,
     reply: oneshot::Sender<Result<(), String>>,
 }
 
@@ -342,6 +348,11 @@ struct NetState {
     losses: BTreeMap<(usize, usize), u64>,
     /// Frozen workers, and when they resume.
     frozen: BTreeMap<usize, u64>,
+    /// Frozen workers whose stop has not yet fallen between a write's lease check and its
+    /// post: the first write such a worker starts while frozen is taken as checked before
+    /// the stop, and posted as it resumes without a check (a real writer's window of one
+    /// post, which no time bound covers: decode's quarantine must).
+    stop_in_gap: BTreeSet<usize>,
     /// A connection that carried no request message for longer than this closes (ms).
     idle_ms: u64,
     /// One between workers that share no live request closes sooner: once idle this long.
@@ -417,6 +428,7 @@ impl SimNet {
             rkeys: BTreeMap::new(),
             losses: BTreeMap::new(),
             frozen: BTreeMap::new(),
+            stop_in_gap: BTreeSet::new(),
             rng: Rng::fork(seed, "net"),
             agenda: BTreeMap::new(),
             seq: 0,
@@ -561,6 +573,7 @@ impl SimNet {
         let mut st = self.lock();
         let at = self.now_ms() + for_ms;
         st.frozen.insert(worker, at);
+        st.stop_in_gap.insert(worker);
         self.push(&mut st, at, NetEvent::Thaw { worker, at });
     }
 
@@ -570,7 +583,21 @@ impl SimNet {
         let mut st = self.lock();
         st.partitions.clear();
         st.frozen.clear();
+        st.stop_in_gap.clear();
         st.bootstrap_up = true;
+        // The frozen workers resume now: what they held back is posted now.
+        let now = self.now_ms();
+        let held: Vec<(u64, u64)> = st
+            .agenda
+            .iter()
+            .filter(|((at, _), e)| *at > now && matches!(e, NetEvent::Post(_)))
+            .map(|(k, _)| *k)
+            .collect();
+        for key in held {
+            if let Some(event) = st.agenda.remove(&key) {
+                self.push(&mut st, now, event);
+            }
+        }
     }
 
     /// How long after [`SimNet::heal_all`] every peer table has decided about what it
@@ -708,6 +735,7 @@ impl SimNet {
             NetEvent::Thaw { worker, at } => {
                 if st.frozen.get(&worker) == Some(&at) {
                     st.frozen.remove(&worker);
+                    st.stop_in_gap.remove(&worker);
                     st.note(t, None, format!("w{worker} resumes"));
                     // The tick it missed runs at once, before anything reaches it.
                     if let Some((at, beats)) = st.tick(t, worker) {
@@ -875,36 +903,38 @@ impl NetState {
             self.stats.fenced += 1;
             return fail(self, format!("{why} (fenced)"));
         }
-        if let Some(owner) = owner {
-            let dst_ok = dp
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .owns_all(dst_blocks, owner);
-            let src_ok = sp
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .owns_all(src_blocks, owner);
-            if !dst_ok {
-                self.findings.push(NetFinding {
-                    t_ms: t,
-                    req,
-                    detail: format!(
-                        "a transfer for {owner} landed in w{} blocks {dst_blocks:?} that its engine had taken back (use after release)",
-                        dst.0
-                    ),
-                });
-            }
-            if !src_ok {
-                self.stats.stale_source += 1;
-                self.note(
-                    t,
-                    req,
-                    format!(
-                        "transfer w{}->w{} read source blocks no longer owned by {owner}",
-                        src.0, dst.0
-                    ),
-                );
-            }
+        // Both ends must still hold the request's own blocks, whatever became of the
+        // worker that posted it (a write posted by a frozen writer as it resumed may be
+        // for a request that ended there, its blocks since reused by another).
+        let dst_ok = dp
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .owns_all(dst_blocks, id);
+        let src_ok = sp
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .owns_all(src_blocks, id);
+        let req = req.or_else(|| req_index(id));
+        if !dst_ok {
+            self.findings.push(NetFinding {
+                t_ms: t,
+                req,
+                detail: format!(
+                    "a transfer for {id} landed in w{} blocks {dst_blocks:?} that its engine had taken back (use after release)",
+                    dst.0
+                ),
+            });
+        }
+        if !src_ok {
+            self.stats.stale_source += 1;
+            self.note(
+                t,
+                req,
+                format!(
+                    "transfer w{}->w{} read source blocks no longer owned by {id}",
+                    src.0, dst.0
+                ),
+            );
         }
         // Between pipeline ranks only the layers both hold move; between TP sizes, the
         // heads the destination takes from the source.
@@ -1384,12 +1414,18 @@ impl SimLink {
                     })
                     .and_then(|n| st.rkeys.get(&(self.idx, id.clone(), n.idx)))
                     .copied(),
+                checked: false,
                 reply: tx,
             };
             match st.frozen.get(&self.idx).copied() {
                 // A frozen worker's transfer waits for it to resume.
                 Some(until) if until > now => {
                     st.stats.deferred += 1;
+                    let mut post = post;
+                    if *src_node == self.me && post.grant.is_some() {
+                        post.checked = st.stop_in_gap.remove(&self.idx);
+                        st.stats.posted_unchecked += u64::from(post.checked);
+                    }
                     net.push(st, until, NetEvent::Post(Box::new(post)));
                 }
                 _ => net.post(st, now, post),
@@ -1417,6 +1453,7 @@ impl SimNet {
             dst,
             deadline_ms,
             grant,
+            checked,
             reply,
         } = post;
         // The blocks of this worker's own request: its source when it writes, its
@@ -1439,7 +1476,7 @@ impl SimNet {
                 }
                 // A one-sided writer fences itself: nothing is posted once a loss was
                 // declared between it and the peer since the grant (its lease ended).
-                if write && st.losses_between(by, peer) != granted.losses {
+                if write && !checked && st.losses_between(by, peer) != granted.losses {
                     lease_ended = Some(peer);
                 }
             }
@@ -1471,6 +1508,9 @@ impl SimNet {
                         .max(1);
                 }
                 let lands = now + ms.max(1);
+                // A write checked before its worker stopped was posted then, in effect: it
+                // lands whatever its deadline (the plane checked it with the lease).
+                let deadline_ms = if checked { u64::MAX } else { deadline_ms };
                 let event = if lands > deadline_ms {
                     // The plane's promise (`Link::write`): nothing posted past the
                     // deadline, an answer by it.
@@ -1504,6 +1544,10 @@ impl SimNet {
     }
 }
 
+/// How often a quarantine looks whether a lost writer's incarnation has ended (as the
+/// network link polls a pidfd).
+const WRITER_EXIT_POLL: std::time::Duration = std::time::Duration::from_millis(250);
+
 impl Link for SimLink {
     fn transport(&self) -> &'static str {
         "sim"
@@ -1517,6 +1561,22 @@ impl Link for SimLink {
     /// one-sided writes do; the fenced plane refuses late ones on arrival, as TCP does.
     fn one_sided(&self) -> bool {
         self.net.lock().data_plane == DataPlane::Rdma
+    }
+
+    /// Every simulated worker is watched as a verified same-host process is: its
+    /// incarnation's end (a crash) is seen, a stop is not.
+    fn writer_exit(&self, peer: &Peer) -> Option<handoff_actors::link::ExitFuture> {
+        let node = {
+            let st = self.net.lock();
+            let n = st.node_of(peer)?;
+            (n.idx, n.inc)
+        };
+        let net = self.net.clone();
+        Some(Box::pin(async move {
+            while net.lock().alive(node) {
+                tokio::time::sleep(WRITER_EXIT_POLL).await;
+            }
+        }))
     }
 
     fn send(&self, to: &Peer, id: &RequestId, msg: PeerMessage) -> Result<(), LinkError> {

@@ -12,6 +12,7 @@ use std::fmt::Write as _;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
+use handoff_actors::machine::QUARANTINE_ASK_EVERY;
 use handoff_actors::{
     Attach, BlockId, EngineId, Error as ActorError, Event, KvLayout, LayerSpan, RankInfo,
     ReceiverHandle, ReceiverSpec, Region, RegionError, RequestId, Role, Runtime, SenderHandle,
@@ -1649,10 +1650,12 @@ impl World {
 
     /// Requests that neither progress nor hit a deadline (a rank ended but never released
     /// its blocks, say) would keep the run going forever: past the longest a request may
-    /// go quiet (a fence waiting out its bound) without any event, whatever is left is
+    /// go quiet (a fence waiting out its bound, then a quarantine asking its lost writer
+    /// again, three asks being lost or cut off) without any event, whatever is left is
     /// reported.
     fn stuck_check(&mut self, now: u64) {
-        let limit = self.cfg.timing.timeouts.fence_max().as_millis() as u64 + HANG_SLACK_MS;
+        let asks = 3 * QUARANTINE_ASK_EVERY.as_millis() as u64;
+        let limit = self.cfg.timing.timeouts.fence_max().as_millis() as u64 + asks + HANG_SLACK_MS;
         if self.reqs.is_empty() || now < self.last_progress_ms + limit {
             return;
         }

@@ -297,6 +297,35 @@ fn a_frozen_writer_that_resumes_lands_nothing_in_released_blocks() {
     );
 }
 
+/// A writer stopped between its lease check and its post, for longer than decode's fence
+/// bound: as it resumes, that one write goes out unchecked (`posted_unchecked`), as a real
+/// writer's would. Decode's fence has passed by then, so only its quarantine (the writer
+/// is lost, not seen to exit) keeps the blocks from the engine: no byte may land in a
+/// released block, and every quarantine ends once the writer is back and confirms.
+#[test]
+fn a_writer_stopped_between_check_and_post_lands_only_in_quarantined_blocks() {
+    let mut unchecked = 0;
+    for seed in 0..8u64 {
+        let mut cfg = base(8150 + seed);
+        cfg.shape.mode = ModeChoice::Push;
+        cfg.data_plane = DataPlane::Rdma;
+        cfg.workload.requests = 80;
+        cfg.workload.compute_ms = (40, 160);
+        let past_the_fence = cfg.timing.timeouts.fence_max().as_millis() as u64 + 2_000;
+        cfg.script.push(Scripted::Freeze {
+            target: Target::Engine("P0".into()),
+            at_ms: 60 + 13 * seed,
+            for_ms: past_the_fence,
+        });
+        let report = run(&cfg);
+        assert_eq!(report.injected.get("freeze"), Some(&1), "{report}");
+        assert!(landed_after_release(&report).is_empty(), "{report}");
+        assert!(report.violations.is_empty(), "{report}");
+        unchecked += report.net.posted_unchecked;
+    }
+    assert!(unchecked > 0, "no write went out unchecked");
+}
+
 /// One plane cut, the other up, over RDMA push and pull: a control-only cut stops the
 /// heartbeats while data still flows (requests fail as lost peers, and no write lands in
 /// blocks given back); a data-only cut fails transfers while the peers stay connected

@@ -148,6 +148,7 @@ struct Side {
     held: Gauge,
     released: [Counter; 4],
     fences: Gauge,
+    quarantined: Gauge,
 }
 
 impl Metrics {
@@ -304,6 +305,7 @@ impl Metrics {
                 held: self.blocks_held.get_or_create(&RoleLabel { role }).clone(),
                 released,
                 fences: self.fences.get_or_create(&RoleLabel { role }).clone(),
+                quarantined: self.quarantined.get_or_create(&RoleLabel { role }).clone(),
             }
         })
     }
@@ -360,13 +362,7 @@ impl Metrics {
 
     /// `delta` blocks of a request of `r` entered (positive) or left (negative) quarantine.
     pub fn quarantined(&self, r: Role, delta: i64) {
-        let role = match r {
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-        };
-        self.quarantined
-            .get_or_create(&RoleLabel { role })
-            .inc_by(delta);
+        self.side(r).quarantined.inc_by(delta);
     }
 
     /// A transfer over `transport` (`op`: `write` or `read`) of `blocks` answered after

@@ -2028,6 +2028,12 @@ fn workers_and_the_bootstrap_server_serve_metrics_that_promtool_accepts() {
         Some(0.0),
         "{decode}"
     );
+    // Shown from the start, at zero, so that an alert on it needs no absent-series rule.
+    assert_eq!(
+        sample(&decode, r#"handoff_blocks_quarantined{role="decode"}"#),
+        Some(0.0),
+        "{decode}"
+    );
     assert_eq!(
         sample(
             &decode,

@@ -228,7 +228,6 @@ enum NetEvent {
         /// the destination side reads (pull): where the grant is checked.
         id: RequestId,
         write: bool,
-        owner: Option<RequestId>,
         reply: oneshot::Sender<Result<(), String>>,
     },
     /// A transfer that would end past its deadline: the plane answers at the deadline,
@@ -669,7 +668,6 @@ impl SimNet {
                 dst_blocks,
                 id,
                 write,
-                owner,
                 reply,
             } => {
                 let ends = Ends {
@@ -678,7 +676,7 @@ impl SimNet {
                     src_blocks: &src_blocks,
                     dst_blocks: &dst_blocks,
                 };
-                let r = st.land(t, ends, &id, write, owner.as_ref());
+                let r = st.land(t, ends, &id, write);
                 let _ = reply.send(r);
             }
             NetEvent::Expire { req, reply } => {
@@ -848,21 +846,14 @@ impl NetState {
         }
     }
 
-    fn land(
-        &mut self,
-        t: u64,
-        ends: Ends<'_>,
-        id: &RequestId,
-        write: bool,
-        owner: Option<&RequestId>,
-    ) -> Result<(), String> {
+    fn land(&mut self, t: u64, ends: Ends<'_>, id: &RequestId, write: bool) -> Result<(), String> {
         let Ends {
             src,
             dst,
             src_blocks,
             dst_blocks,
         } = ends;
-        let req = owner.and_then(req_index);
+        let req = req_index(id);
         let fail = |st: &mut Self, why: String| {
             st.stats.transfers_failed += 1;
             st.note(
@@ -914,7 +905,6 @@ impl NetState {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .owns_all(src_blocks, id);
-        let req = req.or_else(|| req_index(id));
         if !dst_ok {
             self.findings.push(NetFinding {
                 t_ms: t,
@@ -1456,10 +1446,7 @@ impl SimNet {
             checked,
             reply,
         } = post;
-        // The blocks of this worker's own request: its source when it writes, its
-        // destination when it reads.
         let write = st.ranks.get(by) == Some(&src_node);
-        let owner_blocks = if write { &src } else { &dst }.clone();
         let mut ends = (
             st.node_of(&src_node).map(|n| (n.idx, n.inc)),
             st.node_of(&dst_node).map(|n| (n.idx, n.inc)),
@@ -1490,14 +1477,6 @@ impl SimNet {
                 ))
             }
             (Some(s), Some(d)) if st.alive(s) && st.alive(d) => {
-                let owner = st.node_at(by).and_then(|n| n.pool.clone()).and_then(|p| {
-                    owner_blocks.first().and_then(|b| {
-                        p.lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .owner(*b)
-                            .cloned()
-                    })
-                });
                 let blocks = src.len() as u64;
                 let mut ms = st.timing.transfer_base_ms + blocks / st.timing.blocks_per_ms;
                 if st.faults_on && st.rng.chance(st.faults.slow_ppm) {
@@ -1515,7 +1494,7 @@ impl SimNet {
                     // The plane's promise (`Link::write`): nothing posted past the
                     // deadline, an answer by it.
                     NetEvent::Expire {
-                        req: owner.as_ref().and_then(req_index),
+                        req: req_index(&id),
                         reply,
                     }
                 } else {
@@ -1526,7 +1505,6 @@ impl SimNet {
                         dst_blocks: dst,
                         id,
                         write,
-                        owner,
                         reply,
                     }
                 };

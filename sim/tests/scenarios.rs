@@ -260,6 +260,26 @@ fn push_writes_never_land_in_blocks_decode_released_under_rdma() {
     }
 }
 
+/// Push over RDMA with prefill engine P0 frozen (as by SIGSTOP) for `for_ms` (or, given
+/// none, a fence bound and 2 s), from `60 + 13 × i` ms: long prefills, so that many
+/// requests have their grant when the freeze comes and hand their blocks over while frozen.
+fn frozen_writer((seed, i): (u64, u64), for_ms: Option<u64>) -> Report {
+    let mut cfg = base(seed);
+    cfg.shape.mode = ModeChoice::Push;
+    cfg.data_plane = DataPlane::Rdma;
+    cfg.workload.requests = 80;
+    cfg.workload.compute_ms = (40, 160);
+    let past_the_fence = cfg.timing.timeouts.fence_max().as_millis() as u64 + 2_000;
+    cfg.script.push(Scripted::Freeze {
+        target: Target::Engine("P0".into()),
+        at_ms: 60 + 13 * i,
+        for_ms: for_ms.unwrap_or(past_the_fence),
+    });
+    let report = run(&cfg);
+    assert_eq!(report.injected.get("freeze"), Some(&1), "{report}");
+    report
+}
+
 /// A prefill engine frozen (as by SIGSTOP) past decode's loss timeout and fences, with its
 /// writes queued, resumes: decode had failed its requests and given their blocks to
 /// others, so each queued one-sided write must be refused by the writer's own lease, and
@@ -268,20 +288,7 @@ fn push_writes_never_land_in_blocks_decode_released_under_rdma() {
 fn a_frozen_writer_that_resumes_lands_nothing_in_released_blocks() {
     let (mut deferred, mut refused) = (0, 0);
     for seed in 0..8u64 {
-        let mut cfg = base(8100 + seed);
-        cfg.shape.mode = ModeChoice::Push;
-        cfg.data_plane = DataPlane::Rdma;
-        cfg.workload.requests = 80;
-        // Long prefills: many requests have their grant when the freeze comes, and hand
-        // their blocks over while frozen.
-        cfg.workload.compute_ms = (40, 160);
-        cfg.script.push(Scripted::Freeze {
-            target: Target::Engine("P0".into()),
-            at_ms: 60 + 13 * seed,
-            for_ms: 1_500,
-        });
-        let report = run(&cfg);
-        assert_eq!(report.injected.get("freeze"), Some(&1), "{report}");
+        let report = frozen_writer((8100 + seed, seed), Some(1_500));
         assert!(
             report.net.peer_lost > 0,
             "decode declared it lost: {report}"
@@ -306,19 +313,7 @@ fn a_frozen_writer_that_resumes_lands_nothing_in_released_blocks() {
 fn a_writer_stopped_between_check_and_post_lands_only_in_quarantined_blocks() {
     let mut unchecked = 0;
     for seed in 0..8u64 {
-        let mut cfg = base(8150 + seed);
-        cfg.shape.mode = ModeChoice::Push;
-        cfg.data_plane = DataPlane::Rdma;
-        cfg.workload.requests = 80;
-        cfg.workload.compute_ms = (40, 160);
-        let past_the_fence = cfg.timing.timeouts.fence_max().as_millis() as u64 + 2_000;
-        cfg.script.push(Scripted::Freeze {
-            target: Target::Engine("P0".into()),
-            at_ms: 60 + 13 * seed,
-            for_ms: past_the_fence,
-        });
-        let report = run(&cfg);
-        assert_eq!(report.injected.get("freeze"), Some(&1), "{report}");
+        let report = frozen_writer((8150 + seed, seed), None);
         assert!(landed_after_release(&report).is_empty(), "{report}");
         assert!(report.violations.is_empty(), "{report}");
         unchecked += report.net.posted_unchecked;

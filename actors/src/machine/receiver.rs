@@ -585,12 +585,10 @@ impl ReceiverMachine {
         let lost: Vec<Peer> = self
             .peers
             .iter()
-            .filter(|(peer, p)| {
-                self.write_fence && *p == Progress::Gone && !self.acked_early.contains(peer)
-            })
+            .filter(|(peer, p)| *p == Progress::Gone && !self.acked_early.contains(peer))
             .map(|(peer, _)| peer.clone())
             .collect();
-        if lost.is_empty() || self.quarantined {
+        if !self.write_fence || lost.is_empty() {
             self.fencing = false;
             return self.core.release_now(FenceEnd::Bound);
         }
@@ -615,11 +613,9 @@ impl ReceiverMachine {
     /// `AbortAck` may have been lost with its connection), and again every
     /// [`QUARANTINE_ASK_EVERY`]. This deadline never releases anything.
     fn ask_lost(&mut self, now: Instant) {
-        let reason = match &self.core.state {
-            State::Failed(reason) => reason.clone(),
-            _ => FailureReason::Internal {
-                detail: "quarantined without a failure".into(),
-            },
+        // Only a failed request fences (and so quarantines).
+        let State::Failed(reason) = self.core.state.clone() else {
+            return;
         };
         for (peer, p) in self.peers.clone() {
             if p == Progress::Gone {

@@ -604,10 +604,23 @@ async fn drive(
             let blocks: Vec<BlockId> = (0..a.blocks_per_request)
                 .filter_map(|_| plan.pool.pop())
                 .collect();
-            if let Err(e) = open(a, rt, role, &id, prefill, blocks.clone()) {
-                emit(json!({"event": "error", "request": id.as_str(), "error": e}));
-                failed += 1;
-                continue;
+            match open(a, rt, role, &id, prefill, blocks.clone()) {
+                Ok(()) => {}
+                Err(Opened::Refused(e)) => {
+                    emit(json!({"event": "error", "request": id.as_str(), "error": e}));
+                    plan.pool.extend(blocks);
+                    failed += 1;
+                    continue;
+                }
+                Err(Opened::EndedFirst(e)) => {
+                    // The request is open but failed before its blocks were handed over:
+                    // they stay the worker's, and its end still comes as an event, which
+                    // counts it (once).
+                    emit(json!({"event": "error", "request": id.as_str(), "error": e}));
+                    plan.pool.extend(blocks);
+                    opened.insert(id, (Instant::now(), Vec::new()));
+                    continue;
+                }
             }
             // The blocks this request is given (decode with --no-alloc gives none).
             let given: Vec<u32> = if role == Role::Decode && a.no_alloc {
@@ -685,6 +698,15 @@ async fn drive(
     (code, summary)
 }
 
+/// Why a request was not opened with its blocks.
+enum Opened {
+    /// Not opened at all: no event will come for it.
+    Refused(String),
+    /// Opened, but it ended before its blocks were handed over (they were not taken): its
+    /// terminal event comes as any other's.
+    EndedFirst(String),
+}
+
 fn open(
     a: &WorkerArgs,
     rt: &Runtime,
@@ -692,10 +714,11 @@ fn open(
     id: &RequestId,
     prefill: Option<String>,
     blocks: Vec<BlockId>,
-) -> Result<(), String> {
+) -> Result<(), Opened> {
+    let refused = |e: handoff_actors::Error| Opened::Refused(e.to_string());
     match role {
         Role::Prefill => {
-            let sender = rt.sender(id.clone()).map_err(|e| e.to_string())?;
+            let sender = rt.sender(id.clone()).map_err(refused)?;
             let region = rt.region().clone();
             let (hold, id, rank) = (Duration::from_millis(a.hold_ms), id.clone(), rank_of(a));
             tokio::spawn(async move {
@@ -718,14 +741,18 @@ fn open(
             });
         }
         Role::Decode => {
-            let prefill = prefill.ok_or("a decode worker needs --prefill ENGINE")?;
+            let prefill = prefill
+                .ok_or_else(|| Opened::Refused("a decode worker needs --prefill ENGINE".into()))?;
             let blocks = (!a.no_alloc).then_some(blocks);
             let spec = ReceiverSpec {
                 prefill: EngineId::new(prefill),
                 prefill_dp_rank: None,
                 blocks,
             };
-            rt.receiver(id.clone(), spec).map_err(|e| e.to_string())?;
+            rt.receiver(id.clone(), spec).map_err(|e| match e {
+                e @ handoff_actors::Error::RequestEnded { .. } => Opened::EndedFirst(e.to_string()),
+                e => refused(e),
+            })?;
         }
     }
     Ok(())

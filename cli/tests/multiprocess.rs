@@ -463,6 +463,86 @@ fn head_flags_that_describe_no_pool_are_refused_at_start() {
     }
 }
 
+/// TP sizes where neither divides the other, across processes (6 KV heads: prefill at TP 2
+/// holds 3 per rank, decode at TP 3 holds 2): every decode rank fails each of its requests
+/// by name, before a byte moves; each request ends once, every block it was given is
+/// released once, and the worker exits on its own. (A request that fails before the
+/// worker hands it its blocks once counted twice, so a worker stopped early and gave
+/// another request's blocks back at shutdown without its end.)
+#[test]
+fn tp_sizes_neither_dividing_the_other_are_refused_by_name_across_processes() {
+    let (_boot, addr) = bootstrap();
+    let heads = ["--layers", "2", "--kv-heads", "6", "--block-tokens", "8"];
+    let block_bytes = |tp: u32| (6 / tp * 2 * 2 * 8 * 64).to_string();
+    let rank = |role: &str, engine: &str, tp: u32, r: u32, extra: &[&str]| {
+        let (size, rank, bytes) = (tp.to_string(), r.to_string(), block_bytes(tp));
+        let mut args = vec![
+            "--tp-size",
+            &size,
+            "--tp-rank",
+            &rank,
+            "--block-bytes",
+            &bytes,
+        ];
+        args.extend(heads);
+        args.extend(extra);
+        worker(&format!("{role}-tp{r}"), role, engine, &addr, &args)
+    };
+    let _prefill: Vec<Proc> = (0..2)
+        .map(|r| rank("prefill", "P", 2, r, &["--serve"]))
+        .collect();
+    let decode: Vec<Proc> = (0..3)
+        .map(|r| {
+            // A second wave after the first has failed: its lookups are answered at once,
+            // so requests fail while the worker is still handing them their blocks.
+            let wave = ["--then-prefill", "P", "--then-after-ms", "200"];
+            rank(
+                "decode",
+                "D",
+                3,
+                r,
+                &[&["--prefill", "P", "--requests", "2"][..], &wave].concat(),
+            )
+        })
+        .collect();
+    for (r, d) in decode.iter().enumerate() {
+        let lines: Vec<Value> = d
+            .rest()
+            .iter()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect();
+        let what = format!("decode rank {r}: {lines:?}");
+        let ends = ends_of(&lines);
+        assert_eq!(ends.len(), 4, "{what}");
+        for e in &ends {
+            assert_eq!(e["kind"], "protocol_error", "{what}");
+            let reason = e["reason"].as_str().unwrap_or_default();
+            assert!(reason.contains("neither divides"), "{what}");
+        }
+        let summary = lines.iter().find(|v| v["event"] == "summary").expect(&what);
+        assert_eq!(summary["by_kind"]["protocol_error"], 4, "{what}");
+        assert_eq!(summary["failed"], 4, "{what}");
+        let mut given: Vec<u64> = Vec::new();
+        let mut released: Vec<u64> = Vec::new();
+        for v in &lines {
+            let blocks = v["blocks"].as_array().into_iter().flatten();
+            let ids = blocks.filter_map(Value::as_u64);
+            match v["event"].as_str() {
+                Some("opened") => given.extend(ids),
+                Some("released") => {
+                    // `late`: handed over while the request was failing.
+                    assert!(v["why"] == "failed" || v["why"] == "late", "{what}");
+                    released.extend(ids)
+                }
+                _ => {}
+            }
+        }
+        given.sort_unstable();
+        released.sort_unstable();
+        assert_eq!(given, released, "{what}");
+    }
+}
+
 #[test]
 fn tp2_prefill_ranks_each_deliver_their_heads_over_tcp() {
     tp_ranks_meet_in_decode("push", "tcp", (2, 1));

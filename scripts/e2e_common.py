@@ -153,6 +153,21 @@ class ServerProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def cpu_seconds(self) -> float:
+        """CPU time (user and system) the live processes of this server's group have used."""
+        total = 0
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # exited meanwhile
+            if int(fields[2]) == self.proc.pid:  # its process group
+                total += int(fields[11]) + int(fields[12])  # utime, stime
+        return total / os.sysconf("SC_CLK_TCK")
+
     def kill(self) -> None:
         if self.alive():
             os.killpg(self.proc.pid, signal.SIGKILL)

@@ -41,6 +41,11 @@ PREFILL_LOSS_ANSWER_S_MAX = 10.0
 DECODE_LOSS_FREE_S_MAX = 10.0
 #: The TTL prefill runs with in these checks: freeing must come well before it.
 TTL_S = 120
+#: Seconds each connector's pair is watched with no request in flight, for the CPU it uses.
+IDLE_S = 5.0
+#: CPU our instances may use between requests, in cores each: the runtime waits on events,
+#: it does not spin (the engine's cores are the engine's).
+IDLE_CORES_MAX = 0.1
 
 
 class Server(ServerProcess):
@@ -248,6 +253,16 @@ def _ms(a: datetime.datetime, b: datetime.datetime) -> float:
     return (b - a).total_seconds() * 1000.0
 
 
+def idle_cores(servers: list[Server]) -> list[float]:
+    """CPU each server's processes use over `IDLE_S` with no request in flight, in cores."""
+    time.sleep(1.0)  # the last request's tail (its release, the engine's next idle step)
+    before = [s.cpu_seconds() for s in servers]
+    t = time.monotonic()
+    time.sleep(IDLE_S)
+    dt = time.monotonic() - t
+    return [(s.cpu_seconds() - b) / dt for s, b in zip(servers, before, strict=True)]
+
+
 def handoff_times(d: Server, since: int) -> list[float]:
     """Decode-side handoff times our connector logged (receiver opened -> blocks in)."""
     text = d.text(since)
@@ -330,6 +345,7 @@ def summarize(
     rows: dict[str, dict[int, list[dict]]],
     handoff_ms: dict[int, list[float]],
     runtime_ms: dict[int, list[tuple[float, float]]],
+    idle: dict[str, list[float]],
 ):
     def med(xs):
         xs = [x for x in xs if x is not None]
@@ -362,6 +378,13 @@ def summarize(
         if read and [x for x in nx if x]:
             ratio = f"{statistics.median([x for x in nx if x]) / statistics.median(read):.2f}"
         print(f"| {size} | the read itself | {med(read)} | {med(nx)} | {ratio} |")
+    cores = {k: " + ".join(f"{c:.2f}" for c in v) for k, v in idle.items()}
+    print(
+        f"\nCPU between requests, cores (prefill + decode, each its own instance, over"
+        f" {IDLE_S:.0f} s with nothing in flight): HandoffConnector {cores.get('handoff', 'n/a')},"
+        f" NixlConnector {cores.get('nixl', 'n/a')}. On this machine's two cores, what an idle"
+        " connector spins is taken from its own engine's forward passes."
+    )
     print(
         "\nTTFT: first streamed token of the decode request (the transfer, one forward pass"
         " and scheduling). Transfer: HandoffConnector = decode's receiver opened to the engine"
@@ -379,7 +402,7 @@ def main() -> int:
     ap.add_argument("--dir", required=True, help="the venv's folder (logs go there)")
     ap.add_argument("--handoff", required=True, help="the handoff binary")
     ap.add_argument("--transport", default="auto", help="auto | ucx | tcp")
-    ap.add_argument("--reps", type=int, default=6, help="timed requests per prompt size")
+    ap.add_argument("--reps", type=int, default=10, help="timed requests per prompt size")
     ap.add_argument("--skip-nixl", action="store_true", help="only HandoffConnector")
     ap.add_argument(
         "--skip-tp", action="store_true", help="no heterogeneous TP pairings (TP 1 and 2)"
@@ -401,6 +424,7 @@ def main() -> int:
     rows: dict[str, dict[int, list[dict]]] = {}
     handoff_ms: dict[int, list[float]] = {}
     runtime_ms: dict[int, list[tuple[float, float]]] = {}
+    idle: dict[str, list[float]] = {}
     try:
         if not args.only_tp:
             # 1. HandoffConnector: correctness and timings.
@@ -418,6 +442,12 @@ def main() -> int:
                 rows["handoff"][size] = part
                 handoff_ms[size] = handoff_times(d, mark)[1:]  # the warm-up's is dropped
                 runtime_ms[size] = runtime_times(d, mark)[1:]
+            idle["handoff"] = idle_cores([p, d])
+            check(
+                "handoff: prefill and decode idle between requests (no spinning)",
+                max(idle["handoff"]) < IDLE_CORES_MAX,
+                "cores: " + ", ".join(f"{c:.2f}" for c in idle["handoff"]),
+            )  # fmt: skip
             # 2. Prefill killed after its prefill.
             prefill_loss(args, p, d, "handoff")
             # 3. Decode killed mid-handoff (prefill hands its blocks over late, as a slow
@@ -451,6 +481,7 @@ def main() -> int:
             rows["nixl"] = {}
             for si, size in enumerate(SIZES):
                 rows["nixl"][size] = run_connector_size(args, "nixl", size, si)
+            idle["nixl"] = idle_cores([p, d])
     except Exception as e:  # any failure of the run itself is one failed check
         check("the run itself", False, f"{type(e).__name__}: {e}")
     finally:
@@ -458,7 +489,7 @@ def main() -> int:
             s.stop()
         boot.terminate()
         boot.wait(timeout=10)
-    summarize(rows, handoff_ms, runtime_ms)
+    summarize(rows, handoff_ms, runtime_ms, idle)
     return common.finish()
 
 

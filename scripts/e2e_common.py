@@ -121,6 +121,17 @@ def post_json(port: int, path: str, payload: dict, timeout: float):
         return time.perf_counter() - t, None, str(e)
 
 
+def idle_cores(servers: list, seconds: float) -> list[float]:
+    """CPU each server's processes use over `seconds` with no request in flight, in cores
+    (after a second for the last request's tail: its release, the engine's idle step)."""
+    time.sleep(1.0)
+    before = [s.cpu_seconds() for s in servers]
+    t = time.monotonic()
+    time.sleep(seconds)
+    dt = time.monotonic() - t
+    return [(s.cpu_seconds() - b) / dt for s, b in zip(servers, before, strict=True)]
+
+
 def until(cond, timeout_s: float) -> bool:
     """Polls `cond` until it holds or the deadline passes."""
     deadline = time.monotonic() + timeout_s

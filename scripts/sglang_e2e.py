@@ -45,6 +45,11 @@ DECODE_LOSS_FREE_S_MAX = 10.0
 SEND_DELAY_MS = 5000
 #: SGLang's FAKE_BOOTSTRAP_HOST: a request with it runs through decode without a prefill.
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+#: Seconds both pairs are watched with no request in flight, for the CPU each server uses.
+IDLE_S = 5.0
+#: CPU a server with our backend may use between requests, in cores (the server's own
+#: processes included, asleep with --sleep-on-idle): our runtime waits, it does not spin.
+IDLE_CORES_MAX = 0.1
 #: Seed 003 (PD + pipeline parallelism + a saturated decode): prefill runs in two pipeline
 #: stages; decode's KV pool (--max-total-tokens) holds about two of these requests at once.
 SEED3_DECODE_POOL = 1024
@@ -560,7 +565,7 @@ def seed3(args, refs) -> None:
             print(f"- {backend}, pool held past the bootstrap deadline: did not run: {dl}")
 
 
-def summarize(rows: dict[str, dict[int, list[dict]]]) -> None:
+def summarize(rows: dict[str, dict[int, list[dict]]], idle: dict[str, list[float]]) -> None:
     def med(xs):
         xs = [x for x in xs if x is not None]
         if not xs:
@@ -612,6 +617,12 @@ def summarize(rows: dict[str, dict[int, list[dict]]]) -> None:
         " backend goes first alternates); the last two columns compare the two requests of"
         " each round, which ran back to back."
     )
+    cores = {k: " + ".join(f"{c:.2f}" for c in v) for k, v in idle.items()}
+    print(
+        f"\nCPU between requests, cores (prefill + decode, over {IDLE_S:.0f} s with nothing in"
+        f" flight, both pairs up): handoff {cores.get('handoff', 'n/a')}, mooncake (tcp)"
+        f" {cores.get('mooncake', 'n/a')}."
+    )
 
 
 def main() -> int:
@@ -629,6 +640,7 @@ def main() -> int:
     args.bootstrap_port = free_port()
     servers: list[Server] = []
     rows: dict[str, dict[int, list[dict]]] = {}
+    idle: dict[str, list[float]] = {}
     parts = set(args.only or ("sizes", "faults", "seed3"))
     try:
         refs = references(args)
@@ -653,6 +665,12 @@ def main() -> int:
             wait_up([s for pair in up.values() for s in pair])
             if "sizes" in parts:
                 rows = run_sizes(pairs, refs)
+                idle = {label: common.idle_cores(list(up[label]), IDLE_S) for label in up}
+                check(
+                    "handoff: prefill and decode idle between requests (no spinning)",
+                    max(idle["handoff"]) < IDLE_CORES_MAX,
+                    "cores: " + ", ".join(f"{c:.2f}" for c in idle["handoff"]),
+                )  # fmt: skip
             for label, (p, d) in up.items():
                 p.stop()
                 if label != "handoff":
@@ -675,7 +693,7 @@ def main() -> int:
         for s in servers:
             s.stop()
     if rows:
-        summarize(rows)
+        summarize(rows, idle)
     return common.finish()
 
 

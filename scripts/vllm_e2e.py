@@ -253,16 +253,6 @@ def _ms(a: datetime.datetime, b: datetime.datetime) -> float:
     return (b - a).total_seconds() * 1000.0
 
 
-def idle_cores(servers: list[Server]) -> list[float]:
-    """CPU each server's processes use over `IDLE_S` with no request in flight, in cores."""
-    time.sleep(1.0)  # the last request's tail (its release, the engine's next idle step)
-    before = [s.cpu_seconds() for s in servers]
-    t = time.monotonic()
-    time.sleep(IDLE_S)
-    dt = time.monotonic() - t
-    return [(s.cpu_seconds() - b) / dt for s, b in zip(servers, before, strict=True)]
-
-
 def handoff_times(d: Server, since: int) -> list[float]:
     """Decode-side handoff times our connector logged (receiver opened -> blocks in)."""
     text = d.text(since)
@@ -442,7 +432,7 @@ def main() -> int:
                 rows["handoff"][size] = part
                 handoff_ms[size] = handoff_times(d, mark)[1:]  # the warm-up's is dropped
                 runtime_ms[size] = runtime_times(d, mark)[1:]
-            idle["handoff"] = idle_cores([p, d])
+            idle["handoff"] = common.idle_cores([p, d], IDLE_S)
             check(
                 "handoff: prefill and decode idle between requests (no spinning)",
                 max(idle["handoff"]) < IDLE_CORES_MAX,
@@ -481,7 +471,7 @@ def main() -> int:
             rows["nixl"] = {}
             for si, size in enumerate(SIZES):
                 rows["nixl"][size] = run_connector_size(args, "nixl", size, si)
-            idle["nixl"] = idle_cores([p, d])
+            idle["nixl"] = common.idle_cores([p, d], IDLE_S)
     except Exception as e:  # any failure of the run itself is one failed check
         check("the run itself", False, f"{type(e).__name__}: {e}")
     finally:

@@ -1186,7 +1186,7 @@ impl Link {
                 ..
             } => {
                 plane
-                    .write_leased(&request, remote, src, dst, None, deadline, lease.clone())
+                    .write_leased(&request, remote, src, dst, &[], deadline, lease.clone())
                     .await
             }
             Link::Ucx {

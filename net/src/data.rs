@@ -81,9 +81,10 @@ pub struct PlaneTransfer<'a> {
     pub src: Vec<BlockId>,
     /// Destination blocks.
     pub dst: Vec<BlockId>,
-    /// The logical bytes of each block moved when the two sides hold different layers
-    /// ([`BlockSlice::for_ranks`]); `None` moves whole blocks of equal size.
-    pub slice: Option<BlockSlice>,
+    /// The logical bytes of each block moved when the two sides hold different parts of
+    /// it (layers, heads: [`BlockSlice::spans_for_ranks`]), all in this one call; none
+    /// moves whole blocks of equal size.
+    pub slices: Vec<BlockSlice>,
     /// The writer's lease with the peer ([`Lease`]): a one-sided plane posts a write only
     /// while it holds. Planes that check a grant per operation at the target ignore it.
     pub lease: Option<Arc<Lease>>,

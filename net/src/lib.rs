@@ -542,33 +542,25 @@ impl NetLink {
                 }
                 (process, _) => process,
             };
-            // One plane call per slice (a slice is every block's bytes at one offset), in
-            // turn, under the one deadline and lease; the first failure ends the transfer.
-            let (mut src, mut dst, last) = (src, dst, slices.len() - 1);
-            for (i, slice) in slices.into_iter().enumerate() {
-                let n = src.len() as u64;
-                // The block lists go to the last call as they are (the only one, most often).
-                let (s, d) = if i == last {
-                    (std::mem::take(&mut src), std::mem::take(&mut dst))
-                } else {
-                    (src.clone(), dst.clone())
-                };
-                let t = PlaneTransfer {
-                    id: &id,
-                    peer: &peer,
-                    peer_data: &data_descriptor,
-                    peer_layout: &descriptor,
-                    src: s,
-                    dst: d,
-                    slice: Some(slice),
-                    lease: Some(lease.clone()),
-                    deadline,
-                    process: process.clone(),
-                };
-                let fut = if write { data.write(t) } else { data.read(t) };
-                fut.await?;
-                metrics.bytes_moved(data.name(), op, slice.len as u64 * n);
-            }
+            // One plane call for every slice (a slice is every block's bytes at one
+            // offset: one for whole blocks, a run per layer or head between ranks that
+            // hold different parts), under the one deadline and lease.
+            let bytes = slices.iter().map(|s| s.len as u64).sum::<u64>() * src.len() as u64;
+            let t = PlaneTransfer {
+                id: &id,
+                peer: &peer,
+                peer_data: &data_descriptor,
+                peer_layout: &descriptor,
+                src,
+                dst,
+                slices,
+                lease: Some(lease.clone()),
+                deadline,
+                process,
+            };
+            let fut = if write { data.write(t) } else { data.read(t) };
+            fut.await?;
+            metrics.bytes_moved(data.name(), op, bytes);
             Ok(())
         })
     }

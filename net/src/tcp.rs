@@ -109,7 +109,7 @@ impl TcpDataPlane {
             peer_layout,
             src,
             dst,
-            slice,
+            slices,
             deadline,
             ..
         } = t;
@@ -134,11 +134,11 @@ impl TcpDataPlane {
                     })??;
             let result = if write {
                 client
-                    .write_slice(&id, &local, &src, &dst, slice, deadline)
+                    .write_slices(&id, &local, &src, &dst, &slices, deadline)
                     .await
             } else {
                 client
-                    .read_slice(&id, &local, &src, &dst, slice, deadline)
+                    .read_slices(&id, &local, &src, &dst, &slices, deadline)
                     .await
             };
             if result.is_err() {

@@ -119,24 +119,24 @@ impl UcxPlane {
         // `process` is set only when `same_host_copies()` said yes at connect.
         let peer = UcxPeer::from_layout(t.peer.to_string(), t.peer_data.to_vec(), t.peer_layout)
             .with_process(t.process);
-        let (src, dst, slice, id, lease) = (t.src, t.dst, t.slice, t.id, t.lease);
+        let (src, dst, slices, id, lease) = (t.src, t.dst, t.slices, t.id, t.lease);
         let (plane, id, deadline) = (self.plane.clone(), id.clone(), t.deadline);
         Box::pin(async move {
             let result = match (write, lease) {
                 // A one-sided write into the peer's memory: fenced by our lease with it.
                 (true, Some(lease)) => {
                     plane
-                        .write_leased(&id, &peer, &src, &dst, slice, deadline, lease)
+                        .write_leased(&id, &peer, &src, &dst, &slices, deadline, lease)
                         .await
                 }
                 (true, None) => {
                     plane
-                        .write_slice(&id, &peer, &src, &dst, slice, deadline)
+                        .write_slices(&id, &peer, &src, &dst, &slices, deadline)
                         .await
                 }
                 (false, _) => {
                     plane
-                        .read_slice(&id, &peer, &src, &dst, slice, deadline)
+                        .read_slices(&id, &peer, &src, &dst, &slices, deadline)
                         .await
                 }
             };

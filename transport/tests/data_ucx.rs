@@ -360,7 +360,7 @@ async fn a_write_under_an_ended_lease_posts_nothing() {
     revoked.revoke();
     for (what, lease) in [("ended", ended), ("revoked", revoked)] {
         let err = plane
-            .write_leased(&r, &peer, &blocks, &blocks, None, deadline(), lease)
+            .write_leased(&r, &peer, &blocks, &blocks, &[], deadline(), lease)
             .await
             .unwrap_err();
         let text = err.to_string();
@@ -378,7 +378,7 @@ async fn a_write_under_an_ended_lease_posts_nothing() {
     let holds = Arc::new(Lease::new());
     holds.extend_to(Instant::now() + STEP);
     plane
-        .write_leased(&r, &peer, &blocks, &blocks, None, deadline(), holds)
+        .write_leased(&r, &peer, &blocks, &blocks, &[], deadline(), holds)
         .await
         .unwrap();
     let remote = child.ask(&format!("checksum {all}"), STEP);

@@ -247,12 +247,12 @@ async fn a_layer_slice_moves_only_those_layers() {
     let src = ids(0..BLOCKS);
     let dst = Rng::new(3).permutation(BLOCKS);
     plane
-        .write_slice(
+        .write_slices(
             &RequestId::new("r1"),
             &peer,
             &src,
             &dst,
-            Some(slice),
+            &[slice],
             deadline(),
         )
         .await
@@ -262,6 +262,38 @@ async fn a_layer_slice_moves_only_those_layers() {
     fill(&expected, 6);
     Region::copy_block_slices(local, &src, &expected, &dst, slice).unwrap();
     let all = ids(0..BLOCKS);
+    let remote = child.ask(&format!("checksum {}", format_ids(&all)), STEP);
+    assert_eq!(remote, format!("checksum {}", checksum(&expected, &all)));
+    // Two slices in one call, each to another offset (as TP ranks' heads pair): layer 0's
+    // K half into layer 3's V half, and half of layer 3's V half into layer 0's V half.
+    let slices = [
+        BlockSlice {
+            src_offset: 0,
+            dst_offset: 7 * HALF,
+            len: HALF,
+        },
+        BlockSlice {
+            src_offset: 7 * HALF,
+            dst_offset: HALF,
+            len: HALF / 2,
+        },
+    ];
+    assert_eq!(child.ask("fill 8", STEP), "filled");
+    plane
+        .write_slices(
+            &RequestId::new("r2"),
+            &peer,
+            &src,
+            &dst,
+            &slices,
+            deadline(),
+        )
+        .await
+        .unwrap();
+    fill(&expected, 8);
+    for slice in slices {
+        Region::copy_block_slices(local, &src, &expected, &dst, slice).unwrap();
+    }
     let remote = child.ask(&format!("checksum {}", format_ids(&all)), STEP);
     assert_eq!(remote, format!("checksum {}", checksum(&expected, &all)));
 }

@@ -576,12 +576,12 @@ async fn blocks_move_between_regions_of_different_layouts() {
         len: BLOCK_BYTES / 2,
     };
     let before = remote.read_block(BlockId(0)).unwrap();
-    c.write_slice(
+    c.write_slices(
         &r,
         &local,
         &[BlockId(3)],
         &[BlockId(0)],
-        Some(slice),
+        &[slice],
         deadline(),
     )
     .await
@@ -590,6 +590,50 @@ async fn blocks_move_between_regions_of_different_layouts() {
     let want = local.read_block(BlockId(3)).unwrap();
     assert_eq!(after[..BLOCK_BYTES / 2], before[..BLOCK_BYTES / 2]);
     assert_eq!(after[BLOCK_BYTES / 2..], want[BLOCK_BYTES / 2..]);
+    // Two slices of two blocks in one call, each to its own offset (TP heads): only they
+    // move, and a read of the same slices brings them back.
+    let eighth = BLOCK_BYTES / 8;
+    let slices = [
+        BlockSlice {
+            src_offset: 0,
+            dst_offset: 2 * eighth,
+            len: eighth,
+        },
+        BlockSlice {
+            src_offset: 4 * eighth,
+            dst_offset: 0,
+            len: eighth,
+        },
+    ];
+    let (src, dst) = ([BlockId(5), BlockId(6)], [BlockId(1), BlockId(2)]);
+    let before: Vec<Vec<u8>> = dst.iter().map(|b| remote.read_block(*b).unwrap()).collect();
+    c.write_slices(&r, &local, &src, &dst, &slices, deadline())
+        .await
+        .unwrap();
+    for (k, (s, d)) in src.iter().zip(&dst).enumerate() {
+        let mut want = before[k].clone();
+        let from = local.read_block(*s).unwrap();
+        for sl in &slices {
+            want[sl.dst_offset..sl.dst_offset + sl.len]
+                .copy_from_slice(&from[sl.src_offset..sl.src_offset + sl.len]);
+        }
+        assert_eq!(remote.read_block(*d).unwrap(), want, "block {d:?}");
+    }
+    let back = Region::new(BLOCKS, BLOCK_BYTES).unwrap();
+    c.read_slices(&r, &back, &dst, &src, &slices, deadline())
+        .await
+        .unwrap();
+    for (s, d) in src.iter().zip(&dst) {
+        let (got, from) = (back.read_block(*s).unwrap(), remote.read_block(*d).unwrap());
+        for sl in &slices {
+            // In a read the source is the server's block: its `src_offset` into our
+            // `dst_offset`.
+            assert_eq!(
+                got[sl.dst_offset..sl.dst_offset + sl.len],
+                from[sl.src_offset..sl.src_offset + sl.len]
+            );
+        }
+    }
 }
 
 /// A relay that records the bytes its one client sends to `upstream`.

@@ -307,8 +307,8 @@ struct Job {
     peer: UcxPeer,
     local: Vec<BlockId>,
     remote: Vec<BlockId>,
-    /// The slice of every block moved (`None`: whole blocks).
-    slice: Option<BlockSlice>,
+    /// The slices of every block moved (none: whole blocks).
+    slices: Vec<BlockSlice>,
     deadline: Instant,
     /// A writer's lease with the peer, checked before every post (`None`: unfenced).
     lease: Option<Arc<Lease>>,
@@ -709,27 +709,19 @@ impl UcxDataPlane {
         dst: &[BlockId],
         deadline: Instant,
     ) -> Result<(), DataError> {
-        self.submit(
-            Direction::Put,
-            request,
-            peer,
-            src,
-            dst,
-            None,
-            deadline,
-            None,
-        )
-        .await
+        self.submit(Direction::Put, request, peer, src, dst, &[], deadline, None)
+            .await
     }
-    /// [`UcxDataPlane::write`] of one slice of every block (`None`: whole blocks of equal
-    /// size on both sides), for pipeline ranks that hold different parts of a block.
-    pub async fn write_slice(
+    /// [`UcxDataPlane::write`] of some slices of every block (none: whole blocks of equal
+    /// size on both sides), for ranks that hold different parts of a block (pipeline
+    /// stages' layers, TP ranks' heads): every slice of every block in one call.
+    pub async fn write_slices(
         &self,
         request: &RequestId,
         peer: &UcxPeer,
         src: &[BlockId],
         dst: &[BlockId],
-        slice: Option<BlockSlice>,
+        slices: &[BlockSlice],
         deadline: Instant,
     ) -> Result<(), DataError> {
         self.submit(
@@ -738,14 +730,14 @@ impl UcxDataPlane {
             peer,
             src,
             dst,
-            slice,
+            slices,
             deadline,
             None,
         )
         .await
     }
 
-    /// [`UcxDataPlane::write_slice`] fenced by the writer's [`Lease`] with the peer: the
+    /// [`UcxDataPlane::write_slices`] fenced by the writer's [`Lease`] with the peer: the
     /// lease is checked before the job starts and immediately before every operation is
     /// posted; once it has ended nothing more is posted and the call fails
     /// [`DataError::Io`] naming the peer and the lease. A writer frozen or cut off past its
@@ -757,7 +749,7 @@ impl UcxDataPlane {
         peer: &UcxPeer,
         src: &[BlockId],
         dst: &[BlockId],
-        slice: Option<BlockSlice>,
+        slices: &[BlockSlice],
         deadline: Instant,
         lease: Arc<Lease>,
     ) -> Result<(), DataError> {
@@ -767,7 +759,7 @@ impl UcxDataPlane {
             peer,
             src,
             dst,
-            slice,
+            slices,
             deadline,
             Some(lease),
         )
@@ -784,27 +776,19 @@ impl UcxDataPlane {
         dst: &[BlockId],
         deadline: Instant,
     ) -> Result<(), DataError> {
-        self.submit(
-            Direction::Get,
-            request,
-            peer,
-            dst,
-            src,
-            None,
-            deadline,
-            None,
-        )
-        .await
+        self.submit(Direction::Get, request, peer, dst, src, &[], deadline, None)
+            .await
     }
 
-    /// [`UcxDataPlane::read`] of one slice of every block (`None`: whole blocks).
-    pub async fn read_slice(
+    /// [`UcxDataPlane::read`] of some slices of every block (none: whole blocks), in one
+    /// call.
+    pub async fn read_slices(
         &self,
         request: &RequestId,
         peer: &UcxPeer,
         src: &[BlockId],
         dst: &[BlockId],
-        slice: Option<BlockSlice>,
+        slices: &[BlockSlice],
         deadline: Instant,
     ) -> Result<(), DataError> {
         self.submit(
@@ -813,7 +797,7 @@ impl UcxDataPlane {
             peer,
             dst,
             src,
-            slice,
+            slices,
             deadline,
             None,
         )
@@ -829,14 +813,14 @@ impl UcxDataPlane {
         peer: &UcxPeer,
         local: &[BlockId],
         remote: &[BlockId],
-        slice: Option<BlockSlice>,
+        slices: &[BlockSlice],
         deadline: Instant,
         lease: Option<Arc<Lease>>,
     ) -> Result<(), DataError> {
         let started = Instant::now();
         plan::check_lists(local, remote)?;
         self.region.check_blocks(local)?;
-        let at = check_peer(peer, remote, self.region.block_bytes(), slice, direction)?;
+        let at = check_peer(peer, remote, self.region.block_bytes(), slices, direction)?;
         if local.is_empty() {
             return Ok(());
         }
@@ -860,7 +844,8 @@ impl UcxDataPlane {
                     lease.as_deref(),
                 )
             };
-            let bytes = (local.len() as u64).saturating_mul(at.len as u64);
+            let per_block: u64 = at.iter().map(|a| a.len as u64).sum();
+            let bytes = (local.len() as u64).saturating_mul(per_block);
             let multi_thread = tokio::runtime::Handle::try_current()
                 .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
             let copied = if bytes > SAME_HOST_INLINE_BYTES_MAX && multi_thread {
@@ -892,7 +877,7 @@ impl UcxDataPlane {
             peer: peer.clone(),
             local: local.to_vec(),
             remote: remote.to_vec(),
-            slice,
+            slices: slices.to_vec(),
             deadline,
             lease,
             reply,
@@ -1000,9 +985,9 @@ fn check_peer(
     peer: &UcxPeer,
     remote: &[BlockId],
     block_bytes: usize,
-    slice: Option<BlockSlice>,
+    slices: &[BlockSlice],
     direction: Direction,
-) -> Result<plan::Sliced, DataError> {
+) -> Result<Vec<plan::Sliced>, DataError> {
     let protocol = |detail: String| DataError::Protocol {
         peer: peer.name.clone(),
         detail,
@@ -1043,24 +1028,31 @@ fn check_peer(
             r.remote_key.len()
         )));
     }
-    let at = match slice {
-        None if peer.region.block_bytes != block_bytes as u64 => {
-            return Err(DataError::Mismatch {
-                detail: format!(
-                    "local blocks of {block_bytes} bytes, {}'s of {}",
-                    peer.name, peer.region.block_bytes
-                ),
-            })
-        }
-        None => BlockSlice::whole(block_bytes),
-        Some(slice) => slice,
+    if slices.is_empty() && peer.region.block_bytes != block_bytes as u64 {
+        return Err(DataError::Mismatch {
+            detail: format!(
+                "local blocks of {block_bytes} bytes, {}'s of {}",
+                peer.name, peer.region.block_bytes
+            ),
+        });
+    }
+    let whole = [BlockSlice::whole(block_bytes)];
+    let slices = if slices.is_empty() {
+        &whole[..]
+    } else {
+        slices
     };
-    let at = plan::Sliced::new(
-        at,
-        direction == Direction::Put,
-        block_bytes,
-        peer.region.block_bytes,
-    )?;
+    let at = slices
+        .iter()
+        .map(|slice| {
+            plan::Sliced::new(
+                *slice,
+                direction == Direction::Put,
+                block_bytes,
+                peer.region.block_bytes,
+            )
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     peer.region
         .check_blocks(remote)
         .map_err(|e| protocol(e.to_string()))?;
@@ -1630,7 +1622,7 @@ impl State {
         }
         // Checked again on this side of the queue: nothing unchecked is ever posted.
         let block_bytes = self.layout.block_bytes();
-        let at = check_peer(peer, &job.remote, block_bytes, job.slice, job.direction)?;
+        let at = check_peer(peer, &job.remote, block_bytes, &job.slices, job.direction)?;
         let blocks = self.layout.blocks;
         if let Some(b) = job.local.iter().find(|b| b.0 >= blocks) {
             return Err(DataError::Region(crate::region::RegionError::OutOfRange {
@@ -1778,7 +1770,7 @@ impl State {
     fn copy_ipc(
         &mut self,
         job: &Job,
-        at: &plan::Sliced,
+        at: &[plan::Sliced],
         started: Instant,
     ) -> Option<Result<(), DataError>> {
         let peer = &job.peer;
@@ -1927,7 +1919,7 @@ fn post_rounds(
     ours: &KvLayout,
     keys: &PeerKeys,
     job: &Job,
-    at: &plan::Sliced,
+    at: &[plan::Sliced],
 ) -> Result<(), UcxError> {
     let remotes: Vec<&RemoteKey> = keys.rkeys.iter().collect();
     let theirs = &keys.layout;
@@ -1939,7 +1931,7 @@ fn post_rounds(
     let layout_error = |e: crate::layout::LayoutError| UcxError::InvalidArgument {
         what: e.to_string(),
     };
-    for (l, r) in job.local.iter().zip(&job.remote) {
+    for ((l, r), at) in block_slices(&job.local, &job.remote, at) {
         let mut outside = None;
         pair_block(ours, theirs, *l, *r, at, &mut mine, &mut other, |m, o| {
             let start = ours.ranges.get(m.range as usize).map(|k| k.addr);
@@ -2006,7 +1998,7 @@ fn copy_same_host(
     direction: Direction,
     local: &[BlockId],
     remote: &[BlockId],
-    at: &plan::Sliced,
+    at: &[plan::Sliced],
     deadline: Instant,
     lease: Option<&Lease>,
 ) -> Result<usize, DataError> {
@@ -2041,7 +2033,7 @@ fn copy_same_host(
         Vec::with_capacity(UCX_SEGMENTS_PER_ROUND.min(local.len().saturating_mul(2)));
     let (mut mine, mut other) = (Vec::new(), Vec::new());
     let mut copied = 0;
-    for (l, r) in local.iter().zip(remote) {
+    for ((l, r), at) in block_slices(local, remote, at) {
         pair_block(ours, &theirs, *l, *r, at, &mut mine, &mut other, |m, o| {
             if let Some(last) = pieces.last_mut() {
                 let len = last.len as u64;
@@ -2081,7 +2073,7 @@ fn ipc_rounds(
     theirs: &KvLayout,
     windows: &[IpcWindow],
     job: &Job,
-    at: &plan::Sliced,
+    at: &[plan::Sliced],
     process: &PeerProcess,
 ) -> Result<(usize, u64), DataError> {
     let peer = &job.peer;
@@ -2122,7 +2114,7 @@ fn ipc_rounds(
     };
     let (mut mine, mut other) = (Vec::new(), Vec::new());
     let mut outside = None;
-    for (l, r) in job.local.iter().zip(&job.remote) {
+    for ((l, r), at) in block_slices(&job.local, &job.remote, at) {
         pair_block(ours, theirs, *l, *r, at, &mut mine, &mut other, |m, o| {
             if outside.is_some() {
                 return;
@@ -2172,6 +2164,19 @@ fn ipc_rounds(
         flush(&mut round, bytes - round_bytes)?;
     }
     Ok((pieces, bytes))
+}
+
+/// Every block pair (`local[i]` with `remote[i]`) with every slice of a call, block by
+/// block: what one call moves, in the order it moves it.
+fn block_slices<'a>(
+    local: &'a [BlockId],
+    remote: &'a [BlockId],
+    at: &'a [plan::Sliced],
+) -> impl Iterator<Item = ((&'a BlockId, &'a BlockId), &'a plan::Sliced)> + 'a {
+    local
+        .iter()
+        .zip(remote)
+        .flat_map(move |pair| at.iter().map(move |a| (pair, a)))
 }
 
 /// Both sides' segments of one block pair (`l` ours, `r` the peer's), sliced by `at`,

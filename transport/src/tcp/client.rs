@@ -151,22 +151,23 @@ impl DataClient {
         dst: &[BlockId],
         deadline: Instant,
     ) -> Result<(), DataError> {
-        self.write_slice(request, src_region, src, dst, None, deadline)
+        self.write_slices(request, src_region, src, dst, &[], deadline)
             .await
     }
 
-    /// [`DataClient::write`] of one slice of every block (`None`: whole blocks of equal
-    /// size on both sides), for pipeline ranks that hold different parts of a block.
-    pub async fn write_slice(
+    /// [`DataClient::write`] of some slices of every block (none: whole blocks of equal
+    /// size on both sides), for ranks that hold different parts of a block (pipeline
+    /// stages' layers, TP ranks' heads): every slice of every block in one pipelined call.
+    pub async fn write_slices(
         &self,
         request: &RequestId,
         src_region: &Region,
         src: &[BlockId],
         dst: &[BlockId],
-        slice: Option<BlockSlice>,
+        slices: &[BlockSlice],
         deadline: Instant,
     ) -> Result<(), DataError> {
-        let plan = self.plan(src_region, src, dst, Direction::Write(slice))?;
+        let plan = self.plan(src_region, src, dst, slices, true)?;
         self.run(request, src_region, &plan, Access::Write, deadline)
             .await
     }
@@ -182,21 +183,22 @@ impl DataClient {
         dst: &[BlockId],
         deadline: Instant,
     ) -> Result<(), DataError> {
-        self.read_slice(request, dst_region, src, dst, None, deadline)
+        self.read_slices(request, dst_region, src, dst, &[], deadline)
             .await
     }
 
-    /// [`DataClient::read`] of one slice of every block (`None`: whole blocks).
-    pub async fn read_slice(
+    /// [`DataClient::read`] of some slices of every block (none: whole blocks), in one
+    /// pipelined call.
+    pub async fn read_slices(
         &self,
         request: &RequestId,
         dst_region: &Region,
         src: &[BlockId],
         dst: &[BlockId],
-        slice: Option<BlockSlice>,
+        slices: &[BlockSlice],
         deadline: Instant,
     ) -> Result<(), DataError> {
-        let plan = self.plan(dst_region, dst, src, Direction::Read(slice))?;
+        let plan = self.plan(dst_region, dst, src, slices, false)?;
         self.run(request, dst_region, &plan, Access::Read, deadline)
             .await
     }
@@ -207,18 +209,15 @@ impl DataClient {
         local_region: &Region,
         local: &[BlockId],
         remote: &[BlockId],
-        direction: Direction,
+        slices: &[BlockSlice],
+        write: bool,
     ) -> Result<Plan, DataError> {
         plan::check_lists(local, remote)?;
         local_region.check_blocks(local)?;
         // TCP moves bytes through the CPU: device memory goes over UCX.
         local_region.check_host("the TCP data client")?;
         let server = &self.inner.server;
-        let (slice, write) = match direction {
-            Direction::Write(slice) => (slice, true),
-            Direction::Read(slice) => (slice, false),
-        };
-        if slice.is_none() && local_region.block_bytes() as u64 != server.block_bytes {
+        if slices.is_empty() && local_region.block_bytes() as u64 != server.block_bytes {
             return Err(DataError::Mismatch {
                 detail: format!(
                     "local blocks of {} bytes, {}'s blocks of {} bytes",
@@ -245,17 +244,20 @@ impl DataClient {
                 });
             }
         }
-        let pieces = match slice {
-            None => plan::pieces(local, remote, local_region.block_bytes()),
-            Some(slice) => {
+        let pieces = if slices.is_empty() {
+            plan::pieces(local, remote, local_region.block_bytes())
+        } else {
+            let mut pieces = Vec::new();
+            for slice in slices {
                 let at = plan::Sliced::new(
-                    slice,
+                    *slice,
                     write,
                     local_region.block_bytes(),
                     server.block_bytes,
                 )?;
-                plan::sliced_pieces(local, remote, &at)
+                pieces.extend(plan::sliced_pieces(local, remote, &at));
             }
+            pieces
         };
         Ok(plan::split(&pieces, OP_BYTES_MAX, SEGMENTS_PER_OP_MAX))
     }
@@ -563,15 +565,6 @@ impl Conn {
         };
         tokio::try_join!(send, recv).map(|_| ())
     }
-}
-
-/// Which way a call moves bytes, and which slice of each block.
-#[derive(Clone, Copy, Debug)]
-enum Direction {
-    /// Our blocks into the server's.
-    Write(Option<BlockSlice>),
-    /// The server's blocks into ours.
-    Read(Option<BlockSlice>),
 }
 
 /// The local bytes of `pieces` (logical offsets of `region`), as the physical segments of

@@ -391,6 +391,37 @@ fn all_done_and_verified(d: &Proc, n: u64, what: &str) {
     );
 }
 
+/// TP rank `r` of `tp` of a worker whose 2 layers hold `heads` KV heads in 8-token blocks
+/// of 64 bytes per head and token (this rank's share of them), named `{role}-tp{r}`.
+fn head_rank(
+    addr: &str,
+    role: &str,
+    engine: &str,
+    heads: u32,
+    (tp, r): (u32, u32),
+    extra: &[&str],
+) -> Proc {
+    let (kv, size, rank) = (heads.to_string(), tp.to_string(), r.to_string());
+    // 2 layers × K and V × 8 tokens × 64 bytes per head, times the heads a rank holds.
+    let bytes = (heads / tp * 2 * 2 * 8 * 64).to_string();
+    let mut args = vec![
+        "--layers",
+        "2",
+        "--kv-heads",
+        &kv,
+        "--block-tokens",
+        "8",
+        "--tp-size",
+        &size,
+        "--tp-rank",
+        &rank,
+        "--block-bytes",
+        &bytes,
+    ];
+    args.extend(extra);
+    worker(&format!("{role}-tp{r}"), role, engine, addr, &args)
+}
+
 /// Heterogeneous TP across processes, 4 KV heads: prefill at TP `prefill_tp` (head-major),
 /// decode at TP `decode_tp` (token-major), each rank holding its share of the heads. Fan-in
 /// (2 → 1): decode gathers each block's heads from both prefill ranks; fan-out (1 → 2): the
@@ -398,36 +429,22 @@ fn all_done_and_verified(d: &Proc, n: u64, what: &str) {
 /// byte against the model's.
 fn tp_ranks_meet_in_decode(mode: &str, transport: &str, (prefill_tp, decode_tp): (u32, u32)) {
     let (_boot, addr) = bootstrap();
-    let heads = ["--layers", "2", "--kv-heads", "4", "--block-tokens", "8"];
-    // 2 layers × K and V × 8 tokens × 64 bytes per head, times the heads a rank holds.
-    let block_bytes = |tp: u32| (4 / tp * 2 * 2 * 8 * 64).to_string();
-    let ranks = |role: &str, tp: u32, extra: &[&str]| -> Vec<Proc> {
+    let ranks = |role: &str, engine: &str, tp: u32, extra: &[&str]| -> Vec<Proc> {
+        let mut args = vec!["--requests", "6", "--transport", transport];
+        args.extend(extra);
         (0..tp)
-            .map(|r| {
-                let (size, rank, bytes) = (tp.to_string(), r.to_string(), block_bytes(tp));
-                let mut args = vec!["--requests", "6", "--transport", transport];
-                args.extend([
-                    "--tp-size",
-                    &size,
-                    "--tp-rank",
-                    &rank,
-                    "--block-bytes",
-                    &bytes,
-                ]);
-                args.extend(heads);
-                args.extend(extra);
-                let (name, engine) = if role == "prefill" {
-                    ("prefill", "P")
-                } else {
-                    ("decode", "D")
-                };
-                worker(&format!("{name}-tp{r}"), role, engine, &addr, &args)
-            })
+            .map(|r| head_rank(&addr, role, engine, 4, (tp, r), &args))
             .collect()
     };
-    let _prefill = ranks("prefill", prefill_tp, &["--serve", "--head-order", "hnd"]);
+    let _prefill = ranks(
+        "prefill",
+        "P",
+        prefill_tp,
+        &["--serve", "--head-order", "hnd"],
+    );
     let decode = ranks(
         "decode",
+        "D",
         decode_tp,
         &["--prefill", "P", "--mode", mode, "--head-order", "nhd"],
     );
@@ -472,21 +489,8 @@ fn head_flags_that_describe_no_pool_are_refused_at_start() {
 #[test]
 fn tp_sizes_neither_dividing_the_other_are_refused_by_name_across_processes() {
     let (_boot, addr) = bootstrap();
-    let heads = ["--layers", "2", "--kv-heads", "6", "--block-tokens", "8"];
-    let block_bytes = |tp: u32| (6 / tp * 2 * 2 * 8 * 64).to_string();
     let rank = |role: &str, engine: &str, tp: u32, r: u32, extra: &[&str]| {
-        let (size, rank, bytes) = (tp.to_string(), r.to_string(), block_bytes(tp));
-        let mut args = vec![
-            "--tp-size",
-            &size,
-            "--tp-rank",
-            &rank,
-            "--block-bytes",
-            &bytes,
-        ];
-        args.extend(heads);
-        args.extend(extra);
-        worker(&format!("{role}-tp{r}"), role, engine, &addr, &args)
+        head_rank(&addr, role, engine, 6, (tp, r), extra)
     };
     let _prefill: Vec<Proc> = (0..2)
         .map(|r| rank("prefill", "P", 2, r, &["--serve"]))

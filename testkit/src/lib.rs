@@ -83,14 +83,23 @@ pub fn skip(need: Need, test: &str, why: &str) {
     // Straight to the process's stderr: libtest captures only the `print!` macros.
     let _ = std::io::stderr().write_all(line.as_bytes());
     if let Ok(path) = std::env::var("HANDOFF_SKIP_LOG") {
-        if let Ok(mut f) = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-        {
-            let why = why.replace(['\t', '\n'], " ");
-            let _ = writeln!(f, "{need}\t{test}\t{why}");
-        }
+        record_skip(std::path::Path::new(&path), need, test, why);
+    }
+}
+
+/// Appends `need<TAB>test<TAB>why` to the run's skip log, as one write: tests of several
+/// threads and processes append at once, and `writeln!` writes each piece of its format
+/// apart (seen: "gpugpu: 1 test(s)" in a run's summary), where one `O_APPEND` write of a
+/// short line stays whole.
+fn record_skip(path: &std::path::Path, need: Need, test: &str, why: &str) {
+    if let Ok(mut f) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+    {
+        let why = why.replace(['\t', '\n'], " ");
+        let record = format!("{need}\t{test}\t{why}\n");
+        let _ = f.write_all(record.as_bytes());
     }
 }
 
@@ -137,5 +146,32 @@ mod tests {
         assert!(allowed(Some("netns, ucx"), Need::Ucx));
         assert!(!allowed(Some("netns,ucx"), Need::Pyzmq));
         assert!(allowed(Some("all"), Need::Pyzmq));
+    }
+
+    #[test]
+    fn skips_recorded_at_once_from_many_threads_stay_whole_lines() {
+        let path = std::env::temp_dir().join(format!("handoff-skips-{}", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        std::thread::scope(|s| {
+            for t in 0..8 {
+                let path = &path;
+                s.spawn(move || {
+                    for i in 0..200 {
+                        record_skip(path, Need::Gpu, &format!("t{t}-{i}"), "no\tdriver\nhere");
+                    }
+                });
+            }
+        });
+        let text = std::fs::read_to_string(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 8 * 200);
+        for line in lines {
+            let fields: Vec<&str> = line.split('\t').collect();
+            assert_eq!(fields.len(), 3, "{line:?}");
+            assert_eq!(fields[0], "gpu", "{line:?}");
+            assert!(fields[1].starts_with('t'), "{line:?}");
+            assert_eq!(fields[2], "no driver here", "{line:?}");
+        }
     }
 }

@@ -636,6 +636,79 @@ async fn blocks_move_between_regions_of_different_layouts() {
     }
 }
 
+/// More block-slice pairs than one plan holds (64 blocks × 5,000 slices of 8 bytes, each
+/// to the mirrored offset, as token-major heads between TP sizes make them): the call runs
+/// as several plans and every byte lands where its slice says, both ways.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_slices_than_one_plan_holds_land_byte_for_byte() {
+    use handoff_transport::BlockSlice;
+    const SLICES: usize = 5_000;
+    const LEN: usize = 8;
+    assert!(BLOCKS as usize * SLICES > handoff_transport::tcp::PLAN_PAIRS_MAX);
+    let (server, remote) = server(Arc::new(AllowAll), None, ServerConfig::default()).await;
+    let c = client(&server, None).await;
+    let local = Region::new(BLOCKS, BLOCK_BYTES).unwrap();
+    fill(&local, 11);
+    let slices: Vec<BlockSlice> = (0..SLICES)
+        .map(|k| BlockSlice {
+            src_offset: k * LEN,
+            dst_offset: (SLICES - 1 - k) * LEN,
+            len: LEN,
+        })
+        .collect();
+    let (src, dst) = (ids(0..BLOCKS), Rng::new(5).permutation(BLOCKS));
+    let r = RequestId::new("many-slices");
+    c.write_slices(&r, &local, &src, &dst, &slices, deadline())
+        .await
+        .unwrap();
+    for (s, d) in src.iter().zip(&dst) {
+        let (from, to) = (
+            local.read_block(*s).unwrap(),
+            remote.read_block(*d).unwrap(),
+        );
+        for k in 0..SLICES {
+            let at = (SLICES - 1 - k) * LEN;
+            assert_eq!(
+                to[at..at + LEN],
+                from[k * LEN..(k + 1) * LEN],
+                "block {d:?} slice {k}"
+            );
+        }
+    }
+    // Back: the server's mirrored bytes into fresh blocks, mirrored again.
+    let back = Region::new(BLOCKS, BLOCK_BYTES).unwrap();
+    c.read_slices(&r, &back, &dst, &src, &slices, deadline())
+        .await
+        .unwrap();
+    for (s, d) in src.iter().zip(&dst) {
+        let (got, from) = (back.read_block(*s).unwrap(), remote.read_block(*d).unwrap());
+        for k in 0..SLICES {
+            let at = (SLICES - 1 - k) * LEN;
+            assert_eq!(
+                got[at..at + LEN],
+                from[k * LEN..(k + 1) * LEN],
+                "block {s:?} slice {k}"
+            );
+        }
+    }
+    // Past the bound on slices of a call: refused by name, nothing sent.
+    let max = handoff_transport::data::SLICES_PER_CALL_MAX;
+    let one = BlockSlice {
+        src_offset: 0,
+        dst_offset: 0,
+        len: 1,
+    };
+    let too_many = vec![one; max + 1];
+    let err = c
+        .write_slices(&r, &local, &src[..1], &dst[..1], &too_many, deadline())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, DataError::TooLarge { count, .. } if count == max + 1),
+        "{err}"
+    );
+}
+
 /// A relay that records the bytes its one client sends to `upstream`.
 async fn recording_relay(
     upstream: std::net::SocketAddr,

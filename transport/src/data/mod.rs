@@ -48,6 +48,10 @@ pub use ucx::{UcxDataPlane, UcxPeer, UcxPlaneOptions, UcxRange};
 /// dozen bytes per block) stays bounded.
 pub const BLOCKS_PER_CALL_MAX: usize = crate::wire::limits::BLOCKS_PER_MESSAGE_MAX;
 
+/// Most slices of every block one transfer call may move: as many as one block pair takes
+/// between TP ranks at most ([`crate::tp::TP_SPANS_PER_BLOCK_MAX`]).
+pub const SLICES_PER_CALL_MAX: usize = crate::tp::TP_SPANS_PER_BLOCK_MAX;
+
 /// What a peer asks to do to a region's blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Access {

@@ -7,7 +7,7 @@
 
 use std::ops::Range;
 
-use super::{DataError, BLOCKS_PER_CALL_MAX};
+use super::{DataError, BLOCKS_PER_CALL_MAX, SLICES_PER_CALL_MAX};
 use crate::types::BlockId;
 
 /// One contiguous byte range moved between the local and the peer's region.
@@ -61,6 +61,18 @@ pub fn check_lists(local: &[BlockId], remote: &[BlockId]) -> Result<(), DataErro
             what: "blocks in one transfer",
             count: local.len(),
             max: BLOCKS_PER_CALL_MAX,
+        });
+    }
+    Ok(())
+}
+
+/// Checks how many slices of every block a call moves: at most [`SLICES_PER_CALL_MAX`].
+pub fn check_slices(slices: usize) -> Result<(), DataError> {
+    if slices > SLICES_PER_CALL_MAX {
+        return Err(DataError::TooLarge {
+            what: "slices of every block in one transfer",
+            count: slices,
+            max: SLICES_PER_CALL_MAX,
         });
     }
     Ok(())

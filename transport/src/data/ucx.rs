@@ -1028,6 +1028,7 @@ fn check_peer(
             r.remote_key.len()
         )));
     }
+    plan::check_slices(slices.len())?;
     if slices.is_empty() && peer.region.block_bytes != block_bytes as u64 {
         return Err(DataError::Mismatch {
             detail: format!(

@@ -15,7 +15,8 @@ use tokio::time::timeout_at;
 use super::frame::{self, Header, HelloOk, Op, Segment};
 use super::io::{busy_poll, io_error, read_exact_vectored, read_head, session, write_frame};
 use super::{
-    CLIENT_CONNECTIONS_MAX, OPS_INFLIGHT_MAX, OP_BYTES_MAX, POOL_IDLE_MAX, SEGMENTS_PER_OP_MAX,
+    CLIENT_CONNECTIONS_MAX, OPS_INFLIGHT_MAX, OP_BYTES_MAX, PLAN_PAIRS_MAX, POOL_IDLE_MAX,
+    SEGMENTS_PER_OP_MAX,
 };
 use crate::auth::Key;
 use crate::data::plan::{self, Piece, Plan};
@@ -167,9 +168,16 @@ impl DataClient {
         slices: &[BlockSlice],
         deadline: Instant,
     ) -> Result<(), DataError> {
-        let plan = self.plan(src_region, src, dst, slices, true)?;
-        self.run(request, src_region, &plan, Access::Write, deadline)
-            .await
+        self.in_plans(
+            request,
+            src_region,
+            src,
+            dst,
+            slices,
+            Access::Write,
+            deadline,
+        )
+        .await
     }
 
     /// Pull: reads the server region's `src` blocks into `dst` blocks of `dst_region`
@@ -198,9 +206,44 @@ impl DataClient {
         slices: &[BlockSlice],
         deadline: Instant,
     ) -> Result<(), DataError> {
-        let plan = self.plan(dst_region, dst, src, slices, false)?;
-        self.run(request, dst_region, &plan, Access::Read, deadline)
-            .await
+        self.in_plans(
+            request,
+            dst_region,
+            dst,
+            src,
+            slices,
+            Access::Read,
+            deadline,
+        )
+        .await
+    }
+
+    /// Every slice of every block pair (`local[i]` with `remote[i]`), planned and run a
+    /// group of slices at a time, so that one plan holds at most [`PLAN_PAIRS_MAX`] pairs of
+    /// a block and a slice; the groups go one after another under the one deadline.
+    #[allow(clippy::too_many_arguments)]
+    async fn in_plans(
+        &self,
+        request: &RequestId,
+        region: &Region,
+        local: &[BlockId],
+        remote: &[BlockId],
+        slices: &[BlockSlice],
+        access: Access,
+        deadline: Instant,
+    ) -> Result<(), DataError> {
+        plan::check_slices(slices.len())?;
+        let write = access == Access::Write;
+        if slices.is_empty() {
+            let plan = self.plan(region, local, remote, &[], write)?;
+            return self.run(request, region, &plan, access, deadline).await;
+        }
+        let per_plan = (PLAN_PAIRS_MAX / local.len().max(1)).max(1);
+        for group in slices.chunks(per_plan) {
+            let plan = self.plan(region, local, remote, group, write)?;
+            self.run(request, region, &plan, access, deadline).await?;
+        }
+        Ok(())
     }
 
     /// Checks both block lists and cuts the transfer into operations.

@@ -43,6 +43,12 @@ pub use server::{DataServer, ServerConfig, ServerStats};
 /// under 1% at 4 GB/s, while [`SERVER_CONNECTIONS_MAX`] connections stage at most 1 GiB.
 pub const OP_BYTES_MAX: usize = 4 << 20;
 
+/// Block-slice pairs one pipelined plan holds at most (a pair is a piece or a few, of 24
+/// bytes each: about 6 MiB). A call moving more slices of more blocks (token-major heads
+/// between TP sizes: a slice per token and head) runs as several plans in turn, under its
+/// one deadline.
+pub const PLAN_PAIRS_MAX: usize = 1 << 18;
+
 /// Most byte ranges one operation names: a full operation of 4 KiB blocks, none adjacent.
 pub const SEGMENTS_PER_OP_MAX: usize = 1024;
 

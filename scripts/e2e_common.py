@@ -121,7 +121,14 @@ def post_json(port: int, path: str, payload: dict, timeout: float):
         return time.perf_counter() - t, None, str(e)
 
 
-def idle_cores(servers: list, seconds: float) -> list[float]:
+#: Seconds a server pair is watched with no request in flight, for the CPU it uses.
+IDLE_S = 5.0
+#: CPU one of our servers may use between requests, in cores (the engine's own processes
+#: included): the runtime waits on events, it does not spin (the cores are the engine's).
+IDLE_CORES_MAX = 0.1
+
+
+def idle_cores(servers: list, seconds: float = IDLE_S) -> list[float]:
     """CPU each server's processes use over `seconds` with no request in flight, in cores
     (after a second for the last request's tail: its release, the engine's idle step)."""
     time.sleep(1.0)
@@ -130,6 +137,20 @@ def idle_cores(servers: list, seconds: float) -> list[float]:
     time.sleep(seconds)
     dt = time.monotonic() - t
     return [(s.cpu_seconds() - b) / dt for s, b in zip(servers, before, strict=True)]
+
+
+def cores_text(cores: list[float] | None) -> str:
+    """`0.01 + 0.02`: each server's cores, as the summaries print them."""
+    return " + ".join(f"{c:.2f}" for c in cores) if cores else "n/a"
+
+
+def check_idle(label: str, cores: list[float]) -> None:
+    """The check that our servers (`label`) stayed idle between requests."""
+    check(
+        f"{label}: prefill and decode idle between requests (no spinning)",
+        max(cores) < IDLE_CORES_MAX,
+        f"cores: {cores_text(cores)}",
+    )
 
 
 def until(cond, timeout_s: float) -> bool:

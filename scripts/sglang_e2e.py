@@ -45,11 +45,6 @@ DECODE_LOSS_FREE_S_MAX = 10.0
 SEND_DELAY_MS = 5000
 #: SGLang's FAKE_BOOTSTRAP_HOST: a request with it runs through decode without a prefill.
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
-#: Seconds both pairs are watched with no request in flight, for the CPU each server uses.
-IDLE_S = 5.0
-#: CPU a server with our backend may use between requests, in cores (the server's own
-#: processes included, asleep with --sleep-on-idle): our runtime waits, it does not spin.
-IDLE_CORES_MAX = 0.1
 #: Seed 003 (PD + pipeline parallelism + a saturated decode): prefill runs in two pipeline
 #: stages; decode's KV pool (--max-total-tokens) holds about two of these requests at once.
 SEED3_DECODE_POOL = 1024
@@ -617,11 +612,10 @@ def summarize(rows: dict[str, dict[int, list[dict]]], idle: dict[str, list[float
         " backend goes first alternates); the last two columns compare the two requests of"
         " each round, which ran back to back."
     )
-    cores = {k: " + ".join(f"{c:.2f}" for c in v) for k, v in idle.items()}
     print(
-        f"\nCPU between requests, cores (prefill + decode, over {IDLE_S:.0f} s with nothing in"
-        f" flight, both pairs up): handoff {cores.get('handoff', 'n/a')}, mooncake (tcp)"
-        f" {cores.get('mooncake', 'n/a')}."
+        f"\nCPU between requests, cores (prefill + decode, over {common.IDLE_S:.0f} s with"
+        f" nothing in flight, both pairs up): handoff {common.cores_text(idle.get('handoff'))},"
+        f" mooncake (tcp) {common.cores_text(idle.get('mooncake'))}."
     )
 
 
@@ -665,12 +659,9 @@ def main() -> int:
             wait_up([s for pair in up.values() for s in pair])
             if "sizes" in parts:
                 rows = run_sizes(pairs, refs)
-                idle = {label: common.idle_cores(list(up[label]), IDLE_S) for label in up}
-                check(
-                    "handoff: prefill and decode idle between requests (no spinning)",
-                    max(idle["handoff"]) < IDLE_CORES_MAX,
-                    "cores: " + ", ".join(f"{c:.2f}" for c in idle["handoff"]),
-                )  # fmt: skip
+                # With --sleep-on-idle, SGLang's own processes sleep too.
+                idle = {label: common.idle_cores(list(up[label])) for label in up}
+                common.check_idle("handoff", idle["handoff"])
             for label, (p, d) in up.items():
                 p.stop()
                 if label != "handoff":

@@ -41,11 +41,6 @@ PREFILL_LOSS_ANSWER_S_MAX = 10.0
 DECODE_LOSS_FREE_S_MAX = 10.0
 #: The TTL prefill runs with in these checks: freeing must come well before it.
 TTL_S = 120
-#: Seconds each connector's pair is watched with no request in flight, for the CPU it uses.
-IDLE_S = 5.0
-#: CPU our instances may use between requests, in cores each: the runtime waits on events,
-#: it does not spin (the engine's cores are the engine's).
-IDLE_CORES_MAX = 0.1
 
 
 class Server(ServerProcess):
@@ -368,11 +363,11 @@ def summarize(
         if read and [x for x in nx if x]:
             ratio = f"{statistics.median([x for x in nx if x]) / statistics.median(read):.2f}"
         print(f"| {size} | the read itself | {med(read)} | {med(nx)} | {ratio} |")
-    cores = {k: " + ".join(f"{c:.2f}" for c in v) for k, v in idle.items()}
     print(
         f"\nCPU between requests, cores (prefill + decode, each its own instance, over"
-        f" {IDLE_S:.0f} s with nothing in flight): HandoffConnector {cores.get('handoff', 'n/a')},"
-        f" NixlConnector {cores.get('nixl', 'n/a')}. On this machine's two cores, what an idle"
+        f" {common.IDLE_S:.0f} s with nothing in flight): HandoffConnector"
+        f" {common.cores_text(idle.get('handoff'))}, NixlConnector"
+        f" {common.cores_text(idle.get('nixl'))}. On this machine's two cores, what an idle"
         " connector spins is taken from its own engine's forward passes."
     )
     print(
@@ -432,12 +427,8 @@ def main() -> int:
                 rows["handoff"][size] = part
                 handoff_ms[size] = handoff_times(d, mark)[1:]  # the warm-up's is dropped
                 runtime_ms[size] = runtime_times(d, mark)[1:]
-            idle["handoff"] = common.idle_cores([p, d], IDLE_S)
-            check(
-                "handoff: prefill and decode idle between requests (no spinning)",
-                max(idle["handoff"]) < IDLE_CORES_MAX,
-                "cores: " + ", ".join(f"{c:.2f}" for c in idle["handoff"]),
-            )  # fmt: skip
+            idle["handoff"] = common.idle_cores([p, d])
+            common.check_idle("handoff", idle["handoff"])
             # 2. Prefill killed after its prefill.
             prefill_loss(args, p, d, "handoff")
             # 3. Decode killed mid-handoff (prefill hands its blocks over late, as a slow
@@ -471,7 +462,7 @@ def main() -> int:
             rows["nixl"] = {}
             for si, size in enumerate(SIZES):
                 rows["nixl"][size] = run_connector_size(args, "nixl", size, si)
-            idle["nixl"] = common.idle_cores([p, d], IDLE_S)
+            idle["nixl"] = common.idle_cores([p, d])
     except Exception as e:  # any failure of the run itself is one failed check
         check("the run itself", False, f"{type(e).__name__}: {e}")
     finally:

@@ -2,7 +2,7 @@
 //! are contiguous on both sides, and cut the result into operations of bounded size.
 //!
 //! Pure functions over offsets: the transports check the blocks against their regions
-//! (ours and the peer's) before calling [`pieces`], and [`split`] is what bounds the bytes
+//! (ours and the peer's) before calling [`sliced_pieces`], and [`split`] is what bounds the bytes
 //! staged by a server and the segments one frame lists.
 
 use std::ops::Range;
@@ -78,20 +78,6 @@ pub fn check_slices(slices: usize) -> Result<(), DataError> {
     Ok(())
 }
 
-/// Pairs `local[i]` with `remote[i]` (blocks of `block_bytes` on both sides) and merges
-/// each pair into the previous piece when it continues it on both sides. The caller has
-/// checked both lists against their regions, so no offset overflows.
-pub fn pieces(local: &[BlockId], remote: &[BlockId], block_bytes: usize) -> Vec<Piece> {
-    let whole = Sliced {
-        local_block_bytes: block_bytes,
-        remote_block_bytes: block_bytes as u64,
-        local_offset: 0,
-        remote_offset: 0,
-        len: block_bytes,
-    };
-    sliced_pieces(local, remote, &whole)
-}
-
 /// Where in each block a sliced transfer reads and writes, from the local side's view
 /// (a [`crate::BlockSlice`] turned around for the direction of the call).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -135,9 +121,45 @@ impl Sliced {
     }
 }
 
-/// [`pieces`] for one slice of every block: `len` bytes at `local_offset` of `local[i]`
-/// pair with `remote_offset` of `remote[i]`, merged where contiguous on both sides (whole
-/// blocks only). The caller has checked the lists and the slice ([`Sliced::new`]).
+impl Sliced {
+    /// Every slice of a call ([`check_slices`]) as seen from the local side, or the whole
+    /// block when there are none, which needs blocks of one size on both sides (`peer`
+    /// names the other side in the error).
+    pub fn all(
+        slices: &[crate::BlockSlice],
+        write: bool,
+        local_block_bytes: usize,
+        remote_block_bytes: u64,
+        peer: &str,
+    ) -> Result<Vec<Sliced>, DataError> {
+        check_slices(slices.len())?;
+        if slices.is_empty() {
+            if local_block_bytes as u64 != remote_block_bytes {
+                return Err(DataError::Mismatch {
+                    detail: format!(
+                        "local blocks of {local_block_bytes} bytes, {peer}'s of {remote_block_bytes}"
+                    ),
+                });
+            }
+            let whole = crate::BlockSlice::whole(local_block_bytes);
+            return Ok(vec![Sliced::new(
+                whole,
+                write,
+                local_block_bytes,
+                remote_block_bytes,
+            )?]);
+        }
+        slices
+            .iter()
+            .map(|slice| Sliced::new(*slice, write, local_block_bytes, remote_block_bytes))
+            .collect()
+    }
+}
+
+/// One slice of every block pair: `len` bytes at `local_offset` of `local[i]` pair with
+/// `remote_offset` of `remote[i]`, each merged into the previous piece where it continues
+/// it on both sides (whole blocks only). The caller has checked both lists against their
+/// regions, so no offset overflows, and the slice ([`Sliced::new`], [`Sliced::all`]).
 pub fn sliced_pieces(local: &[BlockId], remote: &[BlockId], at: &Sliced) -> Vec<Piece> {
     let mut out: Vec<Piece> = Vec::with_capacity(local.len().min(1024));
     for (l, r) in local.iter().zip(remote) {
@@ -211,6 +233,12 @@ mod tests {
 
     fn ids(v: &[u32]) -> Vec<BlockId> {
         v.iter().map(|&b| BlockId(b)).collect()
+    }
+
+    /// Whole blocks of `block_bytes` on both sides, paired as a call with no slices is.
+    fn pieces(local: &[BlockId], remote: &[BlockId], block_bytes: usize) -> Vec<Piece> {
+        let whole = Sliced::all(&[], true, block_bytes, block_bytes as u64, "peer").unwrap();
+        sliced_pieces(local, remote, &whole[0])
     }
 
     #[test]

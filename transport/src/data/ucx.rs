@@ -1028,32 +1028,13 @@ fn check_peer(
             r.remote_key.len()
         )));
     }
-    plan::check_slices(slices.len())?;
-    if slices.is_empty() && peer.region.block_bytes != block_bytes as u64 {
-        return Err(DataError::Mismatch {
-            detail: format!(
-                "local blocks of {block_bytes} bytes, {}'s of {}",
-                peer.name, peer.region.block_bytes
-            ),
-        });
-    }
-    let whole = [BlockSlice::whole(block_bytes)];
-    let slices = if slices.is_empty() {
-        &whole[..]
-    } else {
-        slices
-    };
-    let at = slices
-        .iter()
-        .map(|slice| {
-            plan::Sliced::new(
-                *slice,
-                direction == Direction::Put,
-                block_bytes,
-                peer.region.block_bytes,
-            )
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    let at = plan::Sliced::all(
+        slices,
+        direction == Direction::Put,
+        block_bytes,
+        peer.region.block_bytes,
+        &peer.name,
+    )?;
     peer.region
         .check_blocks(remote)
         .map_err(|e| protocol(e.to_string()))?;

@@ -158,7 +158,8 @@ impl DataClient {
 
     /// [`DataClient::write`] of some slices of every block (none: whole blocks of equal
     /// size on both sides), for ranks that hold different parts of a block (pipeline
-    /// stages' layers, TP ranks' heads): every slice of every block in one pipelined call.
+    /// stages' layers, TP ranks' heads): every slice of every block pipelined in one call
+    /// (in plans of at most [`PLAN_PAIRS_MAX`] pairs of a block and a slice).
     pub async fn write_slices(
         &self,
         request: &RequestId,
@@ -195,8 +196,8 @@ impl DataClient {
             .await
     }
 
-    /// [`DataClient::read`] of some slices of every block (none: whole blocks), in one
-    /// pipelined call.
+    /// [`DataClient::read`] of some slices of every block (none: whole blocks), pipelined in
+    /// one call as [`DataClient::write_slices`].
     pub async fn read_slices(
         &self,
         request: &RequestId,
@@ -233,14 +234,13 @@ impl DataClient {
         deadline: Instant,
     ) -> Result<(), DataError> {
         plan::check_slices(slices.len())?;
-        let write = access == Access::Write;
         if slices.is_empty() {
-            let plan = self.plan(region, local, remote, &[], write)?;
+            let plan = self.plan(region, local, remote, &[], access)?;
             return self.run(request, region, &plan, access, deadline).await;
         }
         let per_plan = (PLAN_PAIRS_MAX / local.len().max(1)).max(1);
         for group in slices.chunks(per_plan) {
-            let plan = self.plan(region, local, remote, group, write)?;
+            let plan = self.plan(region, local, remote, group, access)?;
             self.run(request, region, &plan, access, deadline).await?;
         }
         Ok(())
@@ -253,23 +253,21 @@ impl DataClient {
         local: &[BlockId],
         remote: &[BlockId],
         slices: &[BlockSlice],
-        write: bool,
+        access: Access,
     ) -> Result<Plan, DataError> {
+        let write = access == Access::Write;
         plan::check_lists(local, remote)?;
         local_region.check_blocks(local)?;
         // TCP moves bytes through the CPU: device memory goes over UCX.
         local_region.check_host("the TCP data client")?;
         let server = &self.inner.server;
-        if slices.is_empty() && local_region.block_bytes() as u64 != server.block_bytes {
-            return Err(DataError::Mismatch {
-                detail: format!(
-                    "local blocks of {} bytes, {}'s blocks of {} bytes",
-                    local_region.block_bytes(),
-                    self.inner.peer,
-                    server.block_bytes
-                ),
-            });
-        }
+        let at = plan::Sliced::all(
+            slices,
+            write,
+            local_region.block_bytes(),
+            server.block_bytes,
+            &self.inner.peer,
+        )?;
         if let Some(&block) = remote.iter().find(|b| b.0 >= server.blocks) {
             return Err(DataError::OutsidePeerRegion {
                 peer: self.inner.peer.clone(),
@@ -287,21 +285,10 @@ impl DataClient {
                 });
             }
         }
-        let pieces = if slices.is_empty() {
-            plan::pieces(local, remote, local_region.block_bytes())
-        } else {
-            let mut pieces = Vec::new();
-            for slice in slices {
-                let at = plan::Sliced::new(
-                    *slice,
-                    write,
-                    local_region.block_bytes(),
-                    server.block_bytes,
-                )?;
-                pieces.extend(plan::sliced_pieces(local, remote, &at));
-            }
-            pieces
-        };
+        let pieces: Vec<Piece> = at
+            .iter()
+            .flat_map(|at| plan::sliced_pieces(local, remote, at))
+            .collect();
         Ok(plan::split(&pieces, OP_BYTES_MAX, SEGMENTS_PER_OP_MAX))
     }
 

@@ -19,7 +19,7 @@
 //! - decode requests whose actor died while their blocks could still be written into
 //!   (orphans), until the fence bound passes.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use handoff_transport::{BlockId, FailureReason, RequestId, Role, TransferMode};
@@ -473,7 +473,11 @@ pub struct Router {
     pending_bytes: usize,
     /// Pending requests in the order they expire (all live for the same bootstrap timeout).
     pending_order: VecDeque<(Instant, RequestId)>,
-    tombstones: BTreeMap<RequestId, State>,
+    /// How requests ended, by id: looked up for every message and open, never walked, so
+    /// hashed (with thousands remembered, a B-tree's string comparisons chased a pointer
+    /// each: the simulator's scale run, a thousand routers in one process, spent most of
+    /// its growth there). `tombstone_order` holds the order they are forgotten in.
+    tombstones: HashMap<RequestId, State>,
     tombstone_order: VecDeque<RequestId>,
     /// Orphans, with the peers to tell when their fence bound passes.
     orphans: BTreeMap<RequestId, Vec<Peer>>,
@@ -490,7 +494,7 @@ impl Router {
             pending: BTreeMap::new(),
             pending_bytes: 0,
             pending_order: VecDeque::new(),
-            tombstones: BTreeMap::new(),
+            tombstones: HashMap::new(),
             tombstone_order: VecDeque::new(),
             orphans: BTreeMap::new(),
             stats: RouterStats::default(),

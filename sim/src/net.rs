@@ -38,7 +38,10 @@
 //! for a loss window when the two share no live request ([`SimNet::engage`], the world's
 //! count), on both ends and without a loss (`NetState::tick`), so that only pairs a request
 //! depends on, or that talked very recently, are beaten: a thousand workers that beat every
-//! peer they ever served spent most of the scale run on heartbeats. When the faults end, the liveness phase waits [`SimNet::settle_ms`] for the
+//! peer they ever served spent most of the scale run on heartbeats. A beat still in flight
+//! when both ends closed is gone with its connection: it does not open one again (it did,
+//! and the open connections of the scale run grew with its length, from 8k to 23k over
+//! 400k requests). When the faults end, the liveness phase waits [`SimNet::settle_ms`] for the
 //! tables to decide about what they stopped hearing.
 //!
 //! The data transport moves real bytes between [`Region`]s with RDMA semantics: once
@@ -113,6 +116,9 @@ struct Node {
 /// One control connection, as one end holds it.
 #[derive(Clone, Copy)]
 struct Conn {
+    /// This end's number, unique in the run: a beat names the end it was sent from, so
+    /// one still in flight when both ends closed is known to belong to a dead connection.
+    id: u64,
     /// The peer's incarnation it was opened with (the one the table adopted).
     inc: u32,
     /// When it last carried a request's message, virtual ms.
@@ -288,10 +294,12 @@ struct Post {
     reply: oneshot::Sender<Result<(), String>>,
 }
 
-/// One heartbeat on the connection with the `to_inc` incarnation of worker `to`.
+/// One heartbeat on the connection with the `to_inc` incarnation of worker `to`, sent
+/// from the sender's end `conn`.
 struct Beat {
     to: usize,
     to_inc: u32,
+    conn: u64,
     seq: u64,
     echo: u64,
 }
@@ -357,6 +365,8 @@ struct NetState {
     /// One between workers that share no live request closes sooner: once idle this long.
     idle_free_ms: u64,
     rng: Rng,
+    /// Connection ends opened so far (each end's [`Conn::id`]).
+    conns_opened: u64,
     agenda: BTreeMap<(u64, u64), NetEvent>,
     seq: u64,
     wake_at: u64,
@@ -429,6 +439,7 @@ impl SimNet {
             frozen: BTreeMap::new(),
             stop_in_gap: BTreeSet::new(),
             rng: Rng::fork(seed, "net"),
+            conns_opened: 0,
             agenda: BTreeMap::new(),
             seq: 0,
             wake_at: u64::MAX,
@@ -1115,6 +1126,7 @@ impl NetState {
             beats.push(Beat {
                 to,
                 to_inc: conn.inc,
+                conn: conn.id,
                 seq,
                 echo,
             });
@@ -1143,6 +1155,9 @@ impl NetState {
             if !self.alive((beat.to, beat.to_inc)) || self.partitioned(true, from.0, beat.to) {
                 continue;
             }
+            if self.closed_both_ends(from.0, &beat) {
+                continue;
+            }
             if !self.hear(t, beat.to, from, false) {
                 continue;
             }
@@ -1153,6 +1168,16 @@ impl NetState {
                     .heartbeat(&from.0, beat.seq, beat.echo, lease_for);
             }
         }
+    }
+
+    /// A beat from `from` that arrives after both ends of its connection closed (`close`:
+    /// idle) is gone with it; it does not open a connection again. (One the receiver
+    /// still holds is heard, and so is one whose sender still holds the end it left from:
+    /// a peer that lost the sender hears it, as a real end reads what arrived before the
+    /// other's close.)
+    fn closed_both_ends(&self, from: usize, beat: &Beat) -> bool {
+        let held = |x: usize, y: usize| self.node_at(x).and_then(|n| n.conns.get(&y));
+        held(beat.to, from).is_none() && held(from, beat.to).is_none_or(|c| c.id != beat.conn)
     }
 
     /// Worker `at` receives a message (a request's, if `request`) or a heartbeat from
@@ -1210,13 +1235,15 @@ impl NetState {
             }
         }
         let now = self.at(t);
+        self.conns_opened += 1;
+        let id = self.conns_opened;
         let Some(node) = self.nodes.get_mut(at) else {
             return;
         };
         node.table.adopt(&peer, inc);
         node.table.connected(&peer, now, Arc::new(Lease::new()));
         let inc = u32::try_from(inc).unwrap_or(u32::MAX);
-        node.conns.insert(peer, Conn { inc, last: t });
+        node.conns.insert(peer, Conn { id, inc, last: t });
     }
 
     /// Worker `at` sends a request's message to `peer` (incarnation `inc` now): over its

@@ -353,6 +353,9 @@ struct NetState {
     rkeys: BTreeMap<(usize, RequestId, usize), Grant>,
     /// Loss declarations so far, by (observer, peer); never reset.
     losses: BTreeMap<(usize, usize), u64>,
+    /// The peer's incarnation each observer lost last, by (observer, peer): the one a
+    /// quarantine watches (`SimLink::writer_exit`).
+    lost_incarnation: BTreeMap<(usize, usize), u32>,
     /// Frozen workers, and when they resume.
     frozen: BTreeMap<usize, u64>,
     /// Frozen workers whose stop has not yet fallen between a write's lease check and its
@@ -436,6 +439,7 @@ impl SimNet {
             data_plane,
             rkeys: BTreeMap::new(),
             losses: BTreeMap::new(),
+            lost_incarnation: BTreeMap::new(),
             frozen: BTreeMap::new(),
             stop_in_gap: BTreeSet::new(),
             rng: Rng::fork(seed, "net"),
@@ -1268,12 +1272,16 @@ impl NetState {
         let Some(node) = self.node_mut(observer).filter(|n| n.up) else {
             return;
         };
+        let incarnation = node.table.known_incarnation(&peer);
         let known = node.table.lose(&peer);
         let connected = node.conns.remove(&peer).is_some();
         if !known && !connected {
             return;
         }
         let inbox = node.inbox.clone();
+        if let Some(inc) = incarnation.and_then(|i| u32::try_from(i).ok()) {
+            self.lost_incarnation.insert((observer, peer), inc);
+        }
         *self.losses.entry((observer, peer)).or_insert(0) += 1;
         self.stats.peer_lost += 1;
         self.note(t, None, format!("w{observer} loses w{peer}: {why}"));
@@ -1569,12 +1577,15 @@ impl Link for SimLink {
     }
 
     /// Every simulated worker is watched as a verified same-host process is: its
-    /// incarnation's end (a crash) is seen, a stop is not.
+    /// incarnation's end (a crash) is seen, a stop is not. The incarnation watched is the
+    /// one this worker last lost (the one that may still write), not one that took its
+    /// place since (which never wrote for the request, and may live on).
     fn writer_exit(&self, peer: &Peer) -> Option<handoff_actors::link::ExitFuture> {
         let node = {
             let st = self.net.lock();
             let n = st.node_of(peer)?;
-            (n.idx, n.inc)
+            let lost = st.lost_incarnation.get(&(self.idx, n.idx)).copied();
+            (n.idx, lost.unwrap_or(n.inc))
         };
         let net = self.net.clone();
         Some(Box::pin(async move {

@@ -104,6 +104,11 @@ impl Estate {
         &self.state
     }
 
+    /// Blocks held now.
+    pub(crate) fn held(&self) -> usize {
+        self.held.len()
+    }
+
     pub(crate) fn peers(&self) -> &[Peer] {
         &self.peers
     }

@@ -17,7 +17,10 @@
 //! - how requests ended ([`RouterLimits::tombstones`], oldest forgotten), so a late message
 //!   is answered instead of buffered as if its request were still to come;
 //! - decode requests whose actor died while their blocks could still be written into
-//!   (orphans), until the fence bound passes.
+//!   (orphans), until the fence bound passes; past it, decode push over a one-sided plane
+//!   keeps an orphan's blocks quarantined, as a live request's machine does
+//!   ([`Action::Quarantine`]), until every prefill rank that could still write confirms
+//!   (`AbortAck` or `Done`) or is reported gone ([`Input::WriterGone`]).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -28,7 +31,7 @@ use crate::config::{
     PENDING_BYTES_MAX, PENDING_MESSAGES_PER_REQUEST_MAX, PENDING_REQUESTS_MAX, TOMBSTONES_MAX,
 };
 use crate::event::FenceEnd;
-use crate::machine::{Peer, PeerMessage, ReceiverEvent, SenderEvent, State};
+use crate::machine::{Peer, PeerMessage, ReceiverEvent, SenderEvent, State, QUARANTINE_ASK_EVERY};
 
 /// An event for either machine: the role decides which ([`MachineEvent::for_role`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -190,6 +193,17 @@ pub enum Input {
         /// Which.
         peer: Peer,
     },
+    /// What the driver knows of a writer of a quarantined orphan ([`Action::Quarantine`]):
+    /// its process exited (`exited`), or the driver cannot watch it (then the orphan's
+    /// blocks go at the bound, as a live request's would).
+    WriterGone {
+        /// The orphan.
+        id: RequestId,
+        /// The writer.
+        peer: Peer,
+        /// Seen to exit (false: not watchable).
+        exited: bool,
+    },
     /// A timer armed by [`Action::After`] fired.
     Timer(Timer),
 }
@@ -199,8 +213,11 @@ pub enum Input {
 pub enum Timer {
     /// The earliest buffered request's bootstrap deadline: expire what is due.
     ExpirePending,
-    /// The fence bound of an orphan has passed: its blocks may go.
+    /// The fence bound of an orphan has passed: its blocks may go (or, with writers
+    /// unconfirmed, are quarantined).
     OrphanDue(RequestId),
+    /// A quarantined orphan asks its unconfirmed writers again.
+    OrphanAsk(RequestId),
 }
 
 /// What the root actor does, in order.
@@ -268,6 +285,16 @@ pub enum Action {
         reason: FailureReason,
         /// Keep the blocks.
         hold: bool,
+    },
+    /// An orphan's fence bound passed with these prefill ranks unconfirmed: watch each
+    /// one's process where the link can and report it with [`Input::WriterGone`] when it
+    /// exits, or at once (`exited: false`) when it cannot be watched. Its blocks stay held
+    /// (and counted as quarantined) until [`Action::Release`].
+    Quarantine {
+        /// The orphan.
+        id: RequestId,
+        /// The writers.
+        peers: Vec<Peer>,
     },
     /// Release every block the request still holds, as it ended (`fence`: how a fence on
     /// them ended, if one held them).
@@ -460,6 +487,24 @@ struct Live {
     handed_over: bool,
 }
 
+/// A decode request whose actor died while a transfer could still land in its blocks.
+#[derive(Debug)]
+struct Orphan {
+    /// Its peers: told when its blocks go.
+    peers: Vec<Peer>,
+    /// How it failed (what its writers are asked with).
+    reason: FailureReason,
+    /// Decode push over a one-sided plane: its prefill ranks may write into its blocks
+    /// until each confirms; otherwise only the bound counts.
+    writes_land: bool,
+    /// Peers that confirmed since the actor died (`AbortAck`, `Done`).
+    confirmed: Vec<Peer>,
+    /// Past the bound: the writers still held for (none: not quarantined).
+    quarantine: Option<Vec<Peer>>,
+    /// A writer of the quarantine was let go unwatched: the fence ended at its bound.
+    bound_only: bool,
+}
+
 /// The root actor's routing rules (module docs).
 #[derive(Debug)]
 pub struct Router {
@@ -479,8 +524,8 @@ pub struct Router {
     /// its growth there). `tombstone_order` holds the order they are forgotten in.
     tombstones: HashMap<RequestId, State>,
     tombstone_order: VecDeque<RequestId>,
-    /// Orphans, with the peers to tell when their fence bound passes.
-    orphans: BTreeMap<RequestId, Vec<Peer>>,
+    /// Orphans, with the peers to tell when their blocks go.
+    orphans: BTreeMap<RequestId, Orphan>,
     stats: RouterStats,
 }
 
@@ -551,22 +596,19 @@ impl Router {
                 }
             }
             Input::Timer(Timer::ExpirePending) => self.expire_pending(now, &mut out),
-            Input::Timer(Timer::OrphanDue(id)) => {
-                if let Some(peers) = self.orphans.remove(&id) {
-                    out.push(Action::Release {
-                        id: id.clone(),
-                        fence: Some(FenceEnd::Bound),
-                    });
-                    // Whatever the dead actor left in flight has ended by now.
-                    for to in peers {
-                        let msg = PeerMessage::AbortAck;
-                        out.push(Action::Send {
-                            to,
-                            id: id.clone(),
-                            msg,
-                        });
-                    }
-                    out.push(Action::Forget { id });
+            Input::Timer(Timer::OrphanDue(id)) => self.orphan_due(id, &mut out),
+            Input::Timer(Timer::OrphanAsk(id)) => self.orphan_ask(id, &mut out),
+            Input::WriterGone { id, peer, exited } => {
+                let Some(orphan) = self.orphans.get_mut(&id) else {
+                    return out;
+                };
+                let Some(left) = orphan.quarantine.as_mut() else {
+                    return out;
+                };
+                if let Some(i) = left.iter().position(|p| *p == peer) {
+                    left.swap_remove(i);
+                    orphan.bound_only |= !exited;
+                    self.orphan_lift(id, &mut out);
                 }
             }
         }
@@ -686,6 +728,9 @@ impl Router {
         msg: PeerMessage,
         out: &mut Vec<Action>,
     ) {
+        if matches!(msg, PeerMessage::AbortAck | PeerMessage::Done { .. }) {
+            self.orphan_confirmed(&id, &from, out);
+        }
         if let Some(ended) = self.tombstones.get(&id) {
             if matches!(
                 msg,
@@ -900,10 +945,22 @@ impl Router {
                     msg,
                 });
             }
-            State::Failed(reason)
+            State::Failed(reason.clone())
         };
         if orphan {
-            self.orphans.insert(id.clone(), peers);
+            let writes_land = self.cfg.one_sided
+                && self.cfg.role == Role::Decode
+                && self.cfg.mode == TransferMode::Push;
+            let reason = state.failure().cloned().unwrap_or(reason);
+            let orphan = Orphan {
+                peers,
+                reason,
+                writes_land,
+                confirmed: Vec::new(),
+                quarantine: None,
+                bound_only: false,
+            };
+            self.orphans.insert(id.clone(), orphan);
             out.push(Action::After {
                 delay: self.cfg.fence_max,
                 timer: Timer::OrphanDue(id.clone()),
@@ -915,6 +972,117 @@ impl Router {
             });
         }
         self.bury(id, state, out);
+    }
+
+    /// An orphan's fence bound passed. Its blocks go, unless prefill ranks that could still
+    /// write into them have not confirmed: those are quarantined, as a live request's
+    /// machine quarantines its lost writers (a writer stopped between its lease check and
+    /// its post lands that post whenever it resumes, and no time bound covers that), asked
+    /// at once and every [`QUARANTINE_ASK_EVERY`], and watched by the driver.
+    fn orphan_due(&mut self, id: RequestId, out: &mut Vec<Action>) {
+        let Some(orphan) = self.orphans.get_mut(&id) else {
+            return;
+        };
+        let unconfirmed: Vec<Peer> = orphan
+            .peers
+            .iter()
+            .filter(|p| !orphan.confirmed.contains(p))
+            .cloned()
+            .collect();
+        if !orphan.writes_land || unconfirmed.is_empty() || orphan.quarantine.is_some() {
+            return self.release_orphan(id, FenceEnd::Bound, out);
+        }
+        orphan.quarantine = Some(unconfirmed.clone());
+        out.push(Action::Quarantine {
+            id: id.clone(),
+            peers: unconfirmed,
+        });
+        self.orphan_ask(id, out);
+    }
+
+    /// A quarantined orphan asks each writer still unconfirmed to confirm (its `AbortAck`
+    /// may have gone to the dead actor, or been lost with its connection), and again later.
+    fn orphan_ask(&mut self, id: RequestId, out: &mut Vec<Action>) {
+        let Some(orphan) = self.orphans.get(&id) else {
+            return;
+        };
+        let Some(left) = &orphan.quarantine else {
+            return;
+        };
+        for to in left {
+            let msg = PeerMessage::Abort {
+                reason: orphan.reason.clone(),
+            };
+            out.push(Action::Send {
+                to: to.clone(),
+                id: id.clone(),
+                msg,
+            });
+        }
+        out.push(Action::After {
+            delay: QUARANTINE_ASK_EVERY,
+            timer: Timer::OrphanAsk(id),
+        });
+    }
+
+    /// A peer confirmed it writes nothing more for an orphan (`AbortAck`, `Done`): before
+    /// the bound it is not waited for; in quarantine it is let go. Once no writer is left,
+    /// the blocks go.
+    fn orphan_confirmed(&mut self, id: &RequestId, from: &Peer, out: &mut Vec<Action>) {
+        let Some(orphan) = self.orphans.get_mut(id) else {
+            return;
+        };
+        if !orphan.writes_land || !orphan.peers.contains(from) {
+            return;
+        }
+        match orphan.quarantine.as_mut() {
+            Some(left) => left.retain(|p| p != from),
+            None if !orphan.confirmed.contains(from) => orphan.confirmed.push(from.clone()),
+            None => {}
+        }
+        self.orphan_lift(id.clone(), out);
+    }
+
+    /// The orphan's blocks go once no writer that could still land in them is left.
+    fn orphan_lift(&mut self, id: RequestId, out: &mut Vec<Action>) {
+        let Some(orphan) = self.orphans.get(&id) else {
+            return;
+        };
+        let left = match &orphan.quarantine {
+            Some(left) => !left.is_empty(),
+            None => orphan.peers.iter().any(|p| !orphan.confirmed.contains(p)),
+        };
+        if left {
+            return;
+        }
+        let end = if orphan.bound_only {
+            FenceEnd::Bound
+        } else {
+            FenceEnd::Confirmed
+        };
+        self.release_orphan(id, end, out);
+    }
+
+    /// An orphan's blocks go, its peers are told that nothing of it is in flight, and it
+    /// is forgotten.
+    fn release_orphan(&mut self, id: RequestId, fence: FenceEnd, out: &mut Vec<Action>) {
+        let Some(orphan) = self.orphans.remove(&id) else {
+            return;
+        };
+        out.push(Action::Release {
+            id: id.clone(),
+            fence: Some(fence),
+        });
+        // Whatever the dead actor left in flight has ended by now.
+        for to in orphan.peers {
+            let msg = PeerMessage::AbortAck;
+            out.push(Action::Send {
+                to,
+                id: id.clone(),
+                msg,
+            });
+        }
+        out.push(Action::Forget { id });
     }
 
     /// Remembers an ended request, tells sibling ranks if it failed here, and (unless it is

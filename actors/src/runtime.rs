@@ -74,6 +74,12 @@ pub(crate) enum RootMsg {
     },
     /// A timer the router asked for fired.
     Timer(Timer),
+    /// A writer of a quarantined orphan exited (its watch answered), or cannot be watched.
+    WriterGone {
+        id: RequestId,
+        peer: Peer,
+        exited: bool,
+    },
 }
 
 #[derive(Debug)]
@@ -91,6 +97,22 @@ pub(crate) enum OpenKind {
 struct Entry {
     actor: Option<RequestTask>,
     deed: Deed,
+    /// A quarantined orphan's blocks (counted in `handoff_blocks_quarantined`), and the
+    /// tasks watching its writers' processes.
+    quarantine: Option<(usize, Vec<tokio::task::AbortHandle>)>,
+}
+
+impl Entry {
+    /// The orphan's quarantine ends (its blocks went, or the runtime stops): the gauge
+    /// forgets its blocks and nothing watches its writers any more.
+    fn unquarantine(&mut self, metrics: &Metrics, role: Role) {
+        if let Some((blocks, watchers)) = self.quarantine.take() {
+            metrics.quarantined(role, -(blocks as i64));
+            for watcher in watchers {
+                watcher.abort();
+            }
+        }
+    }
 }
 
 /// The root actor's state: the router decides, this performs.
@@ -198,6 +220,7 @@ impl Actor for RootActor {
                 Input::PeerLost { peer }
             }
             RootMsg::Timer(timer) => Input::Timer(timer),
+            RootMsg::WriterGone { id, peer, exited } => Input::WriterGone { id, peer, exited },
             RootMsg::InjectPanic { id } => {
                 if let Some(actor) = state.entries.get(&id).and_then(|e| e.actor.as_ref()) {
                     actor.cast(RequestMsg::Panic);
@@ -229,7 +252,8 @@ impl Actor for RootActor {
         // still held blocks (a fence, an orphan) give them back too: the runtime is going
         // away, and nothing it started can land after this. Requests whose `Open` is still
         // in the mailbox are closed when it is dropped.
-        for (_, entry) in std::mem::take(&mut state.entries) {
+        for (_, mut entry) in std::mem::take(&mut state.entries) {
+            entry.unquarantine(&state.shared.metrics, state.cfg.role);
             if let Some(actor) = entry.actor {
                 actor.stop();
             }
@@ -314,7 +338,15 @@ impl RootState {
             actor.cast(RequestMsg::Event(event));
         }
         let actor = Some(actor);
-        self.entries.insert(id.clone(), Entry { actor, deed });
+        let quarantine = None;
+        self.entries.insert(
+            id.clone(),
+            Entry {
+                actor,
+                deed,
+                quarantine,
+            },
+        );
         debug!(request = %id, role = %self.cfg.role, "request opened");
     }
 
@@ -390,8 +422,12 @@ impl RootState {
                     false => estate.fail_if_live(reason),
                 });
             }
+            Action::Quarantine { id, peers } => self.quarantine(myself, id, peers),
             Action::Release { id, fence } => {
                 self.estate(&id, |estate| estate.release_all(estate.ended_why(fence)));
+                if let Some(entry) = self.entries.get_mut(&id) {
+                    entry.unquarantine(&self.shared.metrics, self.cfg.role);
+                }
             }
             Action::Retire { id } => {
                 let Some(entry) = self.entries.get_mut(&id) else {
@@ -407,7 +443,8 @@ impl RootState {
                 }
             }
             Action::Forget { id } => {
-                if let Some(entry) = self.entries.remove(&id) {
+                if let Some(mut entry) = self.entries.remove(&id) {
+                    entry.unquarantine(&self.shared.metrics, self.cfg.role);
                     if let Some(actor) = entry.actor {
                         actor.stop();
                     }
@@ -426,6 +463,44 @@ impl RootState {
                 warn!(request = %id, "open decision outside an open dropped");
             }
         }
+    }
+
+    /// An orphan's fence bound passed with writers unconfirmed: watch each one's process
+    /// where the link can (its exit is reported to the router), and let the router know at
+    /// once of each it cannot watch (its blocks then go at the bound, as a live request's).
+    fn quarantine(&mut self, myself: &ActorRef<RootMsg>, id: RequestId, peers: Vec<Peer>) {
+        let (mut watched, mut watchers) = (Vec::new(), Vec::new());
+        for peer in peers {
+            match self.link.writer_exit(&peer) {
+                Some(exit) => {
+                    watched.push(peer.to_string());
+                    let (root, id) = (myself.clone(), id.clone());
+                    let task = tokio::spawn(async move {
+                        exit.await;
+                        let exited = true;
+                        let _ = root.cast(RootMsg::WriterGone { id, peer, exited });
+                    });
+                    watchers.push(task.abort_handle());
+                }
+                None => {
+                    // After the router's other actions for this input.
+                    let (id, exited) = (id.clone(), false);
+                    let _ = myself.cast(RootMsg::WriterGone { id, peer, exited });
+                }
+            }
+        }
+        let Some(entry) = self.entries.get_mut(&id) else {
+            return;
+        };
+        if watched.is_empty() {
+            return;
+        }
+        let blocks = entry.deed.with(|e| e.held()).unwrap_or(0);
+        warn!(request = %id, writers = ?watched, blocks, "quarantined: the request's actor died while a lost writer on this host may still land one write in these blocks; they are held until it exits or confirms");
+        self.shared
+            .metrics
+            .quarantined(self.cfg.role, blocks as i64);
+        entry.quarantine = Some((blocks, watchers));
     }
 
     fn log(&self, note: Note) {

@@ -22,13 +22,19 @@
 //!   anything else, its peers are told, and its blocks go at once or, where a transfer may
 //!   still land in them, only when the fence bound passes (then its peers get an
 //!   acknowledgement); sibling ranks hear of every failure not caused by a peer's abort.
+//! - Decode push over a one-sided plane: an orphan's blocks go before the bound only once
+//!   every peer confirmed (`AbortAck`, `Done`); past it, the peers still unconfirmed are
+//!   quarantined (watched, asked at once and again every interval), and its blocks go only
+//!   once each of them confirmed or was reported gone, never on a timer.
 //! - Every request that ends is forgotten exactly once.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use handoff_actors::event::FenceEnd;
-use handoff_actors::machine::{Peer, PeerMessage, ReceiverEvent, SenderEvent, State};
+use handoff_actors::machine::{
+    Peer, PeerMessage, ReceiverEvent, SenderEvent, State, QUARANTINE_ASK_EVERY,
+};
 use handoff_actors::router::{
     Action, Input, Local, MachineEvent, Note, Router, RouterConfig, RouterLimits, RouterStats,
     Timer,
@@ -97,6 +103,8 @@ enum Op {
     /// The request's actor died; `true`: after its request had ended.
     Die(u8, bool),
     Lose(u8),
+    /// The driver reports a quarantined writer gone (`true`: exited; `false`: unwatched).
+    WriterGone(u8, u8, bool),
     Wait(u64),
 }
 
@@ -117,6 +125,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0u8..6, 0u8..3).prop_map(|(i, how)| Op::End(i, how)),
         1 => (0u8..6, any::<bool>()).prop_map(|(i, ended)| Op::Die(i, ended)),
         1 => (0u8..3).prop_map(Op::Lose),
+        1 => (0u8..3, 0u8..6, any::<bool>()).prop_map(|(p, i, e)| Op::WriterGone(p, i, e)),
         2 => (1u64..150).prop_map(Op::Wait),
     ]
 }
@@ -164,10 +173,20 @@ struct Model {
     pending: BTreeMap<RequestId, Buffered>,
     /// Requests buffered so far (their order among equal deadlines).
     buffered: u64,
-    /// Orphans: their peers.
-    orphans: BTreeMap<RequestId, Vec<Peer>>,
+    /// Orphans.
+    orphans: BTreeMap<RequestId, OrphanModel>,
     /// Requests ended and not yet forgotten.
     unforgotten: BTreeSet<RequestId>,
+}
+
+/// An orphan as the model sees it.
+struct OrphanModel {
+    peers: Vec<Peer>,
+    /// Confirmed before the bound.
+    confirmed: BTreeSet<Peer>,
+    /// Past the bound: writers still held for.
+    quarantine: Option<BTreeSet<Peer>>,
+    bound_only: bool,
 }
 
 struct Harness {
@@ -201,6 +220,100 @@ impl Harness {
     fn orphaning(&self) -> bool {
         self.setup.one_sided
             || (self.setup.role == Role::Decode && self.setup.mode == TransferMode::Pull)
+    }
+
+    /// Decode push over a one-sided plane: an orphan's prefill ranks may still write.
+    fn writes_land(&self) -> bool {
+        self.setup.one_sided
+            && self.setup.role == Role::Decode
+            && self.setup.mode == TransferMode::Push
+    }
+
+    /// What releasing an orphan looks like: its blocks, an acknowledgement to each peer,
+    /// and the id forgotten.
+    fn orphan_released(&mut self, id: &RequestId, fence: FenceEnd) -> Vec<Action> {
+        let Some(orphan) = self.model.orphans.remove(id) else {
+            return Vec::new();
+        };
+        assert!(self.model.unforgotten.remove(id));
+        let mut expect = vec![Action::Release {
+            id: id.clone(),
+            fence: Some(fence),
+        }];
+        for to in orphan.peers {
+            expect.push(Action::Send {
+                to,
+                id: id.clone(),
+                msg: PeerMessage::AbortAck,
+            });
+        }
+        expect.push(Action::Forget { id: id.clone() });
+        expect
+    }
+
+    /// A peer's `AbortAck` or `Done` for an orphan whose writers may land: it no longer
+    /// holds the blocks; the last one releases them.
+    fn orphan_confirmed(&mut self, id: &RequestId, from: &Peer) -> Vec<Action> {
+        if !self.writes_land() {
+            return Vec::new();
+        }
+        let Some(orphan) = self.model.orphans.get_mut(id) else {
+            return Vec::new();
+        };
+        if !orphan.peers.contains(from) {
+            return Vec::new();
+        }
+        let left = match &mut orphan.quarantine {
+            Some(left) => {
+                left.remove(from);
+                !left.is_empty()
+            }
+            None => {
+                orphan.confirmed.insert(from.clone());
+                orphan.peers.iter().any(|p| !orphan.confirmed.contains(p))
+            }
+        };
+        if left {
+            return Vec::new();
+        }
+        let end = if orphan.bound_only {
+            FenceEnd::Bound
+        } else {
+            FenceEnd::Confirmed
+        };
+        self.orphan_released(id, end)
+    }
+
+    /// A quarantined orphan's asks: an abort to each writer still held for, and the next.
+    fn orphan_asks(&self, id: &RequestId) -> Vec<Action> {
+        let Some(left) = self
+            .model
+            .orphans
+            .get(id)
+            .and_then(|o| o.quarantine.as_ref())
+        else {
+            return Vec::new();
+        };
+        // The peers in the order the orphan holds them (its peers' order).
+        let peers = &self.model.orphans[id].peers;
+        let mut expect: Vec<Action> = peers
+            .iter()
+            .filter(|p| left.contains(p))
+            .map(|to| Action::Send {
+                to: to.clone(),
+                id: id.clone(),
+                msg: PeerMessage::Abort {
+                    reason: FailureReason::Internal {
+                        detail: "injected".into(),
+                    },
+                },
+            })
+            .collect();
+        expect.push(Action::After {
+            delay: QUARANTINE_ASK_EVERY,
+            timer: Timer::OrphanAsk(id.clone()),
+        });
+        expect
     }
 
     /// Feeds one input; collects the timers it arms and checks the bounds.
@@ -299,6 +412,7 @@ impl Harness {
                 }
             }
             Op::Wait(ms) => self.wait(Duration::from_millis(ms)),
+            Op::WriterGone(p, i, exited) => self.writer_gone(peer(p), rid(i), exited),
         }
         let live: Vec<&RequestId> = self.router.live().collect();
         let model: Vec<&RequestId> = self.model.live.keys().collect();
@@ -364,6 +478,12 @@ impl Harness {
 
     fn inbound(&mut self, from: Peer, id: RequestId, m: Msg) {
         let msg = m.outbound();
+        let orphan = self.model.orphans.contains_key(&id);
+        let confirmed = if matches!(m, Msg::AbortAck | Msg::Done) {
+            self.orphan_confirmed(&id, &from)
+        } else {
+            Vec::new()
+        };
         if let Some(ended) = self.router.ended(&id).cloned() {
             let pending = self.router.pending();
             let got = self.feed(Input::Inbound {
@@ -371,7 +491,7 @@ impl Harness {
                 id: id.clone(),
                 msg,
             });
-            let mut expect = Vec::new();
+            let mut expect = confirmed;
             if matches!(m, Msg::TransferInfo | Msg::Ready) {
                 let reason = ended.failure().cloned();
                 assert!(
@@ -380,7 +500,7 @@ impl Harness {
                 );
                 expect.push(got[0].clone());
             }
-            if matches!(m, Msg::Abort) && !self.model.orphans.contains_key(&id) {
+            if matches!(m, Msg::Abort) && !orphan {
                 expect.push(Action::Send {
                     to: from,
                     id,
@@ -405,7 +525,8 @@ impl Harness {
             assert_eq!(got, vec![Action::Deliver { id, event }]);
             return;
         }
-        let mut expect = Vec::new();
+        // (An orphan whose tombstone was forgotten: its confirmation, then as any other.)
+        let mut expect = confirmed;
         if matches!(m, Msg::Abort) && self.setup.role == Role::Prefill {
             expect.push(Action::Send {
                 to: from.clone(),
@@ -550,7 +671,13 @@ impl Harness {
                 delay: FENCE,
                 timer: Timer::OrphanDue(id.clone()),
             });
-            self.model.orphans.insert(id.clone(), peers);
+            let orphan = OrphanModel {
+                peers,
+                confirmed: BTreeSet::new(),
+                quarantine: None,
+                bound_only: false,
+            };
+            self.model.orphans.insert(id.clone(), orphan);
             self.model.unforgotten.insert(id.clone());
         } else {
             expect.push(Action::Release {
@@ -564,6 +691,50 @@ impl Harness {
         }
         assert_eq!(got, expect);
         assert_eq!(self.router.ended(&id), Some(&end));
+    }
+
+    fn writer_gone(&mut self, from: Peer, id: RequestId, exited: bool) {
+        let got = self.feed(Input::WriterGone {
+            id: id.clone(),
+            peer: from.clone(),
+            exited,
+        });
+        let Some(orphan) = self.model.orphans.get_mut(&id) else {
+            return assert_eq!(got, Vec::new());
+        };
+        let Some(left) = orphan.quarantine.as_mut() else {
+            return assert_eq!(got, Vec::new(), "only a quarantine waits for writers");
+        };
+        if !left.remove(&from) {
+            return assert_eq!(got, Vec::new());
+        }
+        orphan.bound_only |= !exited;
+        let expect = if left.is_empty() {
+            let end = if orphan.bound_only {
+                FenceEnd::Bound
+            } else {
+                FenceEnd::Confirmed
+            };
+            self.orphan_released(&id, end)
+        } else {
+            Vec::new()
+        };
+        assert_eq!(got, expect, "a quarantine ends with its last writer");
+    }
+
+    /// Every quarantined writer is reported gone (the end of a run).
+    fn end_quarantines(&mut self) {
+        let held: Vec<(RequestId, Vec<Peer>)> = self
+            .model
+            .orphans
+            .iter()
+            .filter_map(|(id, o)| Some((id.clone(), o.quarantine.clone()?.into_iter().collect())))
+            .collect();
+        for (id, peers) in held {
+            for p in peers {
+                self.writer_gone(p, id.clone(), true);
+            }
+        }
     }
 
     /// Time passes; every timer due fires at its time.
@@ -632,24 +803,40 @@ impl Harness {
             }
             Timer::OrphanDue(id) => {
                 let got = self.feed(Input::Timer(timer));
-                let Some(peers) = self.model.orphans.remove(&id) else {
+                let writes_land = self.writes_land();
+                let Some(orphan) = self.model.orphans.get_mut(&id) else {
                     assert_eq!(got, Vec::new());
                     return;
                 };
-                let mut expect = vec![Action::Release {
-                    id: id.clone(),
-                    fence: Some(FenceEnd::Bound),
-                }];
-                for to in peers {
-                    expect.push(Action::Send {
-                        to,
-                        id: id.clone(),
-                        msg: PeerMessage::AbortAck,
-                    });
+                let unconfirmed: Vec<Peer> = orphan
+                    .peers
+                    .iter()
+                    .filter(|p| !orphan.confirmed.contains(p))
+                    .cloned()
+                    .collect();
+                if !writes_land || unconfirmed.is_empty() {
+                    let expect = self.orphan_released(&id, FenceEnd::Bound);
+                    assert_eq!(got, expect, "an orphan's blocks go at its fence bound");
+                    return;
                 }
-                expect.push(Action::Forget { id: id.clone() });
-                assert_eq!(got, expect, "an orphan's blocks go at its fence bound");
-                assert!(self.model.unforgotten.remove(&id));
+                orphan.quarantine = Some(unconfirmed.iter().cloned().collect());
+                let mut expect = vec![Action::Quarantine {
+                    id: id.clone(),
+                    peers: unconfirmed,
+                }];
+                expect.extend(self.orphan_asks(&id));
+                assert_eq!(
+                    got, expect,
+                    "past the bound, an orphan's unconfirmed writers are quarantined"
+                );
+            }
+            Timer::OrphanAsk(id) => {
+                let got = self.feed(Input::Timer(timer));
+                assert_eq!(
+                    got,
+                    self.orphan_asks(&id),
+                    "a quarantined orphan asks again"
+                );
             }
         }
     }
@@ -666,8 +853,10 @@ proptest! {
             let held: usize = h.model.pending.values().map(|p| p.bytes).sum();
             prop_assert_eq!(h.router.pending_bytes(), held);
         }
-        // Every timer fires: every orphan is forgotten, nothing stays buffered.
+        // Every timer fires and every quarantined writer is reported gone: every orphan is
+        // forgotten, nothing stays buffered.
         h.wait(FENCE + BOOTSTRAP);
+        h.end_quarantines();
         prop_assert!(h.model.unforgotten.is_empty());
         prop_assert_eq!(h.router.pending().0, 0);
         prop_assert_eq!(h.router.pending_bytes(), 0);
@@ -796,4 +985,116 @@ fn a_message_holds_what_it_names() {
         hold: Duration::ZERO,
     };
     assert!(ready.held_bytes() >= 4096);
+}
+
+/// Decode push over a one-sided plane: an orphan's blocks are held past the fence bound for
+/// every prefill rank that has not confirmed, asked at once and again, and go only when the
+/// last of them confirms (or is reported gone); a rank that confirmed before the bound is
+/// not waited for, a stranger's acknowledgement counts for nothing, and an orphan whose
+/// ranks all confirmed before the bound goes at once.
+#[test]
+fn an_orphan_past_its_bound_is_held_until_each_writer_confirms_or_is_gone() {
+    let router = || {
+        Router::new(RouterConfig {
+            role: Role::Decode,
+            mode: TransferMode::Push,
+            one_sided: true,
+            bootstrap: BOOTSTRAP,
+            fence_max: FENCE,
+            unallocated_max: None,
+            limits: LIMITS,
+        })
+    };
+    let t = Instant::now();
+    let (p0, p1, p2) = (peer(0), peer(1), peer(2));
+    let id = rid(0);
+    let orphaned = |r: &mut Router| {
+        r.handle(t, Input::Open { id: id.clone() });
+        let died = Input::ActorGone {
+            id: id.clone(),
+            state: State::Failed(FailureReason::TtlExpired),
+            peers: vec![p0.clone(), p2.clone()],
+            why: "injected".into(),
+        };
+        r.handle(t, died);
+    };
+    let said = |r: &mut Router, from: &Peer, msg: PeerMessage| {
+        let from = from.clone();
+        let id = id.clone();
+        r.handle(t, Input::Inbound { from, id, msg })
+    };
+    let released = |got: &[Action], fence: FenceEnd| {
+        got.contains(&Action::Release {
+            id: id.clone(),
+            fence: Some(fence),
+        }) && got.contains(&Action::Forget { id: id.clone() })
+    };
+    let abort = |to: &Peer| Action::Send {
+        to: to.clone(),
+        id: id.clone(),
+        msg: PeerMessage::Abort {
+            reason: FailureReason::TtlExpired,
+        },
+    };
+
+    // P0 confirms before the bound; P2 does not: quarantined, asked at once and again.
+    let mut r = router();
+    orphaned(&mut r);
+    assert!(!released(
+        &said(&mut r, &p0, PeerMessage::AbortAck),
+        FenceEnd::Confirmed
+    ));
+    let due = r.handle(t + FENCE, Input::Timer(Timer::OrphanDue(id.clone())));
+    let quarantine = Action::Quarantine {
+        id: id.clone(),
+        peers: vec![p2.clone()],
+    };
+    assert_eq!(due[0], quarantine, "{due:?}");
+    assert!(
+        due.contains(&abort(&p2)) && !due.contains(&abort(&p0)),
+        "{due:?}"
+    );
+    assert!(!due.iter().any(|a| matches!(a, Action::Release { .. })));
+    let ask = r.handle(t + FENCE, Input::Timer(Timer::OrphanAsk(id.clone())));
+    assert!(ask.contains(&abort(&p2)), "asked again: {ask:?}");
+    // A stranger's acknowledgement, and P0's again, change nothing.
+    for who in [&p1, &p0] {
+        let got = said(&mut r, who, PeerMessage::AbortAck);
+        assert!(
+            !got.iter().any(|a| matches!(a, Action::Release { .. })),
+            "{got:?}"
+        );
+    }
+    assert_eq!(r.orphans().count(), 1);
+    let done = said(&mut r, &p2, PeerMessage::Done { aux: Vec::new() });
+    assert!(released(&done, FenceEnd::Confirmed), "{done:?}");
+    assert_eq!(r.orphans().count(), 0);
+    let ask = r.handle(t + FENCE, Input::Timer(Timer::OrphanAsk(id.clone())));
+    assert_eq!(ask, Vec::new(), "nothing asked once released");
+
+    // Reported gone: exited (confirmed), or not watchable (the bound).
+    for (exited, fence) in [(true, FenceEnd::Confirmed), (false, FenceEnd::Bound)] {
+        let mut r = router();
+        orphaned(&mut r);
+        r.handle(t + FENCE, Input::Timer(Timer::OrphanDue(id.clone())));
+        let gone = |r: &mut Router, peer: &Peer| {
+            let (id, peer) = (id.clone(), peer.clone());
+            r.handle(t + FENCE, Input::WriterGone { id, peer, exited })
+        };
+        assert!(!released(&gone(&mut r, &p0), fence));
+        assert!(
+            !released(&gone(&mut r, &p0), fence),
+            "one writer counts once"
+        );
+        assert!(released(&gone(&mut r, &p2), fence));
+    }
+
+    // Every rank confirmed before the bound: the blocks go at once, and the bound is moot.
+    let mut r = router();
+    orphaned(&mut r);
+    said(&mut r, &p2, PeerMessage::AbortAck);
+    let last = said(&mut r, &p0, PeerMessage::Done { aux: Vec::new() });
+    assert!(released(&last, FenceEnd::Confirmed), "{last:?}");
+    let due = r.handle(t + FENCE, Input::Timer(Timer::OrphanDue(id.clone())));
+    assert_eq!(due, Vec::new());
 }

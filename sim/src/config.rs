@@ -789,6 +789,14 @@ pub enum Scripted {
         /// How long.
         for_ms: u64,
     },
+    /// Every request the targeted workers hold at `at_ms` (live, or ended and still
+    /// holding blocks behind a fence) has its actor panic.
+    Panic {
+        /// Whose requests.
+        target: Target,
+        /// When.
+        at_ms: u64,
+    },
     /// Every message of this kind is lost, during the safety phase.
     Drop(MessageKind),
 }

@@ -126,6 +126,7 @@ enum Action {
     HandOver { req: u64, worker: usize, inc: u32 },
     Abort { req: u64, worker: usize, inc: u32 },
     Panic { req: u64, worker: usize, inc: u32 },
+    PanicAll { worker: usize },
     Crash { worker: usize, down_ms: u64 },
     Restart { worker: usize },
     BootstrapUp,
@@ -643,13 +644,13 @@ impl World {
             }
             Action::Panic { req, worker, inc } => {
                 if self.live_handle(req, worker, inc).is_some() {
-                    if let Some(rt) = &self.workers[worker].rt {
-                        rt.inject_panic(&RequestId::new(format!("r{req}")));
-                        self.count("actor_panic");
-                        self.trace.record(now, Some(req), |s| {
-                            write!(s, "w{worker} panic injected in r{req}")
-                        });
-                    }
+                    self.panic(now, req, worker);
+                }
+            }
+            Action::PanicAll { worker } => {
+                let held: Vec<u64> = self.workers[worker].handles.keys().copied().collect();
+                for req in held {
+                    self.panic(now, req, worker);
                 }
             }
             Action::Crash { worker, down_ms } => self.crash(now, worker, down_ms).await,
@@ -666,6 +667,17 @@ impl World {
                     self.start_partition(now, group, how, for_ms);
                 }
             }
+        }
+    }
+
+    /// Makes the actor of `req` on `worker` panic.
+    fn panic(&mut self, now: u64, req: u64, worker: usize) {
+        if let Some(rt) = &self.workers[worker].rt {
+            rt.inject_panic(&RequestId::new(format!("r{req}")));
+            self.count("actor_panic");
+            self.trace.record(now, Some(req), |s| {
+                write!(s, "w{worker} panic injected in r{req}")
+            });
         }
     }
 
@@ -1410,6 +1422,11 @@ impl World {
                 for w in self.targets(target) {
                     let for_ms = *for_ms;
                     self.schedule(*at_ms, Action::Freeze { worker: w, for_ms });
+                }
+            }
+            Scripted::Panic { target, at_ms } => {
+                for w in self.targets(target) {
+                    self.schedule(*at_ms, Action::PanicAll { worker: w });
                 }
             }
             Scripted::Drop(_) => {}

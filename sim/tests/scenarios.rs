@@ -321,6 +321,43 @@ fn a_writer_stopped_between_check_and_post_lands_only_in_quarantined_blocks() {
     assert!(unchecked > 0, "no write went out unchecked");
 }
 
+/// The same stopped writer, and decode's request actors panic while their fences hold
+/// (found by reading the code: the root released an orphan's blocks at the fence bound,
+/// whatever its writers). The root now quarantines an orphan as the machine would have:
+/// the writer's one unchecked post lands only in blocks no request has, and each orphan's
+/// blocks go once the writer is back and confirms.
+#[test]
+fn an_orphan_fencing_a_stopped_writer_keeps_its_blocks_past_the_bound() {
+    let (mut unchecked, mut panics) = (0, 0);
+    for seed in 0..8u64 {
+        let mut cfg = base(8170 + seed);
+        cfg.shape.mode = ModeChoice::Push;
+        cfg.data_plane = DataPlane::Rdma;
+        cfg.workload.requests = 80;
+        cfg.workload.compute_ms = (40, 160);
+        let fence = cfg.timing.timeouts.fence_max().as_millis() as u64;
+        let at_ms = 60 + 13 * seed;
+        cfg.script.push(Scripted::Freeze {
+            target: Target::Engine("P0".into()),
+            at_ms,
+            for_ms: fence + 2_000,
+        });
+        // Decode has lost P0 and fences by then; its fences end past the writer's resume.
+        for engine in ["D0", "D1"] {
+            let target = Target::Engine(engine.into());
+            let at_ms = at_ms + 700;
+            cfg.script.push(Scripted::Panic { target, at_ms });
+        }
+        let report = run(&cfg);
+        assert!(landed_after_release(&report).is_empty(), "{report}");
+        assert!(report.violations.is_empty(), "{report}");
+        unchecked += report.net.posted_unchecked;
+        panics += report.injected.get("actor_panic").copied().unwrap_or(0);
+    }
+    assert!(unchecked > 0, "no write went out unchecked");
+    assert!(panics > 0, "no actor panicked");
+}
+
 /// One plane cut, the other up, over RDMA push and pull: a control-only cut stops the
 /// heartbeats while data still flows (requests fail as lost peers, and no write lands in
 /// blocks given back); a data-only cut fails transfers while the peers stay connected

@@ -980,8 +980,8 @@ impl Router {
     /// its post lands that post whenever it resumes, and no time bound covers that), asked
     /// at once and every [`QUARANTINE_ASK_EVERY`], and watched by the driver.
     fn orphan_due(&mut self, id: RequestId, out: &mut Vec<Action>) {
-        let Some(orphan) = self.orphans.get_mut(&id) else {
-            return;
+        let Some(orphan) = self.orphans.get_mut(&id).filter(|o| o.quarantine.is_none()) else {
+            return; // gone, or quarantined already (no timer releases a quarantine)
         };
         let unconfirmed: Vec<Peer> = orphan
             .peers
@@ -989,7 +989,7 @@ impl Router {
             .filter(|p| !orphan.confirmed.contains(p))
             .cloned()
             .collect();
-        if !orphan.writes_land || unconfirmed.is_empty() || orphan.quarantine.is_some() {
+        if !orphan.writes_land || unconfirmed.is_empty() {
             return self.release_orphan(id, FenceEnd::Bound, out);
         }
         orphan.quarantine = Some(unconfirmed.clone());

@@ -713,7 +713,8 @@ impl Runtime {
     }
 
     /// The metrics this runtime records into (its own, or the one given to
-    /// [`RuntimeBuilder::metrics`]); serve them with [`crate::serve_metrics`].
+    /// [`RuntimeBuilder::metrics`]); serve them with
+    /// [`handoff_transport::exposition::serve_metrics`].
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.shared.metrics
     }

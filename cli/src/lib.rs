@@ -2,7 +2,7 @@
 //!
 //! # Layout
 //! - [`demo`]: the in-process demo behind `handoff demo`.
-//! - [`bench`]: the data-plane benchmark behind `handoff bench`.
+//! - [`bench`](mod@bench): the data-plane benchmark behind `handoff bench`.
 //! - [`lifecycle`]: the full-lifecycle latency measurement in `handoff bench`.
 //! - [`worker`]: `handoff worker`, one worker process on the network transport.
 //! - [`bootstrap`]: `handoff bootstrap [status]`, the bootstrap server and its status.

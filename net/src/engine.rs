@@ -146,7 +146,7 @@ pub struct EngineOptions {
     /// once no read of its own is in flight, so no late write from a frozen or partitioned
     /// peer can reach a block the engine got back (ARCHITECTURE, Fences).
     pub mode: TransferMode,
-    /// Decode: admission control (see [`crate::RuntimeBuilder::admission`]).
+    /// Decode: admission control (see [`handoff_actors::RuntimeBuilder::admission`]).
     pub admission: Option<usize>,
     /// Shared secret: frames are authenticated when set.
     pub key: Option<Key>,

@@ -2,7 +2,7 @@
 //! announced, which incarnations were lost, when each was last heard, our heartbeats
 //! awaiting an echo, and our writer's lease with each.
 //!
-//! The control loop ([`super::control`]) owns one [`PeerTable`], feeds it what it sees
+//! The control loop (`control.rs`) owns one [`PeerTable`], feeds it what it sees
 //! (hellos, messages, heartbeats, ticks) with the time, and does what it answers: fail the
 //! requests of a restarted or silent peer, answer a heartbeat, drop a stale message. It
 //! never touches a socket, a clock or a task, so property tests drive it directly

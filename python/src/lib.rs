@@ -2,7 +2,7 @@
 //!
 //! The pure-Python package `handoff` (beside this crate) wraps it: it turns tensors and
 //! arrays into address ranges and defines the exception classes this module raises (by the
-//! stable reason names of [`errors`]). Each [`Runtime`] owns a small multi-thread tokio
+//! stable reason names of `errors`). Each `Runtime` owns a small multi-thread tokio
 //! runtime on which its handoff runtime runs; no call from Python blocks on the network
 //! except the blocking helpers (`wait`, `shutdown`, construction), which release the GIL
 //! and take a timeout.
@@ -11,9 +11,9 @@
 //! a Python exception naming what was wrong.
 //!
 //! # Layout
-//! - [`errors`]: failure names and how they become Python exceptions.
-//! - [`memory`]: the registered KV memory from address ranges.
-//! - this file: the module, [`Runtime`], the handles, [`BootstrapServer`].
+//! - `errors`: failure names and how they become Python exceptions.
+//! - `memory`: the registered KV memory from address ranges.
+//! - this file: the module, `Runtime`, the handles, `BootstrapServer`.
 
 mod errors;
 mod memory;

@@ -352,7 +352,7 @@ pub enum Action {
     },
     /// Decode, push, one-sided plane: the fence bound passed while these lost prefill ranks
     /// had not confirmed. The request's `blocks` stay held; the driver reports each rank
-    /// with [`ReceiverEvent::WriterGone`](crate::machine::ReceiverEvent::WriterGone) once its
+    /// with [`ReceiverEvent::WriterGone`] once its
     /// process has exited (at once, `exited: false`, when it cannot watch it), unless the
     /// rank confirms first.
     Quarantine {

@@ -173,7 +173,7 @@ impl Worker {
     /// one: an interface removed (or left without an address) in between fails the worker
     /// with `UCS_ERR_NO_DEVICE`. Hosts whose interfaces come and go (containers, network
     /// namespaces made and removed) open that window, so the context is made again, up to
-    /// [`OPEN_ATTEMPTS`] times in all; any other failure is returned at once.
+    /// `OPEN_ATTEMPTS` (3) times in all; any other failure is returned at once.
     pub fn open(options: &ContextOptions) -> Result<(Context, Worker), UcxError> {
         Self::open_with(options, |_| {})
     }

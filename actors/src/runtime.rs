@@ -469,6 +469,9 @@ impl RootState {
     /// where the link can (its exit is reported to the router), and let the router know at
     /// once of each it cannot watch (its blocks then go at the bound, as a live request's).
     fn quarantine(&mut self, myself: &ActorRef<RootMsg>, id: RequestId, peers: Vec<Peer>) {
+        if !self.entries.contains_key(&id) {
+            return; // (the router forgets an orphan only with its entry)
+        }
         let (mut watched, mut watchers) = (Vec::new(), Vec::new());
         for peer in peers {
             match self.link.writer_exit(&peer) {

@@ -494,13 +494,12 @@ struct Orphan {
     peers: Vec<Peer>,
     /// How it failed (what its writers are asked with).
     reason: FailureReason,
-    /// Decode push over a one-sided plane: its prefill ranks may write into its blocks
-    /// until each confirms; otherwise only the bound counts.
-    writes_land: bool,
-    /// Peers that confirmed since the actor died (`AbortAck`, `Done`).
-    confirmed: Vec<Peer>,
-    /// Past the bound: the writers still held for (none: not quarantined).
-    quarantine: Option<Vec<Peer>>,
+    /// The peers that may still write into its blocks and have not confirmed since the
+    /// actor died (`AbortAck`, `Done`), nor been reported gone: all of its peers for decode
+    /// push over a one-sided plane, none otherwise (only the bound counts then).
+    waiting: Vec<Peer>,
+    /// Past the bound with writers waited for: held until the last of them goes.
+    quarantined: bool,
     /// A writer of the quarantine was let go unwatched: the fence ended at its bound.
     bound_only: bool,
 }
@@ -599,16 +598,12 @@ impl Router {
             Input::Timer(Timer::OrphanDue(id)) => self.orphan_due(id, &mut out),
             Input::Timer(Timer::OrphanAsk(id)) => self.orphan_ask(id, &mut out),
             Input::WriterGone { id, peer, exited } => {
-                let Some(orphan) = self.orphans.get_mut(&id) else {
+                let Some(orphan) = self.orphans.get_mut(&id).filter(|o| o.quarantined) else {
                     return out;
                 };
-                let Some(left) = orphan.quarantine.as_mut() else {
-                    return out;
-                };
-                if let Some(i) = left.iter().position(|p| *p == peer) {
-                    left.swap_remove(i);
+                if orphan.waiting.contains(&peer) {
                     orphan.bound_only |= !exited;
-                    self.orphan_lift(id, &mut out);
+                    self.orphan_let_go(id, &peer, &mut out);
                 }
             }
         }
@@ -729,7 +724,7 @@ impl Router {
         out: &mut Vec<Action>,
     ) {
         if matches!(msg, PeerMessage::AbortAck | PeerMessage::Done { .. }) {
-            self.orphan_confirmed(&id, &from, out);
+            self.orphan_let_go(id.clone(), &from, out);
         }
         if let Some(ended) = self.tombstones.get(&id) {
             if matches!(
@@ -952,12 +947,16 @@ impl Router {
                 && self.cfg.role == Role::Decode
                 && self.cfg.mode == TransferMode::Push;
             let reason = state.failure().cloned().unwrap_or(reason);
+            let waiting = if writes_land {
+                peers.clone()
+            } else {
+                Vec::new()
+            };
             let orphan = Orphan {
                 peers,
                 reason,
-                writes_land,
-                confirmed: Vec::new(),
-                quarantine: None,
+                waiting,
+                quarantined: false,
                 bound_only: false,
             };
             self.orphans.insert(id.clone(), orphan);
@@ -980,22 +979,16 @@ impl Router {
     /// its post lands that post whenever it resumes, and no time bound covers that), asked
     /// at once and every [`QUARANTINE_ASK_EVERY`], and watched by the driver.
     fn orphan_due(&mut self, id: RequestId, out: &mut Vec<Action>) {
-        let Some(orphan) = self.orphans.get_mut(&id).filter(|o| o.quarantine.is_none()) else {
+        let Some(orphan) = self.orphans.get_mut(&id).filter(|o| !o.quarantined) else {
             return; // gone, or quarantined already (no timer releases a quarantine)
         };
-        let unconfirmed: Vec<Peer> = orphan
-            .peers
-            .iter()
-            .filter(|p| !orphan.confirmed.contains(p))
-            .cloned()
-            .collect();
-        if !orphan.writes_land || unconfirmed.is_empty() {
+        if orphan.waiting.is_empty() {
             return self.release_orphan(id, FenceEnd::Bound, out);
         }
-        orphan.quarantine = Some(unconfirmed.clone());
+        orphan.quarantined = true;
         out.push(Action::Quarantine {
             id: id.clone(),
-            peers: unconfirmed,
+            peers: orphan.waiting.clone(),
         });
         self.orphan_ask(id, out);
     }
@@ -1003,13 +996,10 @@ impl Router {
     /// A quarantined orphan asks each writer still unconfirmed to confirm (its `AbortAck`
     /// may have gone to the dead actor, or been lost with its connection), and again later.
     fn orphan_ask(&mut self, id: RequestId, out: &mut Vec<Action>) {
-        let Some(orphan) = self.orphans.get(&id) else {
+        let Some(orphan) = self.orphans.get(&id).filter(|o| o.quarantined) else {
             return;
         };
-        let Some(left) = &orphan.quarantine else {
-            return;
-        };
-        for to in left {
+        for to in &orphan.waiting {
             let msg = PeerMessage::Abort {
                 reason: orphan.reason.clone(),
             };
@@ -1025,34 +1015,16 @@ impl Router {
         });
     }
 
-    /// A peer confirmed it writes nothing more for an orphan (`AbortAck`, `Done`): before
-    /// the bound it is not waited for; in quarantine it is let go. Once no writer is left,
-    /// the blocks go.
-    fn orphan_confirmed(&mut self, id: &RequestId, from: &Peer, out: &mut Vec<Action>) {
-        let Some(orphan) = self.orphans.get_mut(id) else {
+    /// The orphan stops waiting for `peer`: it confirmed it writes nothing more
+    /// (`AbortAck`, `Done`; before the bound it is then not waited for), or in quarantine it
+    /// was reported gone. Once no writer that could still land is left, the blocks go.
+    fn orphan_let_go(&mut self, id: RequestId, peer: &Peer, out: &mut Vec<Action>) {
+        let Some(orphan) = self.orphans.get_mut(&id) else {
             return;
         };
-        if !orphan.writes_land || !orphan.peers.contains(from) {
-            return;
-        }
-        match orphan.quarantine.as_mut() {
-            Some(left) => left.retain(|p| p != from),
-            None if !orphan.confirmed.contains(from) => orphan.confirmed.push(from.clone()),
-            None => {}
-        }
-        self.orphan_lift(id.clone(), out);
-    }
-
-    /// The orphan's blocks go once no writer that could still land in them is left.
-    fn orphan_lift(&mut self, id: RequestId, out: &mut Vec<Action>) {
-        let Some(orphan) = self.orphans.get(&id) else {
-            return;
-        };
-        let left = match &orphan.quarantine {
-            Some(left) => !left.is_empty(),
-            None => orphan.peers.iter().any(|p| !orphan.confirmed.contains(p)),
-        };
-        if left {
+        let before = orphan.waiting.len();
+        orphan.waiting.retain(|p| p != peer);
+        if orphan.waiting.len() == before || !orphan.waiting.is_empty() {
             return;
         }
         let end = if orphan.bound_only {

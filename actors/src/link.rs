@@ -184,8 +184,13 @@ pub trait Link: Send + Sync + 'static {
     /// has exited, when this link can watch it (a process on this host, verified to hold
     /// the other end of our control connection). `None` when it cannot (another host, or
     /// a plane that checks every write on arrival).
-    fn writer_exit(&self, peer: &Peer) -> Option<ExitFuture> {
-        let _ = peer;
+    ///
+    /// `replaced`: a new process (incarnation) has taken the rank since the request lost
+    /// it (`Inbox::peer_replaced`), so the writer is one of the rank's earlier processes:
+    /// the future waits for those, never for the process that holds the rank now. Otherwise
+    /// the writer is the process this link knows for the rank.
+    fn writer_exit(&self, peer: &Peer, replaced: bool) -> Option<ExitFuture> {
+        let _ = (peer, replaced);
         None
     }
 
@@ -241,6 +246,14 @@ impl Inbox {
     /// Reports a peer as gone: every request depending on it fails at once.
     pub fn peer_lost(&self, peer: Peer) -> bool {
         self.0.cast(RootMsg::PeerLost { peer }).is_ok()
+    }
+
+    /// Reports that a new process (a new incarnation) holds a lost peer's rank: its answers
+    /// no longer confirm anything for requests its old process could still write for.
+    /// Call it after [`Inbox::peer_lost`] for the old one, and before delivering anything
+    /// the new one sent.
+    pub fn peer_replaced(&self, peer: Peer) -> bool {
+        self.0.cast(RootMsg::PeerReplaced { peer }).is_ok()
     }
 
     /// The runtime's metrics, for what the transport counts (frames refused, peers).

@@ -20,7 +20,7 @@
 //! | `handoff_block_bytes` | gauge | | bytes of one local block (all of its layers): blocks × this is bytes |
 //! | `handoff_peers_lost_total` | counter | | peers declared lost (silent, restarted, unreachable) |
 //! | `handoff_peers_live` | gauge | | peers with a live control connection (counted each heartbeat) |
-//! | `handoff_messages_refused_total` | counter | `cause` | peer messages the runtime refused or dropped (`late`, `too_many_pending`, `bytes_full`, `buffer_full`, `never_opened`) |
+//! | `handoff_messages_refused_total` | counter | `cause` | peer messages the runtime refused or dropped (`late`, `too_many_pending`, `bytes_full`, `buffer_full`, `never_opened`; `replaced_writer`: a confirmation from a new process in a lost writer's rank, which ends nothing) |
 //! | `handoff_frames_refused_total` | counter | `cause` | control frames refused (`auth`, `oversized`, `truncated`, `version`, `unexpected`, `malformed`, `stale_incarnation`, `queue_full`) |
 //!
 //! The bootstrap server has its own (`handoff_bootstrap::BootstrapMetrics`); both are

@@ -568,7 +568,20 @@ impl RequestState {
                     MachineEvent::Receiver(done(r))
                 });
             }
-            Action::Quarantine { peers, blocks } => self.quarantine(peers, blocks),
+            Action::Quarantine {
+                peers,
+                blocks,
+                replaced,
+            } => self.quarantine(peers, blocks, &replaced),
+            Action::WatchEarlier { peer } => {
+                if !self.watch(peer.clone(), true) {
+                    debug!(request = %self.id, %peer, "no earlier process of this rank to watch");
+                }
+            }
+            Action::Unconfirmed { from } => {
+                warn!(request = %id, peer = %from, "a confirmation from this rank's new process ends nothing: the lost one may still write into these blocks, and they are held until it exits");
+                self.metrics.refused(crate::router::REPLACED_WRITER);
+            }
             Action::Release { blocks, why } => {
                 self.unquarantine();
                 self.estate(|e| e.release(&blocks, why))
@@ -584,24 +597,22 @@ impl RequestState {
     /// The fence bound passed with lost writers unconfirmed (push over a one-sided plane):
     /// watch each one's process where the link can, and hold the blocks until it exits or
     /// confirms; one the link cannot watch is let go on the bound, as before.
-    fn quarantine(&mut self, peers: Vec<crate::machine::Peer>, blocks: usize) {
+    fn quarantine(
+        &mut self,
+        peers: Vec<crate::machine::Peer>,
+        blocks: usize,
+        replaced: &[crate::machine::Peer],
+    ) {
         let mut watched = Vec::new();
         for peer in peers {
-            match self.link.writer_exit(&peer) {
-                Some(exit) => {
-                    watched.push(peer.to_string());
-                    self.transfers.push(Box::pin(async move {
-                        exit.await;
-                        MachineEvent::Receiver(ReceiverEvent::WriterGone { peer, exited: true })
-                    }));
-                }
-                None => {
-                    let event = ReceiverEvent::WriterGone {
-                        peer,
-                        exited: false,
-                    };
-                    self.feed(now(), MachineEvent::Receiver(event));
-                }
+            if self.watch(peer.clone(), replaced.contains(&peer)) {
+                watched.push(peer.to_string());
+            } else {
+                let event = ReceiverEvent::WriterGone {
+                    peer,
+                    exited: false,
+                };
+                self.feed(now(), MachineEvent::Receiver(event));
             }
         }
         if !watched.is_empty() {
@@ -609,6 +620,20 @@ impl RequestState {
             self.quarantined = blocks;
             self.metrics.quarantined(self.role, blocks as i64);
         }
+    }
+
+    /// Watches the process(es) of `peer` that may still write into our blocks
+    /// ([`Link::writer_exit`]): the machine hears `WriterGone` once they have exited. False
+    /// when the link cannot watch them.
+    fn watch(&mut self, peer: crate::machine::Peer, replaced: bool) -> bool {
+        let Some(exit) = self.link.writer_exit(&peer, replaced) else {
+            return false;
+        };
+        self.transfers.push(Box::pin(async move {
+            exit.await;
+            MachineEvent::Receiver(ReceiverEvent::WriterGone { peer, exited: true })
+        }));
+        true
     }
 
     /// The quarantined blocks go (or the actor is gone): the gauge forgets them.

@@ -77,6 +77,11 @@ impl MachineEvent {
             (Role::Decode, Local::PeerLost { peer }) => {
                 Self::Receiver(ReceiverEvent::PeerLost { peer })
             }
+            // Only decode fences on a writer's confirmation; a prefill machine drops it as
+            // the other side's event (the router sends it to decode requests only).
+            (_, Local::PeerReplaced { peer }) => {
+                Self::Receiver(ReceiverEvent::WriterReplaced { peer })
+            }
         }
     }
 
@@ -143,6 +148,11 @@ pub enum Local {
         /// Which.
         peer: Peer,
     },
+    /// A lost peer's rank is held by a new process now (`Input::PeerReplaced`).
+    PeerReplaced {
+        /// Which.
+        peer: Peer,
+    },
 }
 
 /// What happens, in the order the root actor learns it.
@@ -190,6 +200,15 @@ pub enum Input {
     },
     /// A peer is gone: every live request that depends on it fails at once.
     PeerLost {
+        /// Which.
+        peer: Peer,
+    },
+    /// A new process holds a peer's rank now (a new incarnation), after the old one was
+    /// lost (`PeerLost` came first). The new process answers an `Abort` for a request it
+    /// never knew with `AbortAck`: for the requests live or orphaned now, that rank's
+    /// confirmations speak for the new process, not for the old writer that may still hold
+    /// a post, and end no fence or quarantine (only the old one's exit does).
+    PeerReplaced {
         /// Which.
         peer: Peer,
     },
@@ -295,6 +314,18 @@ pub enum Action {
         id: RequestId,
         /// The writers.
         peers: Vec<Peer>,
+        /// Those of `peers` whose rank a new process holds since ([`Input::PeerReplaced`]):
+        /// watch the rank's earlier processes for them, not its current one.
+        replaced: Vec<Peer>,
+    },
+    /// A new process took a quarantined orphan's writer's rank after the quarantine began:
+    /// watch the rank's earlier processes as well, and report the writer gone
+    /// ([`Input::WriterGone`]) once they have exited.
+    WatchEarlier {
+        /// The orphan.
+        id: RequestId,
+        /// The writer.
+        peer: Peer,
     },
     /// Release every block the request still holds, as it ended (`fence`: how a fence on
     /// them ended, if one held them).
@@ -363,7 +394,19 @@ pub enum Note {
         /// The peers that sent something for it.
         peers: Vec<Peer>,
     },
+    /// An orphan's writer confirmed from a new process of its rank ([`Input::PeerReplaced`]):
+    /// not the writer's confirmation, so it ended nothing.
+    Unconfirmed {
+        /// The orphan.
+        id: RequestId,
+        /// The rank.
+        from: Peer,
+    },
 }
+
+/// The `cause` of a confirmation that came from a writer's replacement, not the writer
+/// ([`Note::Unconfirmed`], and a live request's `Action::Unconfirmed`).
+pub const REPLACED_WRITER: &str = "replaced_writer";
 
 impl Note {
     /// A short, stable name for what happened (the `cause` label of
@@ -375,6 +418,7 @@ impl Note {
             Note::BytesFull { .. } => "bytes_full",
             Note::BufferFull { .. } => "buffer_full",
             Note::NeverOpened { .. } => "never_opened",
+            Note::Unconfirmed { .. } => REPLACED_WRITER,
         }
     }
 }
@@ -393,6 +437,8 @@ pub struct RouterStats {
     pub buffer_full: u64,
     /// Requests never opened before their bootstrap deadline ([`Note::NeverOpened`]).
     pub never_opened: u64,
+    /// Orphans' confirmations from a writer's replacement ([`Note::Unconfirmed`]).
+    pub unconfirmed: u64,
 }
 
 impl RouterStats {
@@ -403,6 +449,7 @@ impl RouterStats {
             Note::BytesFull { .. } => &mut self.bytes_full,
             Note::BufferFull { .. } => &mut self.buffer_full,
             Note::NeverOpened { .. } => &mut self.never_opened,
+            Note::Unconfirmed { .. } => &mut self.unconfirmed,
         };
         *counter += 1;
     }
@@ -502,6 +549,9 @@ struct Orphan {
     quarantined: bool,
     /// A writer of the quarantine was let go unwatched: the fence ended at its bound.
     bound_only: bool,
+    /// Writers now held by a new process ([`Input::PeerReplaced`]): their confirmations
+    /// are not the writer's.
+    replaced: Vec<Peer>,
 }
 
 /// The root actor's routing rules (module docs).
@@ -594,6 +644,7 @@ impl Router {
                     }
                 }
             }
+            Input::PeerReplaced { peer } => self.peer_replaced(peer, &mut out),
             Input::Timer(Timer::ExpirePending) => self.expire_pending(now, &mut out),
             Input::Timer(Timer::OrphanDue(id)) => self.orphan_due(id, &mut out),
             Input::Timer(Timer::OrphanAsk(id)) => self.orphan_ask(id, &mut out),
@@ -724,7 +775,7 @@ impl Router {
         out: &mut Vec<Action>,
     ) {
         if matches!(msg, PeerMessage::AbortAck | PeerMessage::Done { .. }) {
-            self.orphan_let_go(id.clone(), &from, out);
+            self.orphan_confirmed(id.clone(), &from, out);
         }
         if let Some(ended) = self.tombstones.get(&id) {
             if matches!(
@@ -958,6 +1009,7 @@ impl Router {
                 waiting,
                 quarantined: false,
                 bound_only: false,
+                replaced: Vec::new(),
             };
             self.orphans.insert(id.clone(), orphan);
             out.push(Action::After {
@@ -986,9 +1038,16 @@ impl Router {
             return self.release_orphan(id, FenceEnd::Bound, out);
         }
         orphan.quarantined = true;
+        let replaced = orphan
+            .waiting
+            .iter()
+            .filter(|p| orphan.replaced.contains(p))
+            .cloned()
+            .collect();
         out.push(Action::Quarantine {
             id: id.clone(),
             peers: orphan.waiting.clone(),
+            replaced,
         });
         self.orphan_ask(id, out);
     }
@@ -999,7 +1058,12 @@ impl Router {
         let Some(orphan) = self.orphans.get(&id).filter(|o| o.quarantined) else {
             return;
         };
-        for to in &orphan.waiting {
+        // (A replaced writer's new process would only answer for itself.)
+        for to in orphan
+            .waiting
+            .iter()
+            .filter(|p| !orphan.replaced.contains(p))
+        {
             let msg = PeerMessage::Abort {
                 reason: orphan.reason.clone(),
             };
@@ -1013,6 +1077,50 @@ impl Router {
             delay: QUARANTINE_ASK_EVERY,
             timer: Timer::OrphanAsk(id),
         });
+    }
+
+    /// A new process holds `peer`'s rank: decode's live requests are told (their machines
+    /// know which of them the old process could still write for), and orphans waiting for
+    /// it stop taking its confirmations.
+    fn peer_replaced(&mut self, peer: Peer, out: &mut Vec<Action>) {
+        if self.cfg.role != Role::Decode {
+            return; // only decode fences on a writer's confirmation
+        }
+        for id in self.live.keys() {
+            let what = Local::PeerReplaced { peer: peer.clone() };
+            out.push(Action::Deliver {
+                id: id.clone(),
+                event: MachineEvent::for_role(self.cfg.role, what),
+            });
+        }
+        for (id, orphan) in &mut self.orphans {
+            if orphan.waiting.contains(&peer) && !orphan.replaced.contains(&peer) {
+                orphan.replaced.push(peer.clone());
+                if orphan.quarantined {
+                    out.push(Action::WatchEarlier {
+                        id: id.clone(),
+                        peer: peer.clone(),
+                    });
+                }
+            }
+        }
+    }
+
+    /// An orphan's peer confirmed (`AbortAck`, `Done`): the orphan stops waiting for it,
+    /// unless the confirmation came from a new process of its rank.
+    fn orphan_confirmed(&mut self, id: RequestId, from: &Peer, out: &mut Vec<Action>) {
+        let replaced = self
+            .orphans
+            .get(&id)
+            .is_some_and(|o| o.replaced.contains(from));
+        if replaced {
+            out.push(Action::Note(Note::Unconfirmed {
+                id,
+                from: from.clone(),
+            }));
+            return;
+        }
+        self.orphan_let_go(id, from, out);
     }
 
     /// The orphan stops waiting for `peer`: it confirmed it writes nothing more

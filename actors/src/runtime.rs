@@ -64,6 +64,8 @@ pub(crate) enum RootMsg {
     Ended { id: RequestId, state: State },
     /// A peer stopped answering: fail every request that depends on it.
     PeerLost { peer: Peer },
+    /// A new process holds a lost peer's rank (`Input::PeerReplaced`).
+    PeerReplaced { peer: Peer },
     /// Fault injection: make the request's actor panic.
     InjectPanic { id: RequestId },
     /// The request actor of spawn `serial` failed (a panic in a handler) and is gone.
@@ -218,6 +220,10 @@ impl Actor for RootActor {
                 debug!(%peer, "peer lost");
                 state.shared.metrics.peer_lost();
                 Input::PeerLost { peer }
+            }
+            RootMsg::PeerReplaced { peer } => {
+                info!(%peer, "a new process holds this rank: its answers end no fence of a request its old process could still write for");
+                Input::PeerReplaced { peer }
             }
             RootMsg::Timer(timer) => Input::Timer(timer),
             RootMsg::WriterGone { id, peer, exited } => Input::WriterGone { id, peer, exited },
@@ -422,7 +428,24 @@ impl RootState {
                     false => estate.fail_if_live(reason),
                 });
             }
-            Action::Quarantine { id, peers } => self.quarantine(myself, id, peers),
+            Action::Quarantine {
+                id,
+                peers,
+                replaced,
+            } => self.quarantine(myself, id, peers, &replaced),
+            Action::WatchEarlier { id, peer } => {
+                let Some(task) = self.watch(myself, &id, &peer, true) else {
+                    return debug!(request = %id, %peer, "no earlier process of this rank to watch");
+                };
+                match self
+                    .entries
+                    .get_mut(&id)
+                    .and_then(|e| e.quarantine.as_mut())
+                {
+                    Some((_, watchers)) => watchers.push(task),
+                    None => task.abort(),
+                }
+            }
             Action::Release { id, fence } => {
                 self.estate(&id, |estate| estate.release_all(estate.ended_why(fence)));
                 if let Some(entry) = self.entries.get_mut(&id) {
@@ -468,22 +491,22 @@ impl RootState {
     /// An orphan's fence bound passed with writers unconfirmed: watch each one's process
     /// where the link can (its exit is reported to the router), and let the router know at
     /// once of each it cannot watch (its blocks then go at the bound, as a live request's).
-    fn quarantine(&mut self, myself: &ActorRef<RootMsg>, id: RequestId, peers: Vec<Peer>) {
+    fn quarantine(
+        &mut self,
+        myself: &ActorRef<RootMsg>,
+        id: RequestId,
+        peers: Vec<Peer>,
+        replaced: &[Peer],
+    ) {
         if !self.entries.contains_key(&id) {
             return; // (the router forgets an orphan only with its entry)
         }
         let (mut watched, mut watchers) = (Vec::new(), Vec::new());
         for peer in peers {
-            match self.link.writer_exit(&peer) {
-                Some(exit) => {
+            match self.watch(myself, &id, &peer, replaced.contains(&peer)) {
+                Some(task) => {
                     watched.push(peer.to_string());
-                    let (root, id) = (myself.clone(), id.clone());
-                    let task = tokio::spawn(async move {
-                        exit.await;
-                        let exited = true;
-                        let _ = root.cast(RootMsg::WriterGone { id, peer, exited });
-                    });
-                    watchers.push(task.abort_handle());
+                    watchers.push(task);
                 }
                 None => {
                     // After the router's other actions for this input.
@@ -504,6 +527,26 @@ impl RootState {
             .metrics
             .quarantined(self.cfg.role, blocks as i64);
         entry.quarantine = Some((blocks, watchers));
+    }
+
+    /// Watches the process(es) of `peer` that may still write into orphan `id`'s blocks
+    /// ([`Link::writer_exit`]), reporting it gone once they have exited; `None` when the
+    /// link cannot watch them.
+    fn watch(
+        &self,
+        myself: &ActorRef<RootMsg>,
+        id: &RequestId,
+        peer: &Peer,
+        replaced: bool,
+    ) -> Option<tokio::task::AbortHandle> {
+        let exit = self.link.writer_exit(peer, replaced)?;
+        let (root, id, peer) = (myself.clone(), id.clone(), peer.clone());
+        let task = tokio::spawn(async move {
+            exit.await;
+            let exited = true;
+            let _ = root.cast(RootMsg::WriterGone { id, peer, exited });
+        });
+        Some(task.abort_handle())
     }
 
     fn log(&self, note: Note) {
@@ -527,6 +570,9 @@ impl RootState {
             }
             Note::NeverOpened { id, peers } => {
                 warn!(request = %id, ?peers, "request never opened here before its bootstrap deadline");
+            }
+            Note::Unconfirmed { id, from } => {
+                warn!(request = %id, peer = %from, "a confirmation from this rank's new process ends nothing: the lost one may still write into these blocks, and they are held until it exits");
             }
         }
     }

@@ -492,7 +492,8 @@ fn a_lost_writer_keeps_its_blocks_quarantined_past_the_fence_bound() {
         drain_r(&mut m),
         vec![Action::Quarantine {
             peers: vec![p0.clone()],
-            blocks: 2
+            blocks: 2,
+            replaced: vec![],
         }]
     );
     // No time bound: each deadline only asks the lost writer again, in case its
@@ -555,6 +556,105 @@ fn a_lost_writer_keeps_its_blocks_quarantined_past_the_fence_bound() {
     let mut m = ReceiverMachine::new(t, timeouts, TransferMode::Push);
     start(&mut m);
     assert!(m.is_settled());
+}
+
+/// A lost writer's rank taken by a new process (a restart while the old one is stopped):
+/// the new one answers an abort for a request it never knew with `AbortAck`, which speaks
+/// for it alone. Neither the fence nor the quarantine ends on it, the new process is not
+/// asked, and only the old one's end lets the blocks go. A rank replaced before it was lost
+/// here (it held none of our grants then) confirms as before.
+#[test]
+fn a_new_process_in_a_lost_writers_rank_ends_neither_fence_nor_quarantine() {
+    let t = Instant::now();
+    let (p0, p1) = (rank("P", 0), rank("P", 1));
+    let timeouts = Timeouts::default();
+    let mut m = ReceiverMachine::new(t, timeouts, TransferMode::Push).fence_writes(true);
+    m.handle(
+        t,
+        ReceiverEvent::PeersResolved {
+            peers: vec![p0.clone(), p1.clone()],
+        },
+    );
+    m.handle(t, ReceiverEvent::Allocated { blocks: b(&[4, 5]) });
+    // p1 restarted before anything was lost: nothing changes for it.
+    m.handle(t, ReceiverEvent::WriterReplaced { peer: p1.clone() });
+    m.handle(t, ReceiverEvent::PeerLost { peer: p0.clone() });
+    drain_r(&mut m);
+    m.handle(t, ReceiverEvent::AbortAck { from: p1.clone() });
+    assert_eq!(drain_r(&mut m), vec![], "p0 still fences");
+    // p0's rank, lost, is taken by a new process, which answers for itself.
+    m.handle(t, ReceiverEvent::WriterReplaced { peer: p0.clone() });
+    m.handle(t, ReceiverEvent::AbortAck { from: p0.clone() });
+    m.handle(
+        t,
+        ReceiverEvent::Done {
+            from: p0.clone(),
+            aux: vec![],
+        },
+    );
+    let refused = Action::Unconfirmed { from: p0.clone() };
+    assert_eq!(drain_r(&mut m), vec![refused.clone(), refused.clone()]);
+    assert!(!m.is_settled());
+    // The bound: quarantined, and never asked (the new process would only answer).
+    m.handle_timeout(t + timeouts.fence_max());
+    assert_eq!(
+        drain_r(&mut m),
+        vec![Action::Quarantine {
+            peers: vec![p0.clone()],
+            blocks: 2,
+            replaced: vec![p0.clone()],
+        }]
+    );
+    let ask = m.poll_timeout().expect("a quarantine's deadline");
+    m.handle_timeout(ask);
+    assert_eq!(drain_r(&mut m), vec![], "a replaced writer is not asked");
+    m.handle(ask, ReceiverEvent::AbortAck { from: p0.clone() });
+    assert_eq!(drain_r(&mut m), vec![refused]);
+    assert!(!m.is_settled());
+    // The old process exits.
+    m.handle(
+        ask,
+        ReceiverEvent::WriterGone {
+            peer: p0.clone(),
+            exited: true,
+        },
+    );
+    let reason = FailureReason::PeerLost {
+        peer: p0.to_string(),
+    };
+    let end = released(&[4, 5], failed(reason, Some(FenceEnd::Confirmed)));
+    assert_eq!(drain_r(&mut m), vec![end.clone()]);
+    assert!(m.is_settled());
+    // Replaced once the quarantine holds: its watch may have found the new process, so
+    // the rank's earlier ones are watched too; the new one's answer still ends nothing.
+    let mut m = ReceiverMachine::new(t, timeouts, TransferMode::Push).fence_writes(true);
+    m.handle(
+        t,
+        ReceiverEvent::PeersResolved {
+            peers: vec![p0.clone()],
+        },
+    );
+    m.handle(t, ReceiverEvent::Allocated { blocks: b(&[4, 5]) });
+    m.handle(t, ReceiverEvent::PeerLost { peer: p0.clone() });
+    m.handle_timeout(t + timeouts.fence_max());
+    drain_r(&mut m);
+    m.handle(t, ReceiverEvent::WriterReplaced { peer: p0.clone() });
+    m.handle(t, ReceiverEvent::AbortAck { from: p0.clone() });
+    assert_eq!(
+        drain_r(&mut m),
+        vec![
+            Action::WatchEarlier { peer: p0.clone() },
+            Action::Unconfirmed { from: p0.clone() }
+        ]
+    );
+    m.handle(
+        t,
+        ReceiverEvent::WriterGone {
+            peer: p0.clone(),
+            exited: true,
+        },
+    );
+    assert_eq!(drain_r(&mut m), vec![end]);
 }
 
 #[test]

@@ -104,6 +104,7 @@ enum ROp {
     Abort,
     PeerAbort(u8, FailureReason),
     PeerLost(u8),
+    Replaced(u8),
     Internal,
 }
 
@@ -121,6 +122,7 @@ fn receiver_op() -> impl Strategy<Value = ROp> {
         1 => Just(ROp::Abort),
         1 => (0u8..3, reason()).prop_map(|(p, r)| ROp::PeerAbort(p, r)),
         1 => (0u8..3).prop_map(ROp::PeerLost),
+        1 => (0u8..3).prop_map(ROp::Replaced),
         1 => Just(ROp::Internal),
     ]
 }
@@ -241,8 +243,28 @@ impl Ledger {
                     );
                 }
                 Action::Send { .. } => {}
-                Action::Quarantine { peers, blocks } => {
+                Action::Unconfirmed { from } => {
+                    assert!(
+                        state.is_terminal(),
+                        "{from}'s confirmation refused before the end"
+                    );
+                }
+                Action::WatchEarlier { peer } => {
+                    assert!(
+                        self.quarantined.contains(&peer),
+                        "{peer}'s earlier processes watched outside a quarantine of it"
+                    );
+                }
+                Action::Quarantine {
+                    peers,
+                    blocks,
+                    replaced,
+                } => {
                     assert!(state.is_terminal(), "quarantined before the end");
+                    assert!(
+                        replaced.iter().all(|p| peers.contains(p)),
+                        "a replaced writer outside the quarantine"
+                    );
                     assert!(!peers.is_empty(), "a quarantine waiting for nobody");
                     assert!(self.quarantined.is_empty(), "quarantined twice");
                     let held = self.given.keys().filter(|b| !self.released.contains_key(b));
@@ -523,6 +545,7 @@ proptest! {
                 ROp::Abort => ReceiverEvent::Abort,
                 ROp::PeerAbort(p, reason) => ReceiverEvent::PeerAbort { from: peer(p), reason },
                 ROp::PeerLost(p) => ReceiverEvent::PeerLost { peer: peer(p) },
+                ROp::Replaced(p) => ReceiverEvent::WriterReplaced { peer: peer(p) },
                 ROp::Internal => ReceiverEvent::Internal { detail: "x".into() },
             };
             m.handle(now, event);
@@ -545,6 +568,18 @@ proptest! {
         for (i, p) in lost.iter().enumerate() {
             prop_assert!(!m.is_settled(), "quarantined blocks let go before {p} was gone");
             let later = much_later;
+            if i % 2 == 0 {
+                // A new process takes the lost writer's rank and answers for itself: that
+                // ends nothing (the old one may still hold a post).
+                m.handle(later, ReceiverEvent::WriterReplaced { peer: p.clone() });
+                m.handle(later, ReceiverEvent::AbortAck { from: p.clone() });
+                m.handle(later, ReceiverEvent::Done { from: p.clone(), aux: vec![] });
+                let actions = drain_receiver(&mut m);
+                let refused = actions.iter().filter(|a| matches!(a, Action::Unconfirmed { from } if from == p)).count();
+                prop_assert_eq!(refused, 2, "{:?}", actions);
+                ledger.check(later, m.state(), m.poll_timeout(), actions);
+                prop_assert!(!m.is_settled(), "{}'s new process ended the quarantine", p);
+            }
             m.handle(later, ReceiverEvent::WriterGone { peer: p.clone(), exited: i % 2 == 0 });
             let actions = drain_receiver(&mut m);
             ledger.check(later, m.state(), m.poll_timeout(), actions);

@@ -25,7 +25,10 @@
 //! - Decode push over a one-sided plane: an orphan's blocks go before the bound only once
 //!   every peer confirmed (`AbortAck`, `Done`); past it, the peers still unconfirmed are
 //!   quarantined (watched, asked at once and again every interval), and its blocks go only
-//!   once each of them confirmed or was reported gone, never on a timer.
+//!   once each of them confirmed or was reported gone, never on a timer. A writer whose rank
+//!   a new process took (`PeerReplaced`) confirms no more (its new process answers for
+//!   itself) and is not asked: only its report as gone lets it go. Decode's live requests
+//!   are each told of the new process once.
 //! - Every request that ends is forgotten exactly once.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -105,6 +108,8 @@ enum Op {
     Lose(u8),
     /// The driver reports a quarantined writer gone (`true`: exited; `false`: unwatched).
     WriterGone(u8, u8, bool),
+    /// A new process took the peer's rank.
+    Replace(u8),
     Wait(u64),
 }
 
@@ -126,6 +131,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0u8..6, any::<bool>()).prop_map(|(i, ended)| Op::Die(i, ended)),
         1 => (0u8..3).prop_map(Op::Lose),
         1 => (0u8..3, 0u8..6, any::<bool>()).prop_map(|(p, i, e)| Op::WriterGone(p, i, e)),
+        1 => (0u8..3).prop_map(Op::Replace),
         2 => (1u64..150).prop_map(Op::Wait),
     ]
 }
@@ -177,6 +183,8 @@ struct Model {
     orphans: BTreeMap<RequestId, OrphanModel>,
     /// Requests ended and not yet forgotten.
     unforgotten: BTreeSet<RequestId>,
+    /// Orphans' confirmations from a replaced writer, so far.
+    unconfirmed: u64,
 }
 
 /// An orphan as the model sees it.
@@ -187,6 +195,18 @@ struct OrphanModel {
     /// Past the bound: writers still held for.
     quarantine: Option<BTreeSet<Peer>>,
     bound_only: bool,
+    /// Writers still waited for when a new process took their rank.
+    replaced: BTreeSet<Peer>,
+}
+
+impl OrphanModel {
+    /// Whether the orphan still waits for `peer` (writes landing).
+    fn waits_for(&self, peer: &Peer) -> bool {
+        match &self.quarantine {
+            Some(left) => left.contains(peer),
+            None => self.peers.contains(peer) && !self.confirmed.contains(peer),
+        }
+    }
 }
 
 struct Harness {
@@ -263,6 +283,11 @@ impl Harness {
         if !orphan.peers.contains(from) {
             return Vec::new();
         }
+        if orphan.replaced.contains(from) {
+            // Its new process answered: counted, and nothing else.
+            self.model.unconfirmed += 1;
+            return Vec::new();
+        }
         let left = match &mut orphan.quarantine {
             Some(left) => {
                 left.remove(from);
@@ -294,11 +319,13 @@ impl Harness {
         else {
             return Vec::new();
         };
-        // The peers in the order the orphan holds them (its peers' order).
-        let peers = &self.model.orphans[id].peers;
-        let mut expect: Vec<Action> = peers
+        // The peers in the order the orphan holds them (its peers' order); not a replaced
+        // one's new process.
+        let orphan = &self.model.orphans[id];
+        let mut expect: Vec<Action> = orphan
+            .peers
             .iter()
-            .filter(|p| left.contains(p))
+            .filter(|p| left.contains(p) && !orphan.replaced.contains(p))
             .map(|to| Action::Send {
                 to: to.clone(),
                 id: id.clone(),
@@ -324,7 +351,12 @@ impl Harness {
         let notes = all.iter().filter(|a| matches!(a, Action::Note(_))).count() as u64;
         let after = self.router.stats();
         let counted = |s: RouterStats| {
-            s.late + s.too_many_pending + s.bytes_full + s.buffer_full + s.never_opened
+            s.late
+                + s.too_many_pending
+                + s.bytes_full
+                + s.buffer_full
+                + s.never_opened
+                + s.unconfirmed
         };
         assert_eq!(
             counted(after) - counted(before),
@@ -413,7 +445,51 @@ impl Harness {
             }
             Op::Wait(ms) => self.wait(Duration::from_millis(ms)),
             Op::WriterGone(p, i, exited) => self.writer_gone(peer(p), rid(i), exited),
+            Op::Replace(p) => {
+                let replaced = peer(p);
+                let got = self.feed(Input::PeerReplaced {
+                    peer: replaced.clone(),
+                });
+                let what = Local::PeerReplaced {
+                    peer: replaced.clone(),
+                };
+                let expect: Vec<Action> = match self.setup.role {
+                    Role::Decode => self
+                        .model
+                        .live
+                        .keys()
+                        .map(|id| Action::Deliver {
+                            id: id.clone(),
+                            event: MachineEvent::for_role(Role::Decode, what.clone()),
+                        })
+                        .collect(),
+                    Role::Prefill => Vec::new(),
+                };
+                let mut expect = expect;
+                if self.setup.role == Role::Decode && self.writes_land() {
+                    for (id, orphan) in &mut self.model.orphans {
+                        if orphan.waits_for(&replaced) && orphan.replaced.insert(replaced.clone()) {
+                            // Quarantined already: the rank's earlier processes are watched.
+                            if orphan.quarantine.is_some() {
+                                expect.push(Action::WatchEarlier {
+                                    id: id.clone(),
+                                    peer: replaced.clone(),
+                                });
+                            }
+                        }
+                    }
+                }
+                assert_eq!(
+                    got, expect,
+                    "decode's live requests hear of a new process once, and quarantines watch the earlier ones"
+                );
+            }
         }
+        assert_eq!(
+            self.router.stats().unconfirmed,
+            self.model.unconfirmed,
+            "a replaced writer's confirmation is refused by name"
+        );
         let live: Vec<&RequestId> = self.router.live().collect();
         let model: Vec<&RequestId> = self.model.live.keys().collect();
         assert_eq!(live, model, "live requests");
@@ -676,6 +752,7 @@ impl Harness {
                 confirmed: BTreeSet::new(),
                 quarantine: None,
                 bound_only: false,
+                replaced: BTreeSet::new(),
             };
             self.model.orphans.insert(id.clone(), orphan);
             self.model.unforgotten.insert(id.clone());
@@ -820,9 +897,15 @@ impl Harness {
                     return;
                 }
                 orphan.quarantine = Some(unconfirmed.iter().cloned().collect());
+                let replaced = unconfirmed
+                    .iter()
+                    .filter(|p| orphan.replaced.contains(p))
+                    .cloned()
+                    .collect();
                 let mut expect = vec![Action::Quarantine {
                     id: id.clone(),
                     peers: unconfirmed,
+                    replaced,
                 }];
                 expect.extend(self.orphan_asks(&id));
                 assert_eq!(
@@ -1048,6 +1131,7 @@ fn an_orphan_past_its_bound_is_held_until_each_writer_confirms_or_is_gone() {
     let quarantine = Action::Quarantine {
         id: id.clone(),
         peers: vec![p2.clone()],
+        replaced: vec![],
     };
     assert_eq!(due[0], quarantine, "{due:?}");
     assert!(

@@ -1429,7 +1429,8 @@ fn a_frozen_writer_never_lands_in_reused_blocks(transport: &str, mode: &str) {
 }
 
 /// The frozen writer of [`a_frozen_writer_never_lands_in_reused_blocks`], resumed
-/// (`CONT`) or killed (`KILL`) once decode holds its blocks. The stop must land while every
+/// (`CONT`) or killed (`KILL`) once decode holds its blocks, or (`REPLACE`, UCX push) its
+/// rank taken by a new process while it is still stopped, then resumed. The stop must land while every
 /// request of the frozen writer is still open; on a busy machine it can come after one
 /// already arrived (its transfer took milliseconds), which tests nothing: that attempt is
 /// run again, three times at most.
@@ -1470,7 +1471,7 @@ fn frozen_writer_once(transport: &str, mode: &str, then: &str) -> Result<(), Str
     let hold = if mode == "push" { "0" } else { "1500" };
     let mut p1_args = vec!["--requests", "4", "--hold-ms", hold];
     p1_args.extend_from_slice(&common);
-    let p1 = worker("frozen prefill", "prefill", "P1", &addr, &p1_args);
+    let mut p1 = worker("frozen prefill", "prefill", "P1", &addr, &p1_args);
     let mut p2_args = vec!["--requests", "4", "--request-prefix", "req-then", "--serve"];
     p2_args.extend_from_slice(&common);
     let _p2 = worker("second prefill", "prefill", "P2", &addr, &p2_args);
@@ -1517,6 +1518,8 @@ fn frozen_writer_once(transport: &str, mode: &str, then: &str) -> Result<(), Str
         ));
     }
     let quarantine = transport == "ucx" && mode == "push";
+    // The new process of `REPLACE`, up until the end.
+    let mut restarted = None;
     if quarantine {
         // Decode loses P1, fails its requests, and past its fence bound keeps their blocks.
         assert!(
@@ -1529,7 +1532,12 @@ fn frozen_writer_once(transport: &str, mode: &str, then: &str) -> Result<(), Str
             !held.contains("req-then"),
             "the second wave started: {held}"
         );
-        signal(&p1, "CONT");
+        if then == "REPLACE" {
+            restarted = Some(replaced_while_stopped(&d, &addr, &common));
+            signal(&p1, "CONT");
+        } else {
+            signal(&p1, then);
+        }
     }
     // Decode loses P1, fails its requests, lets their blocks go (over UCX in push mode once
     // the resumed writer confirms), and P2's requests arrive in them, verified.
@@ -1580,6 +1588,12 @@ fn frozen_writer_once(transport: &str, mode: &str, then: &str) -> Result<(), Str
         signal(&p1, then);
     }
     if then == "KILL" {
+        use std::os::unix::process::ExitStatusExt;
+        let status = p1.child.try_wait();
+        assert!(
+            matches!(&status, Ok(Some(s)) if s.signal() == Some(9)),
+            "the frozen prefill was not killed: {status:?}"
+        );
         println!("{transport} {mode}: the frozen prefill was killed, and decode let its blocks go");
     } else {
         frozen_writer_ended(&p1, transport, mode);
@@ -1594,7 +1608,32 @@ fn frozen_writer_once(transport: &str, mode: &str, then: &str) -> Result<(), Str
     );
     let summary = rest.last().expect("summary");
     assert_eq!(summary["recheck_bad"], 0, "{summary}");
+    drop(restarted);
     Ok(())
+}
+
+/// A new process takes the stopped writer's rank (a restart, say, by a supervisor that
+/// gave up on it) while decode holds the stopped one's blocks quarantined. Decode's ask
+/// reaches the new process, which answers for a request it never knew with `AbortAck`:
+/// that must end nothing (the stopped one may still hold a post), and the second wave
+/// must still wait. The new process lives on until the test ends.
+fn replaced_while_stopped(d: &Proc, addr: &str, common: &[&str]) -> Proc {
+    let mut args = vec!["--requests", "0", "--serve"];
+    args.extend_from_slice(common);
+    let restarted = worker("restarted prefill", "prefill", "P1", addr, &args);
+    // Decode asks its quarantined writers again every few seconds, at the rank's new
+    // address once the old one is found gone: four answers, each refused by name.
+    assert!(
+        d.stderr_says_times("ends nothing", 4, T),
+        "decode never heard the new process: {}",
+        d.stderr.lock().unwrap()
+    );
+    let held = d.stderr.lock().unwrap().clone();
+    assert!(
+        !held.contains("req-then"),
+        "the new process's answer let the blocks go: {held}"
+    );
+    restarted
 }
 
 /// The frozen prefill, resumed, ends every request failed, by name.
@@ -1635,6 +1674,15 @@ fn a_frozen_writer_never_lands_in_reused_blocks_over_ucx_push() {
 fn a_quarantine_ends_when_the_stopped_writer_is_killed_over_ucx_push() {
     if ucx_available() {
         frozen_writer("ucx", "push", "KILL");
+    }
+}
+
+/// A stopped writer whose rank a new process takes: the new process's answers do not end
+/// the quarantine; the old one's end does, once it is resumed and gives up.
+#[test]
+fn a_restarted_writers_answer_does_not_end_its_stopped_predecessors_quarantine_over_ucx_push() {
+    if ucx_available() {
+        frozen_writer("ucx", "push", "REPLACE");
     }
 }
 

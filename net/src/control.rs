@@ -264,9 +264,27 @@ impl Control {
 
     fn on_hello(&mut self, conn: ConnId, hello: Hello) -> Result<(), WireError> {
         let peer = hello.rank.clone();
-        self.note_incarnation(&peer, hello.incarnation);
+        if let Err(current) = self.note_incarnation(&peer, hello.incarnation) {
+            // Told why, and the connection goes (counted and logged above).
+            let why = format!(
+                "incarnation {} of {peer} is older than {current}, which holds the rank now",
+                hello.incarnation
+            );
+            let reply = Message::ProtocolError(ProtocolError::new(why));
+            if let Ok(bytes) = wire::encode(&reply, self.key()) {
+                let _ = self.router.send(conn, vec![bytes]);
+            }
+            self.router.disconnect(conn);
+            return Ok(());
+        }
         let process = (hello.pid, self.conn_addrs.get(&conn).copied());
-        let lease = self.remember_data(&peer, hello.data_descriptor, hello.layout, process)?;
+        let lease = self.remember_data(
+            &peer,
+            hello.incarnation,
+            hello.data_descriptor,
+            hello.layout,
+            process,
+        )?;
         // The peer hears us (our ack) no earlier than now.
         lease.extend_to(std::time::Instant::now() + self.peer_lease(hello.lease_ms));
         self.conns.insert(conn, peer.clone());
@@ -287,19 +305,33 @@ impl Control {
         Ok(())
     }
 
-    /// A new incarnation of a known peer means the old one is gone: its requests fail now.
-    fn note_incarnation(&mut self, peer: &Peer, incarnation: u64) {
-        match self.table.incarnation(peer, incarnation) {
-            Incarnation::First | Incarnation::Unchanged => {}
+    /// A new incarnation of a known peer means the old one is gone: its requests fail now,
+    /// and the runtime learns that the rank's answers are the new process's from now on
+    /// (`Inbox::peer_replaced`), before anything the new one says is delivered. An older
+    /// incarnation than the one we know is refused: `Err` with the one we know.
+    fn note_incarnation(&mut self, peer: &Peer, incarnation: u64) -> Result<(), u64> {
+        let replaced = match self.table.incarnation(peer, incarnation) {
+            Incarnation::First | Incarnation::Unchanged => false,
             Incarnation::Back { old } => {
                 info!(%peer, old, new = incarnation, "peer back with a new incarnation");
+                true
             }
             Incarnation::Restarted { old } => {
                 info!(%peer, old, new = incarnation, "peer restarted: failing requests of its old incarnation");
                 self.lose(peer, "it restarted with a new incarnation");
+                true
             }
-        }
+            Incarnation::Stale { current } => {
+                warn!(%peer, stale = incarnation, current, "refusing an older process of a peer whose rank a newer one holds");
+                self.inbox.metrics().frame_refused("stale_incarnation");
+                return Err(current);
+            }
+        };
         self.table.adopt(peer, incarnation);
+        if replaced {
+            self.inbox.peer_replaced(peer.clone());
+        }
+        Ok(())
     }
 
     fn on_peer_message(&mut self, peer: &Peer, msg: Message) -> Result<(), WireError> {
@@ -311,7 +343,9 @@ impl Control {
                 echo,
                 lease_ms,
             }) => {
-                self.note_incarnation(peer, incarnation);
+                if self.note_incarnation(peer, incarnation).is_err() {
+                    return Ok(()); // dropped, counted and logged
+                }
                 self.on_echo(peer, seq, echo, lease_ms);
                 return Ok(());
             }
@@ -415,6 +449,7 @@ impl Control {
     fn remember_data(
         &self,
         peer: &Peer,
+        incarnation: u64,
         data_descriptor: Vec<u8>,
         layout: Option<LayoutDescriptor>,
         (pid, addrs): (u32, Option<(SocketAddr, SocketAddr)>),
@@ -448,7 +483,18 @@ impl Control {
             }
             None => (None, None),
         };
-        let old = map.insert(
+        // The old connection's process may still hold a post of a lost writer: kept for
+        // quarantines while it lives.
+        let old = map.remove(peer);
+        let mut writers = old.as_ref().map(|o| o.writers.clone()).unwrap_or_default();
+        if let Some(o) = &old {
+            if let Some((dropped, _)) =
+                writers.superseded(o.incarnation, o.process.clone(), |p| p.alive())
+            {
+                warn!(%peer, incarnation = dropped, "too many earlier processes of this rank live on: the oldest is watched no more");
+            }
+        }
+        map.insert(
             peer.clone(),
             PeerInfo {
                 data_descriptor,
@@ -456,6 +502,8 @@ impl Control {
                 lease: lease.clone(),
                 process: None,
                 verifying,
+                incarnation,
+                writers,
             },
         );
         drop(map);
@@ -738,13 +786,24 @@ impl Control {
                 pid,
                 addrs,
             }) => {
-                let lease = match self.remember_data(&peer, data_descriptor, layout, (pid, addrs)) {
-                    Ok(lease) => lease,
-                    Err(e) => {
-                        warn!(%peer, error = %e, "peer's hello answer describes bad memory");
-                        return self.lose(&peer, &e.to_string());
-                    }
-                };
+                // Who answered first: a restart fails the old incarnation's requests (and
+                // ends this connection's state with them: the next message dials again),
+                // and an older process than the one we know is refused.
+                if let Err(current) = self.note_incarnation(&peer, incarnation) {
+                    let why = format!(
+                        "{peer} answered as incarnation {incarnation}, older than {current}"
+                    );
+                    return self.lose(&peer, &why);
+                }
+                let data = (pid, addrs);
+                let lease =
+                    match self.remember_data(&peer, incarnation, data_descriptor, layout, data) {
+                        Ok(lease) => lease,
+                        Err(e) => {
+                            warn!(%peer, error = %e, "peer's hello answer describes bad memory");
+                            return self.lose(&peer, &e.to_string());
+                        }
+                    };
                 // The peer heard us (our hello) no earlier than when we sent it.
                 lease.extend_to(hello_sent + self.peer_lease(lease_ms));
                 let Some(state) = self.peers.get_mut(&peer) else {
@@ -752,7 +811,6 @@ impl Control {
                 };
                 state.out = Some((tx, generation));
                 self.table.connected(&peer, now(), lease);
-                self.note_incarnation(&peer, incarnation);
                 let reports = self.reports.clone();
                 let who = peer.clone();
                 tokio::spawn(async move {

@@ -35,6 +35,7 @@ pub mod engine;
 pub mod peers;
 pub mod tcp;
 pub mod ucx;
+mod writers;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -175,6 +176,11 @@ pub(crate) struct PeerInfo {
     /// While that check runs (off the control loop): turns `true` when it is done,
     /// whatever it found. `None`: no check was started.
     pub(crate) verifying: Option<tokio::sync::watch::Receiver<bool>>,
+    /// The incarnation it announced on this connection.
+    pub(crate) incarnation: u64,
+    /// Its rank's processes of earlier connections: what a quarantine of a request that
+    /// one of them held watches ([`writers::WriterHistory::watch`]).
+    pub(crate) writers: writers::WriterHistory<Arc<PeerProcess>>,
 }
 
 /// How long a transfer waits for the same-host check of its connection (a peer that offered
@@ -503,6 +509,7 @@ impl NetLink {
             lease,
             process,
             verifying,
+            ..
         }) = known
         else {
             let peer = peer.clone();
@@ -635,15 +642,23 @@ impl Link for NetLink {
         self.data.one_sided()
     }
 
-    /// A same-host peer verified at connect: its pidfd, polled every [`WRITER_EXIT_POLL`]
-    /// until the process has exited (a stopped process is alive).
-    fn writer_exit(&self, peer: &Peer) -> Option<handoff_actors::link::ExitFuture> {
-        let process = {
+    /// The processes of the rank that may hold the lost writer's post, each verified at
+    /// connect to be a process on this host (its pidfd): polled every [`WRITER_EXIT_POLL`]
+    /// until all have exited (a stopped process is alive). The rank's current process, or
+    /// (`replaced`) its earlier ones, never the one that took the rank since
+    /// (`writers::WriterHistory::watch`): that one never held the lost writer's grants.
+    fn writer_exit(&self, peer: &Peer, replaced: bool) -> Option<handoff_actors::link::ExitFuture> {
+        let processes = {
             let map = self.peer_data.lock().unwrap_or_else(|e| e.into_inner());
-            map.get(peer)?.process.clone()?
+            let info = map.get(peer)?;
+            info.writers
+                .watch(info.incarnation, info.process.as_ref(), replaced)
         };
+        if processes.is_empty() {
+            return None;
+        }
         Some(Box::pin(async move {
-            while process.alive() {
+            while processes.iter().any(|p| p.alive()) {
                 tokio::time::sleep(WRITER_EXIT_POLL).await;
             }
         }))

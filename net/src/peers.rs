@@ -39,6 +39,13 @@ pub enum Incarnation {
         /// The incarnation that is gone.
         old: u64,
     },
+    /// An older one than the one we know (incarnations grow with every start): a process
+    /// that a newer one has replaced, back from a stop, say. Refused: it must not displace
+    /// its successor, nor speak for it.
+    Stale {
+        /// The incarnation we know.
+        current: u64,
+    },
 }
 
 #[derive(Debug, Default)]
@@ -109,13 +116,14 @@ impl<P: Ord + Clone> PeerTable<P> {
     /// peer is lost first, then [`adopt`](Self::adopt)ed).
     pub fn incarnation(&self, peer: &P, incarnation: u64) -> Incarnation {
         if let Some(old) = self.lost.get(peer).and_then(|l| l.incarnation) {
-            return if old != incarnation {
-                Incarnation::Back { old }
-            } else {
-                Incarnation::Unchanged
+            return match incarnation.cmp(&old) {
+                std::cmp::Ordering::Less => Incarnation::Stale { current: old },
+                std::cmp::Ordering::Equal => Incarnation::Unchanged,
+                std::cmp::Ordering::Greater => Incarnation::Back { old },
             };
         }
         match self.peers.get(peer).and_then(|l| l.incarnation) {
+            Some(current) if incarnation < current => Incarnation::Stale { current },
             Some(old) if old != incarnation => Incarnation::Restarted { old },
             Some(_) => Incarnation::Unchanged,
             None => Incarnation::First,

@@ -244,16 +244,16 @@ async fn a_silent_peer_is_lost_after_its_missed_heartbeats() {
     drop(fake);
 }
 
-/// A peer on another protocol version is refused at hello, by name, and the worker goes on.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_peer_on_another_protocol_version_is_refused_by_name() {
+/// A prefill worker "P" and its control address, for a test that speaks the protocol
+/// to it by hand.
+async fn prefill_at_its_address() -> (Runtime, String) {
     let dir = Arc::new(StaticDirectory::new());
     let rank = RankInfo::single("P");
     let transport = NetTransport::bind(
         net_cfg(),
         rank.clone(),
         Role::Prefill,
-        dir.clone(),
+        dir,
         Arc::new(NoData::default()),
     )
     .await
@@ -265,6 +265,13 @@ async fn a_peer_on_another_protocol_version_is_refused_by_name() {
         .start()
         .await
         .unwrap();
+    (p, addr)
+}
+
+/// A peer on another protocol version is refused at hello, by name, and the worker goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_on_another_protocol_version_is_refused_by_name() {
+    let (p, addr) = prefill_at_its_address().await;
     let mut dealer = Dealer::connect(&addr, b"", T).await.unwrap();
     let mut hello = Hello::new(Role::Decode, RankInfo::single("D"), 7);
     hello.protocol_version = 99;
@@ -304,6 +311,55 @@ async fn a_peer_on_another_protocol_version_is_refused_by_name() {
         wire::decode(&reply[0], None).unwrap(),
         Message::HelloAck(_)
     ));
+    p.shutdown().await;
+}
+
+/// A process of a rank older than the one that holds it now (stopped, replaced by a
+/// restart, then resumed) is refused at hello, by name: it must neither displace its
+/// successor (whose requests would fail as "restarted") nor answer for it. A newer one is
+/// taken as a restart, as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_older_process_of_a_rank_is_refused_after_a_newer_one_took_it() {
+    let (p, addr) = prefill_at_its_address().await;
+    let hello = |incarnation: u64| {
+        let hello = Hello::new(Role::Decode, RankInfo::single("D"), incarnation);
+        vec![wire::encode(&Message::Hello(hello), None).unwrap()]
+    };
+    let answer = |reply: Vec<Vec<u8>>| wire::decode(&reply[0], None).unwrap();
+    let mut newer = Dealer::connect(&addr, b"", T).await.unwrap();
+    newer.send(hello(20)).unwrap();
+    let reply = tokio::time::timeout(T, newer.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(matches!(answer(reply), Message::HelloAck(_)));
+    let mut older = Dealer::connect(&addr, b"", T).await.unwrap();
+    older.send(hello(10)).unwrap();
+    let reply = tokio::time::timeout(T, older.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    let Message::ProtocolError(e) = answer(reply) else {
+        panic!("an older process was taken")
+    };
+    assert!(
+        e.detail.contains("10") && e.detail.contains("20") && e.detail.contains("older"),
+        "{}",
+        e.detail
+    );
+    let metrics = p.metrics().encode();
+    assert!(
+        metrics.contains(r#"handoff_frames_refused_total{cause="stale_incarnation"} 1"#),
+        "{metrics}"
+    );
+    // A newer one still takes the rank.
+    let mut newest = Dealer::connect(&addr, b"", T).await.unwrap();
+    newest.send(hello(30)).unwrap();
+    let reply = tokio::time::timeout(T, newest.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(matches!(answer(reply), Message::HelloAck(_)));
     p.shutdown().await;
 }
 

@@ -92,10 +92,15 @@ proptest! {
                     let expect = match m.incarnation {
                         None => Incarnation::First,
                         Some(old) if old == inc => Incarnation::Unchanged,
+                        Some(current) if inc < current => Incarnation::Stale { current },
                         Some(old) if m.lost => Incarnation::Back { old },
                         Some(old) => Incarnation::Restarted { old },
                     };
                     prop_assert_eq!(verdict, expect);
+                    if let Incarnation::Stale { .. } = verdict {
+                        // Refused: an older process than the one we know.
+                        continue;
+                    }
                     if let Incarnation::Restarted { .. } = verdict {
                         table.lose(&peer(p));
                         if let Some(l) = &m.lease {

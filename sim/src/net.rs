@@ -1228,16 +1228,24 @@ impl NetState {
         let Some(node) = self.node_at(at) else {
             return;
         };
-        match node.table.incarnation(&peer, inc) {
-            Incarnation::First | Incarnation::Unchanged => {}
+        let replaced = match node.table.incarnation(&peer, inc) {
+            Incarnation::First | Incarnation::Unchanged => false,
             Incarnation::Back { old } => {
                 self.note(t, None, format!("w{at}: w{peer} back ({old} -> {inc})"));
+                true
             }
             Incarnation::Restarted { old } => {
                 let why = format!("it restarted ({old} -> {inc})");
                 self.lose(t, at, peer, &why);
+                true
             }
-        }
+            Incarnation::Stale { current } => {
+                let why =
+                    format!("w{at}: w{peer} refused (incarnation {inc}, older than {current})");
+                self.note(t, None, why);
+                return;
+            }
+        };
         let now = self.at(t);
         self.conns_opened += 1;
         let id = self.conns_opened;
@@ -1246,6 +1254,11 @@ impl NetState {
         };
         node.table.adopt(&peer, inc);
         node.table.connected(&peer, now, Arc::new(Lease::new()));
+        if replaced {
+            if let Some(inbox) = node.inbox.clone() {
+                inbox.peer_replaced(self.ranks[peer].clone());
+            }
+        }
         let inc = u32::try_from(inc).unwrap_or(u32::MAX);
         node.conns.insert(peer, Conn { id, inc, last: t });
     }
@@ -1578,14 +1591,22 @@ impl Link for SimLink {
 
     /// Every simulated worker is watched as a verified same-host process is: its
     /// incarnation's end (a crash) is seen, a stop is not. The incarnation watched is the
-    /// one this worker last lost (the one that may still write), not one that took its
-    /// place since (which never wrote for the request, and may live on).
-    fn writer_exit(&self, peer: &Peer) -> Option<handoff_actors::link::ExitFuture> {
+    /// one this worker knows for the rank (the one that may still write), or (`replaced`:
+    /// this worker heard a newer one since the request lost it) the one before it; never
+    /// one that took its place since (which never wrote for the request, and may live on).
+    /// Without a known one, the one this worker last lost.
+    fn writer_exit(&self, peer: &Peer, replaced: bool) -> Option<handoff_actors::link::ExitFuture> {
         let node = {
             let st = self.net.lock();
             let n = st.node_of(peer)?;
+            let known = st
+                .node_at(self.idx)
+                .and_then(|me| me.table.known_incarnation(&n.idx))
+                .and_then(|i| u32::try_from(i).ok());
             let lost = st.lost_incarnation.get(&(self.idx, n.idx)).copied();
-            (n.idx, lost.unwrap_or(n.inc))
+            let inc = known.or(lost).unwrap_or(n.inc);
+            // (A simulated worker has one incarnation at a time: any earlier one is over.)
+            (n.idx, if replaced { inc.saturating_sub(1) } else { inc })
         };
         let net = self.net.clone();
         Some(Box::pin(async move {

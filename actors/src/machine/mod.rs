@@ -360,6 +360,23 @@ pub enum Action {
         peers: Vec<Peer>,
         /// How many blocks stay held.
         blocks: usize,
+        /// Those of `peers` whose rank a new process holds since ([`ReceiverEvent::WriterReplaced`]):
+        /// the writer to watch is one of the rank's earlier processes, not its current one.
+        replaced: Vec<Peer>,
+    },
+    /// Decode, quarantined: a new process took a quarantined writer's rank after the
+    /// quarantine began. Watch the rank's earlier processes as well (the quarantine's watch
+    /// may have found the new one), and report the writer gone once they have exited.
+    WatchEarlier {
+        /// The prefill rank.
+        peer: Peer,
+    },
+    /// Decode: an `AbortAck` or `Done` from a prefill rank that is a new process since it
+    /// was lost ([`ReceiverEvent::WriterReplaced`]): the new process's answer, not the lost
+    /// writer's, so it ended nothing. For logs and metrics.
+    Unconfirmed {
+        /// The prefill rank.
+        from: Peer,
     },
     /// The state changed (emitted after every transition, for events and logs).
     StateChanged(State),

@@ -100,6 +100,15 @@ pub enum ReceiverEvent {
         /// Whether its process was seen to exit.
         exited: bool,
     },
+    /// A lost prefill rank is back as a new process (a new incarnation took its rank).
+    /// The new process never held this request's grant, and it answers an `Abort` for a
+    /// request it does not know with `AbortAck` at once: from now on that rank's
+    /// `AbortAck` and `Done` end nothing here. Only the old process's end does
+    /// ([`ReceiverEvent::WriterGone`]), or the fence bound where the driver cannot watch it.
+    WriterReplaced {
+        /// The prefill rank.
+        peer: Peer,
+    },
     /// A peer sent a message that has no place on this side of the protocol.
     Unexpected {
         /// Who.
@@ -163,6 +172,9 @@ pub struct ReceiverMachine {
     quarantined: bool,
     /// A lost writer was let go on the bound alone (its driver could not watch it).
     bound_only: bool,
+    /// Lost prefill ranks now held by a new process ([`ReceiverEvent::WriterReplaced`]):
+    /// their answers are the new process's, not the old writer's.
+    replaced: Vec<Peer>,
     /// The data plane's writes are one-sided (RDMA): our side cannot refuse a late one, so a
     /// failed push request fences its blocks. Off for planes that check a grant per write.
     fence_writes: bool,
@@ -190,6 +202,7 @@ impl ReceiverMachine {
             acked_early: Vec::new(),
             quarantined: false,
             bound_only: false,
+            replaced: Vec::new(),
             fence_writes: false,
             now,
         }
@@ -298,6 +311,9 @@ impl ReceiverMachine {
             // An acknowledgement that overtook its `Abort` (control messages may be
             // reordered): remembered, so the failure it announces fences nothing for it.
             ReceiverEvent::AbortAck { from } => {
+                if self.replaced.contains(&from) {
+                    return self.unconfirmed(from);
+                }
                 if self.index(&from).is_some() && !self.acked_early.contains(&from) {
                     self.acked_early.push(from);
                 }
@@ -315,9 +331,31 @@ impl ReceiverMachine {
             ReceiverEvent::Internal { detail } => {
                 self.fail(FailureReason::Internal { detail }, None)
             }
+            ReceiverEvent::WriterReplaced { peer } => self.on_replaced(peer),
             // Only ever asked for after the end.
             ReceiverEvent::WriterGone { .. } => {}
         }
+    }
+
+    /// A lost rank's new process: its answers no longer speak for the lost writer. (A rank
+    /// not lost here held no grant the new process could be confused with.)
+    fn on_replaced(&mut self, peer: Peer) {
+        let lost = self
+            .index(&peer)
+            .is_some_and(|i| self.peers[i].1 == Progress::Gone);
+        if lost && !self.replaced.contains(&peer) {
+            if self.quarantined {
+                self.core
+                    .actions
+                    .push_back(Action::WatchEarlier { peer: peer.clone() });
+            }
+            self.replaced.push(peer);
+        }
+    }
+
+    /// A confirmation from a replaced rank ends nothing; the driver logs and counts it.
+    fn unconfirmed(&mut self, from: Peer) {
+        self.core.actions.push_back(Action::Unconfirmed { from });
     }
 
     fn on_peers(&mut self, now: Instant, peers: Vec<Peer>) {
@@ -600,9 +638,15 @@ impl ReceiverMachine {
         }
         self.quarantined = true;
         let blocks = self.core.held.len();
+        let replaced = lost
+            .iter()
+            .filter(|p| self.replaced.contains(p))
+            .cloned()
+            .collect();
         self.core.actions.push_back(Action::Quarantine {
             peers: lost,
             blocks,
+            replaced,
         });
         // The first ask after one interval: a driver that cannot watch the writers answers
         // at once, and the blocks go without a word to peers that are gone.
@@ -617,8 +661,9 @@ impl ReceiverMachine {
         let State::Failed(reason) = self.core.state.clone() else {
             return;
         };
+        // (A replaced rank's new process would only answer for itself.)
         for (peer, p) in self.peers.clone() {
-            if p == Progress::Gone {
+            if p == Progress::Gone && !self.replaced.contains(&peer) {
                 let reason = reason.clone();
                 self.core.send(&peer, PeerMessage::Abort { reason });
             }
@@ -653,11 +698,17 @@ impl ReceiverMachine {
     fn handle_after_end(&mut self, event: ReceiverEvent) {
         match event {
             ReceiverEvent::Allocated { blocks } => return self.core.release_late(blocks),
+            ReceiverEvent::AbortAck { from } | ReceiverEvent::Done { from, .. }
+                if self.replaced.contains(&from) =>
+            {
+                return self.unconfirmed(from);
+            }
             ReceiverEvent::AbortAck { from } | ReceiverEvent::Done { from, .. } => {
                 if let Some(i) = self.index(&from) {
                     self.peers[i].1 = Progress::Complete;
                 }
             }
+            ReceiverEvent::WriterReplaced { peer } => return self.on_replaced(peer),
             ReceiverEvent::WriterGone { peer, exited } => match self.index(&peer) {
                 Some(i) if self.quarantined && self.peers[i].1 == Progress::Gone => {
                     self.peers[i].1 = Progress::Complete;

@@ -1435,9 +1435,23 @@ fn a_frozen_writer_never_lands_in_reused_blocks(transport: &str, mode: &str) {
 /// already arrived (its transfer took milliseconds), which tests nothing: that attempt is
 /// run again, three times at most.
 fn frozen_writer(transport: &str, mode: &str, then: &str) {
+    frozen_writer_in(transport, mode, then, Memory::Host);
+}
+
+/// Where the frozen-writer tests' workers hold their KV pools.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Memory {
+    /// Host memory laid out as an engine's 32 layers.
+    Host,
+    /// One device allocation on GPU 0 (copies through the peer's CUDA IPC handles).
+    Cuda,
+}
+
+/// [`frozen_writer`] with the pools in `memory`.
+fn frozen_writer_in(transport: &str, mode: &str, then: &str, memory: Memory) {
     const ATTEMPTS: usize = 3;
     for attempt in 1..=ATTEMPTS {
-        match frozen_writer_once(transport, mode, then) {
+        match frozen_writer_once(transport, mode, then, memory) {
             Ok(()) => return,
             Err(late) if attempt < ATTEMPTS => {
                 println!("{transport} {mode}: attempt {attempt}: {late}; again");
@@ -1449,26 +1463,43 @@ fn frozen_writer(transport: &str, mode: &str, then: &str) {
 
 /// One attempt of [`frozen_writer`]: `Err` when the stop came after one of the frozen
 /// writer's requests had already arrived (the scenario did not happen).
-fn frozen_writer_once(transport: &str, mode: &str, then: &str) -> Result<(), String> {
+fn frozen_writer_once(
+    transport: &str,
+    mode: &str,
+    then: &str,
+    memory: Memory,
+) -> Result<(), String> {
     let (_boot, addr) = bootstrap();
     // 4 requests of 256 blocks over 32 layers held as an engine holds them: a transfer is
     // thousands of operations, so a stop lands in the middle of one.
     // Losses after a second's silence, not 300 ms: the stopped writer is lost all the
     // same, and the honest second prefill, starved for 300 ms by four such tests on two
     // cores, is not (seen: decode failed a second-wave request "peer lost: P2").
-    let common = [
+    let mut common = vec![
         "--blocks-per-request",
         "256",
         "--pool-blocks",
         "1024",
-        "--layers",
-        "32",
         "--transport",
         transport,
         "--heartbeats-missed",
         "10",
     ];
-    let hold = if mode == "push" { "0" } else { "1500" };
+    match memory {
+        Memory::Host => common.extend(["--layers", "32"]),
+        // One device range: a request's transfer is a few device copies, over in far less
+        // time than a stop takes to land, so the writer is stopped before its hand-over
+        // (as in pull mode) and writes, if at all, only once resumed.
+        Memory::Cuda => common.extend(["--memory", "cuda"]),
+    }
+    let before_hand_over = mode == "pull" || memory == Memory::Cuda;
+    // The hold runs from prefill's open: decode must have sent its transfer info by then.
+    // A GPU decode takes longer to start (a CUDA context, UCX's CUDA transports).
+    let hold = match (before_hand_over, memory) {
+        (false, _) => "0",
+        (true, Memory::Host) => "1500",
+        (true, Memory::Cuda) => "6000",
+    };
     let mut p1_args = vec!["--requests", "4", "--hold-ms", hold];
     p1_args.extend_from_slice(&common);
     let mut p1 = worker("frozen prefill", "prefill", "P1", &addr, &p1_args);
@@ -1490,7 +1521,7 @@ fn frozen_writer_once(transport: &str, mode: &str, then: &str) -> Result<(), Str
     d_args.extend_from_slice(&common);
     let d = worker("decode", "decode", "D", &addr, &d_args);
     let state = |v: &Value, s: &str| v["event"] == "state" && v["state"] == s;
-    if mode == "push" {
+    if !before_hand_over {
         p1.until("a write under way", |seen| {
             seen.iter().any(|v| state(v, "Transferring"))
         });
@@ -1674,6 +1705,17 @@ fn a_frozen_writer_never_lands_in_reused_blocks_over_ucx_push() {
 fn a_quarantine_ends_when_the_stopped_writer_is_killed_over_ucx_push() {
     if ucx_available() {
         frozen_writer("ucx", "push", "KILL");
+    }
+}
+
+/// The frozen writer between two GPU workers (device pools on one GPU, UCX push; same-host
+/// copies through the peer's CUDA IPC handles), stopped with transfer info in hand and its
+/// hand-over due: decode quarantines, and the resumed writer's device copies never land in
+/// the blocks the second wave reuses.
+#[test]
+fn a_frozen_gpu_writer_never_lands_in_reused_device_blocks_over_ucx_push() {
+    if gpu_with_cuda_ucx().is_some() {
+        frozen_writer_in("ucx", "push", "CONT", Memory::Cuda);
     }
 }
 

@@ -25,7 +25,7 @@ use tracing::{debug, info, trace, warn};
 
 use super::peers::{Incarnation, PeerTable};
 use super::{
-    layer_slices, Cmd, DataPlane, Directory, NetConfig, PeerData, PeerInfo, WriteGrants,
+    check_named_blocks, Cmd, DataPlane, Directory, NetConfig, PeerData, PeerInfo, WriteGrants,
     DIAL_ATTEMPTS_MAX, DIAL_QUEUE_MESSAGES_MAX,
 };
 use handoff_actors::link::Inbox;
@@ -429,18 +429,11 @@ impl Control {
     /// The error fails that request with a protocol error naming the peer.
     fn check_pairing(&self, peer: &Peer, blocks: &[BlockId], we_send: bool) -> Result<(), String> {
         let map = self.peer_data.lock().unwrap_or_else(|e| e.into_inner());
-        let Some((_, theirs)) = map.get(peer).and_then(|p| p.layout.as_ref()) else {
-            return Err(format!("{peer} described no KV layout when it connected"));
-        };
-        if let Some(block) = blocks.iter().find(|b| b.0 >= theirs.blocks) {
-            return Err(format!(
-                "{peer} names block {block}, but its layout has {} blocks",
-                theirs.blocks
-            ));
-        }
-        layer_slices(&self.me, &self.layout, peer, theirs, we_send)
-            .map(|_| ())
-            .map_err(|e| e.to_string())
+        let theirs = map
+            .get(peer)
+            .and_then(|p| p.layout.as_ref())
+            .map(|(_, l)| l);
+        check_named_blocks(&self.me, &self.layout, peer, theirs, blocks, we_send)
     }
 
     /// What a peer said about its data plane at connect: transfers to it never need the

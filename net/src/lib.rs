@@ -486,6 +486,34 @@ pub(crate) fn layer_slices(
     })
 }
 
+/// Whether blocks a peer names in its own memory (its transfer info, its `Ready`) can be
+/// acted on, checked on arrival before a byte moves: the peer described a layout
+/// (`theirs`, from its hello), every block it names lies in it, and the two layouts pair
+/// ([`layer_slices`]; `we_send`: we are the source). The error names the peer and what
+/// does not check out; the request then fails with a protocol error. The control loop
+/// runs it on every such message, and the simulator on every one it delivers.
+pub fn check_named_blocks(
+    me: &RankInfo,
+    mine: &KvLayout,
+    peer: &RankInfo,
+    theirs: Option<&KvLayout>,
+    blocks: &[BlockId],
+    we_send: bool,
+) -> Result<(), String> {
+    let Some(theirs) = theirs else {
+        return Err(format!("{peer} described no KV layout when it connected"));
+    };
+    if let Some(block) = blocks.iter().find(|b| b.0 >= theirs.blocks) {
+        return Err(format!(
+            "{peer} names block {block}, but its layout has {} blocks",
+            theirs.blocks
+        ));
+    }
+    layer_slices(me, mine, peer, theirs, we_send)
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
 impl NetLink {
     /// One transfer, to or from the peer's memory as its hello described it.
     fn transfer(

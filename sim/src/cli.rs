@@ -77,7 +77,7 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 20)]
     pub liveness_requests: u64,
     /// Faults: `none`, `all`, `swarm` (a mix drawn per seed), or a comma list of
-    /// loss,delay,dup,partition,crash,bootstrap,saturation,slow,skew,panic,abort,stall,freeze.
+    /// loss,delay,dup,partition,crash,bootstrap,saturation,slow,skew,panic,abort,stall,freeze,lie.
     #[arg(long, default_value = "swarm")]
     pub faults: String,
     /// Transfer mode of decode engines: push, pull or mixed.

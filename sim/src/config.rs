@@ -371,11 +371,15 @@ pub enum FaultKind {
     /// Workers frozen (as by SIGSTOP) for a while: cut off from everyone, their transfers
     /// queued and posted when they resume, the writes under a lease that may have ended.
     Freeze,
+    /// Peers that lie about their memory: a request's transfer info (decode) or `Ready`
+    /// (prefill, pull) names blocks past the end of the sender's pool (the simulator's
+    /// descriptor). The receiver must refuse it on arrival, by name, before a byte moves.
+    Lie,
 }
 
 impl FaultKind {
     /// Every kind, in order.
-    pub const ALL: [FaultKind; 13] = [
+    pub const ALL: [FaultKind; 14] = [
         FaultKind::Loss,
         FaultKind::Delay,
         FaultKind::Dup,
@@ -389,6 +393,7 @@ impl FaultKind {
         FaultKind::Abort,
         FaultKind::Stall,
         FaultKind::Freeze,
+        FaultKind::Lie,
     ];
 
     /// The command-line name.
@@ -407,6 +412,7 @@ impl FaultKind {
             FaultKind::Abort => "abort",
             FaultKind::Stall => "stall",
             FaultKind::Freeze => "freeze",
+            FaultKind::Lie => "lie",
         }
     }
 }
@@ -508,6 +514,9 @@ pub struct Faults {
     pub never_send_ppm: u32,
     /// Requests decode asks an unregistered prefill engine for.
     pub ghost_prefill_ppm: u32,
+    /// Requests whose transfer info (even ones) or `Ready` (odd ones, pull) names blocks
+    /// past the end of the sender's pool (a peer lying about its memory).
+    pub liar_ppm: u32,
 }
 
 impl Faults {
@@ -577,6 +586,7 @@ impl Faults {
                 self.freeze_every_ms = 300;
                 self.freeze_ms = (20, 1_500);
             }
+            FaultKind::Lie => self.liar_ppm = 20_000,
         }
     }
 
@@ -632,6 +642,7 @@ impl Faults {
                     f.freeze_every_ms = rng.range(80, 1_500);
                     f.freeze_ms = (rng.range(1, 100), rng.range(100, 2_000));
                 }
+                FaultKind::Lie => f.liar_ppm = rng.range(1_000, 100_000) as u32,
             }
         }
         f
@@ -974,6 +985,7 @@ mod tests {
             "partition_every_ms",
             "skew_ms_max",
             "never_send_ppm",
+            "liar_ppm",
         ] {
             assert!(text.contains(key), "{text}");
         }

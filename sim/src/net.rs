@@ -89,6 +89,14 @@ pub fn req_index(id: &RequestId) -> Option<u64> {
     id.as_str().strip_prefix('r')?.parse().ok()
 }
 
+/// What a lying peer names instead of `blocks`: as many, each past the end of its pool of
+/// `pool` blocks.
+fn past_the_end(blocks: &[BlockId], pool: u32) -> Vec<BlockId> {
+    (0..blocks.len())
+        .map(|k| BlockId(pool.saturating_add(k as u32)))
+        .collect()
+}
+
 /// One worker as the network sees it.
 struct Node {
     idx: usize,
@@ -165,6 +173,10 @@ pub struct NetStats {
     /// Messages and heartbeats dropped because the receiver's peer table holds another
     /// incarnation of the sender (`PeerTable::current`).
     pub stale: u64,
+    /// Transfer infos and `Ready`s that named blocks outside the sender's memory (a lying
+    /// peer), refused on arrival (`handoff_net::check_named_blocks`): the request fails
+    /// there with a protocol error, before a byte moves.
+    pub refused: u64,
     /// Data transfers that landed.
     pub transfers_ok: u64,
     /// Data transfers that failed (an end gone, partitioned, a bad block list).
@@ -356,6 +368,8 @@ struct NetState {
     /// The peer's incarnation each observer lost last, by (observer, peer): the one a
     /// quarantine watches (`SimLink::writer_exit`).
     lost_incarnation: BTreeMap<(usize, usize), u32>,
+    /// Requests whose peers lie about their memory ([`SimNet::lie_for`]).
+    liars: BTreeSet<u64>,
     /// Frozen workers, and when they resume.
     frozen: BTreeMap<usize, u64>,
     /// Frozen workers whose stop has not yet fallen between a write's lease check and its
@@ -440,6 +454,7 @@ impl SimNet {
             rkeys: BTreeMap::new(),
             losses: BTreeMap::new(),
             lost_incarnation: BTreeMap::new(),
+            liars: BTreeSet::new(),
             frozen: BTreeMap::new(),
             stop_in_gap: BTreeSet::new(),
             rng: Rng::fork(seed, "net"),
@@ -502,6 +517,12 @@ impl SimNet {
     /// Faults on (safety phase) or off (liveness phase: delays only).
     pub fn set_faults_on(&self, on: bool) {
         self.lock().faults_on = on;
+    }
+    /// Request `req`'s peers lie about their memory ([`crate::config::Faults::liar_ppm`]):
+    /// decode's transfer info (an even `req`) or prefill's `Ready` (an odd one, pull) names
+    /// blocks past the end of the sender's pool.
+    pub fn lie_for(&self, req: u64) {
+        self.lock().liars.insert(req);
     }
 
     /// Bootstrap server up or down.
@@ -779,6 +800,13 @@ impl NetState {
         self.nodes.get(idx)
     }
 
+    /// Blocks in worker `idx`'s pool (0 before its memory is set).
+    fn pool_blocks(&self, idx: usize) -> u32 {
+        self.node_at(idx)
+            .and_then(|n| n.region.as_ref())
+            .map_or(0, |r| r.layout().blocks)
+    }
+
     fn alive(&self, (idx, inc): (usize, u32)) -> bool {
         self.node_at(idx).is_some_and(|n| n.up && n.inc == inc)
     }
@@ -846,18 +874,46 @@ impl NetState {
         self.hash.bytes(&(to.0 as u64).to_le_bytes());
         self.hash.str(id.as_str());
         self.hash.bytes(&[MessageKind::of(&msg) as u8]);
-        if matches!(
-            msg,
-            PeerMessage::TransferInfo { .. } | PeerMessage::Ready { .. }
-        ) {
+        let from_rank = self.ranks[from.0].clone();
+        let Some(inbox) = self.node_at(to.0).and_then(|n| n.inbox.clone()) else {
+            return;
+        };
+        let named = match &msg {
+            // The receiver is the source of a transfer info's request, the destination
+            // of a `Ready`'s.
+            PeerMessage::TransferInfo { blocks, .. } => Some((blocks, true)),
+            PeerMessage::Ready { blocks, .. } => Some((blocks, false)),
+            _ => None,
+        };
+        if let Some((blocks, we_send)) = named {
+            // The control loop's own check on arrival, before a byte moves.
+            let layout = |w: usize| self.node_at(w).and_then(|n| n.region.clone());
+            if let (Some(mine), theirs) = (layout(to.0), layout(from.0)) {
+                let me = &self.ranks[to.0];
+                let theirs = theirs.as_ref().map(|r| r.layout());
+                let checked = handoff_net::check_named_blocks(
+                    me,
+                    mine.layout(),
+                    &from_rank,
+                    theirs,
+                    blocks,
+                    we_send,
+                );
+                if let Err(why) = checked {
+                    self.stats.refused += 1;
+                    let text = format!("refuse w{}->w{}: {why}", from.0, to.0);
+                    self.note(t, req, text);
+                    if inbox.deliver_invalid(from_rank, id, why) {
+                        self.stats.delivered += 1;
+                    }
+                    return;
+                }
+            }
             let grant = Grant { node: from, losses };
             self.rkeys.insert((to.0, id.clone(), from.0), grant);
         }
-        let from_rank = self.ranks[from.0].clone();
-        if let Some(inbox) = self.node_at(to.0).and_then(|n| n.inbox.clone()) {
-            if inbox.deliver(from_rank, id, msg) {
-                self.stats.delivered += 1;
-            }
+        if inbox.deliver(from_rank, id, msg) {
+            self.stats.delivered += 1;
         }
     }
 
@@ -1644,6 +1700,22 @@ impl Link for SimLink {
         }
         let kind = MessageKind::of(&msg);
         let req = req_index(id);
+        // A lying peer: the blocks it names are past the end of its pool (its own grant,
+        // above, is for the blocks it holds). Decode lies in an even request's transfer
+        // info, prefill in an odd one's `Ready` (pull).
+        let lies = req.filter(|r| st.liars.contains(r)).map(|r| r % 2 == 0);
+        let msg = match (msg, lies) {
+            (PeerMessage::TransferInfo { mode, blocks }, Some(true)) => PeerMessage::TransferInfo {
+                mode,
+                blocks: past_the_end(&blocks, st.pool_blocks(self.idx)),
+            },
+            (PeerMessage::Ready { blocks, aux, hold }, Some(false)) => PeerMessage::Ready {
+                blocks: past_the_end(&blocks, st.pool_blocks(self.idx)),
+                aux,
+                hold,
+            },
+            (msg, _) => msg,
+        };
         if st.faults_on && (st.drops.contains(&kind) || st.rng.chance(st.faults.loss_ppm)) {
             st.stats.lost += 1;
             st.note(

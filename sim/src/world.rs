@@ -733,6 +733,9 @@ impl World {
             skip_prefill: self.chaos.chance(f.skip_prefill_ppm),
             ghost: self.chaos.chance(f.ghost_prefill_ppm),
         };
+        if self.chaos.chance(f.liar_ppm) {
+            self.net.lie_for(req);
+        }
         let (_, _, pworkers) = self.prefill_groups[pg].clone();
         let (_, _, dworkers) = self.decode_groups[dg].clone();
         let mode = self.workers[dworkers[0]].mode;

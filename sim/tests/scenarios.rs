@@ -394,6 +394,42 @@ fn a_partition_of_one_plane_ends_every_request_cleanly() {
     }
 }
 
+/// Peers that lie about their memory (issue 17): decode's transfer info (even requests) or
+/// prefill's `Ready` (odd ones, pull) names blocks past the end of the sender's pool. The
+/// receiver refuses each on arrival, with the control loop's own check
+/// (`handoff_net::check_named_blocks`): the request fails there by name (a protocol error
+/// naming the liar) before a byte moves, the liar ends by the abort it hears, every block
+/// comes back, nothing crashes, and no transfer is attempted with a lying block list.
+#[test]
+fn a_peer_whose_messages_lie_about_its_memory_fails_its_requests_by_name() {
+    for (seed, mode, plane) in [
+        (8401, ModeChoice::Push, DataPlane::Rdma),
+        (8402, ModeChoice::Pull, DataPlane::Rdma),
+        (8403, ModeChoice::Push, DataPlane::Fenced),
+        (8404, ModeChoice::Pull, DataPlane::Fenced),
+    ] {
+        let mut cfg = base(seed);
+        cfg.shape.mode = mode;
+        cfg.data_plane = plane;
+        cfg.faults.liar_ppm = 1_000_000;
+        let report = run(&cfg);
+        assert!(report.net.refused > 0, "{mode:?}: {report}");
+        assert_eq!(report.net.transfers_failed, 0, "{mode:?}: {report}");
+        assert!(ranks(&report, "prefill:protocol_error") > 0, "{report}");
+        if mode == ModeChoice::Pull {
+            assert!(ranks(&report, "decode:protocol_error") > 0, "{report}");
+        }
+        // A request refused by name on one side ends failed on every side.
+        for o in safety(&report) {
+            let ends: Vec<&str> = o.ranks.iter().map(|r| r.end.as_str()).collect();
+            if ends.contains(&"protocol_error") {
+                assert!(!ends.contains(&"done"), "r{}: {ends:?}", o.req);
+            }
+        }
+        assert_eq!(report.liveness.done, cfg.workload.liveness_requests);
+    }
+}
+
 /// The real `PeerTable` decides liveness. A prefill engine frozen (as by SIGSTOP) past the
 /// loss window, resuming with the same incarnation: decode's tables stop hearing it and
 /// lose it, failing the requests that depended on it `PeerLost` while it is still frozen;

@@ -9,6 +9,8 @@
 //!   blocks handed in twice or after the end, which go back at once),
 //! - a lost writer's blocks (push over a one-sided plane) are never let go on a time bound
 //!   while its driver watches it: they are quarantined until it is reported gone,
+//! - once a new process holds a lost writer's rank, that rank's answers never let the
+//!   blocks go: only the writer's confirmation before then, or its report as gone, does,
 //! - `merge` is commutative, associative and idempotent, and `Failed` dominates.
 
 use std::collections::BTreeMap;
@@ -124,6 +126,26 @@ fn receiver_op() -> impl Strategy<Value = ROp> {
         1 => (0u8..3).prop_map(ROp::PeerLost),
         1 => (0u8..3).prop_map(ROp::Replaced),
         1 => Just(ROp::Internal),
+    ]
+}
+
+/// What can happen to a push request's writers once its transfer info is out.
+#[derive(Clone, Debug)]
+enum QOp {
+    Lost(u8),
+    Replaced(u8),
+    AbortAck(u8),
+    Done(u8),
+    Gone(u8, bool),
+}
+
+fn quarantine_op() -> impl Strategy<Value = QOp> {
+    prop_oneof![
+        2 => (0u8..3).prop_map(QOp::Lost),
+        2 => (0u8..3).prop_map(QOp::Replaced),
+        3 => (0u8..3).prop_map(QOp::AbortAck),
+        1 => (0u8..3).prop_map(QOp::Done),
+        1 => (0u8..3, any::<bool>()).prop_map(|(p, e)| QOp::Gone(p, e)),
     ]
 }
 
@@ -585,6 +607,81 @@ proptest! {
             ledger.check(later, m.state(), m.poll_timeout(), actions);
         }
         prop_assert!(m.is_settled(), "receiver still fencing after the fence deadline");
+        ledger.check_end(&t);
+    }
+
+    /// A push request over a one-sided plane with its transfer info out to every writer,
+    /// then any interleaving of losses, new processes in lost ranks, confirmations,
+    /// reports of writers gone and time: the blocks never go while a writer that was lost
+    /// and then replaced before it confirmed has not been reported gone.
+    #[test]
+    fn a_replaced_writer_never_lets_the_blocks_go(
+        n in 1u8..4,
+        ops in prop::collection::vec((0u64..12_000, quarantine_op()), 0..32),
+    ) {
+        let t = timeouts();
+        let start = Instant::now();
+        let mut now = start;
+        let mut m = ReceiverMachine::new(now, t, TransferMode::Push).fence_writes(true);
+        let mut ledger = Ledger::new(start);
+        m.handle(now, ReceiverEvent::PeersResolved { peers: (0..n).map(peer).collect() });
+        m.handle(now, ReceiverEvent::Allocated { blocks: ledger.blocks(2, true) });
+        let actions = drain_receiver(&mut m);
+        ledger.check(now, m.state(), m.poll_timeout(), actions);
+        // Per writer: lost, replaced while lost, confirmed by its own process, gone.
+        let mut w: BTreeMap<u8, (bool, bool, bool, bool)> = BTreeMap::new();
+        let held = |w: &BTreeMap<u8, (bool, bool, bool, bool)>| {
+            w.iter().find(|(_, (_, replaced, confirmed, gone))| *replaced && !*confirmed && !*gone).map(|(p, _)| *p)
+        };
+        for (dt_ms, op) in ops {
+            let next = now + Duration::from_millis(dt_ms);
+            // Timeouts, as a driver delivers them: none may let the blocks go either.
+            while let Some(d) = m.poll_timeout() {
+                if d > next {
+                    break;
+                }
+                m.handle_timeout(d);
+                let actions = drain_receiver(&mut m);
+                if let Some(p) = held(&w) {
+                    prop_assert!(!actions.iter().any(|a| matches!(a, Action::Release { .. })), "released on a deadline while replaced writer {} was unconfirmed", p);
+                }
+                ledger.check(d, m.state(), m.poll_timeout(), actions);
+            }
+            now = next;
+            let (p, event) = match op {
+                QOp::Lost(p) => (p, ReceiverEvent::PeerLost { peer: peer(p) }),
+                QOp::Replaced(p) => (p, ReceiverEvent::WriterReplaced { peer: peer(p) }),
+                QOp::AbortAck(p) => (p, ReceiverEvent::AbortAck { from: peer(p) }),
+                QOp::Done(p) => (p, ReceiverEvent::Done { from: peer(p), aux: vec![] }),
+                QOp::Gone(p, exited) => (p, ReceiverEvent::WriterGone { peer: peer(p), exited }),
+            };
+            // (A rank this request never had: nothing of it counts.)
+            let mut other = (false, false, false, false);
+            let e = if p < n { w.entry(p).or_default() } else { &mut other };
+            match &event {
+                ReceiverEvent::PeerLost { .. } => e.0 = true,
+                // Only a lost rank's new process is a replacement of the writer.
+                ReceiverEvent::WriterReplaced { .. } => e.1 |= e.0,
+                ReceiverEvent::AbortAck { .. } | ReceiverEvent::Done { .. } => e.2 |= !e.1,
+                _ => e.3 = true,
+            }
+            m.handle(now, event);
+            let actions = drain_receiver(&mut m);
+            if let Some(p) = held(&w) {
+                prop_assert!(!actions.iter().any(|a| matches!(a, Action::Release { .. })), "released while replaced writer {} was unconfirmed", p);
+            }
+            ledger.check(now, m.state(), m.poll_timeout(), actions);
+        }
+        // Every writer reported gone: the blocks go, exactly once.
+        let later = now + t.lifetime_max() + t.fence_max();
+        fire_due!(m, ledger, drain_receiver, later);
+        for p in 0..n {
+            m.handle(later, ReceiverEvent::WriterGone { peer: peer(p), exited: true });
+            let actions = drain_receiver(&mut m);
+            ledger.check(later, m.state(), m.poll_timeout(), actions);
+        }
+        fire_due!(m, ledger, drain_receiver, later + t.fence_max());
+        prop_assert!(m.is_settled());
         ledger.check_end(&t);
     }
 

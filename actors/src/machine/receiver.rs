@@ -344,7 +344,8 @@ impl ReceiverMachine {
             .index(&peer)
             .is_some_and(|i| self.peers[i].1 == Progress::Gone);
         if lost && !self.replaced.contains(&peer) {
-            if self.quarantined {
+            // (One that confirmed before we failed is not waited for, nor watched.)
+            if self.quarantined && !self.acked_early.contains(&peer) {
                 self.core
                     .actions
                     .push_back(Action::WatchEarlier { peer: peer.clone() });

@@ -489,7 +489,7 @@ pub(crate) fn layer_slices(
 /// Whether blocks a peer names in its own memory (its transfer info, its `Ready`) can be
 /// acted on, checked on arrival before a byte moves: the peer described a layout
 /// (`theirs`, from its hello), every block it names lies in it, and the two layouts pair
-/// ([`layer_slices`]; `we_send`: we are the source). The error names the peer and what
+/// (`layer_slices`; `we_send`: we are the source). The error names the peer and what
 /// does not check out; the request then fails with a protocol error. The control loop
 /// runs it on every such message, and the simulator on every one it delivers.
 pub fn check_named_blocks(

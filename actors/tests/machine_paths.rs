@@ -25,6 +25,16 @@ fn drain_s(m: &mut SenderMachine) -> Vec<Action> {
     std::iter::from_fn(|| m.poll_action()).collect()
 }
 
+/// A push receiver over a one-sided plane (its failures fence writes), with `peers` resolved
+/// and blocks 4 and 5 allocated: its transfer info is out to every one of them.
+fn pushing(t: Instant, timeouts: Timeouts, peers: &[&RankInfo]) -> ReceiverMachine {
+    let mut m = ReceiverMachine::new(t, timeouts, TransferMode::Push).fence_writes(true);
+    let peers = peers.iter().map(|p| (*p).clone()).collect();
+    m.handle(t, ReceiverEvent::PeersResolved { peers });
+    m.handle(t, ReceiverEvent::Allocated { blocks: b(&[4, 5]) });
+    m
+}
+
 fn drain_r(m: &mut ReceiverMachine) -> Vec<Action> {
     std::iter::from_fn(|| m.poll_action()).collect()
 }
@@ -376,14 +386,7 @@ fn a_failed_push_receiver_holds_its_blocks_until_prefill_acknowledges() {
     let t = Instant::now();
     let (p0, p1) = (rank("P", 0), rank("P", 1));
     let timeouts = Timeouts::default();
-    let mut m = ReceiverMachine::new(t, timeouts, TransferMode::Push).fence_writes(true);
-    m.handle(
-        t,
-        ReceiverEvent::PeersResolved {
-            peers: vec![p0.clone(), p1.clone()],
-        },
-    );
-    m.handle(t, ReceiverEvent::Allocated { blocks: b(&[4, 5]) });
+    let mut m = pushing(t, timeouts, &[&p0, &p1]);
     m.handle(
         t,
         ReceiverEvent::Done {
@@ -568,14 +571,7 @@ fn a_new_process_in_a_lost_writers_rank_ends_neither_fence_nor_quarantine() {
     let t = Instant::now();
     let (p0, p1) = (rank("P", 0), rank("P", 1));
     let timeouts = Timeouts::default();
-    let mut m = ReceiverMachine::new(t, timeouts, TransferMode::Push).fence_writes(true);
-    m.handle(
-        t,
-        ReceiverEvent::PeersResolved {
-            peers: vec![p0.clone(), p1.clone()],
-        },
-    );
-    m.handle(t, ReceiverEvent::Allocated { blocks: b(&[4, 5]) });
+    let mut m = pushing(t, timeouts, &[&p0, &p1]);
     // p1 restarted before anything was lost: nothing changes for it.
     m.handle(t, ReceiverEvent::WriterReplaced { peer: p1.clone() });
     m.handle(t, ReceiverEvent::PeerLost { peer: p0.clone() });
@@ -627,14 +623,7 @@ fn a_new_process_in_a_lost_writers_rank_ends_neither_fence_nor_quarantine() {
     assert!(m.is_settled());
     // Replaced once the quarantine holds: its watch may have found the new process, so
     // the rank's earlier ones are watched too; the new one's answer still ends nothing.
-    let mut m = ReceiverMachine::new(t, timeouts, TransferMode::Push).fence_writes(true);
-    m.handle(
-        t,
-        ReceiverEvent::PeersResolved {
-            peers: vec![p0.clone()],
-        },
-    );
-    m.handle(t, ReceiverEvent::Allocated { blocks: b(&[4, 5]) });
+    let mut m = pushing(t, timeouts, &[&p0]);
     m.handle(t, ReceiverEvent::PeerLost { peer: p0.clone() });
     m.handle_timeout(t + timeouts.fence_max());
     drain_r(&mut m);

@@ -227,11 +227,7 @@ impl Control {
                 if let Err(e) = self.on_conn_message(conn, &frames) {
                     warn!(peer = %peer, error = %e, "refusing malformed control message");
                     self.inbox.metrics().frame_refused(e.cause());
-                    let reply = Message::ProtocolError(ProtocolError::new(e.to_string()));
-                    if let Ok(bytes) = wire::encode(&reply, self.key()) {
-                        let _ = self.router.send(conn, vec![bytes]);
-                    }
-                    self.router.disconnect(conn);
+                    self.refuse(conn, e.to_string());
                 }
             }
             RouterEvent::Disconnected { conn, .. } => {
@@ -245,6 +241,15 @@ impl Control {
                 }
             }
         }
+    }
+
+    /// Tells the other end of `conn` why (`ProtocolError`), and closes it.
+    fn refuse(&mut self, conn: ConnId, why: String) {
+        let reply = Message::ProtocolError(ProtocolError::new(why));
+        if let Ok(bytes) = wire::encode(&reply, self.key()) {
+            let _ = self.router.send(conn, vec![bytes]);
+        }
+        self.router.disconnect(conn);
     }
 
     fn on_conn_message(&mut self, conn: ConnId, frames: &[Vec<u8>]) -> Result<(), WireError> {
@@ -270,11 +275,7 @@ impl Control {
                 "incarnation {} of {peer} is older than {current}, which holds the rank now",
                 hello.incarnation
             );
-            let reply = Message::ProtocolError(ProtocolError::new(why));
-            if let Ok(bytes) = wire::encode(&reply, self.key()) {
-                let _ = self.router.send(conn, vec![bytes]);
-            }
-            self.router.disconnect(conn);
+            self.refuse(conn, why);
             return Ok(());
         }
         let process = (hello.pid, self.conn_addrs.get(&conn).copied());

@@ -311,9 +311,6 @@ impl ReceiverMachine {
             // An acknowledgement that overtook its `Abort` (control messages may be
             // reordered): remembered, so the failure it announces fences nothing for it.
             ReceiverEvent::AbortAck { from } => {
-                if self.replaced.contains(&from) {
-                    return self.unconfirmed(from);
-                }
                 if self.index(&from).is_some() && !self.acked_early.contains(&from) {
                     self.acked_early.push(from);
                 }
@@ -331,9 +328,8 @@ impl ReceiverMachine {
             ReceiverEvent::Internal { detail } => {
                 self.fail(FailureReason::Internal { detail }, None)
             }
-            ReceiverEvent::WriterReplaced { peer } => self.on_replaced(peer),
-            // Only ever asked for after the end.
-            ReceiverEvent::WriterGone { .. } => {}
+            // Only after the end: a replaced rank was lost, and a loss ends the request.
+            ReceiverEvent::WriterReplaced { .. } | ReceiverEvent::WriterGone { .. } => {}
         }
     }
 

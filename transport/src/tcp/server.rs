@@ -73,7 +73,8 @@ pub struct ServerStats {
     pub refused: u64,
     /// Connections closed for a protocol or authentication error.
     pub dropped_connections: u64,
-    /// Connections accepted (including ones answered `Busy`).
+    /// Connections accepted (including ones answered `Busy`), each counted once the server
+    /// has decided on it: a snapshot that counts a connection holds the evictions it caused.
     pub connections: u64,
     /// Connections that had not said hello, evicted at the connection limit for a newcomer.
     pub evicted: u64,
@@ -195,12 +196,15 @@ impl DataServer {
     /// Counters since the server started.
     pub fn stats(&self) -> ServerStats {
         let c = &self.shared.counters;
+        // Read first, paired with the accept loop's release: every admission decision for
+        // the connections counted here (evictions) is in the counters read after it.
+        let connections = c.connections.load(Ordering::Acquire);
         ServerStats {
             writes: c.writes.load(Ordering::Relaxed),
             reads: c.reads.load(Ordering::Relaxed),
             refused: c.refused.load(Ordering::Relaxed),
             dropped_connections: c.dropped.load(Ordering::Relaxed),
-            connections: c.connections.load(Ordering::Relaxed),
+            connections,
             evicted: c.evicted.load(Ordering::Relaxed),
             evicted_per_source: c.evicted_per_source.load(Ordering::Relaxed),
         }
@@ -277,7 +281,6 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, addr)) => {
-                    shared.counters.connections.fetch_add(1, Ordering::Relaxed);
                     pending.retain(|_, p| !p.task.is_finished() && !p.hello.load(Ordering::Acquire));
                     let open = shared.counters.open.load(Ordering::Acquire);
                     let waiting = pending.iter().map(|(k, p)| (*k, p.source));
@@ -298,12 +301,15 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
                         }
                         Err(_) => {
                             tracing::warn!(peer = %addr, max = limits.total, "data server at its connection limit; refusing");
+                            shared.counters.connections.fetch_add(1, Ordering::Release);
                             connections.spawn(async move {
                                 refuse_connection(stream, RefusalCode::Busy, "server at its connection limit").await;
                             });
                             continue;
                         }
                     }
+                    // Counted once its admission is decided and recorded (see `stats`).
+                    shared.counters.connections.fetch_add(1, Ordering::Release);
                     let guard = OpenGuard::new(&shared);
                     let counted = Arc::clone(&guard.counted);
                     let hello = Arc::new(AtomicBool::new(false));

@@ -1312,15 +1312,17 @@ fn ucx_log_lines_go_to_stderr_not_into_the_event_stream() {
 /// Two UCX workers on one host, host memory registered as an engine's (`--layers`): each
 /// verifies the other by the kernel (it holds the other end of their control connection)
 /// and moves blocks by same-host copies, push and pull, every block verified; with
-/// `HANDOFF_SAME_HOST_COPIES=0` neither offers its pid and UCX moves them, verified just the
+/// `HANDOFF_SAME_HOST_COPIES=0` neither copies and UCX moves them, verified just the
 /// same. Over a pool UCX allocated (no `--layers`), which a peer's UCX maps through shared
-/// memory, neither offers its pid either: UCX moves the blocks.
+/// memory, neither welcomes copies either: UCX moves the blocks. Either way each still
+/// verifies the other's process, to watch it should it be lost as a writer.
 #[test]
 fn same_host_workers_copy_directly_and_can_be_told_not_to() {
     if !ucx_available() {
         return;
     }
     const SAID: &str = "same-host copies with this peer";
+    const WATCHED: &str = "watched should it be lost as a writer";
     let registered: &[&str] = &["--layers", "1"];
     // Per-layer pieces of 256 B, which a same-host read gathers.
     let small: &[&str] = &["--layers", "8", "--block-bytes", "4096"];
@@ -1359,6 +1361,10 @@ fn same_host_workers_copy_directly_and_can_be_told_not_to() {
                 w.name,
                 w.stderr.lock().unwrap()
             );
+        }
+        for w in [&p, &d] {
+            let watched = w.stderr.lock().unwrap().contains(WATCHED);
+            assert_eq!(watched, !direct, "{} ({mode}, copies {copies})", w.name);
         }
         // The side that moves the bytes did copy them itself: decode reads, prefill writes.
         let mover = if mode == "pull" { &d } else { &p };
@@ -1445,6 +1451,9 @@ enum Memory {
     Host,
     /// One device allocation on GPU 0 (copies through the peer's CUDA IPC handles).
     Cuda,
+    /// The pool UCX allocates (`handoff worker` without `--layers`): peers move its blocks
+    /// with UCX, not with same-host copies, and are watched all the same.
+    Allocated,
 }
 
 /// [`frozen_writer`] with the pools in `memory`.
@@ -1491,13 +1500,15 @@ fn frozen_writer_once(
         // time than a stop takes to land, so the writer is stopped before its hand-over
         // (as in pull mode) and writes, if at all, only once resumed.
         Memory::Cuda => common.extend(["--memory", "cuda"]),
+        // One block a put: over before a stop lands, as for device memory.
+        Memory::Allocated => {}
     }
-    let before_hand_over = mode == "pull" || memory == Memory::Cuda;
+    let before_hand_over = mode == "pull" || memory != Memory::Host;
     // The hold runs from prefill's open: decode must have sent its transfer info by then.
     // A GPU decode takes longer to start (a CUDA context, UCX's CUDA transports).
     let hold = match (before_hand_over, memory) {
         (false, _) => "0",
-        (true, Memory::Host) => "1500",
+        (true, Memory::Host | Memory::Allocated) => "1500",
         (true, Memory::Cuda) => "6000",
     };
     let mut p1_args = vec!["--requests", "4", "--hold-ms", hold];
@@ -1716,6 +1727,17 @@ fn a_quarantine_ends_when_the_stopped_writer_is_killed_over_ucx_push() {
 fn a_frozen_gpu_writer_never_lands_in_reused_device_blocks_over_ucx_push() {
     if gpu_with_cuda_ucx().is_some() {
         frozen_writer_in("ucx", "push", "CONT", Memory::Cuda);
+    }
+}
+
+/// The frozen writer over the pool UCX allocates, where same-host peers copy with UCX, not
+/// with the kernel: decode still watches the stopped writer's process (its pid is offered
+/// to be watched whatever the lane), so the quarantine holds until the writer confirms,
+/// never just its bound (which let the blocks go before protocol 7).
+#[test]
+fn a_frozen_writer_is_watched_without_same_host_copies_over_ucx_push() {
+    if ucx_available() {
+        frozen_writer_in("ucx", "push", "CONT", Memory::Allocated);
     }
 }
 

@@ -82,9 +82,17 @@ struct Dialed {
     hello_sent: std::time::Instant,
     /// The peer's loss timeout from its `HelloAck`.
     lease_ms: u64,
-    /// The pid the peer offered for same-host copies (0: none).
+    /// What the peer offered of its process, and the connection's two ends.
+    offered: Offered,
+}
+
+/// What a peer offered of its process in `Hello`/`HelloAck`, and our connection's two ends
+/// (ours, the peer's) to check it against.
+struct Offered {
+    /// Its pid (0: none): verified, it is watched when it is a lost writer.
     pid: u32,
-    /// Our connection's two ends (ours, the peer's).
+    /// It welcomes same-host copies with its memory through that pid.
+    copies: bool,
     addrs: Option<(SocketAddr, SocketAddr)>,
 }
 
@@ -278,13 +286,17 @@ impl Control {
             self.refuse(conn, why);
             return Ok(());
         }
-        let process = (hello.pid, self.conn_addrs.get(&conn).copied());
+        let offered = Offered {
+            pid: hello.pid,
+            copies: hello.copies,
+            addrs: self.conn_addrs.get(&conn).copied(),
+        };
         let lease = self.remember_data(
             &peer,
             hello.incarnation,
             hello.data_descriptor,
             hello.layout,
-            process,
+            offered,
         )?;
         // The peer hears us (our ack) no earlier than now.
         lease.extend_to(std::time::Instant::now() + self.peer_lease(hello.lease_ms));
@@ -298,6 +310,7 @@ impl Control {
         ack.layout = Some(self.descriptor.clone());
         ack.lease_ms = self.loss_timeout_ms();
         ack.pid = self.offered_pid();
+        ack.copies = self.data.offers_same_host_copies();
         let ack = wire::encode(&Message::HelloAck(ack), self.key())?;
         // A peer that said a valid hello: outside the bounds on pending connections.
         self.router.admit(conn);
@@ -446,7 +459,7 @@ impl Control {
         incarnation: u64,
         data_descriptor: Vec<u8>,
         layout: Option<LayoutDescriptor>,
-        (pid, addrs): (u32, Option<(SocketAddr, SocketAddr)>),
+        offered: Offered,
     ) -> Result<Arc<Lease>, WireError> {
         let layout = match layout {
             Some(descriptor) => {
@@ -461,9 +474,13 @@ impl Control {
         let reachable = layout.as_ref().is_some_and(|(d, _)| {
             d.cuda_device.is_none() || d.ranges.iter().all(|r| !r.cuda_ipc.is_empty())
         });
-        let verify = match addrs {
-            Some((ours, theirs)) if pid != 0 && reachable && self.data.same_host_copies() => {
-                Some((pid, ours, theirs))
+        // The lane copies with the peer's memory directly when both sides want it; the
+        // process is verified for that, and on a one-sided plane in any case, to be
+        // watched should it be lost as a writer (`NetLink::writer_exit`).
+        let copies = offered.copies && reachable && self.data.same_host_copies();
+        let verify = match offered.addrs {
+            Some((ours, theirs)) if offered.pid != 0 && (copies || self.data.one_sided()) => {
+                Some((offered.pid, ours, theirs))
             }
             _ => None,
         };
@@ -495,6 +512,7 @@ impl Control {
                 layout,
                 lease: lease.clone(),
                 process: None,
+                copies,
                 verifying,
                 incarnation,
                 writers,
@@ -510,7 +528,7 @@ impl Control {
             // transfers with its device memory wait for it (`SAME_HOST_CHECK_WAIT_MAX`).
             let (peer_data, peer, lease) = (self.peer_data.clone(), peer.clone(), lease.clone());
             tokio::task::spawn_blocking(move || {
-                if let Some(process) = same_host_process(&peer, pid, ours, theirs) {
+                if let Some(process) = same_host_process(&peer, copies, pid, ours, theirs) {
                     let mut map = peer_data.lock().unwrap_or_else(|e| e.into_inner());
                     // Only for this very connection (the lease is per connection).
                     if let Some(info) = map.get_mut(&peer).filter(|i| Arc::ptr_eq(&i.lease, &lease))
@@ -525,10 +543,11 @@ impl Control {
         Ok(lease)
     }
 
-    /// Our pid in `Hello`/`HelloAck` when same-host peers should copy with our memory
-    /// directly ([`DataPlane::offers_same_host_copies`]).
+    /// Our pid in `Hello`/`HelloAck`: on a one-sided plane, so that a same-host peer can
+    /// watch us should it lose us as a writer, and when same-host peers should copy with
+    /// our memory directly ([`DataPlane::offers_same_host_copies`]).
     fn offered_pid(&self) -> u32 {
-        if self.data.offers_same_host_copies() {
+        if self.data.one_sided() || self.data.offers_same_host_copies() {
             std::process::id()
         } else {
             0
@@ -734,6 +753,7 @@ impl Control {
                 layout: Some(self.descriptor.clone()),
                 lease_ms: self.loss_timeout_ms(),
                 pid: self.offered_pid(),
+                copies: self.data.offers_same_host_copies(),
                 ..Hello::new(self.role, self.me.clone(), self.incarnation)
             },
             key: self.cfg.key.clone(),
@@ -777,8 +797,7 @@ impl Control {
                 layout,
                 hello_sent,
                 lease_ms,
-                pid,
-                addrs,
+                offered,
             }) => {
                 // Who answered first: a restart fails the old incarnation's requests (and
                 // ends this connection's state with them: the next message dials again),
@@ -789,15 +808,19 @@ impl Control {
                     );
                     return self.lose(&peer, &why);
                 }
-                let data = (pid, addrs);
-                let lease =
-                    match self.remember_data(&peer, incarnation, data_descriptor, layout, data) {
-                        Ok(lease) => lease,
-                        Err(e) => {
-                            warn!(%peer, error = %e, "peer's hello answer describes bad memory");
-                            return self.lose(&peer, &e.to_string());
-                        }
-                    };
+                let lease = match self.remember_data(
+                    &peer,
+                    incarnation,
+                    data_descriptor,
+                    layout,
+                    offered,
+                ) {
+                    Ok(lease) => lease,
+                    Err(e) => {
+                        warn!(%peer, error = %e, "peer's hello answer describes bad memory");
+                        return self.lose(&peer, &e.to_string());
+                    }
+                };
                 // The peer heard us (our hello) no earlier than when we sent it.
                 lease.extend_to(hello_sent + self.peer_lease(lease_ms));
                 let Some(state) = self.peers.get_mut(&peer) else {
@@ -913,20 +936,26 @@ impl Control {
 
 /// The peer's process if the kernel shows that `pid` holds the other end of our connection
 /// from `ours` to `theirs` ([`PeerProcess::verify`]); a peer on another host, in another
-/// namespace or under another user is simply reached by the plane's other lanes.
+/// namespace or under another user is simply reached by the plane's other lanes (and not
+/// watched). `copies`: the lane will copy with it (for the log).
 fn same_host_process(
     peer: &Peer,
+    copies: bool,
     pid: u32,
     ours: SocketAddr,
     theirs: SocketAddr,
 ) -> Option<Arc<PeerProcess>> {
     match PeerProcess::verify(pid, ours, theirs) {
         Ok(process) => {
-            info!(%peer, pid, "same-host copies with this peer verified (kernel cross-memory attach for host memory, CUDA IPC for device memory)");
+            if copies {
+                info!(%peer, pid, "same-host copies with this peer verified (kernel cross-memory attach for host memory, CUDA IPC for device memory)");
+            } else {
+                info!(%peer, pid, "peer's process verified on this host: watched should it be lost as a writer (no same-host copies)");
+            }
             Some(Arc::new(process))
         }
         Err(e) => {
-            debug!(%peer, error = %e, "no same-host copies with this peer");
+            debug!(%peer, error = %e, "peer's process not verified on this host: not watched, no same-host copies");
             None
         }
     }
@@ -1000,8 +1029,11 @@ impl DialJob {
                 layout: ack.layout.clone(),
                 hello_sent,
                 lease_ms: ack.lease_ms,
-                pid: ack.pid,
-                addrs,
+                offered: Offered {
+                    pid: ack.pid,
+                    copies: ack.copies,
+                    addrs,
+                },
             })
         };
         match tokio::time::timeout(self.timeout, work).await {

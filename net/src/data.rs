@@ -40,13 +40,13 @@ pub trait DataPlane: Send + Sync + 'static {
     /// True when the plane copies directly with a peer process on this host once the
     /// control plane verified it (`PlaneTransfer::process`): between host memory with the
     /// kernel ([`handoff_transport::same_host`]), between device memory through CUDA IPC.
-    /// The control plane then offers our pid in `Hello`.
+    /// The control plane then welcomes copies in `Hello` (`copies`).
     fn same_host_copies(&self) -> bool {
         false
     }
 
-    /// True when peers on this host should copy into and out of our memory directly (our
-    /// pid is offered in `Hello`): a plane that copies that way, over memory that a peer's
+    /// True when peers on this host should copy into and out of our memory directly
+    /// (`Hello::copies`; the pid is offered on every one-sided plane, to be watched): a plane that copies that way, over memory that a peer's
     /// own data plane cannot reach as fast (an engine's registered tensors, which UCX 1.13
     /// reaches by emulated operations). Memory UCX allocated is mapped by a same-host
     /// peer's UCX and copied at memory speed, faster than the kernel's cross-process copy,

@@ -170,9 +170,13 @@ pub(crate) struct PeerInfo {
     /// while it holds): extended by the control loop when the peer proves it heard us,
     /// revoked when we lose it.
     pub(crate) lease: Arc<Lease>,
-    /// Its process, when the kernel shows it holds the other end of this connection on
-    /// this host and our plane copies with it directly ([`DataPlane::same_host_copies`]).
+    /// Its process, when it offered its pid and the kernel shows it holds the other end of
+    /// this connection on this host: watched when it is a lost writer, and the lane's
+    /// partner when `copies`.
     pub(crate) process: Option<Arc<PeerProcess>>,
+    /// Same-host copies with its memory: it welcomes them, our plane makes them
+    /// ([`DataPlane::same_host_copies`]) and its memory is reachable that way.
+    pub(crate) copies: bool,
     /// While that check runs (off the control loop): turns `true` when it is done,
     /// whatever it found. `None`: no check was started.
     pub(crate) verifying: Option<tokio::sync::watch::Receiver<bool>>,
@@ -536,6 +540,7 @@ impl NetLink {
             layout: Some((descriptor, theirs)),
             lease,
             process,
+            copies,
             verifying,
             ..
         }) = known
@@ -565,6 +570,8 @@ impl NetLink {
             // The same-host check decides the lane before the first transfer
             // ([`SAME_HOST_CHECK_WAIT_MAX`]).
             let process = match (process, verifying) {
+                // The process is only watched, not copied with.
+                _ if !copies => None,
                 (None, Some(mut done)) => {
                     let until = tokio::time::Instant::now() + SAME_HOST_CHECK_WAIT_MAX;
                     let _ = tokio::time::timeout_at(until, done.wait_for(|d| *d)).await;

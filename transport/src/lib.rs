@@ -51,4 +51,4 @@ pub use types::{BlockId, EngineId, FailureReason, Rank, RankInfo, RequestId, Rol
 
 /// The version of the wire protocol this build speaks. A peer on another version is
 /// refused at connect time with an error that names both versions.
-pub const PROTOCOL_VERSION: u16 = 6;
+pub const PROTOCOL_VERSION: u16 = 7;

@@ -371,12 +371,13 @@ fn wrong_magic_is_refused() {
 #[test]
 fn wrong_version_is_refused_naming_both() {
     let mut bytes = heartbeat_frame();
-    bytes[4..6].copy_from_slice(&7u16.to_le_bytes());
+    let theirs = PROTOCOL_VERSION + 1;
+    bytes[4..6].copy_from_slice(&theirs.to_le_bytes());
     assert_eq!(
         wire::decode(&bytes, None),
         Err(WireError::UnsupportedVersion {
             ours: PROTOCOL_VERSION,
-            theirs: 7
+            theirs
         })
     );
     let err = wire::decode(&bytes, None).with_peer("10.0.0.9:7000");
@@ -1029,6 +1030,7 @@ fn any_connection_message() -> impl Strategy<Value = Message> {
                     layout,
                     lease_ms: incarnation / 3,
                     pid: (incarnation % 65_536) as u32,
+                    copies: incarnation % 2 == 0,
                 })
             }),
         (any::<u64>(), any::<u64>(), any::<u64>(), any::<u64>()).prop_map(

@@ -316,10 +316,15 @@ pub struct Hello {
     /// peer as lost, in milliseconds (0: it does not say). A writer's lease with the
     /// sender ([`crate::lease::Lease`]) is counted in it.
     pub lease_ms: u64,
-    /// The sender's process id, offered for same-host copies ([`crate::same_host`]): a
-    /// peer uses it only once the kernel shows this process holds the connection's other
-    /// end. 0: not offered.
+    /// The sender's process id, offered so that a peer on the same host can watch it (a
+    /// lost writer's quarantine ends when its process exits) and, with [`Hello::copies`],
+    /// copy with its memory directly ([`crate::same_host`]): a peer uses it only once the
+    /// kernel shows this process holds the connection's other end. 0: not offered.
     pub pid: u32,
+    /// The sender welcomes same-host copies into and out of its memory through `pid` (the
+    /// kernel's cross-memory attach, CUDA IPC); `false`: same-host peers move its blocks
+    /// with the data plane's own transports.
+    pub copies: bool,
 }
 
 impl Hello {
@@ -334,6 +339,7 @@ impl Hello {
             layout: None,
             lease_ms: 0,
             pid: 0,
+            copies: false,
         }
     }
 }
@@ -353,6 +359,8 @@ pub struct HelloAck {
     pub lease_ms: u64,
     /// The acceptor's process id, as in [`Hello::pid`].
     pub pid: u32,
+    /// Whether the acceptor welcomes same-host copies, as in [`Hello::copies`].
+    pub copies: bool,
 }
 
 impl HelloAck {
@@ -365,6 +373,7 @@ impl HelloAck {
             layout: None,
             lease_ms: 0,
             pid: 0,
+            copies: false,
         }
     }
 }

@@ -106,6 +106,9 @@ pub enum TransferError {
 /// The outcome of a bootstrap lookup.
 pub type ResolveFuture = Pin<Box<dyn Future<Output = Result<Vec<Peer>, ResolveError>> + Send>>;
 
+/// The peers of [`Link::unwatched`] that the link cannot watch.
+pub type UnwatchedFuture = Pin<Box<dyn Future<Output = Vec<Peer>> + Send>>;
+
 /// Why a bootstrap lookup gave no peers.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ResolveError {
@@ -192,6 +195,18 @@ pub trait Link: Send + Sync + 'static {
     fn writer_exit(&self, peer: &Peer, replaced: bool) -> Option<ExitFuture> {
         let _ = (peer, replaced);
         None
+    }
+
+    /// Those of `peers` (a decode request's prefill ranks) whose process this link could
+    /// not watch as a lost writer ([`Link::writer_exit`] would say `None`), once it knows:
+    /// the link may first connect to them and check who they are, within its own bound,
+    /// and answers every peer it could not check in time. Asked only on one-sided planes
+    /// before a push's transfer info goes out; a push with any of them runs as pull
+    /// (`ReceiverEvent::PeersResolved`). By default every peer, as `writer_exit` watches
+    /// none.
+    fn unwatched(&self, peers: &[Peer]) -> UnwatchedFuture {
+        let peers = peers.to_vec();
+        Box::pin(async move { peers })
     }
 
     /// The data plane's name in logs and metrics (`ucx`, `tcp`, `inproc`, `sim`).

@@ -21,6 +21,7 @@
 //! | `handoff_peers_lost_total` | counter | | peers declared lost (silent, restarted, unreachable) |
 //! | `handoff_peers_live` | gauge | | peers with a live control connection (counted each heartbeat) |
 //! | `handoff_messages_refused_total` | counter | `cause` | peer messages the runtime refused or dropped (`late`, `too_many_pending`, `bytes_full`, `buffer_full`, `never_opened`; `replaced_writer`: a confirmation from a new process in a lost writer's rank, which ends nothing) |
+//! | `handoff_pushes_as_pull_total` | counter | | decode requests made for push over a one-sided plane that ran as pull, since a prefill rank was a process this worker cannot watch (another host) |
 //! | `handoff_frames_refused_total` | counter | `cause` | control frames refused (`auth`, `oversized`, `truncated`, `version`, `unexpected`, `malformed`, `stale_incarnation`, `queue_full`) |
 //!
 //! The bootstrap server has its own (`handoff_bootstrap::BootstrapMetrics`); both are
@@ -105,6 +106,7 @@ pub struct Metrics {
     peers_live: Gauge,
     refused: Family<CauseLabel, Counter>,
     frames_refused: Family<CauseLabel, Counter>,
+    pushes_as_pull: Counter,
     /// Prefill's and decode's [`Side`].
     sides: [OnceLock<Side>; 2],
 }
@@ -248,6 +250,12 @@ impl Metrics {
             "Control frames refused, by cause",
             frames_refused.clone(),
         );
+        let pushes_as_pull = Counter::default();
+        registry.register(
+            "pushes_as_pull",
+            "Decode requests made for push over a one-sided plane that ran as pull (a prefill rank this worker cannot watch)",
+            pushes_as_pull.clone(),
+        );
         Arc::new(Self {
             registry,
             requests,
@@ -265,6 +273,7 @@ impl Metrics {
             peers_live,
             refused,
             frames_refused,
+            pushes_as_pull,
             sides: [OnceLock::new(), OnceLock::new()],
         })
     }
@@ -418,6 +427,11 @@ impl Metrics {
     /// A peer message refused or dropped for `cause`.
     pub fn refused(&self, cause: &'static str) {
         self.refused.get_or_create(&CauseLabel { cause }).inc();
+    }
+
+    /// A push request that runs as pull (`Action::PullsInstead`).
+    pub fn pulls_instead(&self) {
+        self.pushes_as_pull.inc();
     }
 
     /// A control frame refused for `cause` ([`handoff_transport::wire::WireError::cause`],

@@ -325,13 +325,27 @@ impl RequestState {
         } = args.kind
         {
             state.prefill = Some((prefill.clone(), prefill_dp_rank));
-            // A lookup the directory answers at once (its cache) needs no task: the machine
-            // learns its peers before its first pump.
+            // A push over a one-sided plane asks which writers the link could watch.
+            let watch = state.pushes_one_sided();
+            // A lookup the directory answers at once (its cache), and a link that knows its
+            // peers already, need no task: the machine learns its peers before its first pump.
             let mut lookup = state.link.resolve(&prefill, prefill_dp_rank);
             let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
             let first = match lookup.as_mut().poll(&mut cx) {
+                std::task::Poll::Ready(Ok(peers)) if watch => {
+                    let mut check = state.link.unwatched(&peers);
+                    match check.as_mut().poll(&mut cx) {
+                        std::task::Poll::Ready(unwatched) => {
+                            let event = ReceiverEvent::PeersResolved { peers, unwatched };
+                            state.feed(t, MachineEvent::Receiver(event));
+                            None
+                        }
+                        std::task::Poll::Pending => Some(Started::Checking(peers, check)),
+                    }
+                }
                 std::task::Poll::Ready(Ok(peers)) => {
-                    let event = ReceiverEvent::PeersResolved { peers };
+                    let unwatched = Vec::new();
+                    let event = ReceiverEvent::PeersResolved { peers, unwatched };
                     state.feed(t, MachineEvent::Receiver(event));
                     None
                 }
@@ -340,8 +354,8 @@ impl RequestState {
                     state.feed(t, MachineEvent::Receiver(event));
                     None
                 }
-                std::task::Poll::Ready(Err(ResolveError::NotReady { .. })) => Some(None),
-                std::task::Poll::Pending => Some(Some(lookup)),
+                std::task::Poll::Ready(Err(ResolveError::NotReady { .. })) => Some(Started::Again),
+                std::task::Poll::Pending => Some(Started::Looking(lookup)),
             };
             if let Some(pending) = first {
                 let deadline = t + args.timeouts.bootstrap;
@@ -349,7 +363,7 @@ impl RequestState {
                     myself,
                     &state.link,
                     (prefill, prefill_dp_rank),
-                    pending,
+                    (pending, watch),
                     deadline,
                     state.span.clone(),
                 );
@@ -578,6 +592,10 @@ impl RequestState {
                     debug!(request = %self.id, %peer, "no earlier process of this rank to watch");
                 }
             }
+            Action::PullsInstead { unwatched } => {
+                debug!(request = %id, peers = ?unwatched, "push runs as pull: these prefill ranks cannot be watched should they be lost as writers (another host), so a late write could not be fenced");
+                self.metrics.pulls_instead();
+            }
             Action::Unconfirmed { from } => {
                 warn!(request = %id, peer = %from, "a confirmation from this rank's new process ends nothing: the lost one may still write into these blocks, and they are held until it exits");
                 self.metrics.refused(crate::router::REPLACED_WRITER);
@@ -694,21 +712,38 @@ impl RequestState {
         }.instrument(self.span.clone())));
     }
 
+    /// Decode, push, over a plane whose writes decode's side cannot refuse: the request asks
+    /// the link which writers it could watch before its transfer info goes out.
+    fn pushes_one_sided(&self) -> bool {
+        matches!(&self.machine, Machine::Receiver(m) if m.mode() == TransferMode::Push)
+            && self.link.one_sided()
+    }
+
     /// The deadline the actor's loop waits for next: the machine's.
     fn arm(&mut self) {
         self.timer = self.poll_timeout();
     }
 }
 
+/// How far a decode request's resolution got before it needed a task.
+enum Started {
+    /// The lookup, still pending.
+    Looking(crate::link::ResolveFuture),
+    /// The lookup answered "not ready": wait, then ask again.
+    Again,
+    /// The peers are known; which of them the link could watch is not yet.
+    Checking(Vec<crate::machine::Peer>, crate::link::UnwatchedFuture),
+}
+
 /// Asks the bootstrap for the prefill ranks until it answers, fails for good, or the
-/// bootstrap deadline passes (then the machine's own deadline fails the request). `first`
-/// is the lookup already started and still pending, or `None` when it answered "not
-/// ready" (then this waits before asking again).
+/// bootstrap deadline passes (then the machine's own deadline fails the request), starting
+/// from where the first try got. With `watch` (a push over a one-sided plane), the answer
+/// waits for the link to say which of them it could not watch (`Link::unwatched`).
 fn spawn_resolve(
     myself: &RequestRef,
     link: &Arc<dyn Link>,
     (prefill, dp_rank): (EngineId, Option<u32>),
-    first: Option<crate::link::ResolveFuture>,
+    (first, watch): (Started, bool),
     deadline: Instant,
     span: Span,
 ) -> JoinHandle<()> {
@@ -717,10 +752,19 @@ fn spawn_resolve(
     let deadline = tokio::time::Instant::from_std(deadline);
     tokio::spawn(
         async move {
+            let send = |event| {
+                let _ = me.cast(RequestMsg::Event(MachineEvent::Receiver(event)));
+            };
             let mut backoff = RESOLVE_BACKOFF_MIN;
             let mut first = match first {
-                Some(lookup) => Some(lookup),
-                None => {
+                Started::Checking(peers, check) => {
+                    if let Ok(unwatched) = tokio::time::timeout_at(deadline, check).await {
+                        send(ReceiverEvent::PeersResolved { peers, unwatched });
+                    }
+                    return;
+                }
+                Started::Looking(lookup) => Some(lookup),
+                Started::Again => {
                     if tokio::time::Instant::now() + backoff >= deadline {
                         return;
                     }
@@ -735,7 +779,17 @@ fn spawn_resolve(
                     .unwrap_or_else(|| link.resolve(&prefill, dp_rank));
                 let event = match tokio::time::timeout_at(deadline, lookup).await {
                     Err(_) => return,
-                    Ok(Ok(peers)) => ReceiverEvent::PeersResolved { peers },
+                    Ok(Ok(peers)) if watch => {
+                        let check = link.unwatched(&peers);
+                        let Ok(unwatched) = tokio::time::timeout_at(deadline, check).await else {
+                            return;
+                        };
+                        ReceiverEvent::PeersResolved { peers, unwatched }
+                    }
+                    Ok(Ok(peers)) => ReceiverEvent::PeersResolved {
+                        peers,
+                        unwatched: Vec::new(),
+                    },
                     Ok(Err(ResolveError::Fatal(reason))) => {
                         ReceiverEvent::BootstrapFailed { reason }
                     }
@@ -749,7 +803,7 @@ fn spawn_resolve(
                         continue;
                     }
                 };
-                let _ = me.cast(RequestMsg::Event(MachineEvent::Receiver(event)));
+                send(event);
                 return;
             }
         }

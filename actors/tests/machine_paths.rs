@@ -30,7 +30,13 @@ fn drain_s(m: &mut SenderMachine) -> Vec<Action> {
 fn pushing(t: Instant, timeouts: Timeouts, peers: &[&RankInfo]) -> ReceiverMachine {
     let mut m = ReceiverMachine::new(t, timeouts, TransferMode::Push).fence_writes(true);
     let peers = peers.iter().map(|p| (*p).clone()).collect();
-    m.handle(t, ReceiverEvent::PeersResolved { peers });
+    m.handle(
+        t,
+        ReceiverEvent::PeersResolved {
+            peers,
+            unwatched: vec![],
+        },
+    );
     m.handle(t, ReceiverEvent::Allocated { blocks: b(&[4, 5]) });
     m
 }
@@ -230,6 +236,7 @@ fn receiver_push_waits_for_done_from_every_pipeline_rank() {
         t,
         ReceiverEvent::PeersResolved {
             peers: vec![p0.clone(), p1.clone()],
+            unwatched: vec![],
         },
     );
     assert_eq!(
@@ -304,6 +311,7 @@ fn receiver_pull_reads_then_acknowledges_each_rank() {
         t,
         ReceiverEvent::PeersResolved {
             peers: vec![p0.clone()],
+            unwatched: vec![],
         },
     );
     drain_r(&mut m);
@@ -370,6 +378,7 @@ fn receiver_names_a_stranger_and_a_wrong_mode_as_protocol_errors() {
             t,
             ReceiverEvent::PeersResolved {
                 peers: vec![p0.clone()],
+                unwatched: vec![],
             },
         );
         m.handle(t, ReceiverEvent::Allocated { blocks: b(&[1]) });
@@ -438,6 +447,7 @@ fn a_fence_without_acknowledgement_lifts_at_its_deadline() {
         t,
         ReceiverEvent::PeersResolved {
             peers: vec![p0.clone()],
+            unwatched: vec![],
         },
     );
     m.handle(t, ReceiverEvent::Allocated { blocks: b(&[4]) });
@@ -470,6 +480,7 @@ fn a_lost_writer_keeps_its_blocks_quarantined_past_the_fence_bound() {
             t,
             ReceiverEvent::PeersResolved {
                 peers: vec![p0.clone(), p1.clone()],
+                unwatched: vec![],
             },
         );
         m.handle(t, ReceiverEvent::Allocated { blocks: b(&[4, 5]) });
@@ -786,6 +797,7 @@ fn the_engines_payload_travels_with_done_or_ready_and_reaches_decode_before_done
             t,
             ReceiverEvent::PeersResolved {
                 peers: vec![p.clone()],
+                unwatched: vec![],
             },
         );
         drain_r(&mut r);
@@ -841,6 +853,7 @@ fn a_pull_read_that_finishes_after_prefills_hold_fails_instead_of_done() {
             t,
             ReceiverEvent::PeersResolved {
                 peers: vec![p0.clone()],
+                unwatched: vec![],
             },
         );
         drain_r(&mut m);
@@ -955,6 +968,7 @@ fn ready_after(t: Instant, p0: &RankInfo, after: Duration, hold: Duration) -> Ve
         t,
         ReceiverEvent::PeersResolved {
             peers: vec![p0.clone()],
+            unwatched: vec![],
         },
     );
     drain_r(&mut m);
@@ -1212,4 +1226,79 @@ fn a_decode_rank_outside_this_prefill_ranks_share_is_refused_by_name() {
         "{:?}",
         m.state()
     );
+}
+
+/// A push over a one-sided plane with a prefill rank its driver cannot watch (another
+/// host) runs as pull, decided before the transfer info goes out: the info says pull, the
+/// rank's `Ready` is read by decode itself, and a `Done` (a write) is refused. Over a plane
+/// that checks every write (not fenced), or with every rank watched, it stays a push.
+#[test]
+fn a_push_with_a_writer_that_cannot_be_watched_runs_as_pull() {
+    let t = Instant::now();
+    let (p0, p1) = (rank("P", 0), rank("P", 1));
+    let resolve = |fence: bool, unwatched: Vec<RankInfo>| {
+        let mut m =
+            ReceiverMachine::new(t, Timeouts::default(), TransferMode::Push).fence_writes(fence);
+        let peers = vec![p0.clone(), p1.clone()];
+        m.handle(t, ReceiverEvent::PeersResolved { peers, unwatched });
+        m.handle(t, ReceiverEvent::Allocated { blocks: b(&[4, 5]) });
+        m
+    };
+    let infos = |actions: &[Action]| -> Vec<TransferMode> {
+        actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Send {
+                    msg: PeerMessage::TransferInfo { mode, .. },
+                    ..
+                } => Some(*mode),
+                _ => None,
+            })
+            .collect()
+    };
+    // Fenced, p1 unwatched: pull, said before the transfer info.
+    let mut m = resolve(true, vec![p1.clone()]);
+    let actions = drain_r(&mut m);
+    assert_eq!(
+        actions[0],
+        Action::PullsInstead {
+            unwatched: vec![p1.clone()]
+        }
+    );
+    assert_eq!(infos(&actions), vec![TransferMode::Pull; 2]);
+    assert_eq!(m.mode(), TransferMode::Pull);
+    m.handle(
+        t,
+        ReceiverEvent::Ready {
+            from: p1.clone(),
+            blocks: b(&[8, 9]),
+            aux: vec![],
+            hold: Duration::from_secs(30),
+        },
+    );
+    assert!(drain_r(&mut m).iter().any(|a| matches!(
+        a,
+        Action::Read { from, src, dst, .. } if *from == p1 && *src == b(&[8, 9]) && *dst == b(&[4, 5])
+    )));
+    // A write's `Done` does not fit a pull: the request fails by name.
+    m.handle(
+        t,
+        ReceiverEvent::Done {
+            from: p0.clone(),
+            aux: vec![],
+        },
+    );
+    assert!(matches!(m.state(), State::Failed(_)), "{:?}", m.state());
+    // Not fenced (a plane that checks every write), or every rank watched: a push.
+    for (fence, unwatched) in [(false, vec![p1.clone()]), (true, vec![])] {
+        let mut m = resolve(fence, unwatched);
+        let actions = drain_r(&mut m);
+        assert!(!actions
+            .iter()
+            .any(|a| matches!(a, Action::PullsInstead { .. })));
+        assert_eq!(infos(&actions), vec![TransferMode::Push; 2]);
+    }
+    // A rank named unwatched that is not one of the request's counts for nothing.
+    let mut m = resolve(true, vec![rank("Q", 0)]);
+    assert_eq!(infos(&drain_r(&mut m)), vec![TransferMode::Push; 2]);
 }

@@ -94,7 +94,8 @@ fn sender_op() -> impl Strategy<Value = SOp> {
 
 #[derive(Clone, Debug)]
 enum ROp {
-    Peers(u8),
+    /// `n` prefill ranks, those in the bit mask unwatched (another host).
+    Peers(u8, u8),
     BootstrapFailed(FailureReason),
     Reject,
     AbortAck(u8),
@@ -112,7 +113,7 @@ enum ROp {
 
 fn receiver_op() -> impl Strategy<Value = ROp> {
     prop_oneof![
-        3 => (0u8..3).prop_map(ROp::Peers),
+        3 => (0u8..3, prop_oneof![3 => Just(0u8), 1 => 0u8..8]).prop_map(|(n, u)| ROp::Peers(n, u)),
         1 => reason().prop_map(ROp::BootstrapFailed),
         1 => Just(ROp::Reject),
         2 => (0u8..3).prop_map(ROp::AbortAck),
@@ -164,6 +165,9 @@ struct Ledger {
     aux_from: Vec<RankInfo>,
     /// Lost prefill ranks whose blocks the machine quarantined past the fence bound.
     quarantined: Vec<RankInfo>,
+    /// A fenced push whose prefill ranks include one that cannot be watched: it must run
+    /// as pull (no transfer info says push).
+    no_push: bool,
 }
 
 impl Ledger {
@@ -179,6 +183,7 @@ impl Ledger {
             fence_max: timeouts().fence_max(),
             aux_from: Vec::new(),
             quarantined: Vec::new(),
+            no_push: false,
         }
     }
 
@@ -264,7 +269,20 @@ impl Ledger {
                         "a fence could lift before the plane answers"
                     );
                 }
+                Action::Send {
+                    msg: PeerMessage::TransferInfo { mode, .. },
+                    ..
+                } => {
+                    assert!(
+                        !(self.no_push && mode == TransferMode::Push),
+                        "a push to a writer that cannot be watched"
+                    );
+                }
                 Action::Send { .. } => {}
+                Action::PullsInstead { unwatched } => {
+                    assert!(self.no_push, "pull instead of a push that could be fenced");
+                    assert!(!unwatched.is_empty(), "pull instead, for nobody");
+                }
                 Action::Unconfirmed { from } => {
                     assert!(
                         state.is_terminal(),
@@ -555,7 +573,15 @@ proptest! {
             fire_due!(m, ledger, drain_receiver, next);
             now = next;
             let event = match op {
-                ROp::Peers(n) => ReceiverEvent::PeersResolved { peers: (0..n).map(peer).collect() },
+                ROp::Peers(n, mask) => {
+                    let peers: Vec<RankInfo> = (0..n).map(peer).collect();
+                    let unwatched: Vec<RankInfo> = (0..n).filter(|i| mask & (1 << i) != 0).map(peer).collect();
+                    let first = m.peers().next().is_none() && *m.state() == State::Bootstrapping;
+                    if first && n > 0 && !unwatched.is_empty() && mode == TransferMode::Push && fence {
+                        ledger.no_push = true;
+                    }
+                    ReceiverEvent::PeersResolved { peers, unwatched }
+                }
                 ROp::BootstrapFailed(reason) => ReceiverEvent::BootstrapFailed { reason },
                 ROp::Reject => ReceiverEvent::Reject { reason: FailureReason::RejectedBusy },
                 ROp::AbortAck(p) => ReceiverEvent::AbortAck { from: peer(p) },
@@ -583,7 +609,8 @@ proptest! {
         // unless it quarantined lost writers: then only their end lets the blocks go.
         fire_due!(m, ledger, drain_receiver, start + t.lifetime_max() + t.fence_max() + Duration::from_secs(1));
         let lost = ledger.quarantined.clone();
-        prop_assert!(lost.is_empty() || (fence && mode == TransferMode::Push));
+        prop_assert!(lost.is_empty() || (fence && m.mode() == TransferMode::Push));
+        prop_assert!(!ledger.no_push || m.mode() == TransferMode::Pull);
         // However long it waits, a quarantine only asks the lost writers again.
         let much_later = start + t.lifetime_max() + t.fence_max() * 10;
         fire_due!(m, ledger, drain_receiver, much_later);
@@ -613,7 +640,10 @@ proptest! {
     /// A push request over a one-sided plane with its transfer info out to every writer,
     /// then any interleaving of losses, new processes in lost ranks, confirmations,
     /// reports of writers gone and time: the blocks never go while a writer that was lost
-    /// and then replaced before it confirmed has not been reported gone.
+    /// and then replaced before it confirmed has not been reported gone. (A writer still
+    /// heard when the fence bound passed is past every deadline of its own by then, and a
+    /// stop before its last post would have been a loss by then: the loss timeout is
+    /// shorter than `fence_max`. Its later loss holds nothing.)
     #[test]
     fn a_replaced_writer_never_lets_the_blocks_go(
         n in 1u8..4,
@@ -624,14 +654,21 @@ proptest! {
         let mut now = start;
         let mut m = ReceiverMachine::new(now, t, TransferMode::Push).fence_writes(true);
         let mut ledger = Ledger::new(start);
-        m.handle(now, ReceiverEvent::PeersResolved { peers: (0..n).map(peer).collect() });
+        m.handle(now, ReceiverEvent::PeersResolved { peers: (0..n).map(peer).collect(), unwatched: vec![] });
         m.handle(now, ReceiverEvent::Allocated { blocks: ledger.blocks(2, true) });
         let actions = drain_receiver(&mut m);
         ledger.check(now, m.state(), m.poll_timeout(), actions);
         // Per writer: lost, replaced while lost, confirmed by its own process, gone.
         let mut w: BTreeMap<u8, (bool, bool, bool, bool)> = BTreeMap::new();
-        let held = |w: &BTreeMap<u8, (bool, bool, bool, bool)>| {
-            w.iter().find(|(_, (_, replaced, confirmed, gone))| *replaced && !*confirmed && !*gone).map(|(p, _)| *p)
+        // Writers live when the fence bound passed.
+        let mut live_at_bound: Vec<u8> = Vec::new();
+        let held = |w: &BTreeMap<u8, (bool, bool, bool, bool)>, live: &[u8]| {
+            w.iter().find(|(p, (_, replaced, confirmed, gone))| *replaced && !*confirmed && !*gone && !live.contains(p)).map(|(p, _)| *p)
+        };
+        let bound = |actions: &[Action], w: &BTreeMap<u8, (bool, bool, bool, bool)>, live: &mut Vec<u8>| {
+            if actions.iter().any(|a| matches!(a, Action::Quarantine { .. })) {
+                live.extend((0..n).filter(|p| !w.get(p).is_some_and(|e| e.0)));
+            }
         };
         for (dt_ms, op) in ops {
             let next = now + Duration::from_millis(dt_ms);
@@ -642,7 +679,8 @@ proptest! {
                 }
                 m.handle_timeout(d);
                 let actions = drain_receiver(&mut m);
-                if let Some(p) = held(&w) {
+                bound(&actions, &w, &mut live_at_bound);
+                if let Some(p) = held(&w, &live_at_bound) {
                     prop_assert!(!actions.iter().any(|a| matches!(a, Action::Release { .. })), "released on a deadline while replaced writer {} was unconfirmed", p);
                 }
                 ledger.check(d, m.state(), m.poll_timeout(), actions);
@@ -667,7 +705,8 @@ proptest! {
             }
             m.handle(now, event);
             let actions = drain_receiver(&mut m);
-            if let Some(p) = held(&w) {
+            bound(&actions, &w, &mut live_at_bound);
+            if let Some(p) = held(&w, &live_at_bound) {
                 prop_assert!(!actions.iter().any(|a| matches!(a, Action::Release { .. })), "released while replaced writer {} was unconfirmed", p);
             }
             ledger.check(now, m.state(), m.poll_timeout(), actions);

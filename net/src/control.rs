@@ -50,6 +50,8 @@ pub(crate) struct Setup {
     /// The same, checked: what peers' requests are paired against.
     pub(crate) layout: KvLayout,
     pub(crate) peer_data: PeerData,
+    /// Woken whenever `peer_data` learns a connection (`NetLink::unwatched` waits on it).
+    pub(crate) met: Arc<tokio::sync::Notify>,
     pub(crate) write_grants: Arc<Mutex<WriteGrants>>,
     pub(crate) cmds: mpsc::Receiver<Cmd>,
 }
@@ -144,6 +146,7 @@ struct Control {
     descriptor: LayoutDescriptor,
     layout: KvLayout,
     peer_data: PeerData,
+    met: Arc<tokio::sync::Notify>,
     /// Write grants and each peer's connection epoch ([`WriteGrants`]).
     write_grants: Arc<Mutex<WriteGrants>>,
     peers: BTreeMap<Peer, PeerState>,
@@ -170,6 +173,7 @@ pub(crate) fn spawn(setup: Setup) -> tokio::task::JoinHandle<()> {
         descriptor,
         layout,
         peer_data,
+        met,
         write_grants,
         cmds,
     } = setup;
@@ -186,6 +190,7 @@ pub(crate) fn spawn(setup: Setup) -> tokio::task::JoinHandle<()> {
         descriptor,
         layout,
         peer_data,
+        met,
         write_grants,
         peers: BTreeMap::new(),
         table,
@@ -211,6 +216,7 @@ impl Control {
                 Some(report) = reports.recv() => self.on_report(report),
                 cmd = cmds.recv() => match cmd {
                     Some(Cmd::Send { to, id, msg }) => self.send(&to, &id, msg),
+                    Some(Cmd::Connect { peer }) => self.connect(&peer),
                     None => return, // the runtime is gone
                 },
                 _ = tick.tick() => self.heartbeat(),
@@ -519,6 +525,7 @@ impl Control {
             },
         );
         drop(map);
+        self.met.notify_waiters();
         if let Some(old) = old {
             old.lease.revoke();
         }
@@ -717,6 +724,14 @@ impl Control {
             self.flush(to);
         } else if state.dialing.is_none() {
             self.dial(to);
+        }
+    }
+
+    /// Dials `peer` unless a connection to it is up or on its way (`NetLink::unwatched`).
+    fn connect(&mut self, peer: &Peer) {
+        let state = self.peers.entry(peer.clone()).or_default();
+        if !state.connected() && state.dialing.is_none() {
+            self.dial(peer);
         }
     }
 

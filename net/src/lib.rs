@@ -197,6 +197,11 @@ pub(crate) struct PeerInfo {
 /// copy the check opens takes a system call. The check itself takes milliseconds.
 pub const SAME_HOST_CHECK_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// How long [`Link::unwatched`] waits for a connection to a decode request's prefill ranks
+/// and for the check of who they are: a rank not known by then counts as one this worker
+/// cannot watch (the request then pulls, which needs no watch).
+pub const WATCH_CHECK_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// How often a quarantine looks whether a lost writer's process has exited (one `poll` of
 /// its pidfd).
 pub const WRITER_EXIT_POLL: std::time::Duration = std::time::Duration::from_millis(250);
@@ -278,6 +283,8 @@ pub(crate) enum Cmd {
         id: RequestId,
         msg: PeerMessage,
     },
+    /// Connect to the peer if no connection is up or on its way.
+    Connect { peer: Peer },
 }
 
 /// One worker's network transport. Build with [`NetTransport::bind`], then hand it to the
@@ -407,6 +414,7 @@ impl Attach for NetTransport {
         })?;
         let (cmds, cmd_rx) = mpsc::channel(CONTROL_QUEUE_MESSAGES_MAX);
         let peer_data: PeerData = Arc::default();
+        let met: Arc<tokio::sync::Notify> = Arc::default();
         let write_grants: Arc<Mutex<WriteGrants>> = Arc::default();
         let metrics = inbox.metrics().clone();
         let task = control::spawn(control::Setup {
@@ -421,6 +429,7 @@ impl Attach for NetTransport {
             descriptor,
             layout: layout.clone(),
             peer_data: peer_data.clone(),
+            met: met.clone(),
             write_grants: write_grants.clone(),
             cmds: cmd_rx,
         });
@@ -433,6 +442,7 @@ impl Attach for NetTransport {
         ));
         Ok(Arc::new(NetLink {
             peer_data,
+            met,
             write_grants,
             me: rank,
             siblings,
@@ -449,6 +459,8 @@ impl Attach for NetTransport {
 /// One runtime's view of the network transport.
 struct NetLink {
     peer_data: PeerData,
+    /// Woken whenever the control loop learns a connection ([`Link::unwatched`] waits).
+    met: Arc<tokio::sync::Notify>,
     /// Which write grants came in the current connection epoch with their peer.
     write_grants: Arc<Mutex<WriteGrants>>,
     me: RankInfo,
@@ -677,6 +689,49 @@ impl Link for NetLink {
         self.data.one_sided()
     }
 
+    /// The peers whose process this worker could not verify on this host at connect, so
+    /// that [`Link::writer_exit`] could not watch them: it first connects to any it has not
+    /// met and waits for the check (at most [`WATCH_CHECK_WAIT_MAX`] in all; a peer not
+    /// known by then counts as unwatched). Every peer known and checked: answered at once.
+    fn unwatched(&self, peers: &[Peer]) -> handoff_actors::link::UnwatchedFuture {
+        let peers = peers.to_vec();
+        {
+            let map = self.peer_data.lock().unwrap_or_else(|e| e.into_inner());
+            for peer in peers.iter().filter(|p| !map.contains_key(*p)) {
+                // A full queue: the wait below runs out and the peer counts as unwatched.
+                let _ = self.cmds.try_send(Cmd::Connect { peer: peer.clone() });
+            }
+        }
+        let (peer_data, met) = (self.peer_data.clone(), self.met.clone());
+        Box::pin(async move {
+            let until = tokio::time::Instant::now() + WATCH_CHECK_WAIT_MAX;
+            loop {
+                // Armed before looking, so a connection learnt in between still wakes us.
+                let met = met.notified();
+                tokio::pin!(met);
+                met.as_mut().enable();
+                let wait = match watch_state(&peer_data, &peers) {
+                    Watch::Settled(unwatched) => return unwatched,
+                    Watch::Checking(done) => Some(done),
+                    Watch::Connecting => None,
+                };
+                let wait = async {
+                    match wait {
+                        Some(mut done) => {
+                            let _ = done.wait_for(|d| *d).await;
+                        }
+                        None => met.await,
+                    }
+                };
+                if tokio::time::timeout_at(until, wait).await.is_err() {
+                    let map = peer_data.lock().unwrap_or_else(|e| e.into_inner());
+                    let watched = |p: &Peer| map.get(p).is_some_and(|i| i.process.is_some());
+                    return peers.iter().filter(|p| !watched(p)).cloned().collect();
+                }
+            }
+        })
+    }
+
     /// The processes of the rank that may hold the lost writer's post, each verified at
     /// connect to be a process on this host (its pidfd): polled every [`WRITER_EXIT_POLL`]
     /// until all have exited (a stopped process is alive). The rank's current process, or
@@ -714,6 +769,33 @@ impl Link for NetLink {
     fn detach(&self) {
         self.task.abort();
     }
+}
+
+/// Where [`Link::unwatched`] stands for a request's peers.
+enum Watch {
+    /// Every peer is known and checked: these could not be verified.
+    Settled(Vec<Peer>),
+    /// A peer's check runs: it turns `true` when done.
+    Checking(tokio::sync::watch::Receiver<bool>),
+    /// A peer has no connection yet.
+    Connecting,
+}
+
+fn watch_state(peer_data: &PeerData, peers: &[Peer]) -> Watch {
+    let map = peer_data.lock().unwrap_or_else(|e| e.into_inner());
+    let mut unwatched = Vec::new();
+    for peer in peers {
+        match map.get(peer) {
+            None => return Watch::Connecting,
+            Some(info) if info.process.is_some() => {}
+            Some(PeerInfo {
+                verifying: Some(done),
+                ..
+            }) if !*done.borrow() => return Watch::Checking(done.clone()),
+            Some(_) => unwatched.push(peer.clone()),
+        }
+    }
+    Watch::Settled(unwatched)
 }
 
 /// First wait between lookups of this worker's own engine while it is incomplete.

@@ -1645,6 +1645,11 @@ impl Link for SimLink {
         self.net.lock().data_plane == DataPlane::Rdma
     }
 
+    /// Every simulated worker can be watched (below): a push never runs as pull here.
+    fn unwatched(&self, _peers: &[Peer]) -> handoff_actors::link::UnwatchedFuture {
+        Box::pin(async { Vec::new() })
+    }
+
     /// Every simulated worker is watched as a verified same-host process is: its
     /// incarnation's end (a crash) is seen, a stop is not. The incarnation watched is the
     /// one this worker knows for the rank (the one that may still write), or (`replaced`:

@@ -378,6 +378,13 @@ pub enum Action {
         /// The prefill rank.
         from: Peer,
     },
+    /// Decode: made for push over a one-sided plane, the request runs as pull, since these
+    /// prefill ranks are processes the driver cannot watch (`ReceiverEvent::PeersResolved`).
+    /// Emitted before the transfer info goes out. For logs and metrics.
+    PullsInstead {
+        /// The prefill ranks that cannot be watched.
+        unwatched: Vec<Peer>,
+    },
     /// The state changed (emitted after every transition, for events and logs).
     StateChanged(State),
 }

@@ -25,6 +25,12 @@ pub enum ReceiverEvent {
     PeersResolved {
         /// The prefill ranks.
         peers: Vec<Peer>,
+        /// Those of them whose process the driver cannot watch should it be lost as a
+        /// writer (another host: `Link::unwatched`). A push over a one-sided plane
+        /// ([`ReceiverMachine::fence_writes`]) with any of them runs as pull: a lost
+        /// writer's quarantine could only end on a time bound, and no bound covers a writer
+        /// stopped between its lease check and a post.
+        unwatched: Vec<Peer>,
     },
     /// The bootstrap server could not answer in time.
     BootstrapFailed {
@@ -227,6 +233,12 @@ impl ReceiverMachine {
         &self.core.state
     }
 
+    /// Who moves the bytes: the mode it was made with, or pull where a push could not be
+    /// fenced (`unwatched` in [`ReceiverEvent::PeersResolved`]).
+    pub fn mode(&self) -> TransferMode {
+        self.mode
+    }
+
     /// The prefill ranks this request receives from, once resolved.
     pub fn peers(&self) -> impl Iterator<Item = &Peer> {
         self.peers.iter().map(|(p, _)| p)
@@ -275,7 +287,9 @@ impl ReceiverMachine {
             return self.handle_after_end(event);
         }
         match event {
-            ReceiverEvent::PeersResolved { peers } => self.on_peers(now, peers),
+            ReceiverEvent::PeersResolved { peers, unwatched } => {
+                self.on_peers(now, peers, unwatched)
+            }
             ReceiverEvent::BootstrapFailed { reason } => {
                 if self.core.state == State::Bootstrapping {
                     self.fail(reason, None);
@@ -355,12 +369,23 @@ impl ReceiverMachine {
         self.core.actions.push_back(Action::Unconfirmed { from });
     }
 
-    fn on_peers(&mut self, now: Instant, peers: Vec<Peer>) {
+    fn on_peers(&mut self, now: Instant, peers: Vec<Peer>, unwatched: Vec<Peer>) {
         if self.core.state != State::Bootstrapping || !self.peers.is_empty() {
             return; // a repeated answer
         }
         if peers.is_empty() {
             return self.fail(internal("bootstrap resolved no prefill ranks"), None);
+        }
+        let unwatched: Vec<Peer> = unwatched
+            .into_iter()
+            .filter(|u| peers.contains(u))
+            .collect();
+        if self.mode == TransferMode::Push && self.fence_writes && !unwatched.is_empty() {
+            // Decided before any grant goes out: the transfer info says pull.
+            self.mode = TransferMode::Pull;
+            self.core
+                .actions
+                .push_back(Action::PullsInstead { unwatched });
         }
         self.peers = peers.into_iter().map(|p| (p, Progress::Waiting)).collect();
         if !self.try_reject() {

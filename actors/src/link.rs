@@ -209,6 +209,15 @@ pub trait Link: Send + Sync + 'static {
         Box::pin(async move { peers })
     }
 
+    /// How long this link goes without hearing from a peer before it takes the peer as
+    /// lost, where it watches peers' liveness. On a one-sided plane it must be shorter than
+    /// the fence bound (`Timeouts::fence_max`): at the bound a writer still heard is taken
+    /// as done, and a writer stopped before its last post must be lost by then (the runtime
+    /// refuses to start otherwise).
+    fn loss_timeout(&self) -> Option<std::time::Duration> {
+        None
+    }
+
     /// The data plane's name in logs and metrics (`ucx`, `tcp`, `inproc`, `sim`).
     fn transport(&self) -> &'static str {
         "inproc"

@@ -175,6 +175,21 @@ impl Actor for RootActor {
             TransportChoice::InProcess(fabric) => fabric.attach(rank, role, inbox, region)?,
             TransportChoice::Custom(transport) => transport.attach(rank, role, inbox, region)?,
         };
+        let fence = args.cfg.timeouts.fence_max();
+        if let Some(loss) = link
+            .loss_timeout()
+            .filter(|l| link.one_sided() && *l >= fence)
+        {
+            link.detach();
+            let grace = crate::machine::PLANE_ANSWER_GRACE;
+            let why = format!(
+                "peers are taken as lost only after {loss:?} without a word (heartbeat interval × heartbeats missed), \
+                 not within the fence bound of {fence:?} (the request timeouts' sum + {grace:?}): \
+                 over a data plane whose writes cannot be refused, a writer stopped before its last post could \
+                 outlast the fence unseen; take fewer heartbeats to lose a peer, or longer request timeouts"
+            );
+            return Err(Error::Config(why).into());
+        }
         info!(role = %args.cfg.role, rank = %args.cfg.rank, transport = ?args.cfg.transport, "runtime started");
         let router = Router::new(RouterConfig {
             role: args.cfg.role,

@@ -480,6 +480,50 @@ fn head_flags_that_describe_no_pool_are_refused_at_start() {
     }
 }
 
+/// Over UCX, whose writes decode cannot refuse, a worker that would take a peer as lost
+/// only after the fence bound (long heartbeats, short request timeouts) refuses to start,
+/// by name: at the bound a writer still heard is taken as done, and one stopped before its
+/// last post could outlast the fence unseen. Over TCP the same flags are fine.
+#[test]
+fn a_loss_timeout_past_the_fence_bound_is_refused_over_ucx() {
+    if !ucx_available() {
+        return;
+    }
+    let (_boot, addr) = bootstrap();
+    let slow = [
+        "--heartbeat-ms",
+        "10000",
+        "--heartbeats-missed",
+        "6",
+        "--bootstrap-timeout-s",
+        "1",
+        "--waiting-timeout-s",
+        "1",
+        "--transfer-timeout-s",
+        "1",
+        "--pull-ttl-s",
+        "1",
+        "--requests",
+        "0",
+    ];
+    for (transport, refused) in [("ucx", true), ("tcp", false)] {
+        let mut args = common::worker_args("decode", "D", &addr);
+        args.extend(["--transport", transport]);
+        args.extend(slow);
+        let out = Command::new(common::handoff_bin())
+            .args(&args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(!out.status.success(), refused, "{transport}: {stderr}");
+        assert_eq!(
+            stderr.contains("outlast the fence unseen"),
+            refused,
+            "{transport}: {stderr}"
+        );
+    }
+}
+
 /// TP sizes where neither divides the other, across processes (6 KV heads: prefill at TP 2
 /// holds 3 per rank, decode at TP 3 holds 2): every decode rank fails each of its requests
 /// by name, before a byte moves; each request ends once, every block it was given is

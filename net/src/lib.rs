@@ -441,6 +441,7 @@ impl Attach for NetTransport {
             self.cfg.register_timeout,
         ));
         Ok(Arc::new(NetLink {
+            loss_timeout: self.cfg.heartbeat_interval * self.cfg.heartbeats_missed_max,
             peer_data,
             met,
             write_grants,
@@ -458,6 +459,8 @@ impl Attach for NetTransport {
 
 /// One runtime's view of the network transport.
 struct NetLink {
+    /// How long the control loop goes without hearing a peer before it takes it as lost.
+    loss_timeout: std::time::Duration,
     peer_data: PeerData,
     /// Woken whenever the control loop learns a connection ([`Link::unwatched`] waits).
     met: Arc<tokio::sync::Notify>,
@@ -687,6 +690,10 @@ impl Link for NetLink {
 
     fn one_sided(&self) -> bool {
         self.data.one_sided()
+    }
+
+    fn loss_timeout(&self) -> Option<std::time::Duration> {
+        Some(self.loss_timeout)
     }
 
     /// The peers whose process this worker could not verify on this host at connect, so

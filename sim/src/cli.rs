@@ -70,6 +70,11 @@ pub struct SimArgs {
     /// How decode workers lay out their layers: per-layer, interleaved or contiguous.
     #[arg(long, default_value = "contiguous")]
     pub decode_layout: String,
+    /// Hosts the workers are spread over (round robin): a worker watches only processes on
+    /// its own host, and a decode push over the RDMA plane with a prefill rank on another
+    /// host runs as pull.
+    #[arg(long, default_value_t = 1)]
+    pub hosts: u32,
     /// Requests in the safety phase (faults on).
     #[arg(long, default_value_t = 200)]
     pub requests: u64,
@@ -130,6 +135,7 @@ pub fn config(args: &SimArgs, seed: u64) -> Result<SimConfig, SimError> {
     cfg.shape.layers = args.layers;
     cfg.shape.prefill_layout = args.prefill_layout.parse::<LayoutChoice>()?;
     cfg.shape.decode_layout = args.decode_layout.parse::<LayoutChoice>()?;
+    cfg.shape.hosts = args.hosts;
     cfg.data_plane = args.data_plane.parse::<DataPlane>()?;
     cfg.workload.requests = args.requests;
     cfg.workload.liveness_requests = args.liveness_requests;

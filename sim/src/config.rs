@@ -131,6 +131,11 @@ pub struct Shape {
     pub prefill_layout: LayoutChoice,
     /// How decode workers lay out their layers' ranges (with `layers > 0`).
     pub decode_layout: LayoutChoice,
+    /// Hosts the workers are spread over, by worker index (`index % hosts`). A worker
+    /// watches only the processes on its own host: a lost writer on another is not watched
+    /// (`Link::writer_exit`), and a decode push over the RDMA plane with a prefill rank on
+    /// another host runs as pull (`Link::unwatched`). 1: every worker on one host.
+    pub hosts: u32,
 }
 
 impl Default for Shape {
@@ -150,6 +155,7 @@ impl Default for Shape {
             layers: 0,
             prefill_layout: LayoutChoice::Contiguous,
             decode_layout: LayoutChoice::Contiguous,
+            hosts: 1,
         }
     }
 }
@@ -180,6 +186,9 @@ impl Shape {
         }
         if self.tp == 0 || self.pp == 0 || self.decode_dp == 0 {
             return bad("tp, pp and decode dp must be at least 1");
+        }
+        if self.hosts == 0 {
+            return bad("the workers need at least one host");
         }
         if self.prefill_dp_ranks.is_empty() {
             return bad("prefill engines need at least one dp rank");
@@ -911,15 +920,16 @@ impl fmt::Display for SimConfig {
         writeln!(f, "seed: {}", self.seed)?;
         writeln!(
             f,
-            "cluster: {} prefill engines (dp ranks {:?}, tp {}, pp {}), {} decode engines (dp {}, tp {}), {} workers, {} blocks x {} B each, mode {:?}",
+            "cluster: {} prefill engines (dp ranks {:?}, tp {}, pp {}), {} decode engines (dp {}, tp {}), {} workers on {} host(s), {} blocks x {} B each, mode {:?}",
             s.prefill_engines,
             s.prefill_dp_ranks,
             s.tp,
             s.pp,
             s.decode_engines,
             s.decode_dp,
-            s.tp,
+            s.decode_tp(),
             s.workers(),
+            s.hosts,
             s.blocks_per_worker,
             s.block_bytes,
             s.mode

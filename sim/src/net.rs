@@ -204,6 +204,9 @@ pub struct NetStats {
     pub posted_unchecked: u64,
     /// Transfers a frozen worker started, held until it resumed.
     pub deferred: u64,
+    /// Decode push requests over the RDMA plane that ran as pull: a prefill rank was on
+    /// another host (`Link::unwatched`).
+    pub pulls_instead: u64,
 }
 
 /// Something the network saw that breaks an invariant.
@@ -353,6 +356,8 @@ struct NetState {
     timing: Timing,
     drops: Vec<MessageKind>,
     data_plane: DataPlane,
+    /// Hosts the workers are spread over (`idx % hosts`): a worker watches only its own.
+    hosts: usize,
     /// RDMA: which incarnation granted access, as each worker learned it for a request
     /// (from a delivered `TransferInfo` or `Ready`). A one-sided transfer targets that
     /// registration, so it fails once the granting worker has restarted (its memory was
@@ -402,7 +407,8 @@ pub struct SimNet {
 
 impl SimNet {
     /// A network for workers `ranks` (indexed by position), with `siblings[i]` the ranks that
-    /// serve the same requests as worker `i`. Must be made inside the simulation's runtime.
+    /// serve the same requests as worker `i`, over `data_plane`, spread over `hosts` hosts
+    /// (`Shape::hosts`). Must be made inside the simulation's runtime.
     pub fn new(
         seed: u64,
         ranks: Vec<(RankInfo, Role)>,
@@ -410,7 +416,7 @@ impl SimNet {
         faults: Faults,
         timing: Timing,
         drops: Vec<MessageKind>,
-        data_plane: DataPlane,
+        (data_plane, hosts): (DataPlane, u32),
     ) -> Arc<Self> {
         let mut nodes = Vec::with_capacity(ranks.len());
         let mut index = BTreeMap::new();
@@ -451,6 +457,7 @@ impl SimNet {
             timing,
             drops,
             data_plane,
+            hosts: usize::try_from(hosts.max(1)).unwrap_or(1),
             rkeys: BTreeMap::new(),
             losses: BTreeMap::new(),
             lost_incarnation: BTreeMap::new(),
@@ -798,6 +805,11 @@ impl NetState {
 
     fn node_at(&self, idx: usize) -> Option<&Node> {
         self.nodes.get(idx)
+    }
+
+    /// Whether workers `a` and `b` run on one host (`Shape::hosts`).
+    fn same_host(&self, a: usize, b: usize) -> bool {
+        a % self.hosts == b % self.hosts
     }
 
     /// Blocks in worker `idx`'s pool (0 before its memory is set).
@@ -1645,12 +1657,25 @@ impl Link for SimLink {
         self.net.lock().data_plane == DataPlane::Rdma
     }
 
-    /// Every simulated worker can be watched (below): a push never runs as pull here.
-    fn unwatched(&self, _peers: &[Peer]) -> handoff_actors::link::UnwatchedFuture {
-        Box::pin(async { Vec::new() })
+    /// The peers on another host (`Shape::hosts`), which this worker cannot watch (below).
+    fn unwatched(&self, peers: &[Peer]) -> handoff_actors::link::UnwatchedFuture {
+        let mut st = self.net.lock();
+        let unwatched: Vec<Peer> = peers
+            .iter()
+            .filter(|p| {
+                st.node_of(p)
+                    .is_some_and(|n| !st.same_host(n.idx, self.idx))
+            })
+            .cloned()
+            .collect();
+        if !unwatched.is_empty() {
+            st.stats.pulls_instead += 1;
+        }
+        Box::pin(async move { unwatched })
     }
 
-    /// Every simulated worker is watched as a verified same-host process is: its
+    /// A worker on another host (`Shape::hosts`) cannot be watched: `None`, as for a real
+    /// peer the kernel cannot verify. Every other is watched as a verified same-host process is: its
     /// incarnation's end (a crash) is seen, a stop is not. The incarnation watched is the
     /// one this worker knows for the rank (the one that may still write), or (`replaced`:
     /// this worker heard a newer one since the request lost it) the one before it; never
@@ -1660,6 +1685,9 @@ impl Link for SimLink {
         let node = {
             let st = self.net.lock();
             let n = st.node_of(peer)?;
+            if !st.same_host(n.idx, self.idx) {
+                return None;
+            }
             let known = st
                 .node_at(self.idx)
                 .and_then(|me| me.table.known_incarnation(&n.idx))

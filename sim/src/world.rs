@@ -412,7 +412,7 @@ impl World {
             cfg.faults.clone(),
             cfg.timing.clone(),
             drops,
-            cfg.data_plane,
+            (cfg.data_plane, s.hosts),
         );
         let attach: Arc<dyn Attach> = Arc::new(SimAttach(net.clone()));
         let mut workers = Vec::with_capacity(ranks.len());
@@ -1251,6 +1251,22 @@ impl World {
             let (tp, decode_tp) = (self.cfg.shape.tp, self.cfg.shape.decode_tp());
             let share =
                 handoff_transport::tp::prefill_share(tp, decode_tp, d.tp).unwrap_or(d.tp..d.tp + 1);
+            // A push over the RDMA plane with a prefill rank on another host ran as pull
+            // (`Link::unwatched`), as the decode rank decided it.
+            let hosts = usize::try_from(self.cfg.shape.hosts.max(1)).unwrap_or(1);
+            let elsewhere = rec.ranks.iter().any(|p| {
+                p.role == Role::Prefill
+                    && share.contains(&p.tp)
+                    && p.worker % hosts != d.worker % hosts
+            });
+            let mode = match rec.mode {
+                TransferMode::Push
+                    if self.cfg.data_plane == crate::config::DataPlane::Rdma && elsewhere =>
+                {
+                    TransferMode::Pull
+                }
+                mode => mode,
+            };
             for pp in 0..rec.prefill_pp {
                 let peers: Vec<&RankRec> = rec
                     .ranks
@@ -1261,7 +1277,7 @@ impl World {
                 // rank `Done` once its own write landed, and may still fail for another
                 // decode rank's write; the bytes themselves are checked at release.
                 let fan_out = decode_tp > tp;
-                let backed = match rec.mode {
+                let backed = match mode {
                     TransferMode::Push if !fan_out => peers.iter().any(|p| p.state == State::Done),
                     _ => !peers.is_empty(),
                 };
@@ -1273,7 +1289,7 @@ impl World {
                     let detail = format!(
                         "decode w{} Done in {:?} mode, but prefill tp{} pp{pp} ended [{}]",
                         d.worker,
-                        rec.mode,
+                        mode,
                         d.tp,
                         states.join(", ")
                     );

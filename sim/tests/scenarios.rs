@@ -321,6 +321,37 @@ fn a_writer_stopped_between_check_and_post_lands_only_in_quarantined_blocks() {
     assert!(unchecked > 0, "no write went out unchecked");
 }
 
+/// The stopped writer of the test above, with the workers on two hosts: P0 shares one
+/// with D0, not with D1. D1 cannot watch P0 as a lost writer, so a quarantine there could
+/// only end on its bound, which no stop is bound by; D1's push requests with P0 run as pull
+/// instead (`Link::unwatched`), while D0's stay pushes and quarantine as before. No byte
+/// may land in a released block either way.
+#[test]
+fn a_push_to_a_writer_on_another_host_runs_as_pull() {
+    let (mut unchecked, mut pulled) = (0, 0);
+    for seed in 0..8u64 {
+        let mut cfg = base(8180 + seed);
+        cfg.shape.mode = ModeChoice::Push;
+        cfg.shape.hosts = 2;
+        cfg.data_plane = DataPlane::Rdma;
+        cfg.workload.requests = 80;
+        cfg.workload.compute_ms = (40, 160);
+        let fence = cfg.timing.timeouts.fence_max().as_millis() as u64;
+        cfg.script.push(Scripted::Freeze {
+            target: Target::Engine("P0".into()),
+            at_ms: 60 + 13 * seed,
+            for_ms: fence + 2_000,
+        });
+        let report = run(&cfg);
+        assert!(landed_after_release(&report).is_empty(), "{report}");
+        assert!(report.violations.is_empty(), "{report}");
+        unchecked += report.net.posted_unchecked;
+        pulled += report.net.pulls_instead;
+    }
+    assert!(unchecked > 0, "no write went out unchecked");
+    assert!(pulled > 0, "no push ran as pull");
+}
+
 /// The same stopped writer, and decode's request actors panic while their fences hold
 /// (found by reading the code: the root released an orphan's blocks at the fence bound,
 /// whatever its writers). The root now quarantines an orphan as the machine would have:

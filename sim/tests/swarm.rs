@@ -8,7 +8,8 @@ use handoff_sim::{simulate, FaultPlan, Faults, ModeChoice, Report, SimConfig};
 const SWARM_SEEDS: u64 = 300;
 
 /// A small cluster whose shape also varies with the seed: tp, pp, sparse dp ranks, mode,
-/// and the data plane (half the seeds on the RDMA plane, where a late transfer lands).
+/// the data plane (half the seeds on the RDMA plane, where a late transfer lands), and
+/// the hosts (half the seeds on two, where a worker cannot watch the other host's).
 fn config(seed: u64) -> SimConfig {
     let mut cfg = SimConfig::new(seed);
     cfg.shape.tp = 1 + (seed % 2) as u32;
@@ -26,6 +27,7 @@ fn config(seed: u64) -> SimConfig {
     } else {
         DataPlane::Rdma
     };
+    cfg.shape.hosts = 1 + (seed / 7 % 2) as u32;
     cfg.workload.requests = 24;
     cfg.workload.liveness_requests = 4;
     cfg.faults = Faults::from_plan(&FaultPlan::Swarm, seed);

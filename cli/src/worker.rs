@@ -200,7 +200,9 @@ pub struct WorkerArgs {
     pub prefill: Option<String>,
     /// Decode: pull (decode reads prefill's blocks: the safe default, since no write of a
     /// frozen or cut-off peer can land in blocks decode gave back) or push (prefill writes;
-    /// over UCX a failed request's blocks stay fenced until prefill confirms). With
+    /// over UCX a failed request's blocks stay fenced until prefill confirms or, lost, its
+    /// process exits; a request whose prefill rank runs on another host, where decode
+    /// cannot watch it, runs as pull). With
     /// `--memory cuda` on one host, both are device copies through the peer's CUDA IPC
     /// handles; with HANDOFF_SAME_HOST_COPIES=0 UCX moves them, and push is far faster
     /// (UCX 1.22 emulates reads of device memory).

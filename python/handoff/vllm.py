@@ -43,6 +43,8 @@ Options (``kv_connector_extra_config``), every one optional but ``bootstrap``:
     decode's blocks fenced while a lost prefill might still write, and vLLM cannot fail a
     load while keeping its blocks, so the request would wait for the fence; in pull mode
     decode's blocks are written only by its own reads, and a failure is answered at once.
+    A push over UCX with a prefill on another host (which decode cannot watch) runs as
+    pull.
 ``ttl_s``
     Prefill: how long finished requests' blocks wait for decode (default 120).
 ``transfer_timeout_s``, ``bootstrap_timeout_s``, ``waiting_timeout_s``

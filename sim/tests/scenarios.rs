@@ -264,7 +264,13 @@ fn push_writes_never_land_in_blocks_decode_released_under_rdma() {
 /// none, a fence bound and 2 s), from `60 + 13 × i` ms: long prefills, so that many
 /// requests have their grant when the freeze comes and hand their blocks over while frozen.
 fn frozen_writer((seed, i): (u64, u64), for_ms: Option<u64>) -> Report {
+    frozen_writer_on((seed, i), for_ms, 1)
+}
+
+/// [`frozen_writer`] with the workers spread over `hosts` hosts.
+fn frozen_writer_on((seed, i): (u64, u64), for_ms: Option<u64>, hosts: u32) -> Report {
     let mut cfg = base(seed);
+    cfg.shape.hosts = hosts;
     cfg.shape.mode = ModeChoice::Push;
     cfg.data_plane = DataPlane::Rdma;
     cfg.workload.requests = 80;
@@ -330,19 +336,7 @@ fn a_writer_stopped_between_check_and_post_lands_only_in_quarantined_blocks() {
 fn a_push_to_a_writer_on_another_host_runs_as_pull() {
     let (mut unchecked, mut pulled) = (0, 0);
     for seed in 0..8u64 {
-        let mut cfg = base(8180 + seed);
-        cfg.shape.mode = ModeChoice::Push;
-        cfg.shape.hosts = 2;
-        cfg.data_plane = DataPlane::Rdma;
-        cfg.workload.requests = 80;
-        cfg.workload.compute_ms = (40, 160);
-        let fence = cfg.timing.timeouts.fence_max().as_millis() as u64;
-        cfg.script.push(Scripted::Freeze {
-            target: Target::Engine("P0".into()),
-            at_ms: 60 + 13 * seed,
-            for_ms: fence + 2_000,
-        });
-        let report = run(&cfg);
+        let report = frozen_writer_on((8180 + seed, seed), None, 2);
         assert!(landed_after_release(&report).is_empty(), "{report}");
         assert!(report.violations.is_empty(), "{report}");
         unchecked += report.net.posted_unchecked;

@@ -173,6 +173,12 @@ impl Shape {
         p + d
     }
 
+    /// Whether workers `a` and `b` (by index) run on one host ([`Shape::hosts`]).
+    pub fn same_host(&self, a: usize, b: usize) -> bool {
+        let hosts = usize::try_from(self.hosts.max(1)).unwrap_or(1);
+        a % hosts == b % hosts
+    }
+
     /// Decode's tensor-parallel ranks per dp group.
     pub fn decode_tp(&self) -> u32 {
         self.decode_tp.unwrap_or(self.tp)

@@ -72,7 +72,7 @@ use handoff_transport::zmtp::ConnId;
 use handoff_transport::Rank;
 use tokio::sync::{oneshot, Notify};
 
-use crate::config::{DataPlane, Faults, MessageKind, Plane, Timing};
+use crate::config::{DataPlane, Faults, MessageKind, Plane, Shape, Timing};
 use crate::pool::Pool;
 use crate::rng::Rng;
 use crate::trace::Fnv64;
@@ -356,8 +356,9 @@ struct NetState {
     timing: Timing,
     drops: Vec<MessageKind>,
     data_plane: DataPlane,
-    /// Hosts the workers are spread over (`idx % hosts`): a worker watches only its own.
-    hosts: usize,
+    /// The cluster's shape: which workers share a host ([`Shape::same_host`]); a worker
+    /// watches only its own host's.
+    shape: Shape,
     /// RDMA: which incarnation granted access, as each worker learned it for a request
     /// (from a delivered `TransferInfo` or `Ready`). A one-sided transfer targets that
     /// registration, so it fails once the granting worker has restarted (its memory was
@@ -407,8 +408,8 @@ pub struct SimNet {
 
 impl SimNet {
     /// A network for workers `ranks` (indexed by position), with `siblings[i]` the ranks that
-    /// serve the same requests as worker `i`, over `data_plane`, spread over `hosts` hosts
-    /// (`Shape::hosts`). Must be made inside the simulation's runtime.
+    /// serve the same requests as worker `i`, over `data_plane`, on the hosts of `shape`
+    /// ([`Shape::same_host`]). Must be made inside the simulation's runtime.
     pub fn new(
         seed: u64,
         ranks: Vec<(RankInfo, Role)>,
@@ -416,7 +417,7 @@ impl SimNet {
         faults: Faults,
         timing: Timing,
         drops: Vec<MessageKind>,
-        (data_plane, hosts): (DataPlane, u32),
+        (data_plane, shape): (DataPlane, Shape),
     ) -> Arc<Self> {
         let mut nodes = Vec::with_capacity(ranks.len());
         let mut index = BTreeMap::new();
@@ -457,7 +458,7 @@ impl SimNet {
             timing,
             drops,
             data_plane,
-            hosts: usize::try_from(hosts.max(1)).unwrap_or(1),
+            shape,
             rkeys: BTreeMap::new(),
             losses: BTreeMap::new(),
             lost_incarnation: BTreeMap::new(),
@@ -807,9 +808,9 @@ impl NetState {
         self.nodes.get(idx)
     }
 
-    /// Whether workers `a` and `b` run on one host (`Shape::hosts`).
+    /// Whether workers `a` and `b` run on one host.
     fn same_host(&self, a: usize, b: usize) -> bool {
-        a % self.hosts == b % self.hosts
+        self.shape.same_host(a, b)
     }
 
     /// Blocks in worker `idx`'s pool (0 before its memory is set).

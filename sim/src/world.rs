@@ -412,7 +412,7 @@ impl World {
             cfg.faults.clone(),
             cfg.timing.clone(),
             drops,
-            (cfg.data_plane, s.hosts),
+            (cfg.data_plane, s.clone()),
         );
         let attach: Arc<dyn Attach> = Arc::new(SimAttach(net.clone()));
         let mut workers = Vec::with_capacity(ranks.len());
@@ -1253,11 +1253,10 @@ impl World {
                 handoff_transport::tp::prefill_share(tp, decode_tp, d.tp).unwrap_or(d.tp..d.tp + 1);
             // A push over the RDMA plane with a prefill rank on another host ran as pull
             // (`Link::unwatched`), as the decode rank decided it.
-            let hosts = usize::try_from(self.cfg.shape.hosts.max(1)).unwrap_or(1);
             let elsewhere = rec.ranks.iter().any(|p| {
                 p.role == Role::Prefill
                     && share.contains(&p.tp)
-                    && p.worker % hosts != d.worker % hosts
+                    && !self.cfg.shape.same_host(p.worker, d.worker)
             });
             let mode = match rec.mode {
                 TransferMode::Push

@@ -332,8 +332,8 @@ impl RequestState {
             let mut lookup = state.link.resolve(&prefill, prefill_dp_rank);
             let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
             let first = match lookup.as_mut().poll(&mut cx) {
-                std::task::Poll::Ready(Ok(peers)) if watch => {
-                    let mut check = state.link.unwatched(&peers);
+                std::task::Poll::Ready(Ok(peers)) => {
+                    let mut check = unwatched(&state.link, &peers, watch);
                     match check.as_mut().poll(&mut cx) {
                         std::task::Poll::Ready(unwatched) => {
                             let event = ReceiverEvent::PeersResolved { peers, unwatched };
@@ -342,12 +342,6 @@ impl RequestState {
                         }
                         std::task::Poll::Pending => Some(Started::Checking(peers, check)),
                     }
-                }
-                std::task::Poll::Ready(Ok(peers)) => {
-                    let unwatched = Vec::new();
-                    let event = ReceiverEvent::PeersResolved { peers, unwatched };
-                    state.feed(t, MachineEvent::Receiver(event));
-                    None
                 }
                 std::task::Poll::Ready(Err(ResolveError::Fatal(reason))) => {
                     let event = ReceiverEvent::BootstrapFailed { reason };
@@ -725,6 +719,20 @@ impl RequestState {
     }
 }
 
+/// Which of `peers` the link could not watch (`Link::unwatched`), asked only with `watch`
+/// (a push over a one-sided plane); otherwise none, answered at once.
+fn unwatched(
+    link: &Arc<dyn Link>,
+    peers: &[crate::machine::Peer],
+    watch: bool,
+) -> crate::link::UnwatchedFuture {
+    if watch {
+        link.unwatched(peers)
+    } else {
+        Box::pin(std::future::ready(Vec::new()))
+    }
+}
+
 /// How far a decode request's resolution got before it needed a task.
 enum Started {
     /// The lookup, still pending.
@@ -779,17 +787,13 @@ fn spawn_resolve(
                     .unwrap_or_else(|| link.resolve(&prefill, dp_rank));
                 let event = match tokio::time::timeout_at(deadline, lookup).await {
                     Err(_) => return,
-                    Ok(Ok(peers)) if watch => {
-                        let check = link.unwatched(&peers);
+                    Ok(Ok(peers)) => {
+                        let check = unwatched(&link, &peers, watch);
                         let Ok(unwatched) = tokio::time::timeout_at(deadline, check).await else {
                             return;
                         };
                         ReceiverEvent::PeersResolved { peers, unwatched }
                     }
-                    Ok(Ok(peers)) => ReceiverEvent::PeersResolved {
-                        peers,
-                        unwatched: Vec::new(),
-                    },
                     Ok(Err(ResolveError::Fatal(reason))) => {
                         ReceiverEvent::BootstrapFailed { reason }
                     }

@@ -14,7 +14,6 @@ use handoff_transport::data::{DataError, GrantError};
 use handoff_transport::{
     BlockId, EngineId, FailureReason, RankInfo, Region, RegionError, RequestId, Role,
 };
-use ractor::ActorRef;
 
 use crate::machine::{Peer, PeerMessage};
 use crate::runtime::RootMsg;
@@ -250,7 +249,7 @@ pub trait Attach: Send + Sync + 'static {
 /// Where a transport delivers what arrives for one runtime. Cheap to clone.
 #[derive(Clone)]
 pub struct Inbox(
-    pub(crate) ActorRef<RootMsg>,
+    pub(crate) crate::runtime::RootRef,
     pub(crate) Arc<crate::metrics::Metrics>,
 );
 

@@ -8,20 +8,20 @@
 //! tells the root, which stops it.
 //!
 //! It is one tokio task reading one unbounded mailbox (bounded in practice by admission:
-//! the root delivers a request's events, its lookups answer once each), not a ractor actor:
-//! per request that saves an actor's four ports, its registration and supervision link, a
-//! timer task per deadline and a task per transfer (the loop polls its transfers and waits
-//! for the deadline itself). A bootstrap lookup the directory answers from its cache is
-//! taken at once, without a task. Supervision stays the root's: a panic in a handler (or
-//! in a transfer the loop polls) is caught here, the task ends, and the root is told
-//! ([`RootMsg::ChildGone`]) as ractor would have told it; stopping is aborting the task,
-//! which drops its state and with it every transfer and lookup it started.
+//! the root delivers a request's events, its lookups answer once each), as the root is:
+//! per request no actor framework's ports, registration or supervision link, no timer task
+//! per deadline and no task per transfer (the loop polls its transfers and waits for the
+//! deadline itself). A bootstrap lookup the directory answers from its cache is taken at
+//! once, without a task. Supervision stays the root's: a panic in a handler (or in a
+//! transfer the loop polls) is caught here, the task ends, and the root is told
+//! ([`RootMsg::ChildGone`]); stopping is aborting the task, which drops its state and with
+//! it every transfer and lookup it started.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use handoff_transport::{EngineId, RequestId, Role, TransferMode};
-use ractor::ActorRef;
+
 use tokio::sync::mpsc;
 use tokio::task::{AbortHandle, JoinHandle};
 use tracing::{debug, warn, Instrument, Span};
@@ -33,7 +33,7 @@ use crate::machine::{
 };
 use crate::metrics::Metrics;
 use crate::router::{Local, MachineEvent};
-use crate::runtime::RootMsg;
+use crate::runtime::{RootMsg, RootRef};
 
 /// First wait between bootstrap lookups that answer "not ready".
 pub const RESOLVE_BACKOFF_MIN: Duration = Duration::from_millis(10);
@@ -70,7 +70,7 @@ pub(crate) struct RequestArgs {
     /// The request's estate: this actor's alone while it runs.
     pub(crate) deed: Deed,
     pub(crate) link: Arc<dyn Link>,
-    pub(crate) root: ActorRef<RootMsg>,
+    pub(crate) root: RootRef,
     pub(crate) timeouts: Timeouts,
     pub(crate) kind: Kind,
     /// Events that arrived before the request existed.
@@ -229,7 +229,7 @@ fn panic_payload(panic: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "a panic".to_string())
 }
 
-fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+pub(crate) fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
     format!("request actor failed: panicked: {}", panic_payload(panic))
 }
 
@@ -243,7 +243,7 @@ pub(crate) struct RequestState {
     role: Role,
     deed: Deed,
     link: Arc<dyn Link>,
-    root: ActorRef<RootMsg>,
+    root: RootRef,
     machine: Machine,
     /// The machine's next deadline, which the actor's loop waits for beside its mailbox.
     timer: Option<Instant>,

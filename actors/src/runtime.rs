@@ -22,9 +22,8 @@ use std::time::Instant;
 
 use handoff_transport::wire::AUX_BYTES_MAX;
 use handoff_transport::{BlockId, EngineId, RankInfo, Region, RequestId, Role, TransferMode};
-use ractor::{Actor, ActorProcessingErr, ActorRef};
-use tokio::sync::watch;
-use tracing::{debug, info, trace, warn};
+use tokio::sync::{mpsc, watch, Notify};
+use tracing::{debug, error, info, trace, warn, Instrument};
 
 use crate::estate::{Consignment, Deed, Estate, View};
 
@@ -68,6 +67,8 @@ pub(crate) enum RootMsg {
     PeerReplaced { peer: Peer },
     /// Fault injection: make the request's actor panic.
     InjectPanic { id: RequestId },
+    /// Fault injection: make the root itself panic.
+    InjectRootPanic,
     /// The request actor of spawn `serial` failed (a panic in a handler) and is gone.
     ChildGone {
         id: RequestId,
@@ -126,6 +127,11 @@ struct RootState {
     entries: BTreeMap<RequestId, Entry>,
     /// The serial of the next request actor spawned.
     serial: u64,
+    /// The timers the router armed, by when they fire (and the order they were armed in):
+    /// the root's loop sleeps until the first, so a timer costs an entry here, not a task.
+    timers: BTreeMap<(tokio::time::Instant, u64), Timer>,
+    /// How many timers were ever armed: the second half of a timer's key.
+    armed: u64,
 }
 
 /// What the root actor and the engine's handles share: the event queue, the metrics and the
@@ -144,38 +150,66 @@ impl Shared {
     }
 }
 
-struct RootActor;
+/// The root's address: its mailbox, and the signal that stops it. Cheap to clone.
+///
+/// The root is one tokio task reading one unbounded mailbox (bounded in practice: the
+/// engine's opens by admission, peers' messages by the control loop's bounds, a request
+/// actor's reports by the requests it holds), as a request actor is: no actor framework
+/// sits between a message and the router.
+#[derive(Clone)]
+pub(crate) struct RootRef {
+    tx: mpsc::UnboundedSender<RootMsg>,
+    stop: Arc<StopSignal>,
+}
 
-struct RootArgs {
-    cfg: RuntimeConfig,
-    shared: Arc<Shared>,
+/// Asked once by [`Runtime::shutdown`]; the root's loop stops at its next turn.
+#[derive(Default)]
+struct StopSignal {
+    asked: AtomicBool,
+    notify: Notify,
+}
+
+impl RootRef {
+    /// Queues `msg` for the root; gives it back (dropped by the caller, it gives back what
+    /// it carries) once the runtime is stopping or stopped.
+    pub(crate) fn cast(&self, msg: RootMsg) -> Result<(), Box<RootMsg>> {
+        if self.stopping() {
+            return Err(Box::new(msg));
+        }
+        self.tx.send(msg).map_err(|e| Box::new(e.0))
+    }
+
+    /// The runtime was asked to stop, or its root is gone.
+    fn stopping(&self) -> bool {
+        self.stop.asked.load(Ordering::Acquire) || self.tx.is_closed()
+    }
+
+    /// Asks the root to stop: it finishes the message in hand, closes every request it
+    /// knows, and drops the rest of its mailbox.
+    fn stop(&self) {
+        self.stop.asked.store(true, Ordering::Release);
+        self.stop.notify.notify_one();
+    }
 }
 
 fn now() -> Instant {
     tokio::time::Instant::now().into_std()
 }
 
-impl Actor for RootActor {
-    type Msg = RootMsg;
-    type State = RootState;
-    type Arguments = RootArgs;
+/// The text of the panic [`Runtime::inject_root_panic`] causes.
+pub(crate) const INJECTED_ROOT_PANIC: &str = "injected root panic (fault injection)";
 
-    async fn pre_start(
-        &self,
-        myself: ActorRef<RootMsg>,
-        args: RootArgs,
-    ) -> Result<RootState, ActorProcessingErr> {
-        let (rank, role, region) = (
-            args.cfg.rank.clone(),
-            args.cfg.role,
-            args.cfg.region.clone(),
-        );
-        let inbox = Inbox(myself, args.shared.metrics.clone());
-        let link: Arc<dyn Link> = match &args.cfg.transport {
+impl RootState {
+    /// Attaches the runtime to its transport and builds the root's state; an error leaves
+    /// nothing attached.
+    fn start(cfg: RuntimeConfig, shared: Arc<Shared>, me: &RootRef) -> Result<RootState, Error> {
+        let (rank, role, region) = (cfg.rank.clone(), cfg.role, cfg.region.clone());
+        let inbox = Inbox(me.clone(), shared.metrics.clone());
+        let link: Arc<dyn Link> = match &cfg.transport {
             TransportChoice::InProcess(fabric) => fabric.attach(rank, role, inbox, region)?,
             TransportChoice::Custom(transport) => transport.attach(rank, role, inbox, region)?,
         };
-        let fence = args.cfg.timeouts.fence_max();
+        let fence = cfg.timeouts.fence_max();
         if let Some(loss) = link
             .loss_timeout()
             .filter(|l| link.one_sided() && *l >= fence)
@@ -188,42 +222,78 @@ impl Actor for RootActor {
                  over a data plane whose writes cannot be refused, a writer stopped before its last post could \
                  outlast the fence unseen; take fewer heartbeats to lose a peer, or longer request timeouts"
             );
-            return Err(Error::Config(why).into());
+            return Err(Error::Config(why));
         }
-        info!(role = %args.cfg.role, rank = %args.cfg.rank, transport = ?args.cfg.transport, "runtime started");
+        info!(role = %cfg.role, rank = %cfg.rank, transport = ?cfg.transport, "runtime started");
         let router = Router::new(RouterConfig {
-            role: args.cfg.role,
-            mode: args.cfg.mode,
+            role: cfg.role,
+            mode: cfg.mode,
             one_sided: link.one_sided(),
-            bootstrap: args.cfg.timeouts.bootstrap,
-            fence_max: args.cfg.timeouts.fence_max(),
-            unallocated_max: args.cfg.unallocated_max,
+            bootstrap: cfg.timeouts.bootstrap,
+            fence_max: cfg.timeouts.fence_max(),
+            unallocated_max: cfg.unallocated_max,
             limits: RouterLimits::default(),
         });
         Ok(RootState {
-            cfg: args.cfg,
+            cfg,
             link,
-            shared: args.shared,
+            shared,
             router,
             entries: BTreeMap::new(),
             serial: 0,
+            timers: BTreeMap::new(),
+            armed: 0,
         })
     }
 
-    async fn handle(
-        &self,
-        myself: ActorRef<RootMsg>,
-        msg: RootMsg,
-        state: &mut RootState,
-    ) -> Result<(), ActorProcessingErr> {
-        let input = match msg {
-            RootMsg::Open { estate, kind } => {
-                state.open(&myself, estate, kind);
-                return Ok(());
+    /// The root's life: one message (or due timer) at a time, each handled synchronously,
+    /// until the runtime is stopped. A panic in a handler (a bug in the root) stops the
+    /// runtime as `shutdown` would: every request is closed and its blocks given back,
+    /// rather than leaving them to a root that no longer answers.
+    async fn run(mut self, me: RootRef, mut rx: mpsc::UnboundedReceiver<RootMsg>) {
+        let sleep = tokio::time::sleep_until(tokio::time::Instant::now());
+        tokio::pin!(sleep);
+        loop {
+            if me.stop.asked.load(Ordering::Acquire) {
+                break;
             }
+            let next = self.timers.first_key_value().map(|((at, _), _)| *at);
+            if let Some(at) = next.filter(|at| *at != sleep.deadline()) {
+                sleep.as_mut().reset(at);
+            }
+            let msg = tokio::select! {
+                biased;
+                () = me.stop.notify.notified() => break,
+                () = &mut sleep, if next.is_some() => match self.timers.pop_first() {
+                    Some((_, timer)) => RootMsg::Timer(timer),
+                    None => continue,
+                },
+                msg = rx.recv() => match msg {
+                    Some(msg) => msg,
+                    None => break,
+                },
+            };
+            let handled =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.handle(&me, msg)));
+            if let Err(panic) = handled {
+                let what = crate::request::panic_text(panic.as_ref());
+                error!(rank = %self.cfg.rank, panic = %what, "the runtime's root failed: stopping the runtime, every request closed");
+                me.stop.asked.store(true, Ordering::Release);
+                break;
+            }
+        }
+        self.stop();
+        // What the mailbox still holds goes after the event queue is marked stopping: an
+        // `Open`'s estate closes its request, a consignment gives its blocks back.
+        rx.close();
+        while rx.try_recv().is_ok() {}
+    }
+
+    fn handle(&mut self, myself: &RootRef, msg: RootMsg) {
+        let input = match msg {
+            RootMsg::Open { estate, kind } => return self.open(myself, estate, kind),
             RootMsg::HandOver { id, blocks, aux } => {
-                state.hand_over(&myself, id, blocks, aux);
-                return Ok(());
+                return self.hand_over(myself, id, blocks, aux)
             }
             RootMsg::Local { id, what } => Input::Local { id, what },
             RootMsg::Inbound { from, id, msg } => {
@@ -233,7 +303,7 @@ impl Actor for RootActor {
             RootMsg::Ended { id, state } => Input::Ended { id, state },
             RootMsg::PeerLost { peer } => {
                 debug!(%peer, "peer lost");
-                state.shared.metrics.peer_lost();
+                self.shared.metrics.peer_lost();
                 Input::PeerLost { peer }
             }
             RootMsg::PeerReplaced { peer } => {
@@ -243,38 +313,34 @@ impl Actor for RootActor {
             RootMsg::Timer(timer) => Input::Timer(timer),
             RootMsg::WriterGone { id, peer, exited } => Input::WriterGone { id, peer, exited },
             RootMsg::InjectPanic { id } => {
-                if let Some(actor) = state.entries.get(&id).and_then(|e| e.actor.as_ref()) {
+                if let Some(actor) = self.entries.get(&id).and_then(|e| e.actor.as_ref()) {
                     actor.cast(RequestMsg::Panic);
                 }
-                return Ok(());
+                return;
             }
             RootMsg::ChildGone { id, serial, why } => {
-                state.child_gone(&myself, id, serial, why);
-                return Ok(());
+                return self.child_gone(myself, id, serial, why)
             }
+            RootMsg::InjectRootPanic => panic!("{INJECTED_ROOT_PANIC}"),
         };
-        state.feed(&myself, input);
-        Ok(())
+        self.feed(myself, input);
     }
 
-    async fn post_stop(
-        &self,
-        _myself: ActorRef<RootMsg>,
-        state: &mut RootState,
-    ) -> Result<(), ActorProcessingErr> {
-        state.shared.events.stop();
-        state.link.detach();
+    /// The runtime stops: every request it knows is closed and its blocks given back.
+    fn stop(&mut self) {
+        self.shared.events.stop();
+        self.link.detach();
         // In request-id order, so a simulated shutdown replays the same way.
-        for id in state.router.live() {
-            state.link.request_ended(id);
+        for id in self.router.live() {
+            self.link.request_ended(id);
         }
         // Every request the router still knows (live ones and orphans), in id order: its
         // actor stops, and the root takes its estate to close it. Requests that ended but
         // still held blocks (a fence, an orphan) give them back too: the runtime is going
         // away, and nothing it started can land after this. Requests whose `Open` is still
         // in the mailbox are closed when it is dropped.
-        for (_, mut entry) in std::mem::take(&mut state.entries) {
-            entry.unquarantine(&state.shared.metrics, state.cfg.role);
+        for (_, mut entry) in std::mem::take(&mut self.entries) {
+            entry.unquarantine(&self.shared.metrics, self.cfg.role);
             if let Some(actor) = entry.actor {
                 actor.stop();
             }
@@ -282,20 +348,20 @@ impl Actor for RootActor {
                 estate.close(ReleaseReason::Shutdown);
             }
         }
-        info!(rank = %state.cfg.rank, "runtime stopped");
-        Ok(())
+        self.timers.clear();
+        info!(rank = %self.cfg.rank, "runtime stopped");
     }
 }
 
 impl RootState {
     /// Feeds the router one input and performs what it decides.
-    fn feed(&mut self, myself: &ActorRef<RootMsg>, input: Input) {
+    fn feed(&mut self, myself: &RootRef, input: Input) {
         for action in self.router.handle(now(), input) {
             self.perform(myself, action);
         }
     }
 
-    fn open(&mut self, myself: &ActorRef<RootMsg>, estate: Estate, kind: OpenKind) {
+    fn open(&mut self, myself: &RootRef, estate: Estate, kind: OpenKind) {
         let id = estate.id().clone();
         let mut estate = Some(estate);
         for action in self.router.handle(now(), Input::Open { id }) {
@@ -332,7 +398,7 @@ impl RootState {
 
     fn spawn(
         &mut self,
-        myself: &ActorRef<RootMsg>,
+        myself: &RootRef,
         estate: Estate,
         kind: Kind,
         backlog: Vec<MachineEvent>,
@@ -374,13 +440,7 @@ impl RootState {
     /// The engine handed a request's blocks over: the router says whether it is live (and
     /// counts it for admission); the blocks travel to its actor in their consignment, and
     /// go back to the engine if they cannot reach it.
-    fn hand_over(
-        &mut self,
-        myself: &ActorRef<RootMsg>,
-        id: RequestId,
-        blocks: Consignment,
-        aux: Vec<u8>,
-    ) {
+    fn hand_over(&mut self, myself: &RootRef, id: RequestId, blocks: Consignment, aux: Vec<u8>) {
         let what = Local::HandedOver {
             blocks: blocks.blocks().to_vec(),
             aux,
@@ -410,7 +470,7 @@ impl RootState {
         entry.deed.with(f)
     }
 
-    fn perform(&mut self, myself: &ActorRef<RootMsg>, action: Action) {
+    fn perform(&mut self, myself: &RootRef, action: Action) {
         match action {
             Action::Deliver { id, event } => {
                 if let Some(actor) = self.entries.get(&id).and_then(|e| e.actor.as_ref()) {
@@ -429,7 +489,9 @@ impl RootState {
                 }
             }
             Action::After { delay, timer } => {
-                myself.send_after(delay, move || RootMsg::Timer(timer));
+                self.armed += 1;
+                let at = tokio::time::Instant::now() + delay;
+                self.timers.insert((at, self.armed), timer);
             }
             Action::Revoke { id } => self.link.request_ended(&id),
             Action::Fail { id, reason, hold } => {
@@ -506,13 +568,7 @@ impl RootState {
     /// An orphan's fence bound passed with writers unconfirmed: watch each one's process
     /// where the link can (its exit is reported to the router), and let the router know at
     /// once of each it cannot watch (its blocks then go at the bound, as a live request's).
-    fn quarantine(
-        &mut self,
-        myself: &ActorRef<RootMsg>,
-        id: RequestId,
-        peers: Vec<Peer>,
-        replaced: &[Peer],
-    ) {
+    fn quarantine(&mut self, myself: &RootRef, id: RequestId, peers: Vec<Peer>, replaced: &[Peer]) {
         if !self.entries.contains_key(&id) {
             return; // (the router forgets an orphan only with its entry)
         }
@@ -549,7 +605,7 @@ impl RootState {
     /// link cannot watch them.
     fn watch(
         &self,
-        myself: &ActorRef<RootMsg>,
+        myself: &RootRef,
         id: &RequestId,
         peer: &Peer,
         replaced: bool,
@@ -593,7 +649,7 @@ impl RootState {
     }
 
     /// A request actor died: the router decides what its request leaves behind.
-    fn child_gone(&mut self, myself: &ActorRef<RootMsg>, id: RequestId, serial: u64, why: String) {
+    fn child_gone(&mut self, myself: &RootRef, id: RequestId, serial: u64, why: String) {
         let Some(entry) = self.entries.get_mut(&id) else {
             return;
         };
@@ -709,13 +765,14 @@ impl RuntimeBuilder {
             metrics,
             ids: Mutex::default(),
         });
-        let args = RootArgs {
-            cfg: cfg.clone(),
-            shared: shared.clone(),
+        let (tx, rx) = mpsc::unbounded_channel();
+        let root = RootRef {
+            tx,
+            stop: Arc::default(),
         };
-        let (root, join) = Actor::spawn(None, RootActor, args)
-            .await
-            .map_err(|e| Error::Spawn(e.to_string()))?;
+        let state = RootState::start(cfg.clone(), shared.clone(), &root)?;
+        let span = tracing::info_span!("root", role = %cfg.role, rank = %cfg.rank);
+        let join = tokio::spawn(state.run(root.clone(), rx).instrument(span));
         Ok(Runtime {
             root,
             shared,
@@ -732,7 +789,7 @@ impl RuntimeBuilder {
 /// [`ReceiverHandle::poll`], awaited through `completion()`, or collected once per engine
 /// step with [`Runtime::drain_events`].
 pub struct Runtime {
-    root: ActorRef<RootMsg>,
+    root: RootRef,
     shared: Arc<Shared>,
     cfg: RuntimeConfig,
     join: Mutex<Option<tokio::task::JoinHandle<()>>>,
@@ -785,8 +842,7 @@ impl Runtime {
 
     /// Makes the request's estate and sends it to the root; the handles get its view.
     fn open(&self, id: RequestId, kind: OpenKind) -> Result<Handle, Error> {
-        use ractor::ActorStatus::{Draining, Stopped, Stopping};
-        if matches!(self.root.get_status(), Stopping | Stopped | Draining) {
+        if self.root.stopping() {
             return Err(Error::Stopped);
         }
         let (estate, view) = {
@@ -871,12 +927,19 @@ impl Runtime {
         let _ = self.root.cast(RootMsg::InjectPanic { id: id.clone() });
     }
 
+    /// Fault injection (tests): makes the runtime's root panic, as a bug in it would. The
+    /// runtime must stop as [`shutdown`](Self::shutdown) stops it (every live request fails,
+    /// every block it held comes back, later calls get [`Error::Stopped`]), not hang.
+    pub fn inject_root_panic(&self) {
+        let _ = self.root.cast(RootMsg::InjectRootPanic);
+    }
+
     /// Stops the runtime: every live request fails with `Internal("runtime stopped")`, its
     /// blocks are released, and the runtime leaves its transport.
     pub async fn shutdown(&self) {
-        // The root's `post_stop` marks the event queue stopping, before the mailbox (and any
+        // The root marks the event queue stopping before the rest of its mailbox (and any
         // consignment in it) is dropped.
-        self.root.stop(Some("shutdown".into()));
+        self.root.stop();
         let join = self.join.lock().unwrap_or_else(|e| e.into_inner()).take();
         // The root closed every request it knew; those whose `Open` it never handled were
         // closed when their message was dropped.
@@ -901,7 +964,7 @@ struct Handle {
     id: RequestId,
     view: watch::Receiver<View>,
     handed: Arc<AtomicBool>,
-    root: ActorRef<RootMsg>,
+    root: RootRef,
     region: Arc<Region>,
     role: Role,
     shared: Arc<Shared>,

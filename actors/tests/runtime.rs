@@ -595,6 +595,45 @@ async fn a_stopped_runtime_fails_its_requests_and_its_peers_notice() {
     );
 }
 
+/// A bug in the root (a panic in its handler) stops the runtime as `shutdown` would: every
+/// request it knew ends and gives its blocks back, blocks handed over behind the panic come
+/// back too, later calls are refused by name, and `shutdown` still returns. Nothing hangs on
+/// a root that no longer answers.
+#[tokio::test(start_paused = true)]
+async fn a_panicking_root_stops_the_runtime_and_gives_every_block_back() {
+    let fabric = Fabric::new();
+    let p = start(&fabric, Role::Prefill, rank("P", 0, 1), TransferMode::Pull).await;
+    let d = start(&fabric, Role::Decode, rank("D", 0, 1), TransferMode::Pull).await;
+    // Hold every Ready so the first request stays in flight.
+    fabric.set_filter(|_, _, _, msg| !matches!(msg, PeerMessage::Ready { .. }));
+    let s = p.sender("held").unwrap();
+    let r = d.receiver("held", spec("P", Some(blocks(20..22)))).unwrap();
+    s.send(blocks(0..2)).unwrap();
+    settle().await;
+    assert_eq!(s.poll(), State::Transferring);
+    let late = p.sender("late").unwrap();
+    p.inject_root_panic();
+    // Queued behind the panic: these blocks reach no owner and must come back on their own.
+    let _ = late.send(blocks(4..6));
+    for handle in [&s, &late] {
+        let end = handle.completion().await;
+        assert!(
+            matches!(end, State::Failed(FailureReason::Internal { .. })),
+            "{end}"
+        );
+    }
+    let mut po = Outcomes::default();
+    po.absorb(p.drain_events());
+    assert_eq!(po.released("held"), blocks(0..2));
+    assert_eq!(po.released("late"), blocks(4..6));
+    assert!(matches!(p.sender("after"), Err(Error::Stopped)));
+    p.shutdown().await;
+    // Decode's side is told or times out; it never hangs on the stopped prefill.
+    fabric.clear_filter();
+    let end = r.completion().await;
+    assert!(end.is_terminal() && end != State::Done, "{end}");
+}
+
 /// Bad calls from the engine are named errors, and nothing is taken from the caller.
 #[tokio::test(start_paused = true)]
 async fn bad_engine_calls_are_named_errors() {
@@ -614,7 +653,7 @@ async fn bad_engine_calls_are_named_errors() {
                 .region(region)
                 .start()
                 .await,
-            Err(Error::Spawn(_))
+            Err(Error::AlreadyAttached(_))
         ),
         "a second runtime with the same ranks must be refused"
     );

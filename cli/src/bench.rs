@@ -602,9 +602,16 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
         let floor = percentiles("loopback", "rtt", &floor, String::new());
         let woken = crate::lifecycle::loopback_rtt_across_threads(plan.latency_iters).await?;
         let woken = percentiles("loopback", "rtt-woken", &woken, String::new());
-        let measured =
-            crate::lifecycle::measure(plane, 16 << 10, plan.latency_iters, None, Some(IDLE_WINDOW))
-                .await?;
+        use crate::lifecycle::Caller;
+        let measured = crate::lifecycle::measure(
+            plane,
+            16 << 10,
+            plan.latency_iters,
+            None,
+            Some(IDLE_WINDOW),
+            Caller::Thread,
+        )
+        .await?;
         let mut lifecycle = percentiles(
             "lifecycle",
             &format!("{plane:?}").to_lowercase(),
@@ -622,9 +629,15 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
         // The same, every connection authenticated (Noise sessions), in the same run.
         let key = handoff_bootstrap::Key::new(b"handoff bench secret, 32 bytes..")
             .map_err(|e| e.to_string())?;
-        let keyed =
-            crate::lifecycle::measure(plane, 16 << 10, plan.latency_iters, Some(&key), None)
-                .await?;
+        let keyed = crate::lifecycle::measure(
+            plane,
+            16 << 10,
+            plan.latency_iters,
+            Some(&key),
+            None,
+            Caller::Thread,
+        )
+        .await?;
         let mut keyed = percentiles(
             "lifecycle+secret",
             &format!("{plane:?}").to_lowercase(),
@@ -650,6 +663,28 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
             ..woken
         });
         report.latency.push(keyed);
+        // The same requests opened and awaited from a task of the runtime: the runtime's own
+        // path, without the two wake-ups of a caller outside it.
+        let tasked = crate::lifecycle::measure(
+            plane,
+            16 << 10,
+            plan.latency_iters,
+            None,
+            None,
+            Caller::Task,
+        )
+        .await?;
+        let mut tasked = percentiles(
+            "lifecycle+task",
+            &format!("{plane:?}").to_lowercase(),
+            &tasked.samples,
+            String::new(),
+        );
+        tasked.note = format!(
+            "the same requests opened and awaited from a task of the runtime, not this thread: p50 {:.2}x; the rest of the line above is the wake-ups of a worker by the calls and of the caller by the end",
+            tasked.p50_us / lifecycle.p50_us.max(f64::MIN_POSITIVE)
+        );
+        report.latency.push(tasked);
         report.lifecycle = Some(lifecycle);
     }
     if plan.uses_cuda() {

@@ -87,15 +87,27 @@ pub struct Measured {
     pub idle_core_share: Option<f64>,
 }
 
-/// Times `iters` one-block requests (after one warm-up request); the latencies, µs, sorted.
-/// With `key`, both sides authenticate every connection with it (Noise sessions). With
-/// `idle`, then leaves both runtimes idle that long and measures what the process spends.
+/// Where [`measure`]'s requests are opened and awaited from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Caller {
+    /// A task of the runtime: the runtime's own path, as a request actor sees its peer's.
+    Task,
+    /// The calling thread, outside the runtime's workers, as an engine's thread calls: each
+    /// request also pays the wake-up of a worker by the calls and of the caller by the end.
+    Thread,
+}
+
+/// Times `iters` one-block requests (after one warm-up request), opened and awaited from
+/// `caller`; the latencies, µs, sorted. With `key`, both sides authenticate every
+/// connection with it (Noise sessions). With `idle`, then leaves both runtimes idle that
+/// long and measures what the process spends.
 pub async fn measure(
     plane: Plane,
     block_bytes: usize,
     iters: usize,
     key: Option<&Key>,
     idle: Option<Duration>,
+    caller: Caller,
 ) -> Result<Measured, String> {
     let dir = Arc::new(StaticDirectory::new());
     let p = side(
@@ -108,6 +120,42 @@ pub async fn measure(
     )
     .await?;
     let d = side(&dir, Role::Decode, "bench-decode", plane, block_bytes, key).await?;
+    let (p, d, samples) = match caller {
+        Caller::Thread => {
+            let samples = requests(&p, &d, iters).await;
+            (p, d, samples)
+        }
+        Caller::Task => {
+            on_runtime(async move {
+                let samples = requests(&p, &d, iters).await;
+                (p, d, samples)
+            })
+            .await?
+        }
+    };
+    let samples = samples?;
+    let mut idle_core_share = None;
+    if let Some(window) = idle {
+        // Past the planes' busy-poll windows first.
+        tokio::time::sleep(IDLE_SETTLE).await;
+        let (cpu0, t0) = (process_cpu(), Instant::now());
+        tokio::time::sleep(window).await;
+        if let (Some(a), Some(b)) = (cpu0, process_cpu()) {
+            let wall = t0.elapsed().as_secs_f64();
+            idle_core_share = Some(b.saturating_sub(a).as_secs_f64() / wall.max(f64::MIN_POSITIVE));
+        }
+    }
+    p.shutdown().await;
+    d.shutdown().await;
+    Ok(Measured {
+        samples,
+        idle_core_share,
+    })
+}
+
+/// `iters` one-block requests from prefill `p` to decode `d`, one after the other, each
+/// timed from opening both sides to decode's `Done` (after one untimed): µs, sorted.
+async fn requests(p: &Runtime, d: &Runtime, iters: usize) -> Result<Vec<f64>, String> {
     let mut samples = Vec::with_capacity(iters);
     for i in 0..=iters {
         let id = format!("lat-{i}");
@@ -135,24 +183,8 @@ pub async fn measure(
         // Keep the engines' event queues (and their admission counts) drained.
         let _ = (p.drain_events(), d.drain_events());
     }
-    let mut idle_core_share = None;
-    if let Some(window) = idle {
-        // Past the planes' busy-poll windows first.
-        tokio::time::sleep(IDLE_SETTLE).await;
-        let (cpu0, t0) = (process_cpu(), Instant::now());
-        tokio::time::sleep(window).await;
-        if let (Some(a), Some(b)) = (cpu0, process_cpu()) {
-            let wall = t0.elapsed().as_secs_f64();
-            idle_core_share = Some(b.saturating_sub(a).as_secs_f64() / wall.max(f64::MIN_POSITIVE));
-        }
-    }
-    p.shutdown().await;
-    d.shutdown().await;
     samples.sort_by(f64::total_cmp);
-    Ok(Measured {
-        samples,
-        idle_core_share,
-    })
+    Ok(samples)
 }
 
 /// How long the runtimes rest after the requests before their idle CPU is measured.
@@ -172,6 +204,17 @@ fn process_cpu() -> Option<Duration> {
         ns = ns.saturating_add(ran);
     }
     Some(Duration::from_nanos(ns))
+}
+
+/// Runs `work` on a task of the current runtime and waits for it: what the runtime's own
+/// tasks pay, without the wake-ups of a thread outside the runtime (the bench's, an
+/// engine's) that calls and awaits.
+async fn on_runtime<T: Send + 'static>(
+    work: impl std::future::Future<Output = T> + Send + 'static,
+) -> Result<T, String> {
+    tokio::spawn(work)
+        .await
+        .map_err(|e| format!("a bench task failed: {e}"))
 }
 
 /// Bytes of one loopback ping: the size of a small control frame.

@@ -5,7 +5,6 @@
 //! kept (globally and per live request), for violation reports.
 
 use std::collections::{BTreeMap, VecDeque};
-use std::fmt::Write as _;
 
 /// FNV-1a, 64 bits: tiny, fixed, and good enough to tell two traces apart.
 #[derive(Clone, Copy, Debug)]
@@ -40,6 +39,40 @@ impl Fnv64 {
     pub fn finish(&self) -> u64 {
         self.0
     }
+}
+
+/// Appends `n` in decimal, as `{n}` would: the trace's hot lines are mostly numbers, and
+/// this skips the formatting machinery (the same text, so the same hash).
+pub fn push_num(s: &mut String, n: u64) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    let mut n = n;
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    for &d in &digits[at..] {
+        s.push(char::from(d));
+    }
+}
+
+/// Appends `blocks` as `{blocks:?}` writes them (`[BlockId(3), BlockId(4)]`), without the
+/// formatting machinery.
+pub fn push_blocks(s: &mut String, blocks: &[handoff_transport::BlockId]) {
+    s.push('[');
+    for (i, b) in blocks.iter().enumerate() {
+        if i > 0 {
+            s.push_str(", ");
+        }
+        s.push_str("BlockId(");
+        push_num(s, u64::from(b.0));
+        s.push(')');
+    }
+    s.push(']');
 }
 
 /// Lines kept in the global tail, for reports.
@@ -81,7 +114,9 @@ impl Trace {
         what: impl FnOnce(&mut String) -> std::fmt::Result,
     ) {
         self.line.clear();
-        let _ = write!(self.line, "t={t_ms} ");
+        self.line.push_str("t=");
+        push_num(&mut self.line, t_ms);
+        self.line.push(' ');
         let _ = what(&mut self.line);
         self.hash.str(&self.line);
         self.lines += 1;
@@ -145,6 +180,7 @@ impl Trace {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fmt::Write as _;
 
     #[test]
     fn fnv_matches_the_reference_vectors() {
@@ -165,6 +201,25 @@ mod tests {
         assert_ne!(a.hash(), b.hash());
         assert_eq!(a.request_lines(0).len(), 2);
         assert!(b.request_lines(0).is_empty());
+    }
+
+    #[test]
+    fn fast_text_matches_the_formatter() {
+        use handoff_transport::BlockId;
+        for n in [0u64, 7, 10, 99, 12_345, u64::from(u32::MAX), u64::MAX] {
+            let mut s = String::new();
+            push_num(&mut s, n);
+            assert_eq!(s, format!("{n}"));
+        }
+        for blocks in [
+            vec![],
+            vec![BlockId(0)],
+            vec![BlockId(3), BlockId(40), BlockId(u32::MAX)],
+        ] {
+            let mut s = String::new();
+            push_blocks(&mut s, &blocks);
+            assert_eq!(s, format!("{blocks:?}"));
+        }
     }
 
     #[test]

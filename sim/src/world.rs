@@ -26,7 +26,7 @@ use crate::report::{
     Invariant, Outcomes, Percentiles, RankOutcome, Report, RequestOutcome, Violation,
 };
 use crate::rng::{Rng, PPM};
-use crate::trace::{Fnv64, Trace};
+use crate::trace::{push_blocks, push_num, Fnv64, Trace};
 use crate::SimError;
 use handoff_transport::tp::{HeadGeometry, HeadOrder};
 use handoff_transport::KvHeads;
@@ -348,6 +348,14 @@ fn expected_checksum(shape: &Shape, req: u64, rank: &RankInfo, blocks: usize) ->
 
 fn state_text(s: &State) -> String {
     s.to_string()
+}
+
+/// Writes a worker and its incarnation as the trace names them (`w3.1`).
+fn who(s: &mut String, w: usize, inc: u32) {
+    s.push('w');
+    push_num(s, w as u64);
+    s.push('.');
+    push_num(s, u64::from(inc));
 }
 
 impl World {
@@ -957,11 +965,16 @@ impl World {
             });
         }
         self.trace.record(now, Some(req), |s| {
-            write!(s, "w{w}.{inc} opens r{req} as {role}")?;
-            match &blocks {
-                Some(b) => write!(s, " with blocks {b:?}"),
-                None => Ok(()),
+            who(s, w, inc);
+            s.push_str(" opens r");
+            push_num(s, req);
+            s.push_str(" as ");
+            write!(s, "{role}")?;
+            if let Some(b) = &blocks {
+                s.push_str(" with blocks ");
+                push_blocks(s, b);
             }
+            Ok(())
         });
     }
 
@@ -1006,7 +1019,12 @@ impl World {
                     r.handed = blocks.clone();
                 }
                 self.trace.record(now, Some(req), |s| {
-                    write!(s, "w{w}.{inc} hands r{req} blocks {blocks:?}")
+                    who(s, w, inc);
+                    s.push_str(" hands r");
+                    push_num(s, req);
+                    s.push_str(" blocks ");
+                    push_blocks(s, &blocks);
+                    Ok(())
                 });
             }
             Err(ActorError::RequestEnded { blocks, state, .. }) => {
@@ -1091,9 +1109,14 @@ impl World {
     }
 
     fn on_state(&mut self, now: u64, req: u64, w: usize, inc: u32, state: State) {
-        let text = state_text(&state);
-        self.trace
-            .record(now, Some(req), |s| write!(s, "w{w}.{inc} r{req} {text}"));
+        self.trace.record(now, Some(req), |s| {
+            who(s, w, inc);
+            s.push_str(" r");
+            push_num(s, req);
+            s.push(' ');
+            write!(s, "{state}")
+        });
+        let text = || state_text(&state);
         let Some(r) = self.rank_mut(req, w, inc) else {
             if state == State::Bootstrapping {
                 return; // the open event of a rank recorded as it opened
@@ -1101,7 +1124,7 @@ impl World {
             return self.violate(
                 Invariant::Api,
                 Some(req),
-                format!("w{w}: state {text} for r{req}, not open there"),
+                format!("w{w}: state {} for r{req}, not open there", text()),
             );
         };
         let backwards = r.state.is_terminal() || state.phase() < r.state.phase();
@@ -1113,7 +1136,7 @@ impl World {
             return self.violate(
                 Invariant::Api,
                 Some(req),
-                format!("w{w}: r{req} moved {prev} -> {text}"),
+                format!("w{w}: r{req} moved {prev} -> {}", text()),
             );
         }
         if state.is_terminal() {
@@ -1124,7 +1147,12 @@ impl World {
 
     fn on_released(&mut self, now: u64, req: u64, w: usize, inc: u32, blocks: Vec<BlockId>) {
         self.trace.record(now, Some(req), |s| {
-            write!(s, "w{w}.{inc} r{req} released {blocks:?}")
+            who(s, w, inc);
+            s.push_str(" r");
+            push_num(s, req);
+            s.push_str(" released ");
+            push_blocks(s, &blocks);
+            Ok(())
         });
         let Some(rec) = self.reqs.get_mut(&req) else {
             return self.violate(

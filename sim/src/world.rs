@@ -1114,7 +1114,11 @@ impl World {
             s.push_str(" r");
             push_num(s, req);
             s.push(' ');
-            write!(s, "{state}")
+            if let State::Failed(_) = state {
+                return write!(s, "{state}");
+            }
+            s.push_str(state.name());
+            Ok(())
         });
         let text = || state_text(&state);
         let Some(r) = self.rank_mut(req, w, inc) else {

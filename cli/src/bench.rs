@@ -629,21 +629,9 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
         // The same, every connection authenticated (Noise sessions), in the same run.
         let key = handoff_bootstrap::Key::new(b"handoff bench secret, 32 bytes..")
             .map_err(|e| e.to_string())?;
-        let keyed = crate::lifecycle::measure(
-            plane,
-            16 << 10,
-            plan.latency_iters,
-            Some(&key),
-            None,
-            Caller::Thread,
-        )
-        .await?;
-        let mut keyed = percentiles(
-            "lifecycle+secret",
-            &format!("{plane:?}").to_lowercase(),
-            &keyed.samples,
-            String::new(),
-        );
+        let iters = plan.latency_iters;
+        let mut keyed =
+            lifecycle_row("lifecycle+secret", plane, iters, Some(&key), Caller::Thread).await?;
         keyed.note = format!(
             "the same requests with a shared secret (every connection a Noise session): p50 {:.2}x, p99 {:.2}x without",
             keyed.p50_us / lifecycle.p50_us.max(f64::MIN_POSITIVE),
@@ -665,21 +653,7 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
         report.latency.push(keyed);
         // The same requests opened and awaited from a task of the runtime: the runtime's own
         // path, without the two wake-ups of a caller outside it.
-        let tasked = crate::lifecycle::measure(
-            plane,
-            16 << 10,
-            plan.latency_iters,
-            None,
-            None,
-            Caller::Task,
-        )
-        .await?;
-        let mut tasked = percentiles(
-            "lifecycle+task",
-            &format!("{plane:?}").to_lowercase(),
-            &tasked.samples,
-            String::new(),
-        );
+        let mut tasked = lifecycle_row("lifecycle+task", plane, iters, None, Caller::Task).await?;
         tasked.note = format!(
             "the same requests opened and awaited from a task of the runtime, not this thread: p50 {:.2}x; the rest of the line above is the wake-ups of a worker by the calls and of the caller by the end",
             tasked.p50_us / lifecycle.p50_us.max(f64::MIN_POSITIVE)
@@ -1573,6 +1547,20 @@ async fn latency(t: BenchTransport, plan: &Plan) -> Result<Latency, String> {
         &micros,
         format!("one call per block, from the async API{polled}"),
     ))
+}
+
+/// A latency row `op` of one-block lifecycles on `plane` (`key`: every connection
+/// authenticated with it), opened and awaited from `caller`.
+async fn lifecycle_row(
+    op: &str,
+    plane: crate::lifecycle::Plane,
+    iters: usize,
+    key: Option<&handoff_bootstrap::Key>,
+    caller: crate::lifecycle::Caller,
+) -> Result<Latency, String> {
+    let measured = crate::lifecycle::measure(plane, 16 << 10, iters, key, None, caller).await?;
+    let plane = format!("{plane:?}").to_lowercase();
+    Ok(percentiles(op, &plane, &measured.samples, String::new()))
 }
 
 /// The percentiles row of sorted `samples` (µs).

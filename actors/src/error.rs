@@ -13,9 +13,6 @@ pub enum Error {
     /// Another runtime with the same engine and ranks is already attached to the fabric.
     #[error("a runtime for {0} is already attached to this fabric")]
     AlreadyAttached(RankInfo),
-    /// The runtime's actors could not be started.
-    #[error("could not start the runtime: {0}")]
-    Spawn(String),
     /// The runtime has stopped; nothing more can be done with it.
     #[error("the runtime has stopped")]
     Stopped,

@@ -46,7 +46,7 @@ impl Failure {
     pub(crate) fn from_error(e: &Error) -> Failure {
         let kind = match e {
             Error::Config(_) => "invalid_config",
-            Error::AlreadyAttached(_) | Error::Spawn(_) => "start_failed",
+            Error::AlreadyAttached(_) => "start_failed",
             Error::Stopped => "runtime_stopped",
             Error::DuplicateRequest(_) => "duplicate_request",
             Error::TooManyRequests { .. } => "too_many_requests",

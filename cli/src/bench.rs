@@ -655,7 +655,7 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
         // path, without the two wake-ups of a caller outside it.
         let mut tasked = lifecycle_row("lifecycle+task", plane, iters, None, Caller::Task).await?;
         tasked.note = format!(
-            "the same requests opened and awaited from a task of the runtime, not this thread: p50 {:.2}x; the rest of the line above is the wake-ups of a worker by the calls and of the caller by the end",
+            "the same requests opened and awaited from a task of the runtime, not this thread: p50 {:.2}x the lifecycle line's, whose rest is the wake-ups of a worker by the calls and of the calling thread by the end",
             tasked.p50_us / lifecycle.p50_us.max(f64::MIN_POSITIVE)
         );
         report.latency.push(tasked);

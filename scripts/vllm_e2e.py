@@ -220,8 +220,10 @@ RUNTIME_LOG = (
 )
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+#: A line's spans (the root's `root{..}`, a request's `request{..}`, with spaces inside)
+#: come before its target.
 _STAMPED = re.compile(
-    r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+)Z\s+DEBUG (?:request\{[^}]*\}: )?\S+: "
+    r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+)Z\s+DEBUG (?:\w+\{[^}]*\}: )*\S+: "
     r"(request opened|state changed) request=(\S+) role=decode(?: state=(\w+))?"
 )
 

@@ -126,7 +126,9 @@ impl RequestTask {
 pub(crate) fn spawn(args: RequestArgs, serial: u64) -> RequestTask {
     let (tx, rx) = mpsc::unbounded_channel();
     let addr = RequestRef(tx);
-    let task = tokio::spawn(run(args, addr.clone(), rx, serial));
+    // Boxed: the task then holds a pointer, not the actor's state (about 1.9 KB), which
+    // tokio would otherwise copy into the task and over again when it ends.
+    let task = tokio::spawn(Box::pin(run(args, addr.clone(), rx, serial)));
     RequestTask {
         addr,
         serial,

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use handoff_transport::{EngineId, RequestId, Role, TransferMode};
 
 use tokio::sync::mpsc;
-use tokio::task::{AbortHandle, JoinHandle};
+use tokio::task::AbortHandle;
 use tracing::{debug, warn, Instrument, Span};
 
 use crate::estate::{Consignment, Deed, Estate};
@@ -126,8 +126,8 @@ impl RequestTask {
 pub(crate) fn spawn(args: RequestArgs, serial: u64) -> RequestTask {
     let (tx, rx) = mpsc::unbounded_channel();
     let addr = RequestRef(tx);
-    // Boxed: the task then holds a pointer, not the actor's state (about 1.9 KB), which
-    // tokio would otherwise copy into the task and over again when it ends.
+    // Boxed: the task then holds a pointer, not the actor's whole state, so tokio's moves
+    // of the task's stage (at spawn and at the end) copy 8 bytes, not kilobytes.
     let task = tokio::spawn(Box::pin(run(args, addr.clone(), rx, serial)));
     RequestTask {
         addr,
@@ -170,18 +170,24 @@ async fn run(
             }
         }
         let timed = state.timer.is_some();
-        let transfers = &mut state.transfers;
+        let waits = &mut state.waits;
         // The machine's deadline before a transfer's answer due at the same instant: a
         // plane answers a transfer past its deadline at that deadline, and the request
         // fails for the deadline, not for the plane's answer.
         let msg = tokio::select! {
             biased;
-            msg = rx.recv() => msg,
-            () = &mut sleep, if timed => Some(RequestMsg::Timeout),
-            answer = next_answer(transfers), if !transfers.is_empty() => Some(answer),
+            msg = rx.recv() => match msg {
+                Some(msg) => msg,
+                // Every sender gone: the root forgot the request and nothing reports to it.
+                None => return,
+            },
+            () = &mut sleep, if timed => RequestMsg::Timeout,
+            answer = next_answer(waits), if !waits.is_empty() => match answer {
+                Some(msg) => msg,
+                // A wait that ended with nothing to say (a lookup past its deadline).
+                None => continue,
+            },
         };
-        // Every sender gone: the root forgot the request and nothing reports to it.
-        let Some(msg) = msg else { return };
         let handled =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| state.handle(&myself, msg)));
         if let Err(panic) = handled {
@@ -190,27 +196,31 @@ async fn run(
     }
 }
 
-/// A transfer in flight, as the actor polls it: its answer, as the machine's event.
-type Transfer = std::pin::Pin<Box<dyn std::future::Future<Output = MachineEvent> + Send>>;
+/// Something the actor waits for beside its mailbox and deadline (a transfer, a lost
+/// writer's exit, the bootstrap lookup), polled by its own loop: the machine's event it
+/// ends as, or nothing (a lookup that gave up at its deadline).
+type Wait = std::pin::Pin<Box<dyn std::future::Future<Output = Option<MachineEvent>> + Send>>;
 
-/// The first transfer to answer, removed from `transfers`, as a message; a transfer that
-/// panics (a bug in a plane) is reported as the actor's own panic.
-async fn next_answer(transfers: &mut Vec<Transfer>) -> RequestMsg {
+/// The first wait to end, removed from `waits`: its event as a message (`None`: it ended
+/// with nothing to say); a wait that panics (a bug in a plane or a directory) is reported
+/// as the actor's own panic.
+async fn next_answer(waits: &mut Vec<Wait>) -> Option<RequestMsg> {
     std::future::poll_fn(|cx| {
-        for i in 0..transfers.len() {
+        let mut i = 0;
+        while i < waits.len() {
             let polled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                transfers[i].as_mut().poll(cx)
+                waits[i].as_mut().poll(cx)
             }));
             match polled {
-                Ok(std::task::Poll::Pending) => {}
+                Ok(std::task::Poll::Pending) => i += 1,
                 Ok(std::task::Poll::Ready(event)) => {
-                    drop(transfers.swap_remove(i));
-                    return std::task::Poll::Ready(RequestMsg::Event(event));
+                    drop(waits.swap_remove(i));
+                    return std::task::Poll::Ready(event.map(RequestMsg::Event));
                 }
                 Err(panic) => {
-                    drop(transfers.swap_remove(i));
+                    drop(waits.swap_remove(i));
                     let text = panic_payload(panic.as_ref());
-                    return std::task::Poll::Ready(RequestMsg::PlanePanicked(text));
+                    return std::task::Poll::Ready(Some(RequestMsg::PlanePanicked(text)));
                 }
             }
         }
@@ -249,10 +259,10 @@ pub(crate) struct RequestState {
     machine: Machine,
     /// The machine's next deadline, which the actor's loop waits for beside its mailbox.
     timer: Option<Instant>,
-    /// The bootstrap lookup's task, when the directory could not answer at once.
-    resolve: Option<JoinHandle<()>>,
-    /// Transfers in flight, polled by the actor's loop; each ends as the event it reports.
-    transfers: Vec<Transfer>,
+    /// What the actor's loop waits for beside its mailbox: transfers in flight, lost
+    /// writers' exits, the bootstrap lookup when the directory could not answer at once;
+    /// each ends as the event it reports. Dropped with the actor.
+    waits: Vec<Wait>,
     ended: bool,
     /// Decode: the prefill engine (and dp rank) this request receives from.
     prefill: Option<(EngineId, Option<u32>)>,
@@ -272,9 +282,6 @@ fn now() -> Instant {
 impl Drop for RequestState {
     /// Stopped, failed or done: nothing it started outlives it.
     fn drop(&mut self) {
-        if let Some(task) = self.resolve.take() {
-            task.abort();
-        }
         self.unquarantine();
     }
 }
@@ -311,8 +318,7 @@ impl RequestState {
             root: args.root,
             machine,
             timer: None,
-            resolve: None,
-            transfers: Vec::new(),
+            waits: Vec::new(),
             ended: false,
             prefill: None,
             metrics: args.metrics,
@@ -355,15 +361,14 @@ impl RequestState {
             };
             if let Some(pending) = first {
                 let deadline = t + args.timeouts.bootstrap;
-                let resolve = spawn_resolve(
-                    myself,
+                let lookup = resolve(
                     &state.link,
                     (prefill, prefill_dp_rank),
                     (pending, watch),
                     deadline,
                     state.span.clone(),
                 );
-                state.resolve = Some(resolve);
+                state.waits.push(lookup);
             }
         }
         for event in args.backlog {
@@ -643,9 +648,12 @@ impl RequestState {
         let Some(exit) = self.link.writer_exit(&peer, replaced) else {
             return false;
         };
-        self.transfers.push(Box::pin(async move {
+        self.waits.push(Box::pin(async move {
             exit.await;
-            MachineEvent::Receiver(ReceiverEvent::WriterGone { peer, exited: true })
+            Some(MachineEvent::Receiver(ReceiverEvent::WriterGone {
+                peer,
+                exited: true,
+            }))
         }));
         true
     }
@@ -690,7 +698,7 @@ impl RequestState {
         let id = self.id.clone();
         let until = tokio::time::Instant::from_std(deadline) + PLANE_ANSWER_GRACE;
         let (metrics, transport) = (self.metrics.clone(), self.link.transport());
-        self.transfers.push(Box::pin(async move {
+        self.waits.push(Box::pin(async move {
             let posted = tokio::time::Instant::now();
             let result = match tokio::time::timeout_at(until, fut).await {
                 Ok(r) => r,
@@ -704,7 +712,7 @@ impl RequestState {
             let took = posted.elapsed();
             metrics.transfer(transport, op, blocks, took, result.is_ok());
             debug!(op, blocks, ?took, ok = result.is_ok(), "transfer answered");
-            report(result)
+            Some(report(result))
         }.instrument(self.span.clone())));
     }
 
@@ -746,73 +754,59 @@ enum Started {
 }
 
 /// Asks the bootstrap for the prefill ranks until it answers, fails for good, or the
-/// bootstrap deadline passes (then the machine's own deadline fails the request), starting
-/// from where the first try got. With `watch` (a push over a one-sided plane), the answer
-/// waits for the link to say which of them it could not watch (`Link::unwatched`).
-fn spawn_resolve(
-    myself: &RequestRef,
+/// bootstrap deadline passes (then it ends with nothing, and the machine's own deadline
+/// fails the request), starting from where the first try got: a wait of the actor's loop.
+/// With `watch` (a push over a one-sided plane), the answer waits for the link to say which
+/// of them it could not watch (`Link::unwatched`).
+fn resolve(
     link: &Arc<dyn Link>,
     (prefill, dp_rank): (EngineId, Option<u32>),
     (first, watch): (Started, bool),
     deadline: Instant,
     span: Span,
-) -> JoinHandle<()> {
-    let me = myself.clone();
+) -> Wait {
     let link = link.clone();
     let deadline = tokio::time::Instant::from_std(deadline);
-    tokio::spawn(
-        async move {
-            let send = |event| {
-                let _ = me.cast(RequestMsg::Event(MachineEvent::Receiver(event)));
-            };
-            let mut backoff = RESOLVE_BACKOFF_MIN;
-            let mut first = match first {
-                Started::Checking(peers, check) => {
-                    if let Ok(unwatched) = tokio::time::timeout_at(deadline, check).await {
-                        send(ReceiverEvent::PeersResolved { peers, unwatched });
-                    }
-                    return;
+    let lookup = async move {
+        let mut backoff = RESOLVE_BACKOFF_MIN;
+        let mut first = match first {
+            Started::Checking(peers, check) => {
+                let unwatched = tokio::time::timeout_at(deadline, check).await.ok()?;
+                return Some(ReceiverEvent::PeersResolved { peers, unwatched });
+            }
+            Started::Looking(lookup) => Some(lookup),
+            Started::Again => {
+                if tokio::time::Instant::now() + backoff >= deadline {
+                    return None;
                 }
-                Started::Looking(lookup) => Some(lookup),
-                Started::Again => {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(RESOLVE_BACKOFF_MAX);
+                None
+            }
+        };
+        loop {
+            let lookup = first
+                .take()
+                .unwrap_or_else(|| link.resolve(&prefill, dp_rank));
+            match tokio::time::timeout_at(deadline, lookup).await.ok()? {
+                Ok(peers) => {
+                    let check = unwatched(&link, &peers, watch);
+                    let unwatched = tokio::time::timeout_at(deadline, check).await.ok()?;
+                    return Some(ReceiverEvent::PeersResolved { peers, unwatched });
+                }
+                Err(ResolveError::Fatal(reason)) => {
+                    return Some(ReceiverEvent::BootstrapFailed { reason })
+                }
+                Err(ResolveError::NotReady { detail }) => {
+                    debug!(%prefill, %detail, "bootstrap not ready; asking again");
                     if tokio::time::Instant::now() + backoff >= deadline {
-                        return;
+                        return None;
                     }
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(RESOLVE_BACKOFF_MAX);
-                    None
                 }
-            };
-            loop {
-                let lookup = first
-                    .take()
-                    .unwrap_or_else(|| link.resolve(&prefill, dp_rank));
-                let event = match tokio::time::timeout_at(deadline, lookup).await {
-                    Err(_) => return,
-                    Ok(Ok(peers)) => {
-                        let check = unwatched(&link, &peers, watch);
-                        let Ok(unwatched) = tokio::time::timeout_at(deadline, check).await else {
-                            return;
-                        };
-                        ReceiverEvent::PeersResolved { peers, unwatched }
-                    }
-                    Ok(Err(ResolveError::Fatal(reason))) => {
-                        ReceiverEvent::BootstrapFailed { reason }
-                    }
-                    Ok(Err(ResolveError::NotReady { detail })) => {
-                        debug!(%prefill, %detail, "bootstrap not ready; asking again");
-                        if tokio::time::Instant::now() + backoff >= deadline {
-                            return;
-                        }
-                        tokio::time::sleep(backoff).await;
-                        backoff = (backoff * 2).min(RESOLVE_BACKOFF_MAX);
-                        continue;
-                    }
-                };
-                send(event);
-                return;
             }
         }
-        .instrument(span),
-    )
+    };
+    Box::pin(async move { lookup.await.map(MachineEvent::Receiver) }.instrument(span))
 }

@@ -909,6 +909,18 @@ impl Region {
         Ok(self.host_at(seg.addr).cast_const())
     }
 
+    /// Where one segment of this host region starts, for the kernel to write into (a
+    /// socket's receive): no Rust reference to the bytes is made. `seg` must come from this
+    /// region's [`Region::segments_into`] or [`Region::logical_segments_into`], and the
+    /// caller must hold the right to write its block meanwhile (a server: the peer's grant).
+    ///
+    /// # Errors
+    /// [`RegionError::NotHostMemory`].
+    pub fn host_segment_dst(&self, seg: &Segment) -> Result<*mut u8, RegionError> {
+        self.check_host("direct CPU access")?;
+        Ok(self.host_at(seg.addr))
+    }
+
     /// The host bytes of one segment of this region, to write (e.g. straight from a
     /// socket).
     ///

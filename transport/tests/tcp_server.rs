@@ -1120,3 +1120,82 @@ async fn busy_polling_client_and_server_move_the_same_bytes() {
         checksum(&local, &ids(0..BLOCKS))
     );
 }
+
+/// A write lands straight in the blocks, a receive at a time, each under the grant: when
+/// the grant ends half-way (the request ended on decode, whose engine is about to reuse the
+/// blocks), the half already received stays, not one byte after the revocation lands, the
+/// rest is read and dropped, the write is refused `NotGranted`, and the connection and the
+/// server go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_whose_grant_ends_half_way_lands_nothing_after_and_is_refused() {
+    let table = Arc::new(handoff_transport::data::GrantTable::default());
+    let (server, remote) = server(table.clone(), None, ServerConfig::default()).await;
+    let id = RequestId::new("ends");
+    table.grant(&RankInfo::single("raw"), &id, Access::Write, &ids(0..2));
+    let (mut s, _) = raw_hello(&server).await;
+    let mut meta = Vec::new();
+    let segment = Segment {
+        offset: 0,
+        len: 2 * BLOCK_BYTES as u32,
+    };
+    frame::encode_op(&id, [segment].into_iter(), &mut meta);
+    let head = Header {
+        op: Op::Write,
+        flags: 0,
+        seq: 7,
+        meta_len: meta.len() as u32,
+        data_len: segment.len,
+    };
+    s.write_all(&head.encode()).await.unwrap();
+    s.write_all(&meta).await.unwrap();
+    let first = vec![0xabu8; BLOCK_BYTES];
+    s.write_all(&first).await.unwrap();
+    // The first half lands while the grant holds (waited for, under the step's deadline).
+    let until = deadline();
+    while remote.read_block(BlockId(0)).unwrap() != first {
+        assert!(Instant::now() < until, "the first half never landed");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    table.revoke(&id);
+    s.write_all(&vec![0xcdu8; BLOCK_BYTES]).await.unwrap();
+    let (answer, refusal) = read_frame(&mut s).await.expect("an answer to the write");
+    assert_eq!((answer.op, answer.seq), (Op::Error, 7));
+    assert_eq!(
+        frame::decode_error(&refusal).unwrap().0,
+        RefusalCode::NotGranted.to_wire()
+    );
+    assert_eq!(remote.read_block(BlockId(0)).unwrap(), first);
+    assert_eq!(
+        remote.read_block(BlockId(1)).unwrap(),
+        vec![0u8; BLOCK_BYTES],
+        "a byte landed after the grant ended"
+    );
+    assert_eq!((server.stats().writes, server.stats().refused), (0, 1));
+    // The same connection stays in step: its next write, granted, lands whole.
+    let again = RequestId::new("again");
+    table.grant(&RankInfo::single("raw"), &again, Access::Write, &ids(4..5));
+    let segment = Segment {
+        offset: 4 * BLOCK_BYTES as u64,
+        len: BLOCK_BYTES as u32,
+    };
+    frame::encode_op(&again, [segment].into_iter(), &mut meta);
+    let head = Header {
+        seq: 8,
+        meta_len: meta.len() as u32,
+        data_len: segment.len,
+        ..head
+    };
+    s.write_all(&head.encode()).await.unwrap();
+    s.write_all(&meta).await.unwrap();
+    s.write_all(&first).await.unwrap();
+    let (answer, _) = read_frame(&mut s).await.expect("an answer to the write");
+    assert_eq!((answer.op, answer.seq), (Op::WriteOk, 8));
+    assert_eq!(remote.read_block(BlockId(4)).unwrap(), first);
+    table.grant(
+        &RankInfo::single("prefill"),
+        &RequestId::new("ok"),
+        Access::Write,
+        &ids(20..22),
+    );
+    still_serves(&server, &remote).await;
+}

@@ -72,11 +72,12 @@ impl fmt::Display for Access {
 
 /// The runtime's record of which peer may touch which blocks, for which request.
 ///
-/// Called by a data server for every operation a peer asks for, after the operation's data
-/// has been staged (so a slow peer cannot hold a grant) and its blocks checked against the
-/// region. The implementation checks that `peer` was granted `access` to every block of
-/// `blocks` (a subset of the request's grant) for `request`; if so it calls `f` exactly
-/// once, which copies the bytes, and returns `Ok`. The runtime revokes a grant (when the
+/// Called by a data server for every operation a peer asks for, once its blocks were
+/// checked against the region, and again around each piece of its bytes that moves (the
+/// TCP server: each receive of a write's bytes straight into the blocks, never a wait for
+/// them, so a slow peer cannot hold a grant). The implementation checks that `peer` was
+/// granted `access` to every block of `blocks` (a subset of the request's grant) for
+/// `request`; if so it calls `f` exactly once, which moves the bytes, and returns `Ok`. The runtime revokes a grant (when the
 /// request ends) under the same lock, so no copy into a revoked block can be in flight.
 /// `Err(reason)` refuses the operation: the reason goes back to the peer, and the
 /// connection and the server go on.

@@ -3,7 +3,7 @@
 //!
 //! Pure functions over offsets: the transports check the blocks against their regions
 //! (ours and the peer's) before calling [`sliced_pieces`], and [`split`] is what bounds the bytes
-//! staged by a server and the segments one frame lists.
+//! and the segments one frame carries.
 
 use std::ops::Range;
 

@@ -121,6 +121,29 @@ impl RawSlice {
     }
 }
 
+/// Receives what `r`'s socket holds now into `dst` (slices of a region, by address, filled
+/// in order), at most their total and without waiting: the bytes received (0: the peer
+/// closed the connection), or `WouldBlock` (readiness cleared, so `readable` waits again).
+///
+/// # Safety
+/// Every slice of `dst` must be mapped, writable memory that no Rust reference covers and
+/// that the caller may write now (a server: the peer's grant held around this call).
+pub(super) unsafe fn try_recv_raw(r: &OwnedReadHalf, dst: &[RawSlice]) -> io::Result<usize> {
+    let stream: &tokio::net::TcpStream = r.as_ref();
+    let fd = std::os::fd::AsRawFd::as_raw_fd(stream);
+    let n = dst.len().min(IOV_PER_WRITE_MAX);
+    stream.try_io(tokio::io::Interest::READABLE, || {
+        // SAFETY: `dst[..n]` are `RawSlice`s (`repr(transparent)` iovecs) over memory the
+        // caller may write (this function's contract); the kernel writes at most their total.
+        let got = unsafe { libc::readv(fd, dst.as_ptr().cast(), n as libc::c_int) };
+        if got < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(got as usize)
+        }
+    })
+}
+
 /// Writes one frame as [`write_frame`] does, its data given by address ([`RawSlice`]).
 ///
 /// # Safety

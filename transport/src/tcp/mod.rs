@@ -10,9 +10,10 @@
 //!
 //! What a server guarantees, whatever a peer sends: every header is checked before its
 //! metadata or data is read; nothing is allocated past the checked maxima; a write's bytes
-//! are staged in a per-connection buffer of at most [`OP_BYTES_MAX`] before the grant is
-//! taken, so a slow peer cannot hold one, and land in the blocks only while the grant is
-//! held; a read's bytes go from host blocks straight into the socket (one copy fewer),
+//! go from the socket straight into the blocks (no staging copy), each receive taking
+//! what the socket holds, without waiting, while the grant of the blocks it fills is held,
+//! so a slow peer holds no grant and no byte lands once the grant ended (the rest of that
+//! write is read and dropped, and the write refused); a read's bytes go from host blocks straight into the socket (one copy fewer),
 //! with the grant checked before the first byte and again, the same grant, after the last,
 //! and only then confirmed (`ReadOk`): a read of blocks whose grant ended meanwhile is
 //! refused, never taken for good; every range is checked against the region and
@@ -38,9 +39,8 @@ use std::time::Duration;
 pub use client::DataClient;
 pub use server::{DataServer, ServerConfig, ServerStats};
 
-/// Most bytes one operation carries, and so the size of a server connection's staging
-/// buffer. 4 MiB makes the per-operation costs (a header, a grant call, an answer: ~10 µs)
-/// under 1% at 4 GB/s, while [`SERVER_CONNECTIONS_MAX`] connections stage at most 1 GiB.
+/// Most bytes one operation carries. 4 MiB makes the per-operation costs (a header, a
+/// grant call, an answer: ~10 µs) under 1% at 4 GB/s.
 pub const OP_BYTES_MAX: usize = 4 << 20;
 
 /// Block-slice pairs one pipelined plan holds at most (a pair is a piece or a few, of 24
@@ -62,12 +62,13 @@ pub const OPS_INFLIGHT_MAX: usize = 4;
 
 /// Connections a [`DataClient`] opens to its server at most: calls beyond this wait (within
 /// their deadline) for a connection to come free. Eight lets eight requests move at once,
-/// which fills a link; more would only multiply the server's staging buffers.
+/// which fills a link; more would only multiply connections and their socket buffers.
 pub const CLIENT_CONNECTIONS_MAX: usize = 8;
 
 /// Connections a server accepts at once by default; a further one is answered `Busy` and
-/// closed. 128 clients (peer workers) with [`CLIENT_CONNECTIONS_MAX`]/8 connections each,
-/// staging at most 512 MiB in the worst case.
+/// closed: 128 clients (peer workers) with [`CLIENT_CONNECTIONS_MAX`]/8 connections each.
+/// A connection holds no buffer of an operation's size (writes land straight in the
+/// blocks, reads go straight from them).
 pub const SERVER_CONNECTIONS_MAX: usize = 128;
 
 /// Connections from one address that have not said hello yet, at most, on a server: at

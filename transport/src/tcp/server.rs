@@ -14,7 +14,9 @@ use tokio::task::JoinSet;
 use tokio::time::timeout;
 
 use super::frame::{self, FrameError, Header, HelloOk, Op, Segment, HEADER_BYTES, NONCE_BYTES};
-use super::io::{busy_poll, io_error, read_head, session, write_frame, write_frame_raw, RawSlice};
+use super::io::{
+    busy_poll, io_error, read_head, session, try_recv_raw, write_frame, write_frame_raw, RawSlice,
+};
 use super::{
     CONNECTION_IDLE_TIMEOUT_DEFAULT, FRAME_READ_TIMEOUT_DEFAULT, OP_BYTES_MAX,
     SERVER_CONNECTIONS_MAX, SERVER_PENDING_PER_SOURCE_MAX,
@@ -28,6 +30,11 @@ use crate::types::{BlockId, RankInfo, RequestId};
 
 /// The buffer a refused operation's data is read through and dropped.
 const DISCARD_CHUNK_BYTES: usize = 16 << 10;
+
+/// Most bytes one receive of a write lands in the blocks, under their grant: bounds how
+/// long a revocation waits for a receive in flight (a copy of 1 MiB: well under a
+/// millisecond) and how many blocks each receive's grant check names.
+const RECV_CHUNK_BYTES: usize = 1 << 20;
 
 /// How long the server tries to deliver an `Error` frame to a peer it is about to drop.
 const ERROR_SEND_TIMEOUT: Duration = Duration::from_secs(1);
@@ -364,8 +371,34 @@ struct Conn<'a> {
     meta: Vec<u8>,
     segments: Vec<Segment>,
     blocks: Vec<BlockId>,
-    /// Staged write data; grows to at most [`OP_BYTES_MAX`].
-    staging: Vec<u8>,
+    /// A write's chunk being received: its pieces of the region, their addresses, and the
+    /// blocks it touches (reused buffers).
+    pieces: Vec<crate::layout::Segment>,
+    dst: Vec<RawSlice>,
+    chunk_blocks: Vec<BlockId>,
+}
+
+/// How a write's data went into its blocks.
+enum Landed {
+    /// Every byte landed.
+    All,
+    /// Stopped after `taken` bytes (its grant ended, or the region refused a range): the
+    /// rest is still in the socket, and the write is refused.
+    Stopped {
+        taken: usize,
+        code: RefusalCode,
+        why: String,
+    },
+}
+
+impl Landed {
+    fn internal(taken: usize, e: impl std::fmt::Display) -> Self {
+        Landed::Stopped {
+            taken,
+            code: RefusalCode::Internal,
+            why: format!("copy failed: {e}"),
+        }
+    }
 }
 
 /// An operation refused, the connection going on: the code and the text the peer is told.
@@ -403,7 +436,9 @@ async fn serve_connection(
         meta: Vec::new(),
         segments: Vec::new(),
         blocks: Vec::new(),
-        staging: Vec::new(),
+        pieces: Vec::new(),
+        dst: Vec::new(),
+        chunk_blocks: Vec::new(),
     };
     let end = match conn.handshake().await {
         Ok(()) => {
@@ -607,8 +642,7 @@ impl Conn<'_> {
             .ok_or_else(|| End::Error(self.protocol("operation before Hello"), None))
     }
 
-    /// Reads and drops `len` data bytes of a refused operation, through a small buffer: a
-    /// refused write never grows the staging buffer.
+    /// Reads and drops `len` data bytes of a refused operation, through a small buffer.
     async fn discard(&mut self, len: usize) -> Result<(), End> {
         let mut scratch = [0u8; DISCARD_CHUNK_BYTES];
         let mut left = len;
@@ -623,56 +657,22 @@ impl Conn<'_> {
         Ok(())
     }
 
-    /// Reads `len` data bytes (at most [`OP_BYTES_MAX`], checked on the header) into staging.
-    async fn stage(&mut self, len: usize) -> Result<(), End> {
-        debug_assert!(len <= OP_BYTES_MAX);
-        self.staging.resize(len, 0);
-        self.r
-            .read_exact(&mut self.staging[..len])
-            .await
-            .map(|_| ())
-            .map_err(|e| End::Error(io_error(&self.peer, "staging data", e), None))
-    }
-
     async fn write(&mut self, head: &Header, request: &RequestId) -> Result<(), End> {
         let rank = self.hello_rank()?;
-        // Refused before its data is staged when the grant does not hold now (checked
-        // again, held, around the copy): a peer without a grant cannot make this
-        // connection stage up to OP_BYTES_MAX.
+        let len = head.data_len as usize;
+        // Refused before one byte is taken when the grant does not hold now (and checked
+        // again, held, around every receive into the blocks).
         let grants = &self.shared.grants;
         if let Err(why) = grants.with_grant(&rank, request, Access::Write, &self.blocks, &mut || {})
         {
-            self.discard(head.data_len as usize).await?;
+            self.discard(len).await?;
             let why = why.to_string();
             return self
                 .refuse(head.seq, RefusalCode::NotGranted, Some(request), &why)
                 .await;
         }
-        self.stage(head.data_len as usize).await?;
-        let (region, segments, staging) = (&self.shared.region, &self.segments, &self.staging);
-        let mut copied = Ok(false);
-        let mut copy = || {
-            let mut pos = 0usize;
-            for seg in segments {
-                let len = seg.len as usize;
-                // The segment lies inside the region's logical space (check_op) and staging
-                // holds the segments' total (checked against the data length); the grant
-                // held around this call makes these blocks this peer's to write right now.
-                // The region maps the logical bytes onto its ranges.
-                if let Err(e) = region.write_logical(seg.offset, &staging[pos..pos + len]) {
-                    copied = Err(e);
-                    return;
-                }
-                pos += len;
-            }
-            copied = Ok(true);
-        };
-        let granted =
-            self.shared
-                .grants
-                .with_grant(&rank, request, Access::Write, &self.blocks, &mut copy);
-        match (granted, copied) {
-            (Ok(()), Ok(true)) => {
+        match self.land(&rank, request).await? {
+            Landed::All => {
                 self.shared.counters.writes.fetch_add(1, Ordering::Relaxed);
                 let header = Header {
                     op: Op::WriteOk,
@@ -685,30 +685,95 @@ impl Conn<'_> {
                     .await
                     .map_err(|e| End::Error(io_error(&self.peer, "answering a write", e), None))
             }
-            (Ok(()), Ok(false)) => {
-                self.refuse(
-                    head.seq,
-                    RefusalCode::Internal,
-                    Some(request),
-                    "grant check ran no copy",
-                )
-                .await
-            }
-            (Ok(()), Err(e)) => {
-                self.refuse(
-                    head.seq,
-                    RefusalCode::Internal,
-                    Some(request),
-                    &format!("copy failed: {e}"),
-                )
-                .await
-            }
-            (Err(why), _) => {
-                let why = why.to_string();
-                self.refuse(head.seq, RefusalCode::NotGranted, Some(request), &why)
-                    .await
+            Landed::Stopped { taken, code, why } => {
+                // The rest of the data keeps the connection in step, then the refusal.
+                self.discard(len - taken).await?;
+                self.refuse(head.seq, code, Some(request), &why).await
             }
         }
+    }
+
+    /// Receives a write's data straight from the socket into its segments' blocks: no
+    /// staging copy. Each receive takes at most [`RECV_CHUNK_BYTES`] of what the socket
+    /// holds, without waiting, while the grant of the blocks it fills is held (waiting for
+    /// the bytes holds nothing): a slow peer holds no grant, and once the grant ends no
+    /// further byte lands. A write stopped that way has landed in part, in blocks its ended
+    /// request is about to give back, and is refused.
+    async fn land(&mut self, rank: &RankInfo, request: &RequestId) -> Result<Landed, End> {
+        let shared = self.shared;
+        let region = &shared.region;
+        let block_bytes = region.block_bytes() as u64;
+        let mut taken = 0usize;
+        for i in 0..self.segments.len() {
+            let seg = self.segments[i];
+            let seg_len = seg.len as usize;
+            let mut done = 0usize;
+            while done < seg_len {
+                let at = seg.offset + done as u64;
+                let want = (seg_len - done).min(RECV_CHUNK_BYTES);
+                // Where these bytes lie (one piece per range of the region they cross), and
+                // the blocks whose grant must hold while they land.
+                self.pieces.clear();
+                if let Err(e) = region.logical_segments_into(at, want, &mut self.pieces) {
+                    return Ok(Landed::internal(taken, e));
+                }
+                self.dst.clear();
+                for piece in &self.pieces {
+                    match region.host_segment_dst(piece) {
+                        Ok(ptr) => self.dst.push(RawSlice::new(ptr.cast_const(), piece.len)),
+                        Err(e) => return Ok(Landed::internal(taken, e)),
+                    }
+                }
+                self.chunk_blocks.clear();
+                plan::touched_blocks(at, want as u64, block_bytes, &mut self.chunk_blocks);
+                self.r
+                    .readable()
+                    .await
+                    .map_err(|e| End::Error(io_error(&self.peer, "receiving data", e), None))?;
+                let (r, dst) = (&self.r, &self.dst);
+                let mut got = None;
+                let granted = shared.grants.with_grant(
+                    rank,
+                    request,
+                    Access::Write,
+                    &self.chunk_blocks,
+                    &mut || {
+                        // SAFETY: `dst` are this chunk's pieces of the region: inside its
+                        // memory (`check_op` checked the logical range, the layout mapped
+                        // it), which stays mapped as long as the server's shared state this
+                        // connection holds; no Rust reference covers them; and the grant of
+                        // their blocks is held around this call.
+                        got = Some(unsafe { try_recv_raw(r, dst) });
+                    },
+                );
+                if let Err(why) = granted {
+                    return Ok(Landed::Stopped {
+                        taken,
+                        code: RefusalCode::NotGranted,
+                        why: why.to_string(),
+                    });
+                }
+                let Some(got) = got else {
+                    return Ok(Landed::internal(taken, "grant check ran no copy"));
+                };
+                match got {
+                    Ok(0) => {
+                        let e = std::io::ErrorKind::UnexpectedEof.into();
+                        return Err(End::Error(io_error(&self.peer, "receiving data", e), None));
+                    }
+                    Ok(n) => {
+                        done += n;
+                        taken += n;
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        return Err(End::Error(io_error(&self.peer, "receiving data", e), None))
+                    }
+                }
+            }
+        }
+        Ok(Landed::All)
     }
 
     /// Sends the bytes of a read, then `ReadOk`, or `Error` for a refusal. They go straight

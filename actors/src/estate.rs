@@ -22,7 +22,9 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use handoff_transport::{BlockId, FailureReason, RequestId, Role};
-use tokio::sync::watch;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use tokio::sync::Notify;
 use tracing::{debug, error};
 
 use crate::event::{Event, EventQueue, FenceEnd, ReleaseReason};
@@ -37,6 +39,80 @@ pub(crate) struct View {
     pub(crate) aux: Vec<(Peer, Vec<u8>)>,
 }
 
+/// The owner's side of a request's published [`View`]: it alone writes it.
+pub(crate) struct ViewTx(Arc<ViewCell>);
+
+/// A handle's side of a request's published [`View`]: reads it, waits for its end.
+#[derive(Clone)]
+pub(crate) struct ViewRx(Arc<ViewCell>);
+
+/// One lock and one [`Notify`] (a watch channel wakes eight on every change, and a view
+/// changes a few times per request with rarely anyone waiting).
+struct ViewCell {
+    view: Mutex<View>,
+    changed: Notify,
+    /// The owner is gone: the view holds what it last published.
+    closed: AtomicBool,
+}
+
+impl ViewCell {
+    fn lock(&self) -> MutexGuard<'_, View> {
+        self.view.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A new view and its two sides.
+fn view(view: View) -> (ViewTx, ViewRx) {
+    let cell = Arc::new(ViewCell {
+        view: Mutex::new(view),
+        changed: Notify::new(),
+        closed: AtomicBool::new(false),
+    });
+    (ViewTx(cell.clone()), ViewRx(cell))
+}
+
+impl ViewTx {
+    fn modify(&self, f: impl FnOnce(&mut View)) {
+        f(&mut self.0.lock());
+        self.0.changed.notify_waiters();
+    }
+}
+
+impl Drop for ViewTx {
+    fn drop(&mut self) {
+        self.0.closed.store(true, Ordering::Release);
+        self.0.changed.notify_waiters();
+    }
+}
+
+impl ViewRx {
+    /// The state published last.
+    pub(crate) fn state(&self) -> State {
+        self.0.lock().state.clone()
+    }
+
+    /// The payloads published so far.
+    pub(crate) fn aux(&self) -> Vec<(Peer, Vec<u8>)> {
+        self.0.lock().aux.clone()
+    }
+
+    /// Waits for a terminal state, or for the owner to be gone (an estate fails a live
+    /// request before it is dropped, so the view then holds the end): the state then.
+    pub(crate) async fn ended(&self) -> State {
+        loop {
+            let notified = self.0.changed.notified();
+            tokio::pin!(notified);
+            // Registered before the check, so a change between the two wakes it.
+            notified.as_mut().enable();
+            let state = self.state();
+            if state.is_terminal() || self.0.closed.load(Ordering::Acquire) {
+                return state;
+            }
+            notified.await;
+        }
+    }
+}
+
 /// One request's state, blocks and peers (module docs).
 pub(crate) struct Estate {
     id: RequestId,
@@ -44,7 +120,7 @@ pub(crate) struct Estate {
     state: State,
     held: Vec<BlockId>,
     peers: Vec<Peer>,
-    view: watch::Sender<View>,
+    view: ViewTx,
     events: Arc<EventQueue>,
     metrics: Arc<Metrics>,
     /// Counted in `handoff_fences_pending`: ended, still holding blocks.
@@ -70,7 +146,7 @@ impl Estate {
         role: Role,
         events: Arc<EventQueue>,
         metrics: Arc<Metrics>,
-    ) -> (Self, watch::Receiver<View>) {
+    ) -> (Self, ViewRx) {
         let state = State::Bootstrapping;
         metrics.moved(role, None, &state);
         events.push(Event::State {
@@ -78,7 +154,7 @@ impl Estate {
             role,
             state: state.clone(),
         });
-        let (view, rx) = watch::channel(View {
+        let (view, rx) = view(View {
             state: state.clone(),
             aux: Vec::new(),
         });
@@ -130,7 +206,7 @@ impl Estate {
     /// Keeps a prefill rank's payload for the engine (the latest, if a rank sent twice).
     pub(crate) fn add_aux(&mut self, from: Peer, bytes: Vec<u8>) {
         self.view
-            .send_modify(|v| match v.aux.iter_mut().find(|(p, _)| *p == from) {
+            .modify(|v| match v.aux.iter_mut().find(|(p, _)| *p == from) {
                 Some(slot) => slot.1 = bytes,
                 None => v.aux.push((from, bytes)),
             });
@@ -178,7 +254,7 @@ impl Estate {
 
     fn publish(&mut self) {
         let state = self.state.clone();
-        self.view.send_modify(|v| v.state = state);
+        self.view.modify(|v| v.state = state);
         self.count_fence();
     }
 
@@ -396,7 +472,7 @@ impl Drop for Consignment {
 mod tests {
     use super::*;
 
-    fn estate(events: &Arc<EventQueue>) -> (Estate, watch::Receiver<View>) {
+    fn estate(events: &Arc<EventQueue>) -> (Estate, ViewRx) {
         Estate::new(
             RequestId::from("r"),
             Role::Decode,
@@ -432,11 +508,11 @@ mod tests {
         let taken = e.receive(consign(&e, &[1, 2, 3], &events));
         assert_eq!(taken, Some(blocks(&[1, 2, 3])));
         e.transition(State::Transferring);
-        assert_eq!(view.borrow().state, State::Transferring);
+        assert_eq!(view.state(), State::Transferring);
         e.end(State::Done, &blocks(&[1, 2]), ReleaseReason::Done);
         e.release_all(ReleaseReason::Done);
         e.release_all(ReleaseReason::Done);
-        assert_eq!(view.borrow().state, State::Done);
+        assert_eq!(view.state(), State::Done);
         let got = released(&events);
         assert_eq!(got.len(), 3, "{got:?}");
         assert!(got.iter().all(|(_, why)| why == "done"));
@@ -480,7 +556,7 @@ mod tests {
         e.receive(consign(&e, &[1, 2], &events));
         drop(e);
         assert!(matches!(
-            view.borrow().state,
+            view.state(),
             State::Failed(FailureReason::Internal { .. })
         ));
         let all = events.drain();

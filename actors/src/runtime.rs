@@ -22,10 +22,10 @@ use std::time::Instant;
 
 use handoff_transport::wire::AUX_BYTES_MAX;
 use handoff_transport::{BlockId, EngineId, RankInfo, Region, RequestId, Role, TransferMode};
-use tokio::sync::{mpsc, watch, Notify};
+use tokio::sync::mpsc;
 use tracing::{debug, error, info, trace, warn, Instrument};
 
-use crate::estate::{Consignment, Deed, Estate, View};
+use crate::estate::{Consignment, Deed, Estate, ViewRx};
 
 use crate::config::{RuntimeConfig, TransportChoice, REQUESTS_OPEN_MAX_DEFAULT};
 use crate::event::{Event, EventQueue, ReleaseReason};
@@ -69,6 +69,8 @@ pub(crate) enum RootMsg {
     InjectPanic { id: RequestId },
     /// Fault injection: make the root itself panic.
     InjectRootPanic,
+    /// Wakes an idle root to see that it was asked to stop (`RootRef::stop`).
+    Stop,
     /// The request actor of spawn `serial` failed (a panic in a handler) and is gone.
     ChildGone {
         id: RequestId,
@@ -162,11 +164,12 @@ pub(crate) struct RootRef {
     stop: Arc<StopSignal>,
 }
 
-/// Asked once by [`Runtime::shutdown`]; the root's loop stops at its next turn.
+/// Asked once by [`Runtime::shutdown`]; the root's loop stops at its next turn (checked
+/// before every message, so a long mailbox does not delay it; an idle root is woken by a
+/// [`RootMsg::Stop`]).
 #[derive(Default)]
 struct StopSignal {
     asked: AtomicBool,
-    notify: Notify,
 }
 
 impl RootRef {
@@ -188,7 +191,7 @@ impl RootRef {
     /// knows, and drops the rest of its mailbox.
     fn stop(&self) {
         self.stop.asked.store(true, Ordering::Release);
-        self.stop.notify.notify_one();
+        let _ = self.tx.send(RootMsg::Stop);
     }
 }
 
@@ -263,14 +266,13 @@ impl RootState {
             }
             let msg = tokio::select! {
                 biased;
-                () = me.stop.notify.notified() => break,
                 () = &mut sleep, if next.is_some() => match self.timers.pop_first() {
                     Some((_, timer)) => RootMsg::Timer(timer),
                     None => continue,
                 },
                 msg = rx.recv() => match msg {
+                    Some(RootMsg::Stop) | None => break,
                     Some(msg) => msg,
-                    None => break,
                 },
             };
             let handled =
@@ -322,6 +324,8 @@ impl RootState {
                 return self.child_gone(myself, id, serial, why)
             }
             RootMsg::InjectRootPanic => panic!("{INJECTED_ROOT_PANIC}"),
+            // The loop stops on it before it gets here.
+            RootMsg::Stop => return,
         };
         self.feed(myself, input);
     }
@@ -962,7 +966,7 @@ fn first_duplicate(blocks: &[BlockId]) -> Option<BlockId> {
 #[derive(Clone)]
 struct Handle {
     id: RequestId,
-    view: watch::Receiver<View>,
+    view: ViewRx,
     handed: Arc<AtomicBool>,
     root: RootRef,
     region: Arc<Region>,
@@ -1007,20 +1011,12 @@ impl Handle {
     }
 
     fn poll(&self) -> State {
-        self.view.borrow().state.clone()
+        self.view.state()
     }
 
     fn completion(&self) -> impl Future<Output = State> + Send + 'static {
-        let mut rx = self.view.clone();
-        async move {
-            let ended = rx
-                .wait_for(|v| v.state.is_terminal())
-                .await
-                .map(|v| v.state.clone());
-            // The estate fails a live request before it is dropped, so a closed view holds
-            // the end: report what it says.
-            ended.unwrap_or_else(|_| rx.borrow().state.clone())
-        }
+        let view = self.view.clone();
+        async move { view.ended().await }
     }
 
     /// Tells the root `what`; a stopped runtime ended the request already.
@@ -1090,7 +1086,7 @@ impl ReceiverHandle {
     /// per rank that sent a non-empty one, in arrival order. Complete once the request is
     /// `Done`; a failed request's are not to be used.
     pub fn aux(&self) -> Vec<(RankInfo, Vec<u8>)> {
-        self.0.view.borrow().aux.clone()
+        self.0.view.aux()
     }
 
     /// The request's state now. Never blocks.

@@ -192,7 +192,9 @@ impl EventQueue {
 
     /// Takes every queued event, oldest first. Never blocks on the runtime.
     pub fn drain(&self) -> Vec<Event> {
-        let events: Vec<Event> = self.lock().drain(..).collect();
+        // The queue's buffer becomes the answer (no copy of each event); the queue starts
+        // a new one at its next push.
+        let events = Vec::from(std::mem::take(&mut *self.lock()));
         for e in &events {
             if matches!(e, Event::State { state, .. } if state.is_terminal()) {
                 self.unadmit();

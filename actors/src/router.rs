@@ -598,11 +598,28 @@ impl Router {
     /// Handles one input at `now`; the actions to perform, in order.
     pub fn handle(&mut self, now: Instant, input: Input) -> Vec<Action> {
         let mut out = Vec::new();
+        self.handle_into(now, input, &mut out);
+        out
+    }
+
+    /// As [`Router::handle`], the actions appended to `out` (a buffer the caller reuses:
+    /// most inputs decide one or two actions, and the root handles one per message).
+    pub fn handle_into(&mut self, now: Instant, input: Input, out: &mut Vec<Action>) {
+        let start = out.len();
+        self.decide(now, input, out);
+        for action in &out[start..] {
+            if let Action::Note(note) = action {
+                self.stats.count(note);
+            }
+        }
+    }
+
+    fn decide(&mut self, now: Instant, input: Input, out: &mut Vec<Action>) {
         match input {
-            Input::Open { id } => self.open(id, &mut out),
+            Input::Open { id } => self.open(id, out),
             Input::Local { id, what } => {
                 let Some(live) = self.live.get_mut(&id) else {
-                    return out;
+                    return;
                 };
                 if matches!(what, Local::HandedOver { .. }) && !live.handed_over {
                     live.handed_over = true;
@@ -611,11 +628,11 @@ impl Router {
                 let event = MachineEvent::for_role(self.cfg.role, what);
                 out.push(Action::Deliver { id, event });
             }
-            Input::Inbound { from, id, msg } => self.inbound(now, from, id, msg, &mut out),
+            Input::Inbound { from, id, msg } => self.inbound(now, from, id, msg, out),
             Input::Ended { id, state } => {
                 if self.remove_live(&id) {
                     out.push(Action::Retire { id: id.clone() });
-                    self.bury(id, state, &mut out);
+                    self.bury(id, state, out);
                 }
             }
             Input::ActorGone {
@@ -623,7 +640,7 @@ impl Router {
                 state,
                 peers,
                 why,
-            } => self.actor_gone(id, state, peers, why, &mut out),
+            } => self.actor_gone(id, state, peers, why, out),
             Input::PeerLost { peer } => {
                 // Every live request is told; its machine alone knows whether it depends
                 // on the peer (`depends_on`) and fails `PeerLost` at once if it does.
@@ -644,26 +661,20 @@ impl Router {
                     }
                 }
             }
-            Input::PeerReplaced { peer } => self.peer_replaced(peer, &mut out),
-            Input::Timer(Timer::ExpirePending) => self.expire_pending(now, &mut out),
-            Input::Timer(Timer::OrphanDue(id)) => self.orphan_due(id, &mut out),
-            Input::Timer(Timer::OrphanAsk(id)) => self.orphan_ask(id, &mut out),
+            Input::PeerReplaced { peer } => self.peer_replaced(peer, out),
+            Input::Timer(Timer::ExpirePending) => self.expire_pending(now, out),
+            Input::Timer(Timer::OrphanDue(id)) => self.orphan_due(id, out),
+            Input::Timer(Timer::OrphanAsk(id)) => self.orphan_ask(id, out),
             Input::WriterGone { id, peer, exited } => {
                 let Some(orphan) = self.orphans.get_mut(&id).filter(|o| o.quarantined) else {
-                    return out;
+                    return;
                 };
                 if orphan.waiting.contains(&peer) {
                     orphan.bound_only |= !exited;
-                    self.orphan_let_go(id, &peer, &mut out);
+                    self.orphan_let_go(id, &peer, out);
                 }
             }
         }
-        for action in &out {
-            if let Action::Note(note) = action {
-                self.stats.count(note);
-            }
-        }
-        out
     }
 
     /// What the router refused, dropped or answered late so far (each also a [`Note`]).

@@ -134,6 +134,8 @@ struct RootState {
     timers: BTreeMap<(tokio::time::Instant, u64), Timer>,
     /// How many timers were ever armed: the second half of a timer's key.
     armed: u64,
+    /// The router's actions are decided into this buffer, reused message after message.
+    spare: Vec<Action>,
 }
 
 /// What the root actor and the engine's handles share: the event queue, the metrics and the
@@ -246,6 +248,7 @@ impl RootState {
             serial: 0,
             timers: BTreeMap::new(),
             armed: 0,
+            spare: Vec::new(),
         })
     }
 
@@ -360,15 +363,26 @@ impl RootState {
 impl RootState {
     /// Feeds the router one input and performs what it decides.
     fn feed(&mut self, myself: &RootRef, input: Input) {
-        for action in self.router.handle(now(), input) {
+        let mut actions = self.decide(input);
+        for action in actions.drain(..) {
             self.perform(myself, action);
         }
+        self.spare = actions;
+    }
+
+    /// The router's actions for `input`, in the root's reused buffer (give it back in
+    /// `spare` once drained; one taken again meanwhile, by a nested input, is a new one).
+    fn decide(&mut self, input: Input) -> Vec<Action> {
+        let mut actions = std::mem::take(&mut self.spare);
+        self.router.handle_into(now(), input, &mut actions);
+        actions
     }
 
     fn open(&mut self, myself: &RootRef, estate: Estate, kind: OpenKind) {
         let id = estate.id().clone();
         let mut estate = Some(estate);
-        for action in self.router.handle(now(), Input::Open { id }) {
+        let mut actions = self.decide(Input::Open { id });
+        for action in actions.drain(..) {
             match action {
                 Action::Spawn {
                     backlog, reject, ..
@@ -398,6 +412,7 @@ impl RootState {
                 other => self.perform(myself, other),
             }
         }
+        self.spare = actions;
     }
 
     fn spawn(
@@ -450,7 +465,8 @@ impl RootState {
             aux,
         };
         let mut blocks = Some(blocks);
-        for action in self.router.handle(now(), Input::Local { id, what }) {
+        let mut actions = self.decide(Input::Local { id, what });
+        for action in actions.drain(..) {
             match action {
                 Action::Deliver { id, event } => {
                     let actor = self.entries.get(&id).and_then(|e| e.actor.as_ref());
@@ -461,6 +477,7 @@ impl RootState {
                 other => self.perform(myself, other),
             }
         }
+        self.spare = actions;
         // Not delivered (the request is not live here): `blocks`, dropped, go back.
     }
 

@@ -59,8 +59,9 @@ pub(crate) enum RequestMsg {
     Timeout,
     /// Fault injection: panic inside the handler (tests and the simulator).
     Panic,
-    /// A transfer's future panicked while the actor polled it (its text).
-    PlanePanicked(String),
+    /// One of the actor's waits (a transfer, a writer's exit, the bootstrap lookup)
+    /// panicked while the actor polled it (its text): a bug in a plane or a directory.
+    WaitPanicked(String),
 }
 
 /// What a request actor is built from.
@@ -220,7 +221,7 @@ async fn next_answer(waits: &mut Vec<Wait>) -> Option<RequestMsg> {
                 Err(panic) => {
                     drop(waits.swap_remove(i));
                     let text = panic_payload(panic.as_ref());
-                    return std::task::Poll::Ready(Some(RequestMsg::PlanePanicked(text)));
+                    return std::task::Poll::Ready(Some(RequestMsg::WaitPanicked(text)));
                 }
             }
         }
@@ -392,8 +393,8 @@ impl RequestState {
             }
             RequestMsg::Timeout => self.handle_timeout(now()),
             RequestMsg::Panic => panic!("injected fault in request {}", self.id),
-            RequestMsg::PlanePanicked(text) => {
-                panic!("request {}: a transfer panicked: {text}", self.id)
+            RequestMsg::WaitPanicked(text) => {
+                panic!("request {}: a transfer or lookup panicked: {text}", self.id)
             }
         }
         self.pump(myself);

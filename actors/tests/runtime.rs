@@ -1078,7 +1078,8 @@ async fn layouts_that_do_not_pair_fail_by_name_before_a_byte_moves() {
 }
 
 /// The in-process link, except that the transfers of one request panic inside the plane's
-/// future (a bug in a data plane, as the request actor polls it).
+/// future (a bug in a data plane, as the request actor polls it), and so does a lookup of
+/// prefill engine `Q` once it was first found pending (a bug in a directory).
 struct PanickyTransfers {
     inner: Arc<dyn Link>,
     victim: RequestId,
@@ -1095,6 +1096,12 @@ impl Link for PanickyTransfers {
         self.inner.siblings()
     }
     fn resolve(&self, prefill: &EngineId, dp_rank: Option<u32>) -> ResolveFuture {
+        if prefill.to_string() == "Q" {
+            return Box::pin(async {
+                tokio::task::yield_now().await;
+                panic!("a directory bug")
+            });
+        }
         self.inner.resolve(prefill, dp_rank)
     }
     fn write(
@@ -1224,6 +1231,40 @@ async fn a_transfer_that_panics_fails_only_its_request() {
             );
         }
     }
+}
+
+/// A bootstrap lookup that panics after it was first found pending (the request actor polls
+/// it as one of its waits, no task of its own) fails its request `Internal` at once, not at
+/// the bootstrap deadline, with its blocks given back; the runtime and the next request go
+/// on.
+#[tokio::test(start_paused = true)]
+async fn a_bootstrap_lookup_that_panics_fails_only_its_request() {
+    let fabric = Fabric::new();
+    let p = start_panicky(&fabric, Role::Prefill, rank("P", 0, 1), TransferMode::Push).await;
+    let d = start_panicky(&fabric, Role::Decode, rank("D", 0, 1), TransferMode::Push).await;
+    let started = tokio::time::Instant::now();
+    let r = d.receiver("lost", spec("Q", Some(blocks(20..22)))).unwrap();
+    let end = r.completion().await;
+    assert!(
+        matches!(&end, State::Failed(FailureReason::Internal { .. })),
+        "{end}"
+    );
+    assert!(
+        started.elapsed() < timeouts().bootstrap,
+        "failed at the deadline, not at the panic"
+    );
+    let s = p.sender("good").unwrap();
+    let r = d.receiver("good", spec("P", Some(blocks(10..12)))).unwrap();
+    s.send(blocks(0..2)).unwrap();
+    assert_eq!(
+        (s.completion().await, r.completion().await),
+        (State::Done, State::Done)
+    );
+    settle().await;
+    let mut decode = Outcomes::default();
+    decode.absorb(d.drain_events());
+    assert_eq!(decode.released("lost"), blocks(20..22));
+    assert_eq!(decode.released("good"), blocks(10..12));
 }
 
 /// Tensor-parallel rank `r` of `size` of `engine`.

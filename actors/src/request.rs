@@ -3,19 +3,19 @@
 //! It owns its request's machine and does nothing else: it feeds the machine the events
 //! the root routes to it, performs the actions the machine emits (control messages through
 //! the [`Link`], data transfers, state and releases into the request's [`Estate`], which
-//! it alone owns while it runs), and waits for whichever comes first: a message, a
-//! transfer's answer, or the machine's next deadline. When the machine is terminal it
-//! tells the root, which stops it.
+//! it alone owns while it runs), and waits for whichever comes first: a message, one of
+//! its waits (a transfer's answer, a lost writer's exit, the bootstrap lookup), or the
+//! machine's next deadline. When the machine is terminal it tells the root, which stops it.
 //!
 //! It is one tokio task reading one unbounded mailbox (bounded in practice by admission:
-//! the root delivers a request's events, its lookups answer once each), as the root is:
-//! per request no actor framework's ports, registration or supervision link, no timer task
-//! per deadline and no task per transfer (the loop polls its transfers and waits for the
-//! deadline itself). A bootstrap lookup the directory answers from its cache is taken at
-//! once, without a task. Supervision stays the root's: a panic in a handler (or in a
-//! transfer the loop polls) is caught here, the task ends, and the root is told
-//! ([`RootMsg::ChildGone`]); stopping is aborting the task, which drops its state and with
-//! it every transfer and lookup it started.
+//! the root delivers a request's events), as the root is: per request no actor
+//! framework's ports, registration or supervision link, no timer task per deadline and no
+//! task per transfer or lookup (the loop polls its waits and waits for the deadline
+//! itself). A bootstrap lookup the directory answers from its cache is taken at once, in
+//! the actor's start; one it cannot is a wait like a transfer. Supervision stays the
+//! root's: a panic in a handler (or in a wait the loop polls) is caught here, the task
+//! ends, and the root is told ([`RootMsg::ChildGone`]); stopping is aborting the task,
+//! which drops its state and with it every transfer and lookup it started.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -897,9 +897,10 @@ impl Region {
     }
 
     /// Where one segment of this host region starts, for the kernel to read from (a
-    /// socket's send): no Rust reference to the bytes is made, so their owner may change
-    /// them meanwhile (a released block the engine reuses), and the caller decides what
-    /// that means for the bytes sent. `seg` must come from this region's
+    /// socket's send) or write into (a socket's receive, while the caller holds the right
+    /// to write its block): no Rust reference to the bytes is made, so their owner may
+    /// change them meanwhile (a released block the engine reuses), and the caller decides
+    /// what that means for the bytes sent. `seg` must come from this region's
     /// [`Region::segments_into`] or [`Region::logical_segments_into`].
     ///
     /// # Errors
@@ -907,18 +908,6 @@ impl Region {
     pub fn host_segment_ptr(&self, seg: &Segment) -> Result<*const u8, RegionError> {
         self.check_host("direct CPU access")?;
         Ok(self.host_at(seg.addr).cast_const())
-    }
-
-    /// Where one segment of this host region starts, for the kernel to write into (a
-    /// socket's receive): no Rust reference to the bytes is made. `seg` must come from this
-    /// region's [`Region::segments_into`] or [`Region::logical_segments_into`], and the
-    /// caller must hold the right to write its block meanwhile (a server: the peer's grant).
-    ///
-    /// # Errors
-    /// [`RegionError::NotHostMemory`].
-    pub fn host_segment_dst(&self, seg: &Segment) -> Result<*mut u8, RegionError> {
-        self.check_host("direct CPU access")?;
-        Ok(self.host_at(seg.addr))
     }
 
     /// The host bytes of one segment of this region, to write (e.g. straight from a

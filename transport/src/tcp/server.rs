@@ -401,6 +401,19 @@ impl Landed {
     }
 }
 
+/// The host addresses of `pieces` (this region's segments), appended to `out` as raw
+/// slices for the kernel: a read's bytes sent from them, a write's received into them.
+fn raw_slices(
+    region: &Region,
+    pieces: &[crate::layout::Segment],
+    out: &mut Vec<RawSlice>,
+) -> Result<(), crate::region::RegionError> {
+    for piece in pieces {
+        out.push(RawSlice::new(region.host_segment_ptr(piece)?, piece.len));
+    }
+    Ok(())
+}
+
 /// An operation refused, the connection going on: the code and the text the peer is told.
 type Refusal = (RefusalCode, String);
 
@@ -718,11 +731,8 @@ impl Conn<'_> {
                     return Ok(Landed::internal(taken, e));
                 }
                 self.dst.clear();
-                for piece in &self.pieces {
-                    match region.host_segment_dst(piece) {
-                        Ok(ptr) => self.dst.push(RawSlice::new(ptr.cast_const(), piece.len)),
-                        Err(e) => return Ok(Landed::internal(taken, e)),
-                    }
+                if let Err(e) = raw_slices(region, &self.pieces, &mut self.dst) {
+                    return Ok(Landed::internal(taken, e));
                 }
                 self.chunk_blocks.clear();
                 plan::touched_blocks(at, want as u64, block_bytes, &mut self.chunk_blocks);
@@ -820,7 +830,6 @@ impl Conn<'_> {
         let region = &shared.region;
         let mut segments = Vec::new();
         let mut data = Vec::new();
-        let mut total = 0usize;
         for seg in &self.segments {
             if let Err(e) =
                 region.logical_segments_into(seg.offset, seg.len as usize, &mut segments)
@@ -828,13 +837,10 @@ impl Conn<'_> {
                 return Ok(Err((RefusalCode::Internal, format!("copy failed: {e}"))));
             }
         }
-        for seg in &segments {
-            match region.host_segment_ptr(seg) {
-                Ok(ptr) => data.push(RawSlice::new(ptr, seg.len)),
-                Err(e) => return Ok(Err((RefusalCode::Internal, format!("copy failed: {e}")))),
-            }
-            total += seg.len;
+        if let Err(e) = raw_slices(region, &segments, &mut data) {
+            return Ok(Err((RefusalCode::Internal, format!("copy failed: {e}"))));
         }
+        let total: usize = segments.iter().map(|s| s.len).sum();
         let header = Header {
             op: Op::ReadData,
             flags: 0,

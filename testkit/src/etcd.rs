@@ -8,7 +8,15 @@ pub struct Etcd {
     pub client: String,
     child: std::process::Child,
     dir: std::path::PathBuf,
+    /// What it prints (its stderr), kept to say why it did not start.
+    log: std::path::PathBuf,
 }
+
+/// How many times a start is tried on fresh ports when a member exits at once.
+const START_ATTEMPTS: usize = 4;
+
+/// How long a started member may take to serve.
+const SERVE_WITHIN: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// A loopback port free right now (the kernel's pick, released at once).
 fn free_port() -> u16 {
@@ -39,6 +47,26 @@ impl Etcd {
             );
             return None;
         }
+        // A port picked free may be taken again before etcd binds it (an outgoing
+        // connection of another test gets it as its ephemeral port): etcd then exits at
+        // once. Such a start is seen as the member's exit and retried on fresh ports.
+        let mut failures = Vec::new();
+        for _ in 0..START_ATTEMPTS {
+            match Self::start(n) {
+                Ok(members) => return Some(members),
+                Err(why) => failures.push(why),
+            }
+        }
+        panic!(
+            "etcd did not start in {START_ATTEMPTS} attempts:\n{}",
+            failures.join("\n")
+        );
+    }
+
+    /// Spawns `n` members on fresh ports and waits until each serves: `Err` (what it
+    /// printed) where a member exits first; a panic where none exits and one does not serve
+    /// within [`SERVE_WITHIN`].
+    fn start(n: usize) -> Result<Vec<Etcd>, String> {
         let ports: Vec<(u16, u16)> = (0..n).map(|_| (free_port(), free_port())).collect();
         let initial: Vec<String> = ports
             .iter()
@@ -46,13 +74,15 @@ impl Etcd {
             .map(|(i, (_, peer))| format!("m{i}=http://127.0.0.1:{peer}"))
             .collect();
         let token = format!("handoff-test-{}-{}", std::process::id(), free_port());
-        let members: Vec<Etcd> = ports
+        let mut members: Vec<Etcd> = ports
             .iter()
             .enumerate()
             .map(|(i, (client, peer))| {
                 let dir = std::env::temp_dir().join(format!("{token}-m{i}"));
+                let log = std::env::temp_dir().join(format!("{token}-m{i}.log"));
                 let client_url = format!("http://127.0.0.1:{client}");
                 let peer_url = format!("http://127.0.0.1:{peer}");
+                let stderr = std::fs::File::create(&log).expect("create an etcd log file");
                 let child = std::process::Command::new("etcd")
                     .args(["--name", &format!("m{i}")])
                     .arg("--data-dir")
@@ -65,36 +95,61 @@ impl Etcd {
                     .args(["--initial-cluster-token", &token])
                     .args(["--initial-cluster-state", "new"])
                     .stdout(std::process::Stdio::null())
-                    .stderr(std::process::Stdio::null())
+                    .stderr(stderr)
                     .spawn()
                     .expect("spawn etcd");
                 Etcd {
                     client: format!("127.0.0.1:{client}"),
                     child,
                     dir,
+                    log,
                 }
             })
             .collect();
-        for m in &members {
-            m.wait_serving();
-        }
-        Some(members)
-    }
-
-    /// Waits (30 s at most) until the member answers a read through its JSON gateway.
-    fn wait_serving(&self) {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        // Members of a cluster serve only once it has a leader, so all are watched at once:
+        // one that exits fails the start at once instead of its peers waiting it out.
+        let deadline = std::time::Instant::now() + SERVE_WITHIN;
+        let mut serving = vec![false; members.len()];
         loop {
-            if self.post("/v3/kv/range", "{\"key\":\"AA==\"}").is_some() {
-                return;
+            for (m, up) in members.iter_mut().zip(serving.iter_mut()) {
+                m.exited()?;
+                *up = *up || m.post("/v3/kv/range", "{\"key\":\"AA==\"}").is_some();
             }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "etcd at {} did not serve within 30 s",
-                self.client
-            );
+            if serving.iter().all(|up| *up) {
+                return Ok(members);
+            }
+            if std::time::Instant::now() >= deadline {
+                let logs: Vec<String> = members
+                    .iter()
+                    .map(|m| format!("{}: {}", m.client, m.log_tail()))
+                    .collect();
+                panic!(
+                    "etcd did not serve within {SERVE_WITHIN:?}:\n{}",
+                    logs.join("\n")
+                );
+            }
             std::thread::sleep(std::time::Duration::from_millis(50));
         }
+    }
+
+    /// Whether the member has exited; `Err` with its status and the end of its log if so.
+    fn exited(&mut self) -> Result<(), String> {
+        match self.child.try_wait() {
+            Ok(None) => Ok(()),
+            Ok(Some(status)) => Err(format!(
+                "etcd at {} exited ({status}): {}",
+                self.client,
+                self.log_tail()
+            )),
+            Err(e) => Err(format!("etcd at {}: wait: {e}", self.client)),
+        }
+    }
+
+    /// The last lines of what the member printed.
+    fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(5)..].join("\n")
     }
 
     /// One JSON `POST` to this member: the body of a 200 answer, else `None`.
@@ -140,6 +195,7 @@ impl Drop for Etcd {
     fn drop(&mut self) {
         self.kill9();
         let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = std::fs::remove_file(&self.log);
     }
 }
 

@@ -27,7 +27,7 @@
 //! The bootstrap server has its own (`handoff_bootstrap::BootstrapMetrics`); both are
 //! served by `handoff_transport::exposition::serve_metrics`.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -109,6 +109,9 @@ pub struct Metrics {
     pushes_as_pull: Counter,
     /// Prefill's and decode's [`Side`].
     sides: [OnceLock<Side>; 2],
+    /// Each (transport, op)'s [`TransferSeries`], made the first time it records: a
+    /// handful (the transports this process uses, times `write` and `read`).
+    transfer_series: Mutex<Vec<TransferSeries>>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -151,6 +154,18 @@ struct Side {
     released: [Counter; 4],
     fences: Gauge,
     quarantined: Gauge,
+}
+
+/// One (transport, op)'s series that every transfer that went well records: handles into
+/// their families, as [`Side`] keeps for a role, so a transfer costs atomic adds, not three
+/// labelled lookups (a failed transfer's counter is looked up: failures are rare).
+struct TransferSeries {
+    transport: &'static str,
+    op: &'static str,
+    seconds: Histogram,
+    ok: Counter,
+    blocks: Counter,
+    bytes: Counter,
 }
 
 impl Metrics {
@@ -275,6 +290,7 @@ impl Metrics {
             frames_refused,
             pushes_as_pull,
             sides: [OnceLock::new(), OnceLock::new()],
+            transfer_series: Mutex::new(Vec::new()),
         })
     }
 
@@ -384,28 +400,64 @@ impl Metrics {
         took: Duration,
         ok: bool,
     ) {
-        let labels = TransferLabels { transport, op };
-        self.transfer_seconds
-            .get_or_create(&labels)
-            .observe(took.as_secs_f64());
-        let outcome = if ok { "ok" } else { "failed" };
-        let end = TransferEnd {
-            transport,
-            op,
-            outcome,
-        };
-        self.transfers.get_or_create(&end).inc();
-        if ok {
-            self.transfer_blocks
-                .get_or_create(&labels)
-                .inc_by(blocks as u64);
+        self.with_transfer_series(transport, op, |series| {
+            series.seconds.observe(took.as_secs_f64());
+            if ok {
+                series.ok.inc();
+                series.blocks.inc_by(blocks as u64);
+            }
+        });
+        if !ok {
+            let end = TransferEnd {
+                transport,
+                op,
+                outcome: "failed",
+            };
+            self.transfers.get_or_create(&end).inc();
         }
     }
 
     /// A transfer over `transport` (`op`) moved `bytes`.
     pub fn bytes_moved(&self, transport: &'static str, op: &'static str, bytes: u64) {
+        self.with_transfer_series(transport, op, |series| {
+            series.bytes.inc_by(bytes);
+        });
+    }
+
+    /// Runs `record` on the series of (`transport`, `op`), made on first use.
+    fn with_transfer_series(
+        &self,
+        transport: &'static str,
+        op: &'static str,
+        record: impl FnOnce(&TransferSeries),
+    ) {
+        // A panic while recording leaves nothing half-done to see: go on with the list.
+        let mut known = self
+            .transfer_series
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(series) = known
+            .iter()
+            .find(|s| s.transport == transport && s.op == op)
+        {
+            return record(series);
+        }
         let labels = TransferLabels { transport, op };
-        self.transfer_bytes.get_or_create(&labels).inc_by(bytes);
+        let ok = TransferEnd {
+            transport,
+            op,
+            outcome: "ok",
+        };
+        let series = TransferSeries {
+            transport,
+            op,
+            seconds: self.transfer_seconds.get_or_create(&labels).clone(),
+            ok: self.transfers.get_or_create(&ok).clone(),
+            blocks: self.transfer_blocks.get_or_create(&labels).clone(),
+            bytes: self.transfer_bytes.get_or_create(&labels).clone(),
+        };
+        record(&series);
+        known.push(series);
     }
 
     /// The local block size (bytes, all layers).
@@ -446,5 +498,71 @@ impl Metrics {
 impl handoff_transport::exposition::Exposition for Metrics {
     fn encode(&self) -> String {
         Metrics::encode(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The value of the series whose line starts with `series` (name and labels).
+    fn value(text: &str, series: &str) -> Option<String> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+            .map(str::to_string)
+    }
+
+    #[test]
+    fn transfers_count_by_transport_op_and_outcome_through_their_kept_series() {
+        let m = Metrics::new();
+        let took = Duration::from_micros(120);
+        m.transfer("tcp", "write", 3, took, true);
+        m.bytes_moved("tcp", "write", 3 * 4096);
+        m.transfer("tcp", "write", 2, took, true);
+        m.bytes_moved("tcp", "write", 2 * 4096);
+        m.transfer("tcp", "write", 5, took, false);
+        m.transfer("tcp", "read", 1, took, true);
+        m.transfer("ucx", "write", 7, took, false);
+        let text = m.encode();
+        let at = |series: &str| value(&text, series);
+        let tcp_write = r#"{transport="tcp",op="write"}"#;
+        assert_eq!(
+            at(r#"handoff_transfers_total{transport="tcp",op="write",outcome="ok"}"#).as_deref(),
+            Some("2"),
+            "{text}"
+        );
+        assert_eq!(
+            at(r#"handoff_transfers_total{transport="tcp",op="write",outcome="failed"}"#)
+                .as_deref(),
+            Some("1")
+        );
+        assert_eq!(
+            at(&format!("handoff_transfer_blocks_total{tcp_write}")).as_deref(),
+            Some("5"),
+            "only the ok transfers' blocks"
+        );
+        assert_eq!(
+            at(&format!("handoff_transfer_bytes_total{tcp_write}")).as_deref(),
+            Some("20480")
+        );
+        assert_eq!(
+            at(&format!("handoff_transfer_seconds_count{tcp_write}")).as_deref(),
+            Some("3"),
+            "every transfer's time, ok or not"
+        );
+        assert_eq!(
+            at(r#"handoff_transfers_total{transport="tcp",op="read",outcome="ok"}"#).as_deref(),
+            Some("1")
+        );
+        assert_eq!(
+            at(r#"handoff_transfers_total{transport="ucx",op="write",outcome="failed"}"#)
+                .as_deref(),
+            Some("1")
+        );
+        assert_eq!(
+            at(r#"handoff_transfer_blocks_total{transport="ucx",op="write"}"#).as_deref(),
+            Some("0"),
+            "a failed transfer moves no blocks"
+        );
     }
 }

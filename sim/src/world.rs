@@ -753,7 +753,10 @@ impl World {
             opens.extend(&pworkers);
         }
         opens.extend(&dworkers);
-        let id = RequestId::new(format!("r{req}"));
+        let mut id = String::with_capacity(12);
+        id.push('r');
+        push_num(&mut id, req);
+        let id = RequestId::new(id);
         self.trace.record(now, Some(req), |s| {
             write!(
                 s,
@@ -1349,9 +1352,12 @@ impl World {
     }
 
     fn tally(&mut self, rec: &ReqRec) {
-        let end_kind = |s: &State| match s {
-            State::Failed(r) => r.kind().to_string(),
-            other => other.to_string().to_lowercase(),
+        let end_kind = |s: &State| -> std::borrow::Cow<'static, str> {
+            match s {
+                State::Failed(r) => r.kind().into(),
+                State::Done => "done".into(),
+                other => other.to_string().to_lowercase().into(),
+            }
         };
         if self.cfg.keep_outcomes {
             let ranks = rec
@@ -1363,7 +1369,7 @@ impl World {
                     prefill: r.role == Role::Prefill,
                     tp: r.tp,
                     pp: r.pp,
-                    end: end_kind(&r.state),
+                    end: end_kind(&r.state).into_owned(),
                     opened_ms: r.opened_ms,
                     end_ms: r.end_ms.unwrap_or(0),
                 })
@@ -1380,9 +1386,22 @@ impl World {
         } else {
             &mut self.safety
         };
+        // `role:end` keys, made into a `String` only the first time each is counted.
+        let mut key = String::new();
         for r in &rec.ranks {
-            let key = format!("{}:{}", r.role, end_kind(&r.state));
-            *out.ranks.entry(key).or_insert(0) += 1;
+            key.clear();
+            key.push_str(match r.role {
+                Role::Prefill => "prefill",
+                Role::Decode => "decode",
+            });
+            key.push(':');
+            key.push_str(&end_kind(&r.state));
+            match out.ranks.get_mut(key.as_str()) {
+                Some(n) => *n += 1,
+                None => {
+                    out.ranks.insert(key.clone(), 1);
+                }
+            }
         }
         let states: Vec<&State> = rec.ranks.iter().map(|r| &r.state).collect();
         let any_done = states.iter().any(|s| **s == State::Done);

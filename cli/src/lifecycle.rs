@@ -81,6 +81,10 @@ async fn side(
 pub struct Measured {
     /// Each request's latency, µs, sorted.
     pub samples: Vec<f64>,
+    /// With `floor`: the round trip of [`WokenEcho`], µs, sorted, one ping just before each
+    /// timed request, so the floor and the requests are measured under the same conditions
+    /// (this machine's wake-up latency drifts several-fold within seconds).
+    pub woken: Vec<f64>,
     /// The CPU this process spent, as a share of one core, while the two runtimes sat idle
     /// after the requests (connected, heartbeating) for the window asked; `None` when not
     /// asked or not readable (`/proc/self/task/*/schedstat`).
@@ -99,7 +103,8 @@ pub enum Caller {
 
 /// Times `iters` one-block requests (after one warm-up request), opened and awaited from
 /// `caller`; the latencies, µs, sorted. With `key`, both sides authenticate every
-/// connection with it (Noise sessions). With `idle`, then leaves both runtimes idle that
+/// connection with it (Noise sessions). With `floor`, pings a [`WokenEcho`] once before
+/// each request ([`Measured::woken`]). With `idle`, then leaves both runtimes idle that
 /// long and measures what the process spends.
 pub async fn measure(
     plane: Plane,
@@ -108,6 +113,7 @@ pub async fn measure(
     key: Option<&Key>,
     idle: Option<Duration>,
     caller: Caller,
+    floor: bool,
 ) -> Result<Measured, String> {
     let dir = Arc::new(StaticDirectory::new());
     let p = side(
@@ -120,20 +126,27 @@ pub async fn measure(
     )
     .await?;
     let d = side(&dir, Role::Decode, "bench-decode", plane, block_bytes, key).await?;
-    let (p, d, samples) = match caller {
+    let mut echo = match floor {
+        true => Some(WokenEcho::start().await?),
+        false => None,
+    };
+    let (p, d, echo, timed) = match caller {
         Caller::Thread => {
-            let samples = requests(&p, &d, iters).await;
-            (p, d, samples)
+            let timed = requests(&p, &d, iters, echo.as_mut()).await;
+            (p, d, echo, timed)
         }
         Caller::Task => {
             on_runtime(async move {
-                let samples = requests(&p, &d, iters).await;
-                (p, d, samples)
+                let timed = requests(&p, &d, iters, echo.as_mut()).await;
+                (p, d, echo, timed)
             })
             .await?
         }
     };
-    let samples = samples?;
+    if let Some(echo) = echo {
+        echo.finish()?;
+    }
+    let (samples, woken) = timed?;
     let mut idle_core_share = None;
     if let Some(window) = idle {
         // Past the planes' busy-poll windows first.
@@ -149,15 +162,26 @@ pub async fn measure(
     d.shutdown().await;
     Ok(Measured {
         samples,
+        woken,
         idle_core_share,
     })
 }
 
 /// `iters` one-block requests from prefill `p` to decode `d`, one after the other, each
-/// timed from opening both sides to decode's `Done` (after one untimed): µs, sorted.
-async fn requests(p: &Runtime, d: &Runtime, iters: usize) -> Result<Vec<f64>, String> {
+/// timed from opening both sides to decode's `Done` (after one untimed): µs, sorted; and,
+/// with `echo`, one round trip to it timed just before each timed request, µs, sorted.
+async fn requests(
+    p: &Runtime,
+    d: &Runtime,
+    iters: usize,
+    mut echo: Option<&mut WokenEcho>,
+) -> Result<(Vec<f64>, Vec<f64>), String> {
     let mut samples = Vec::with_capacity(iters);
+    let mut woken = Vec::with_capacity(if echo.is_some() { iters } else { 0 });
     for i in 0..=iters {
+        if let (Some(echo), true) = (echo.as_deref_mut(), i > 0) {
+            woken.push(echo.ping().await?);
+        }
         let id = format!("lat-{i}");
         let block = vec![BlockId(i as u32 % POOL_BLOCKS)];
         let started = Instant::now();
@@ -184,7 +208,8 @@ async fn requests(p: &Runtime, d: &Runtime, iters: usize) -> Result<Vec<f64>, St
         let _ = (p.drain_events(), d.drain_events());
     }
     samples.sort_by(f64::total_cmp);
-    Ok(samples)
+    woken.sort_by(f64::total_cmp);
+    Ok((samples, woken))
 }
 
 /// How long the runtimes rest after the requests before their idle CPU is measured.
@@ -240,50 +265,130 @@ async fn ping(addr: std::net::SocketAddr, iters: usize) -> std::io::Result<Vec<f
     Ok(samples)
 }
 
-/// The floor under the lifecycle as a request pays it: the round trip of a small message
-/// over loopback TCP between a task of this runtime and a thread of its own that sleeps in
-/// `read` until the message comes, so every round trip wakes a sleeping thread twice, as a
+/// The floor under the lifecycle as a request pays it: an echo of small messages over
+/// loopback TCP on a thread of its own that sleeps in `read` until each comes, pinged from
+/// a task of this runtime, so every round trip wakes a sleeping thread twice, as a
 /// request's transfer info and `Done` do between two runtimes (between two tasks of one
 /// runtime, [`loopback_rtt`], a round trip may wake no one when both run on one worker:
-/// a floor no request can reach). `iters` times after a warm-up, sorted, in µs.
-pub async fn loopback_rtt_across_threads(iters: usize) -> Result<Vec<f64>, String> {
-    use std::io::{Read, Write};
-    let err = |e: std::io::Error| format!("loopback ping across threads: {e}");
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(err)?;
-    let addr = listener.local_addr().map_err(err)?;
-    let echo = std::thread::Builder::new()
-        .name("handoff-bench-echo".into())
-        .spawn(move || -> std::io::Result<()> {
-            let (mut s, _) = listener.accept()?;
-            s.set_nodelay(true)?;
-            // The bench's deadline, on the echo's side too.
-            s.set_read_timeout(Some(REQUEST_DEADLINE))?;
-            let mut buf = [0u8; PING_BYTES];
-            loop {
-                match s.read_exact(&mut buf) {
-                    Ok(()) => s.write_all(&buf)?,
-                    // The client closed: done.
-                    Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
-                    Err(e) => return Err(e),
+/// a floor no request can reach).
+pub struct WokenEcho {
+    stream: tokio::net::TcpStream,
+    addr: std::net::SocketAddr,
+    thread: std::thread::JoinHandle<std::io::Result<()>>,
+}
+
+fn echo_error(e: std::io::Error) -> String {
+    format!("loopback ping across threads: {e}")
+}
+
+impl WokenEcho {
+    /// Starts the echo thread and connects to it.
+    pub async fn start() -> Result<Self, String> {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(echo_error)?;
+        let addr = listener.local_addr().map_err(echo_error)?;
+        let thread = std::thread::Builder::new()
+            .name("handoff-bench-echo".into())
+            .spawn(move || -> std::io::Result<()> {
+                let (mut s, _) = listener.accept()?;
+                s.set_nodelay(true)?;
+                // The bench's deadline, on the echo's side too.
+                s.set_read_timeout(Some(REQUEST_DEADLINE))?;
+                let mut buf = [0u8; PING_BYTES];
+                loop {
+                    match s.read_exact(&mut buf) {
+                        Ok(()) => s.write_all(&buf)?,
+                        // The client closed: done.
+                        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+                        Err(e) => return Err(e),
+                    }
                 }
+            })
+            .map_err(echo_error)?;
+        let connected =
+            tokio::time::timeout(REQUEST_DEADLINE, tokio::net::TcpStream::connect(addr)).await;
+        let stream = match connected {
+            Ok(Ok(stream)) => stream,
+            failed => {
+                // A poke takes the echo out of `accept` (it reads its end and returns).
+                let _ = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1));
+                let _ = thread.join();
+                return Err(match failed {
+                    Ok(Err(e)) => echo_error(e),
+                    _ => format!(
+                        "loopback ping across threads: no connection within {REQUEST_DEADLINE:?}"
+                    ),
+                });
             }
+        };
+        stream.set_nodelay(true).map_err(echo_error)?;
+        Ok(Self {
+            stream,
+            addr,
+            thread,
         })
-        .map_err(err)?;
-    let result = tokio::time::timeout(REQUEST_DEADLINE, ping(addr, iters)).await;
-    // The client's socket is closed by now (dropped with its future): the echo ends. Had the
-    // client never connected, a poke takes the echo out of `accept` (it reads its end).
-    if !echo.is_finished() {
-        let _ = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1));
     }
-    let echoed = echo.join();
-    let mut samples = result
-        .map_err(|_| format!("loopback ping across threads took over {REQUEST_DEADLINE:?}"))?
-        .map_err(err)?;
-    match echoed {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => return Err(err(e)),
-        Err(_) => return Err("loopback ping across threads: the echo thread panicked".into()),
+
+    /// One round trip of [`PING_BYTES`], µs.
+    pub async fn ping(&mut self) -> Result<f64, String> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut buf = [1u8; PING_BYTES];
+        let started = Instant::now();
+        let trip = async {
+            self.stream.write_all(&buf).await?;
+            self.stream.read_exact(&mut buf).await
+        };
+        match tokio::time::timeout(REQUEST_DEADLINE, trip).await {
+            Ok(Ok(_)) => Ok(started.elapsed().as_secs_f64() * 1e6),
+            Ok(Err(e)) => Err(echo_error(e)),
+            Err(_) => Err(format!(
+                "loopback ping across threads took over {REQUEST_DEADLINE:?}"
+            )),
+        }
     }
+
+    /// Closes the connection and waits for the echo thread to end.
+    pub fn finish(self) -> Result<(), String> {
+        let Self {
+            stream,
+            addr,
+            thread,
+        } = self;
+        drop(stream);
+        if !thread.is_finished() {
+            // Closed, the echo reads its end; a poke covers an echo still in `accept`.
+            let _ = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(100));
+        }
+        match thread.join() {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(echo_error(e)),
+            Err(_) => Err("loopback ping across threads: the echo thread panicked".into()),
+        }
+    }
+}
+
+/// [`WokenEcho`]'s round trip, `iters` times after a tenth as many (at least 10) untimed:
+/// sorted, in µs.
+pub async fn loopback_rtt_across_threads(iters: usize) -> Result<Vec<f64>, String> {
+    let mut echo = WokenEcho::start().await?;
+    let warmup = (iters / 10).max(10);
+    let mut samples = Vec::with_capacity(iters);
+    let mut failed = None;
+    for i in 0..warmup + iters {
+        match echo.ping().await {
+            Ok(us) if i >= warmup => samples.push(us),
+            Ok(_) => {}
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        }
+    }
+    let finished = echo.finish();
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    finished?;
     samples.sort_by(f64::total_cmp);
     Ok(samples)
 }

@@ -135,6 +135,37 @@ fn host_bench_verifies_every_point_against_the_memcpy_reference() {
         assert!(p["vs_reference"].as_f64().is_some(), "{p}");
     }
     assert!(log.contains("vs memcpy"), "{log}");
+    // The lifecycle over TCP, and its floors: the woken round trip is also pinged once
+    // before each request, and the lifecycle's ratio is to that one.
+    let latency = report["latency"].as_array().expect("latency rows");
+    let row = |transport: &str, op: &str| {
+        latency
+            .iter()
+            .find(|l| l["transport"] == transport && l["op"] == op)
+            .unwrap_or_else(|| panic!("no {transport} {op} row\n{log}"))
+    };
+    for op in ["rtt", "rtt-woken", "rtt-woken-between"] {
+        let l = row("loopback", op);
+        assert_eq!(l["samples"], 20, "{l}");
+        assert!(l["p50_us"].as_f64().is_some_and(|us| us > 0.0), "{l}");
+    }
+    let lifecycle = &report["lifecycle"];
+    assert_eq!(lifecycle["samples"], 20, "{lifecycle}");
+    let between = row("loopback", "rtt-woken-between")["p50_us"]
+        .as_f64()
+        .expect("a p50");
+    let p50 = lifecycle["p50_us"].as_f64().expect("a p50");
+    let note = lifecycle["note"].as_str().expect("a note");
+    let said: f64 = note
+        .split_once("x the round trip that wakes its peer measured between")
+        .and_then(|(head, _)| head.rsplit(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no ratio to the floor between the requests in: {note}"));
+    // The note rounds to 0.01, the JSON's p50s to 0.0001 µs.
+    let want = p50 / between;
+    assert!(
+        (said - want).abs() <= 0.01 + want * 1e-3,
+        "{note}: want {want:.3}"
+    );
 }
 
 #[test]

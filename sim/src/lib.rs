@@ -44,6 +44,7 @@
 //!
 //! [`Region`]: handoff_transport::Region
 
+pub mod agenda;
 pub mod chart;
 pub mod cli;
 pub mod config;

@@ -2,8 +2,8 @@
 //!
 //! Runtimes attach through [`SimAttach`] (the actors crate's [`Attach`]) and talk through a
 //! [`SimLink`] (its [`Link`]). Nothing is delivered at once: every control message, bootstrap
-//! answer, registration and data transfer becomes a timed event in one agenda, ordered by
-//! (virtual ms, sequence number), which the simulation's main loop runs as time reaches it.
+//! answer, registration and data transfer becomes a timed event in one [`Agenda`], ordered by
+//! virtual ms and then as scheduled, which the simulation's main loop runs as time reaches it.
 //! Every fault decision (loss, duplication, delay, partition, slow transfer, failed query)
 //! is drawn from the network's own seeded stream at the moment the message is sent, so the
 //! same seed makes the same decisions in the same order.
@@ -67,6 +67,8 @@ use handoff_bootstrap::registry::{Origin, RegisterOutcome, Registry};
 use handoff_bootstrap::{QueryAnswer, WorkerRecord};
 use handoff_net::peers::{Incarnation, PeerTable};
 use handoff_transport::data::{Access, GrantTable};
+
+use crate::agenda::Agenda;
 use handoff_transport::lease::Lease;
 use handoff_transport::zmtp::ConnId;
 use handoff_transport::Rank;
@@ -390,10 +392,7 @@ struct NetState {
     rng: Rng,
     /// Connection ends opened so far (each end's [`Conn::id`]).
     conns_opened: u64,
-    /// Boxed: the agenda is taken from its front, and a B-tree shifts a leaf's entries on
-    /// each removal, so small entries keep that cheap.
-    agenda: BTreeMap<(u64, u64), Box<NetEvent>>,
-    seq: u64,
+    agenda: Agenda<NetEvent>,
     wake_at: u64,
     stats: NetStats,
     hash: Fnv64,
@@ -469,8 +468,7 @@ impl SimNet {
             stop_in_gap: BTreeSet::new(),
             rng: Rng::fork(seed, "net"),
             conns_opened: 0,
-            agenda: BTreeMap::new(),
-            seq: 0,
+            agenda: Agenda::new(),
             wake_at: u64::MAX,
             stats: NetStats::default(),
             hash: Fnv64::new(),
@@ -511,7 +509,7 @@ impl SimNet {
 
     /// When the next network event is due.
     pub fn next_due(&self) -> Option<u64> {
-        self.lock().agenda.keys().next().map(|(t, _)| *t)
+        self.lock().agenda.next_time()
     }
 
     /// Gives worker `idx` (incarnation `inc`) its memory before its runtime attaches.
@@ -632,16 +630,11 @@ impl SimNet {
         st.bootstrap_up = true;
         // The frozen workers resume now: what they held back is posted now.
         let now = self.now_ms();
-        let held: Vec<(u64, u64)> = st
+        let held = st
             .agenda
-            .iter()
-            .filter(|((at, _), e)| *at > now && matches!(***e, NetEvent::Post(_)))
-            .map(|(k, _)| *k)
-            .collect();
-        for key in held {
-            if let Some(event) = st.agenda.remove(&key) {
-                self.push(&mut st, now, *event);
-            }
+            .take_after(now, |e| matches!(e, NetEvent::Post(_)));
+        for event in held {
+            self.push(&mut st, now, event);
         }
     }
 
@@ -675,9 +668,7 @@ impl SimNet {
     }
 
     fn push(&self, st: &mut NetState, at: u64, event: NetEvent) {
-        st.seq += 1;
-        let key = (at, st.seq);
-        st.agenda.insert(key, Box::new(event));
+        st.agenda.push(at, event);
         if at < st.wake_at {
             st.wake_at = at;
             self.notify.notify_one();
@@ -687,12 +678,8 @@ impl SimNet {
     /// Runs every event due at or before `now_ms`, in order.
     pub fn run_due(&self, now_ms: u64) {
         let mut st = self.lock();
-        while let Some(entry) = st.agenda.first_entry() {
-            if entry.key().0 > now_ms {
-                break;
-            }
-            let ((t, _), event) = entry.remove_entry();
-            self.run_event(&mut st, t, *event);
+        while let Some((t, event)) = st.agenda.pop_due(now_ms) {
+            self.run_event(&mut st, t, event);
         }
     }
 

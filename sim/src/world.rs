@@ -19,6 +19,7 @@ use handoff_actors::{
     State, TransferMode, TransportChoice,
 };
 
+use crate::agenda::Agenda;
 use crate::config::{Plane, Scripted, Shape, SimConfig, Target, SIM_BLOCK_TOKENS};
 use crate::net::{req_index, SimAttach, SimNet};
 use crate::pool::Pool;
@@ -161,8 +162,7 @@ pub(crate) struct World {
     workers: Vec<Worker>,
     prefill_groups: Vec<(u32, u32, Vec<usize>)>,
     decode_groups: Vec<(u32, u32, Vec<usize>)>,
-    agenda: BTreeMap<(u64, u64), Action>,
-    seq: u64,
+    agenda: Agenda<Action>,
     load: Rng,
     chaos: Rng,
     reqs: BTreeMap<u64, ReqRec>,
@@ -449,8 +449,7 @@ impl World {
             workers,
             prefill_groups,
             decode_groups,
-            agenda: BTreeMap::new(),
-            seq: 0,
+            agenda: Agenda::new(),
             reqs: BTreeMap::new(),
             deadlines: BTreeSet::new(),
             violations: Vec::new(),
@@ -539,8 +538,7 @@ impl World {
     }
 
     fn schedule(&mut self, at: u64, action: Action) {
-        self.seq += 1;
-        self.agenda.insert((at, self.seq), action);
+        self.agenda.push(at, action);
     }
 
     fn count(&mut self, what: &str) {
@@ -585,8 +583,8 @@ impl World {
     fn next_wake(&self, now: u64) -> u64 {
         let busy = self.workers.iter().any(|w| !w.handles.is_empty()) || !self.reqs.is_empty();
         let mut next = if busy { now + DRAIN_STEP_MS } else { u64::MAX };
-        if let Some((t, _)) = self.agenda.keys().next() {
-            next = next.min(*t);
+        if let Some(t) = self.agenda.next_time() {
+            next = next.min(t);
         }
         if let Some(t) = self.net.next_due() {
             next = next.min(t);
@@ -599,11 +597,7 @@ impl World {
     }
 
     async fn turn(&mut self, now: u64) {
-        while let Some(entry) = self.agenda.first_entry() {
-            if entry.key().0 > now {
-                break;
-            }
-            let action = entry.remove();
+        while let Some((_, action)) = self.agenda.pop_due(now) {
             self.act(now, action).await;
             if !self.violations.is_empty() {
                 return;
@@ -1726,7 +1720,7 @@ impl World {
     /// True while scripted faults are still to come (the safety phase lasts until then).
     fn pending_scripts(&self, now: u64) -> bool {
         self.scripted_partitions.iter().any(|p| p.0 > now)
-            || self.agenda.values().any(|a| {
+            || self.agenda.iter().any(|a| {
                 matches!(
                     a,
                     Action::Crash { .. } | Action::Restart { .. } | Action::Freeze { .. }
@@ -1778,7 +1772,7 @@ impl World {
         self.net.heal_all();
         self.settled_at = now + self.net.settle_ms();
         self.agenda
-            .retain(|_, a| !matches!(a, Action::FaultTick(_) | Action::BootstrapUp));
+            .retain(|a| !matches!(a, Action::FaultTick(_) | Action::BootstrapUp));
         self.trace
             .record(now, None, |s| s.write_str("liveness phase: faults off"));
         for w in 0..self.workers.len() {

@@ -329,7 +329,7 @@ impl WokenEcho {
         })
     }
 
-    /// One round trip of [`PING_BYTES`], µs.
+    /// One round trip of a small message (64 B, a control frame's size), µs.
     pub async fn ping(&mut self) -> Result<f64, String> {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let mut buf = [1u8; PING_BYTES];

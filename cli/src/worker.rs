@@ -43,6 +43,7 @@ use handoff_actors::{
 use handoff_gpu::checksum::{checksum64, fill_pattern};
 use handoff_gpu::DeviceBuffer;
 use handoff_net::{start_engine_runtime, DataTransport, EngineOptions, WorkerMemory};
+use handoff_transport::tcp::BusyPoll;
 use handoff_transport::tp::{HeadGeometry, HeadOrder};
 use handoff_transport::KvHeads;
 use serde_json::json;
@@ -224,11 +225,13 @@ pub struct WorkerArgs {
     #[arg(long, default_value_t = 1000)]
     pub heartbeat_ms: u64,
     /// TCP data plane: wait for bytes spinning up to this many microseconds before the
-    /// thread sleeps (each answer, each next frame). Lower one-block latency (on a 2-vCPU
-    /// VM, 16 KiB writes at p50 28-44 µs instead of 82-116) for the CPU spun: for workers
-    /// with cores to spare, not for cores an engine needs. 0 (the default) sleeps at once.
-    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1000))]
-    pub tcp_busy_poll_us: u64,
+    /// thread sleeps, on both sides (each small operation's answer, each next frame): lower
+    /// one-block latency for the CPU spun, for workers with cores to spare. 0 never spins.
+    /// Unset (the default), only a client spins, up to 100 µs, for the answer to an
+    /// operation of at most 256 KiB (one wake-up fewer per one-block transfer), and
+    /// nothing spins while idle.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=1000))]
+    pub tcp_busy_poll_us: Option<u64>,
     /// Heartbeats a peer may miss before it is lost (at least 2: the writer's lease over
     /// UCX runs from the last heartbeat the peer echoed).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(2..))]
@@ -447,7 +450,9 @@ async fn run_inner(a: WorkerArgs) -> Result<ExitCode, String> {
         },
         cuda_device: a.cuda_device,
         heartbeat_interval: Duration::from_millis(a.heartbeat_ms),
-        tcp_busy_poll: Duration::from_micros(a.tcp_busy_poll_us),
+        tcp_busy_poll: a.tcp_busy_poll_us.map_or_else(BusyPoll::default, |us| {
+            BusyPoll::both(Duration::from_micros(us))
+        }),
         heartbeats_missed_max: a.heartbeats_missed,
         timeouts,
         mode: match a.mode {

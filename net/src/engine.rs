@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use handoff_gpu::DeviceBuffer;
 use handoff_transport::auth::Key;
+use handoff_transport::tcp::BusyPoll;
 use handoff_transport::{RankInfo, Region, Role, TransferMode};
 
 use super::tcp::TcpDataPlane;
@@ -126,11 +127,13 @@ pub struct EngineOptions {
     /// `handoff_transport::priority::apply` in `on_thread_start`. Default: none (left as
     /// born).
     pub thread_nice: Option<i32>,
-    /// TCP data plane: wait for each answer (client) and each next frame (server) spinning
-    /// this long before the thread sleeps (at most `handoff_transport::tcp::BUSY_POLL_MAX`):
-    /// lower one-block latency for the CPU spun, for workers with cores to spare. Default:
-    /// zero (sleep at once), for cores shared with an engine.
-    pub tcp_busy_poll: Duration,
+    /// TCP data plane: how long a client waits for the answer to a small operation, and a
+    /// server for each next frame, spinning before the thread sleeps
+    /// (`handoff_transport::tcp::BusyPoll`). Default: the client spins up to 100 µs for
+    /// small operations' answers (one wake-up fewer per one-block transfer), the server
+    /// never; nothing spins while idle. `BusyPoll::both` for workers with cores to spare,
+    /// `BusyPoll::OFF` to never spin.
+    pub tcp_busy_poll: BusyPoll,
     /// Heartbeat interval on peer connections (clamped to [`HEARTBEAT_INTERVAL_MIN`] ..
     /// [`HEARTBEAT_INTERVAL_MAX`]).
     pub heartbeat_interval: Duration,
@@ -183,7 +186,7 @@ impl EngineOptions {
             transport: DataTransport::Auto,
             cuda_device: None,
             thread_nice: None,
-            tcp_busy_poll: Duration::ZERO,
+            tcp_busy_poll: BusyPoll::default(),
             heartbeat_interval: HEARTBEAT_INTERVAL_DEFAULT,
             heartbeats_missed_max: HEARTBEATS_MISSED_MAX_DEFAULT,
             register_timeout: REGISTER_TIMEOUT_DEFAULT,

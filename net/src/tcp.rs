@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use handoff_transport::auth::Key;
 use handoff_transport::data::DataError;
-use handoff_transport::tcp::{DataClient, DataServer, ServerConfig};
+use handoff_transport::tcp::{BusyPoll, DataClient, DataServer, ServerConfig};
 use handoff_transport::wire::messages::{LayoutDescriptor, TransportKind};
 use handoff_transport::{RankInfo, Region};
 
@@ -31,7 +31,7 @@ pub struct TcpDataPlane {
     grants: Arc<GrantTable>,
     clients: Arc<Mutex<BTreeMap<String, DataClient>>>,
     /// How long the server and the clients wait for bytes spinning before they sleep.
-    busy_poll: Duration,
+    busy_poll: BusyPoll,
 }
 
 impl TcpDataPlane {
@@ -44,23 +44,24 @@ impl TcpDataPlane {
         me: RankInfo,
         key: Option<Key>,
     ) -> Result<TcpDataPlane, DataError> {
-        Self::bind_with(listen, advertise_host, region, me, key, Duration::ZERO).await
+        Self::bind_with(listen, advertise_host, region, me, key, BusyPoll::default()).await
     }
 
-    /// [`TcpDataPlane::bind`] whose server and clients busy-poll for bytes up to
-    /// `busy_poll` before they sleep ([`EngineOptions::tcp_busy_poll`](crate::EngineOptions)).
+    /// [`TcpDataPlane::bind`] whose server and clients busy-poll for bytes as `busy_poll`
+    /// says before they sleep ([`EngineOptions::tcp_busy_poll`](crate::EngineOptions));
+    /// `bind` takes [`BusyPoll::default`].
     pub async fn bind_with(
         listen: &str,
         advertise_host: Option<&str>,
         region: Arc<Region>,
         me: RankInfo,
         key: Option<Key>,
-        busy_poll: Duration,
+        busy_poll: BusyPoll,
     ) -> Result<TcpDataPlane, DataError> {
         let listen = listen.strip_prefix("tcp://").unwrap_or(listen);
         let grants = Arc::new(GrantTable::default());
         let config = ServerConfig {
-            busy_poll,
+            busy_poll: busy_poll.server,
             ..ServerConfig::default()
         };
         let server = DataServer::bind_with(
@@ -123,7 +124,7 @@ impl TcpDataPlane {
         }
         let (id, addr, local) = (id.clone(), peer_layout.address.clone(), self.region.clone());
         let (clients, me, key) = (self.clients.clone(), self.me.clone(), self.key.clone());
-        let busy_poll = self.busy_poll;
+        let busy_poll = self.busy_poll.client;
         Box::pin(async move {
             let until = tokio::time::Instant::from_std(deadline);
             let client =

@@ -84,7 +84,7 @@ class Runtime:
         insecure: bool = False,
         metrics_listen: str | None = None,
         thread_nice: int | None = ...,
-        tcp_busy_poll_us: int = 0,
+        tcp_busy_poll_us: int | None = None,
     ) -> None: ...
     @property
     def metrics_address(self) -> str | None: ...

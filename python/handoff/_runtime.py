@@ -100,9 +100,12 @@ class Runtime:
     threads keep the engine's priority and the runtime logs that once. ``None`` leaves them
     as they are.
 
-    ``tcp_busy_poll_us`` (0..1000, default 0): over TCP, wait for bytes spinning that long
-    before the thread sleeps, for lower one-block latency at the price of the CPU spun; for
-    workers with cores to spare, not for cores the engine needs.
+    ``tcp_busy_poll_us`` (0..1000, or None, the default): over TCP, wait for bytes spinning
+    that long before the thread sleeps, on both sides (each small operation's answer, each
+    next frame), for lower one-block latency at the price of the CPU spun: for workers with
+    cores to spare; 0 never spins. ``None``: only a client spins, up to 100 µs, for the
+    answer to an operation of at most 256 KiB (one wake-up fewer per one-block transfer),
+    and nothing spins while the runtime is idle.
 
     ``kv_heads`` (the model's KV heads, all ``tp_size`` ranks together), ``head_size``
     (elements per head) and ``head_order`` (``"hnd"``: each head's tokens together;
@@ -149,7 +152,7 @@ class Runtime:
         insecure: bool = False,
         metrics_listen: str | None = None,
         thread_nice: int | None = THREAD_NICE_DEFAULT,
-        tcp_busy_poll_us: int = 0,
+        tcp_busy_poll_us: int | None = None,
     ) -> None:
         spec: KvSpec = kv_spec(kv_caches, num_blocks, device)
         t = dict(TIMEOUTS_DEFAULT)
@@ -170,8 +173,9 @@ class Runtime:
             "pp_size": pp_size,
             "heartbeat_ms": heartbeat_ms,
             "heartbeats_missed": heartbeats_missed,
-            "tcp_busy_poll_us": tcp_busy_poll_us,
         }
+        if tcp_busy_poll_us is not None:
+            ints["tcp_busy_poll_us"] = tcp_busy_poll_us
         for k, v in ints.items():
             _int(k, v)
         if admission is not None:

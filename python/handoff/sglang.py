@@ -452,7 +452,7 @@ class HandoffKVManager(BaseKVManager):
             admission=_env_int("HANDOFF_ADMISSION", None) if decode else None,
             insecure=_insecure(),
             thread_nice=_thread_nice(),
-            tcp_busy_poll_us=_env_int("HANDOFF_TCP_BUSY_POLL_US", 0) or 0,
+            tcp_busy_poll_us=_env_int("HANDOFF_TCP_BUSY_POLL_US", None),
         )
         log.info(
             "handoff %s %s rank tp%d/pp%d: %d KV ranges (layers %d..%d of %d), %d pages of "

@@ -73,8 +73,9 @@ Options (``kv_connector_extra_config``), every one optional but ``bootstrap``:
     logs that once); ``null`` leaves them as they are.
 ``tcp_busy_poll_us``
     Over TCP, wait for bytes spinning up to this many microseconds (0 to 1000) before the
-    runtime's thread sleeps: lower one-block latency for the CPU spun. Default 0; only for
-    servers with cores to spare.
+    runtime's thread sleeps, on both sides: lower one-block latency for the CPU spun, for
+    servers with cores to spare; 0 never spins. Unset (the default): only a client spins,
+    up to 100 µs, for the answer to a small operation, and nothing spins while idle.
 ``head_major``
     ``true`` (the default) asks vLLM for head-major KV blocks (``LBHNC``, as NixlConnector
     does), so that prefill and decode of different TP sizes move one piece per block and
@@ -530,7 +531,9 @@ class _WorkerSide:
             insecure=bool(x.get("insecure", False)),
             metrics_listen=x.get("metrics_listen"),
             thread_nice=x.get("thread_nice", handoff.THREAD_NICE_DEFAULT),
-            tcp_busy_poll_us=int(x.get("tcp_busy_poll_us", 0)),
+            tcp_busy_poll_us=(
+                None if x.get("tcp_busy_poll_us") is None else int(x["tcp_busy_poll_us"])
+            ),
         )
         log.info(
             "handoff %s %s: %d KV ranges (layers %d..%d of %d), %d blocks of %d tokens",

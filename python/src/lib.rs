@@ -541,7 +541,7 @@ impl Runtime {
         data_listen="127.0.0.1:0", advertise_host=None, bootstrap_s=300.0, waiting_s=300.0,
         transfer_s=60.0, pull_ttl_s=480.0, register_timeout_s=30.0, heartbeat_ms=5000,
         heartbeats_missed=6, secret_file=None, admission=None, keep=None, insecure=false,
-        metrics_listen=None, thread_nice=Some(THREAD_NICE_DEFAULT), tcp_busy_poll_us=0
+        metrics_listen=None, thread_nice=Some(THREAD_NICE_DEFAULT), tcp_busy_poll_us=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -582,7 +582,7 @@ impl Runtime {
         insecure: bool,
         metrics_listen: Option<String>,
         thread_nice: Option<i32>,
-        tcp_busy_poll_us: u64,
+        tcp_busy_poll_us: Option<u64>,
     ) -> PyResult<Runtime> {
         let err = |f: Failure| f.into_py(py);
         let Settings {
@@ -621,12 +621,14 @@ impl Runtime {
         }
         opts.thread_nice = thread_nice;
         let most = handoff_transport::tcp::BUSY_POLL_MAX.as_micros() as u64;
-        if tcp_busy_poll_us > most {
+        if let Some(us) = tcp_busy_poll_us.filter(|&us| us > most) {
             return Err(err(Failure::invalid(format!(
-                "tcp_busy_poll_us is 0 to {most} microseconds, not {tcp_busy_poll_us}"
+                "tcp_busy_poll_us is 0 to {most} microseconds (or None), not {us}"
             ))));
         }
-        opts.tcp_busy_poll = Duration::from_micros(tcp_busy_poll_us);
+        if let Some(us) = tcp_busy_poll_us {
+            opts.tcp_busy_poll = handoff_transport::tcp::BusyPoll::both(Duration::from_micros(us));
+        }
         let spec = memory::Spec {
             ranges,
             num_blocks,

@@ -41,7 +41,7 @@ def main() -> None:
         heartbeat_ms=cfg.get("heartbeat_ms", 200),
         heartbeats_missed=cfg.get("heartbeats_missed", 3),
         timeouts=cfg.get("timeouts"),
-        tcp_busy_poll_us=cfg.get("tcp_busy_poll_us", 0),
+        tcp_busy_poll_us=cfg.get("tcp_busy_poll_us"),
     )
     emit(event="ready", transport=rt.transport, control=rt.control_address)
     handles: dict[str, object] = {}

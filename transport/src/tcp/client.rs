@@ -49,7 +49,8 @@ struct Inner {
     pool: Mutex<Vec<(Conn, Instant)>>,
     /// One permit per connection that may exist.
     permits: Arc<Semaphore>,
-    /// How long a call waits for each answer spinning before it sleeps.
+    /// How long a call waits for the answer to an operation of at most
+    /// [`SPIN_OP_BYTES_MAX`](super::SPIN_OP_BYTES_MAX) bytes spinning before it sleeps.
     busy_poll: Duration,
 }
 
@@ -79,17 +80,21 @@ impl std::fmt::Debug for DataClient {
 
 impl DataClient {
     /// Connects to the data server at `addr` as `me`, within `timeout`. `key`: sign every
-    /// frame with it and require the server's frames signed.
+    /// frame with it and require the server's frames signed. Each call waits for the
+    /// answer to a small operation spinning up to
+    /// [`CLIENT_BUSY_POLL_DEFAULT`](super::CLIENT_BUSY_POLL_DEFAULT) (see
+    /// [`BusyPoll`](super::BusyPoll)).
     pub async fn connect(
         addr: &str,
         me: RankInfo,
         key: Option<Key>,
         timeout: Duration,
     ) -> Result<DataClient, DataError> {
-        Self::connect_with(addr, me, key, timeout, Duration::ZERO).await
+        Self::connect_with(addr, me, key, timeout, super::CLIENT_BUSY_POLL_DEFAULT).await
     }
 
-    /// [`DataClient::connect`], each call waiting for its answers spinning up to
+    /// [`DataClient::connect`], each call waiting for the answer to an operation of at
+    /// most [`SPIN_OP_BYTES_MAX`](super::SPIN_OP_BYTES_MAX) bytes spinning up to
     /// `busy_poll` (at most [`BUSY_POLL_MAX`](super::BUSY_POLL_MAX)) before it sleeps:
     /// lower one-block latency for the price of CPU. Zero: sleep at once.
     pub async fn connect_with(
@@ -552,10 +557,12 @@ impl Conn {
             let mut answer = Vec::new();
             for (k, range) in plan.ops.iter().enumerate() {
                 let seq = base.wrapping_add(k as u32);
-                busy_poll(r, inner.busy_poll);
+                let bytes = plan.op_bytes(k);
+                if bytes <= super::SPIN_OP_BYTES_MAX {
+                    busy_poll(r, inner.busy_poll);
+                }
                 let head =
                     read_head(r, opener.as_mut(), &mut answer, peer, "awaiting an answer").await?;
-                let bytes = plan.op_bytes(k);
                 match (head.op, access) {
                     (Op::Error, _) => return Err(refusal(peer, &answer)),
                     (Op::WriteOk, Access::Write) if head.seq == seq => {}

@@ -216,8 +216,8 @@ pub(super) async unsafe fn write_frame_raw(
 /// of letting the thread sleep until they come: a peek, nothing is read; the caller reads
 /// as usual afterwards. Waking a sleeping thread costs tens of microseconds on a virtual
 /// machine, more than a loopback answer takes, so a one-block transfer answered within the
-/// budget is met awake, at the price of the CPU spun (opt-in: cores shared with an engine
-/// are better left to it).
+/// budget is met awake, at the price of the CPU spun (where each side spins, and for how
+/// long: [`super::BusyPoll`]).
 pub(super) fn busy_poll(r: &OwnedReadHalf, budget: std::time::Duration) {
     if budget.is_zero() {
         return;

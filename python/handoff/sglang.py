@@ -92,8 +92,9 @@ Options, as environment variables of both servers (SGLang has no per-backend con
     keep SGLang's and the runtime logs that once); ``none`` leaves them as they are.
 ``HANDOFF_TCP_BUSY_POLL_US``
     Over TCP, wait for bytes spinning up to this many microseconds (0 to 1000) before the
-    runtime's thread sleeps: lower one-block latency for the CPU spun. Default 0; only for
-    servers with cores to spare.
+    runtime's thread sleeps, on both sides: lower one-block latency for the CPU spun, for
+    servers with cores to spare; 0 never spins. Unset (the default): only a client spins,
+    up to 100 µs, for the answer to a small operation, and nothing spins while idle.
 ``HANDOFF_SEND_DELAY_MS``
     Fault injection for tests: prefill hands its pages to handoff this long after its
     last chunk, as a slow prefill would.

@@ -13,7 +13,7 @@ use data_common::{
     checksum, fill, format_ids, ids, parse_ids, say, stdin_lines, ChildPeer, Rng, TableGrants,
 };
 use handoff_transport::data::{Access, DataError, RefusalCode};
-use handoff_transport::tcp::{DataClient, DataServer};
+use handoff_transport::tcp::{DataClient, DataServer, CLIENT_BUSY_POLL_DEFAULT};
 use handoff_transport::{BlockId, RankInfo, Region, RequestId};
 
 const CHILD_ENV: &str = "HANDOFF_TCP_CHILD";
@@ -110,6 +110,8 @@ async fn two_processes_push_and_pull_permuted_blocks_with_matching_checksums() {
     let c = DataClient::connect(&addr, RankInfo::single("prefill"), None, STEP)
         .await
         .unwrap();
+    // A server in another process: each small operation's answer is met spinning.
+    assert_eq!(c.busy_poll(), CLIENT_BUSY_POLL_DEFAULT);
     let local = Region::new(BLOCKS, BLOCK_BYTES).unwrap();
     fill(&local, 42);
     let r1 = RequestId::new("r1");
@@ -121,6 +123,19 @@ async fn two_processes_push_and_pull_permuted_blocks_with_matching_checksums() {
         .unwrap();
     let remote_sum = child.ask(&format!("checksum {}", format_ids(&dst)), STEP);
     assert_eq!(remote_sum, format!("checksum {}", checksum(&local, &src)));
+    // One block at a time (operations small enough to spin for), written and read back.
+    let one = ids(n - 16..n);
+    let back = Region::new(BLOCKS, BLOCK_BYTES).unwrap();
+    for (k, b) in one.iter().enumerate() {
+        let at = [dst[k]];
+        c.write(&r1, &local, &[*b], &at, Instant::now() + STEP)
+            .await
+            .unwrap();
+        c.read(&r1, &back, &at, &[*b], Instant::now() + STEP)
+            .await
+            .unwrap();
+    }
+    assert_eq!(checksum(&back, &one), checksum(&local, &one));
 
     // Pull: the child fills its region; we read a permutation into ours.
     assert_eq!(child.ask("fill 77", STEP), "filled");

@@ -96,7 +96,9 @@ impl DataClient {
     /// [`DataClient::connect`], each call waiting for the answer to an operation of at
     /// most [`SPIN_OP_BYTES_MAX`](super::SPIN_OP_BYTES_MAX) bytes spinning up to
     /// `busy_poll` (at most [`BUSY_POLL_MAX`](super::BUSY_POLL_MAX)) before it sleeps:
-    /// lower one-block latency for the price of CPU. Zero: sleep at once.
+    /// lower one-block latency for the price of CPU. Zero: sleep at once. A client of a
+    /// data server in its own process never spins (it would hold a worker that server
+    /// needs).
     pub async fn connect_with(
         addr: &str,
         me: RankInfo,
@@ -116,6 +118,14 @@ impl DataClient {
             .next()
             .ok_or_else(|| connect_error("name resolves to no address".into()))?;
         let (conn, server) = open(resolved, &me, key.as_ref(), addr, deadline).await?;
+        // A server in this process answers on this runtime's own workers: spinning for
+        // its answers would hold one of them from it.
+        let here = match (conn.r.local_addr(), conn.r.peer_addr()) {
+            (Ok(local), Ok(peer)) => super::server::served_by_this_process(local, peer),
+            _ => false,
+        };
+        let busy_poll = if here { Duration::ZERO } else { busy_poll };
+        tracing::debug!(peer = %addr, served_here = here, spin = ?busy_poll, "data client connected");
         let inner = Inner {
             addr: resolved,
             peer: format!("{}@{addr}", server.rank),
@@ -129,6 +139,12 @@ impl DataClient {
         Ok(DataClient {
             inner: Arc::new(inner),
         })
+    }
+
+    /// How long each call waits for the answer to a small operation spinning: what it was
+    /// connected with, or zero for a server in this process.
+    pub fn busy_poll(&self) -> Duration {
+        self.inner.busy_poll
     }
 
     /// The server's name, `engine/rank@address`.
@@ -559,7 +575,7 @@ impl Conn {
                 let seq = base.wrapping_add(k as u32);
                 let bytes = plan.op_bytes(k);
                 if bytes <= super::SPIN_OP_BYTES_MAX {
-                    busy_poll(r, inner.busy_poll);
+                    busy_poll(r, inner.busy_poll).await;
                 }
                 let head =
                     read_head(r, opener.as_mut(), &mut answer, peer, "awaiting an answer").await?;

@@ -212,13 +212,16 @@ pub(super) async unsafe fn write_frame_raw(
     Ok(())
 }
 
-/// Spins up to `budget` (at most [`super::BUSY_POLL_MAX`]) until bytes wait on `r`, instead
-/// of letting the thread sleep until they come: a peek, nothing is read; the caller reads
-/// as usual afterwards. Waking a sleeping thread costs tens of microseconds on a virtual
-/// machine, more than a loopback answer takes, so a one-block transfer answered within the
-/// budget is met awake, at the price of the CPU spun (where each side spins, and for how
-/// long: [`super::BusyPoll`]).
-pub(super) fn busy_poll(r: &OwnedReadHalf, budget: std::time::Duration) {
+/// Waits up to `budget` (at most [`super::BUSY_POLL_MAX`]) for bytes on `r` without letting
+/// the thread sleep: a peek (nothing is read; the caller reads as usual afterwards), then a
+/// yield to the runtime, until bytes wait or the budget is spent. Waking a sleeping thread
+/// costs tens of microseconds on a virtual machine, more than a loopback answer takes, so a
+/// one-block transfer answered within the budget is met awake, at the price of the CPU spun
+/// (where each side spins, and for how long: [`super::BusyPoll`]). Yielding, not spinning
+/// in place: the worker runs its other ready tasks meanwhile (the peer's server, when it
+/// lives in this runtime) and polls its IO driver without blocking, so the spin never
+/// holds up the work it waits for.
+pub(super) async fn busy_poll(r: &OwnedReadHalf, budget: std::time::Duration) {
     if budget.is_zero() {
         return;
     }
@@ -247,7 +250,7 @@ pub(super) fn busy_poll(r: &OwnedReadHalf, budget: std::time::Duration) {
         if std::time::Instant::now() >= until {
             return;
         }
-        std::hint::spin_loop();
+        tokio::task::yield_now().await;
     }
 }
 

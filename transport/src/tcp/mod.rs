@@ -109,7 +109,10 @@ pub const SPIN_OP_BYTES_MAX: usize = 256 << 10;
 /// The default spins only where it pays and only while a transfer is in flight: a client
 /// for the answer to a small operation ([`CLIENT_BUSY_POLL_DEFAULT`], [`SPIN_OP_BYTES_MAX`]);
 /// a server never (it would spin after every frame, and its cores are usually an
-/// engine's). An idle runtime never spins. [`BusyPoll::both`] also has the server wait
+/// engine's). An idle runtime never spins, and neither does a client of a server in its
+/// own process (two runtimes of one process: the spin would hold a worker the server needs;
+/// measured so, it slowed a request between them). A spin yields to the runtime between
+/// its looks, so the worker's other tasks run meanwhile. [`BusyPoll::both`] also has the server wait
 /// for each next frame spinning (lower one-block latency still, for the CPU spun, on
 /// workers with cores to spare); [`BusyPoll::OFF`] never spins.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

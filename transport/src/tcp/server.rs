@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::io::AsyncReadExt;
@@ -139,7 +139,28 @@ impl Drop for DataServer {
     fn drop(&mut self) {
         // Aborting the accept task drops its JoinSet, which aborts every connection task.
         self.task.abort();
+        let mut ports = listening_here();
+        if let Some(n) = ports.get_mut(&self.local_addr.port()) {
+            *n -= 1;
+            if *n == 0 {
+                ports.remove(&self.local_addr.port());
+            }
+        }
     }
+}
+
+/// The ports this process's data servers listen on, each with how many servers.
+fn listening_here() -> std::sync::MutexGuard<'static, BTreeMap<u16, usize>> {
+    static PORTS: Mutex<BTreeMap<u16, usize>> = Mutex::new(BTreeMap::new());
+    PORTS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Whether a connection from `local` to `peer` reaches a data server of this process: the
+/// same host (a connection to this host leaves from the address it reaches) and a port one
+/// of this process's servers listens on. Such a server is served by the same runtime's
+/// workers as its client, so a client spinning for its answer would hold one of them.
+pub(super) fn served_by_this_process(local: SocketAddr, peer: SocketAddr) -> bool {
+    local.ip() == peer.ip() && listening_here().contains_key(&peer.port())
 }
 
 impl DataServer {
@@ -187,6 +208,7 @@ impl DataServer {
             next_connection: AtomicU64::new(0),
         });
         let task = tokio::spawn(accept_loop(listener, Arc::clone(&shared)));
+        *listening_here().entry(local_addr.port()).or_default() += 1;
         tracing::debug!(%local_addr, me = %shared.me, "data server listening");
         Ok(DataServer {
             local_addr,
@@ -544,7 +566,7 @@ impl Conn<'_> {
 
     async fn serve(&mut self) -> End {
         loop {
-            busy_poll(&self.r, self.shared.config.busy_poll);
+            busy_poll(&self.r, self.shared.config.busy_poll).await;
             let mut first = [0u8; 1];
             // Wait for the next frame's first byte under the idle limit, the rest under the
             // frame limit: a stalled peer holds a connection for bounded time.

@@ -475,9 +475,7 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
         layered_ranges: None,
         registered: args.host_memory == HostMemory::Registered,
         lease_cost: args.lease_cost,
-        tcp_busy_poll: args.tcp_busy_poll_us.map_or_else(BusyPoll::default, |us| {
-            BusyPoll::both(Duration::from_micros(us))
-        }),
+        tcp_busy_poll: BusyPoll::from_micros(args.tcp_busy_poll_us),
     };
     let mut plan = plan;
     if let Some(layers) = args.layers {

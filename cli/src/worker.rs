@@ -450,9 +450,7 @@ async fn run_inner(a: WorkerArgs) -> Result<ExitCode, String> {
         },
         cuda_device: a.cuda_device,
         heartbeat_interval: Duration::from_millis(a.heartbeat_ms),
-        tcp_busy_poll: a.tcp_busy_poll_us.map_or_else(BusyPoll::default, |us| {
-            BusyPoll::both(Duration::from_micros(us))
-        }),
+        tcp_busy_poll: BusyPoll::from_micros(a.tcp_busy_poll_us),
         heartbeats_missed_max: a.heartbeats_missed,
         timeouts,
         mode: match a.mode {

@@ -626,9 +626,7 @@ impl Runtime {
                 "tcp_busy_poll_us is 0 to {most} microseconds (or None), not {us}"
             ))));
         }
-        if let Some(us) = tcp_busy_poll_us {
-            opts.tcp_busy_poll = handoff_transport::tcp::BusyPoll::both(Duration::from_micros(us));
-        }
+        opts.tcp_busy_poll = handoff_transport::tcp::BusyPoll::from_micros(tcp_busy_poll_us);
         let spec = memory::Spec {
             ranges,
             num_blocks,

@@ -218,9 +218,8 @@ pub(super) async unsafe fn write_frame_raw(
 /// costs tens of microseconds on a virtual machine, more than a loopback answer takes, so a
 /// one-block transfer answered within the budget is met awake, at the price of the CPU spun
 /// (where each side spins, and for how long: [`super::BusyPoll`]). Yielding, not spinning
-/// in place: the worker runs its other ready tasks meanwhile (the peer's server, when it
-/// lives in this runtime) and polls its IO driver without blocking, so the spin never
-/// holds up the work it waits for.
+/// in place: the worker runs its other ready tasks meanwhile and polls its IO driver
+/// without blocking.
 pub(super) async fn busy_poll(r: &OwnedReadHalf, budget: std::time::Duration) {
     if budget.is_zero() {
         return;

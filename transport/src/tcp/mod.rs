@@ -110,8 +110,8 @@ pub const SPIN_OP_BYTES_MAX: usize = 256 << 10;
 /// for the answer to a small operation ([`CLIENT_BUSY_POLL_DEFAULT`], [`SPIN_OP_BYTES_MAX`]);
 /// a server never (it would spin after every frame, and its cores are usually an
 /// engine's). An idle runtime never spins, and neither does a client of a server in its
-/// own process (two runtimes of one process: the spin would hold a worker the server needs;
-/// measured so, it slowed a request between them). A spin yields to the runtime between
+/// own process (two runtimes of one process: the spin would hold a worker the server
+/// needs). A spin yields to the runtime between
 /// its looks, so the worker's other tasks run meanwhile. [`BusyPoll::both`] also has the server wait
 /// for each next frame spinning (lower one-block latency still, for the CPU spun, on
 /// workers with cores to spare); [`BusyPoll::OFF`] never spins.
@@ -137,6 +137,14 @@ impl BusyPoll {
             client: spin,
             server: spin,
         }
+    }
+
+    /// An operator's setting (`--tcp-busy-poll-us`, `tcp_busy_poll_us`): unset is the
+    /// default, a number of microseconds is [`BusyPoll::both`] of it.
+    pub fn from_micros(micros: Option<u64>) -> BusyPoll {
+        micros.map_or_else(BusyPoll::default, |us| {
+            BusyPoll::both(Duration::from_micros(us))
+        })
     }
 }
 
@@ -168,6 +176,8 @@ mod tests {
         assert_eq!(default.client, CLIENT_BUSY_POLL_DEFAULT);
         assert!(default.server.is_zero());
         assert_eq!(BusyPoll::both(Duration::ZERO), BusyPoll::OFF);
+        assert_eq!(BusyPoll::from_micros(None), default);
+        assert_eq!(BusyPoll::from_micros(Some(0)), BusyPoll::OFF);
         let spin = Duration::from_micros(250);
         assert_eq!(
             BusyPoll::both(spin),

@@ -193,11 +193,13 @@ pub struct BenchArgs {
     /// for the answer to an operation of at most 256 KiB.
     #[arg(long, value_parser = clap::value_parser!(u64).range(0..=1000))]
     pub tcp_busy_poll_us: Option<u64>,
-    /// How UCX gets host regions: `allocated` by UCX (same-host peers map it through shared
-    /// memory), or heap memory `registered` by address, as an engine's tensors are (UCX
-    /// 1.13 emulates RMA into it with active messages the peer's UCX thread serves).
-    #[arg(long, value_enum, default_value = "allocated")]
-    pub host_memory: HostMemory,
+    /// How UCX gets host regions: heap memory `registered` by address, as an engine's
+    /// tensors are and as the NIXL and Mooncake references register theirs (the default
+    /// between host memory: the runtime moves it by same-host copies), or `allocated` by
+    /// UCX (same-host peers' UCX maps it through shared memory; the default when either
+    /// side is CUDA).
+    #[arg(long, value_enum)]
+    pub host_memory: Option<HostMemory>,
     /// Block sizes to measure, KiB, comma-separated (default 16, 128, 1024, 4096, plus
     /// the `--layers` sizes).
     #[arg(long, value_delimiter = ',')]
@@ -473,7 +475,13 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
         cuda_device: args.cuda_device,
         block_sizes: Vec::new(),
         layered_ranges: None,
-        registered: args.host_memory == HostMemory::Registered,
+        registered: match args.host_memory {
+            Some(memory) => memory == HostMemory::Registered,
+            None => {
+                args.memory == BenchMemory::Host
+                    && args.peer_memory.unwrap_or(args.memory) == BenchMemory::Host
+            }
+        },
         lease_cost: args.lease_cost,
         tcp_busy_poll: BusyPoll::from_micros(args.tcp_busy_poll_us),
     };
@@ -567,16 +575,16 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
         report.notes.push(if plan.cuda_ipc() {
             format!("ucx rows between device memory are device copies through the peer's CUDA IPC handles (cuMemcpyAsync, bounds from the driver), as the runtime makes them with a verified peer on its host; {}=0 measures UCX's own operations (cuda_ipc)", handoff_net::SAME_HOST_ENV)
         } else if plan.same_host() {
-            format!("ucx rows between registered host memory are same-host copies (kernel cross-memory attach, process_vm_readv/writev), as the runtime makes them with a verified peer on its host whose memory is registered; {}=0 measures UCX's own operations", handoff_net::SAME_HOST_ENV)
+            format!("ucx rows between registered host memory are same-host copies (kernel cross-memory attach, process_vm_readv/writev; one copy split over up to {} threads, one per whole MiB, at most this host's cores), as the runtime makes them with a verified peer on its host whose memory is registered; {}=0 measures UCX's own operations", handoff_transport::same_host::LANES_MAX, handoff_net::SAME_HOST_ENV)
         } else if plan.uses_cuda() || !handoff_net::same_host_copies_enabled() {
             "ucx rows are UCX operations (same-host copies off, or device memory)".into()
         } else {
-            "ucx rows are UCX operations: memory UCX allocated, which the peer's UCX maps through shared memory (the runtime makes same-host copies only into registered memory: --host-memory registered)".into()
+            "ucx rows are UCX operations: memory UCX allocated, which the peer's UCX maps through shared memory (--host-memory allocated; the runtime makes same-host copies only with registered memory, an engine's)".into()
         });
     }
     if plan.registered {
         report.notes.push(
-            "UCX host regions are heap memory registered by address, range by range, as an engine's tensors (--host-memory registered). Without same-host copies, UCX (1.13 through 1.2x) has no cma lane for RMA under peer-failure handling, so it emulates RMA into them with active messages over shared memory that the peer's UCX thread serves".into(),
+            "UCX host regions are heap memory registered by address, range by range, as an engine's tensors (--host-memory registered, the default between host memory). Without same-host copies, UCX (1.13 through 1.2x) has no cma lane for RMA under peer-failure handling, so it emulates RMA into them with active messages over shared memory that the peer's UCX thread serves".into(),
         );
     }
     if let Some(ranges) = plan.layered_ranges {

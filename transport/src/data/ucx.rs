@@ -2004,7 +2004,10 @@ fn copy_same_host(
                 .collect();
             unsafe { same_host::read_gathered(process, pieces, &within, deadline) }
         } else {
-            unsafe { same_host::copy(process, way, pieces, deadline, lease) }
+            // A large copy runs in lanes, one thread each: the kernel copies in the
+            // calling thread, so a single one caps the copy at one core's memcpy.
+            let lanes = same_host::lanes_for(bytes);
+            unsafe { same_host::copy_in_lanes(process, way, pieces, deadline, lease, lanes) }
         };
         copied.map_err(|error| DataError::SameHost {
             peer: peer.name.clone(),

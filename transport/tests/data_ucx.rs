@@ -179,6 +179,28 @@ async fn blocks_outside_the_descriptor_and_bad_descriptors_are_refused_before_po
         .await
         .unwrap_err();
     assert!(matches!(err, DataError::Region(_)), "{err}");
+    // One of our blocks read into twice (a copy's lanes would write it at once).
+    let local = plane.region();
+    let ours_before = checksum(local, &ids(0..BLOCKS));
+    let err = plane
+        .read(
+            &r,
+            &peer,
+            &[BlockId(1), BlockId(2), BlockId(3)],
+            &[BlockId(5), BlockId(4), BlockId(5)],
+            deadline(),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, DataError::Mismatch { detail } if detail.contains("block #5 listed twice")),
+        "{err}"
+    );
+    assert_eq!(
+        checksum(local, &ids(0..BLOCKS)),
+        ours_before,
+        "nothing was read"
+    );
     // A descriptor that claims more than the peer registered: our check passes, UCX's own
     // rkey bounds would refuse it; we never send it (pretend the region is one block short
     // instead, and check the last block is refused).

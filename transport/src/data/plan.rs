@@ -66,6 +66,23 @@ pub fn check_lists(local: &[BlockId], remote: &[BlockId]) -> Result<(), DataErro
     Ok(())
 }
 
+/// Checks that no block is listed twice as a destination: the bytes moved into one block
+/// twice, perhaps at once (a copy's lanes, operations in flight), would be undefined.
+pub fn check_destinations(blocks: &[BlockId]) -> Result<(), DataError> {
+    // Allocators mostly hand out ascending runs: skip the sort when the list is one.
+    if blocks.windows(2).all(|w| w[0] < w[1]) {
+        return Ok(());
+    }
+    let mut sorted = blocks.to_vec();
+    sorted.sort_unstable();
+    match sorted.windows(2).find(|w| w[0] == w[1]) {
+        Some(w) => Err(DataError::Mismatch {
+            detail: format!("destination block {} listed twice", w[0]),
+        }),
+        None => Ok(()),
+    }
+}
+
 /// Checks how many slices of every block a call moves: at most [`SLICES_PER_CALL_MAX`].
 pub fn check_slices(slices: usize) -> Result<(), DataError> {
     if slices > SLICES_PER_CALL_MAX {
@@ -233,6 +250,19 @@ mod tests {
 
     fn ids(v: &[u32]) -> Vec<BlockId> {
         v.iter().map(|&b| BlockId(b)).collect()
+    }
+
+    #[test]
+    fn a_destination_listed_twice_is_refused_by_name() {
+        assert!(check_destinations(&[]).is_ok());
+        assert!(check_destinations(&ids(&[0, 1, 7])).is_ok());
+        assert!(check_destinations(&ids(&[9, 1, 7])).is_ok());
+        let err = check_destinations(&ids(&[9, 1, 7, 1])).unwrap_err();
+        assert!(
+            matches!(&err, DataError::Mismatch { detail } if detail == "destination block #1 listed twice"),
+            "{err}"
+        );
+        assert!(check_destinations(&ids(&[3, 3])).is_err());
     }
 
     /// Whole blocks of `block_bytes` on both sides, paired as a call with no slices is.

@@ -819,6 +819,10 @@ impl UcxDataPlane {
     ) -> Result<(), DataError> {
         let started = Instant::now();
         plan::check_lists(local, remote)?;
+        if direction == Direction::Get {
+            // Reads land in our blocks, a copy's lanes at once.
+            plan::check_destinations(local)?;
+        }
         self.region.check_blocks(local)?;
         let at = check_peer(peer, remote, self.region.block_bytes(), slices, direction)?;
         if local.is_empty() {

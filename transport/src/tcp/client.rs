@@ -298,13 +298,7 @@ impl DataClient {
         }
         if !write {
             // Reads land directly in these blocks, through one mutable buffer per piece.
-            let mut sorted = local.to_vec();
-            sorted.sort_unstable();
-            if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
-                return Err(DataError::Mismatch {
-                    detail: format!("destination block {} listed twice", w[0]),
-                });
-            }
+            plan::check_destinations(local)?;
         }
         let pieces: Vec<Piece> = at
             .iter()

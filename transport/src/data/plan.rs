@@ -166,6 +166,21 @@ impl Sliced {
                 remote_block_bytes,
             )?]);
         }
+        // Two slices into the same bytes of a destination block would write them twice,
+        // perhaps at once (a read's pieces are buffers of ours, a copy's lanes run together).
+        let mut into: Vec<(usize, usize)> = slices.iter().map(|s| (s.dst_offset, s.len)).collect();
+        into.sort_unstable();
+        if let Some(w) = into
+            .windows(2)
+            .find(|w| w[0].0.saturating_add(w[0].1) > w[1].0)
+        {
+            return Err(DataError::Mismatch {
+                detail: format!(
+                    "slices overlap in the destination block: [{}, +{}) and [{}, +{})",
+                    w[0].0, w[0].1, w[1].0, w[1].1
+                ),
+            });
+        }
         slices
             .iter()
             .map(|slice| Sliced::new(*slice, write, local_block_bytes, remote_block_bytes))
@@ -250,6 +265,28 @@ mod tests {
 
     fn ids(v: &[u32]) -> Vec<BlockId> {
         v.iter().map(|&b| BlockId(b)).collect()
+    }
+
+    #[test]
+    fn slices_into_the_same_destination_bytes_are_refused_by_name() {
+        let slice = |src_offset, dst_offset, len| crate::BlockSlice {
+            src_offset,
+            dst_offset,
+            len,
+        };
+        // Side by side, in any order, and from overlapping sources: fine.
+        let fine = [slice(0, 64, 64), slice(0, 0, 64), slice(32, 128, 32)];
+        for write in [true, false] {
+            assert_eq!(Sliced::all(&fine, write, 256, 256, "p").unwrap().len(), 3);
+        }
+        let overlapping = [slice(0, 0, 64), slice(64, 200, 32), slice(128, 63, 16)];
+        for write in [true, false] {
+            let err = Sliced::all(&overlapping, write, 256, 256, "p").unwrap_err();
+            assert!(
+                matches!(&err, DataError::Mismatch { detail } if detail.contains("[0, +64) and [63, +16)")),
+                "{err}"
+            );
+        }
     }
 
     #[test]

@@ -642,7 +642,8 @@ fn local_slices_mut<'a>(
     segments
         .iter()
         // SAFETY: as in `local_slices`; no two pieces overlap (`plan` refused a
-        // destination block listed twice), so neither do their segments.
+        // destination block listed twice, `Sliced::all` slices that overlap in the
+        // destination block), so neither do their segments.
         .map(|seg| Ok(IoSliceMut::new(unsafe { region.host_bytes_mut(seg) }?)))
         .collect()
 }

@@ -362,7 +362,7 @@ fn split_runs(pieces: &[Piece], share: u64) -> Vec<Vec<Piece>> {
 pub const LANE_RUN_BYTES: u64 = 256 << 10;
 
 /// [`copy`] split over `lanes` threads: this one and, for the call, `lanes - 1` more. The
-/// pieces are cut into runs of [`LANE_RUN_BYTES`] ([`split_runs`]), and each lane takes the
+/// pieces are cut into runs of [`LANE_RUN_BYTES`], and each lane takes the
 /// next run until none is left, so a lane stopped by the host for a while leaves its share
 /// to the others; every run is moved by [`copy`], with its checks before each call. The
 /// call returns once every lane has ended, so nothing of it runs after; a lane that fails

@@ -577,6 +577,26 @@ pub unsafe fn read_gathered(
     within: &[(u64, u64)],
     deadline: Instant,
 ) -> Result<u64, SameHostError> {
+    // A piece longer than one call is read in parts of one call each: every span must fit
+    // the scratch buffer, which holds one call.
+    let parts: Vec<Piece>;
+    let pieces = if pieces.iter().any(|p| p.len > BYTES_PER_CALL_MAX) {
+        parts = pieces
+            .iter()
+            .flat_map(|p| {
+                (0..p.len)
+                    .step_by(BYTES_PER_CALL_MAX)
+                    .map(move |off| Piece {
+                        local: p.local + off as u64,
+                        remote: p.remote + off as u64,
+                        len: (p.len - off).min(BYTES_PER_CALL_MAX),
+                    })
+            })
+            .collect();
+        &parts[..]
+    } else {
+        pieces
+    };
     let total: u64 = pieces.iter().map(|p| p.len as u64).sum();
     let pid = peer.pid;
     let mut order: Vec<usize> = (0..pieces.len()).collect();
@@ -633,6 +653,17 @@ pub unsafe fn read_gathered(
             });
             bytes += len;
             next += 1;
+        }
+        if next == at {
+            // Cannot happen (every span fits): never call with nothing to read, again.
+            return Err(SameHostError::Copy {
+                op: "process_vm_readv",
+                pid,
+                remote: spans[at].0,
+                len: (spans[at].1 - spans[at].0) as usize,
+                moved,
+                error: "a span longer than the scratch buffer".into(),
+            });
         }
         let local = libc::iovec {
             iov_base: scratch.as_mut_ptr().cast(),
@@ -899,6 +930,29 @@ mod tests {
             let at = (p.local - dst.as_ptr() as u64) as usize;
             let from = (p.remote - base) as usize;
             assert_eq!(dst[at..at + LEN], src[from..from + LEN]);
+        }
+        // A piece longer than one call among small ones is read in parts, whole.
+        let mut whole = vec![0u8; src.len()];
+        let mut mixed = vec![Piece {
+            local: whole.as_mut_ptr() as u64,
+            remote: base,
+            len: src.len() - 4096 * 64,
+        }];
+        mixed.extend((0..64usize).map(|k| {
+            let at = src.len() - 4096 * 64 + k * 4096;
+            Piece {
+                local: whole.as_mut_ptr() as u64 + at as u64,
+                remote: base + at as u64,
+                len: 256,
+            }
+        }));
+        assert!(mixed[0].len > BYTES_PER_CALL_MAX);
+        // SAFETY: `whole` is ours for the call.
+        let moved = unsafe { read_gathered(&me, &mixed, &within, far) }.unwrap();
+        assert_eq!(moved, mixed.iter().map(|p| p.len as u64).sum::<u64>());
+        for p in &mixed {
+            let at = (p.local - whole.as_ptr() as u64) as usize;
+            assert_eq!(whole[at..at + p.len], src[at..at + p.len]);
         }
         // A piece outside every range is read alone, and an unmapped one is a named error.
         let bad = [Piece {

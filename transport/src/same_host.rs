@@ -389,7 +389,7 @@ pub unsafe fn copy_in_lanes(
     let (next, stop) = (AtomicUsize::new(0), AtomicBool::new(false));
     // A lane: runs taken in turn until none is left or another lane failed; what it moved,
     // and its failure with the run's index.
-    let lane = || -> (u64, Option<(usize, SameHostError)>) {
+    let lane = || -> LaneEnd {
         let mut moved = 0u64;
         while !stop.load(Ordering::Relaxed) {
             let i = next.fetch_add(1, Ordering::Relaxed);
@@ -406,6 +406,25 @@ pub unsafe fn copy_in_lanes(
         }
         (moved, None)
     };
+    in_lanes(lanes, way.call(), peer.pid, &stop, lane)
+}
+
+/// What a lane of a split copy ends with: the bytes it moved, and its failure with the
+/// index of the run or call that failed.
+type LaneEnd = (u64, Option<(usize, SameHostError)>);
+
+/// Runs `lane` on `lanes` threads: this one and, for the call, `lanes - 1` more (one that
+/// cannot be started leaves its share to the others, since lanes take work in turn). Every
+/// lane has ended when this returns. The answer is the bytes moved, or the failure of the
+/// earliest run; a lane that panicked sets `stop` and fails the copy.
+fn in_lanes(
+    lanes: usize,
+    op: &'static str,
+    pid: u32,
+    stop: &AtomicBool,
+    lane: impl Fn() -> LaneEnd + Sync,
+) -> Result<u64, SameHostError> {
+    let lane = &lane;
     let ended = std::thread::scope(|scope| {
         let helpers: Vec<_> = (1..lanes)
             .filter_map(|_| {
@@ -420,8 +439,8 @@ pub unsafe fn copy_in_lanes(
             ended.push(helper.join().unwrap_or_else(|_| {
                 stop.store(true, Ordering::Relaxed);
                 let error = SameHostError::Copy {
-                    op: way.call(),
-                    pid: peer.pid,
+                    op,
+                    pid,
                     remote: 0,
                     len: 0,
                     moved: 0,
@@ -577,6 +596,25 @@ pub unsafe fn read_gathered(
     within: &[(u64, u64)],
     deadline: Instant,
 ) -> Result<u64, SameHostError> {
+    // SAFETY: the caller's promise; one lane.
+    unsafe { read_gathered_in_lanes(peer, pieces, within, deadline, 1) }
+}
+
+/// [`read_gathered`] over `lanes` threads (this one and, for the call, `lanes - 1` more),
+/// each with a scratch buffer of its own, taking the calls in turn as
+/// [`copy_in_lanes`]'s lanes take runs: the reads and the copying out of scratch run in
+/// parallel. The call returns once every lane has ended; a lane that fails stops the
+/// others at their next check, and the failure of the earliest call is the answer.
+///
+/// # Safety
+/// As [`read_gathered`], and no two `local` ranges overlap (lanes write them at once).
+pub unsafe fn read_gathered_in_lanes(
+    peer: &PeerProcess,
+    pieces: &[Piece],
+    within: &[(u64, u64)],
+    deadline: Instant,
+    lanes: usize,
+) -> Result<u64, SameHostError> {
     // A piece longer than one call is read in parts of one call each: every span must fit
     // the scratch buffer, which holds one call.
     let parts: Vec<Piece>;
@@ -635,52 +673,65 @@ pub unsafe fn read_gathered(
         .max()
         .unwrap_or(0)
         .min(BYTES_PER_CALL_MAX as u64) as usize;
-    let mut scratch = vec![0u8; most.max(BYTES_PER_CALL_MAX.min(total as usize))];
-    let mut remote: Vec<libc::iovec> = Vec::with_capacity(IOVECS_PER_CALL_MAX.min(spans.len()));
-    let (mut at, mut moved) = (0usize, 0u64);
+    let scratch_len = most.max(BYTES_PER_CALL_MAX.min(total as usize));
+    // The calls: runs of spans that fit the scratch buffer and one call's segments.
+    let mut calls: Vec<(usize, usize, usize)> = Vec::new();
+    let mut at = 0usize;
     while at < spans.len() {
-        before_call(peer, deadline, None, moved, total)?;
-        remote.clear();
         let (mut bytes, mut next) = (0usize, at);
-        while next < spans.len() && remote.len() < IOVECS_PER_CALL_MAX {
+        while next < spans.len() && next - at < IOVECS_PER_CALL_MAX {
             let len = (spans[next].1 - spans[next].0) as usize;
-            if bytes + len > scratch.len() {
+            if bytes + len > scratch_len {
                 break;
             }
-            remote.push(libc::iovec {
-                iov_base: spans[next].0 as usize as *mut libc::c_void,
-                iov_len: len,
-            });
             bytes += len;
             next += 1;
         }
         if next == at {
-            // Cannot happen (every span fits): never call with nothing to read, again.
+            // Cannot happen (every span fits): never call with nothing to read.
             return Err(SameHostError::Copy {
                 op: "process_vm_readv",
                 pid,
                 remote: spans[at].0,
                 len: (spans[at].1 - spans[at].0) as usize,
-                moved,
+                moved: 0,
                 error: "a span longer than the scratch buffer".into(),
             });
         }
+        calls.push((at, next, bytes));
+        at = next;
+    }
+    // One call: the spans read into `scratch`, then each piece copied to where it belongs.
+    let read_call = |(at, next, bytes): (usize, usize, usize),
+                     scratch: &mut [u8],
+                     moved: u64|
+     -> Result<u64, SameHostError> {
+        let remote: Vec<libc::iovec> = spans[at..next]
+            .iter()
+            .map(|s| libc::iovec {
+                iov_base: s.0 as usize as *mut libc::c_void,
+                iov_len: (s.1 - s.0) as usize,
+            })
+            .collect();
         let local = libc::iovec {
             iov_base: scratch.as_mut_ptr().cast(),
             iov_len: bytes,
         };
-        // SAFETY: one local segment, our scratch buffer, `bytes` long.
-        let n = unsafe {
-            libc::process_vm_readv(
-                pid as i32,
-                &local,
-                1,
-                remote.as_ptr(),
-                remote.len() as libc::c_ulong,
-                0,
-            )
-        };
-        if n < 0 {
+        let n = loop {
+            // SAFETY: one local segment, our scratch buffer, `bytes` long.
+            let n = unsafe {
+                libc::process_vm_readv(
+                    pid as i32,
+                    &local,
+                    1,
+                    remote.as_ptr(),
+                    remote.len() as libc::c_ulong,
+                    0,
+                )
+            };
+            if n >= 0 {
+                break n as usize;
+            }
             let failed = |error| SameHostError::Copy {
                 op: "process_vm_readv",
                 pid,
@@ -689,14 +740,13 @@ pub unsafe fn read_gathered(
                 moved,
                 error,
             };
-            match failed_call(pid, failed) {
-                None => continue,
-                Some(e) => return Err(e),
+            if let Some(e) = failed_call(pid, failed) {
+                return Err(e);
             }
-        }
-        if n as usize != bytes {
+        };
+        if n != bytes {
             // A span stopped short: name it (the peer's ranges are not all mapped).
-            let (mut off, mut k) = (n as usize, at);
+            let (mut off, mut k) = (n, at);
             while k < next && off >= (spans[k].1 - spans[k].0) as usize {
                 off -= (spans[k].1 - spans[k].0) as usize;
                 k += 1;
@@ -705,18 +755,19 @@ pub unsafe fn read_gathered(
                 op: "process_vm_readv",
                 pid,
                 remote: spans[k.min(next - 1)].0 + off as u64,
-                len: bytes - n as usize,
+                len: bytes - n,
                 moved,
                 error: "short read: the peer's memory is not mapped there".into(),
             });
         }
-        let mut base = 0usize;
+        let (mut base, mut copied) = (0usize, 0u64);
         for span in &spans[at..next] {
             for &i in &order[span.3..span.4] {
                 let p = pieces[i];
                 let from = base + (p.remote - span.0) as usize;
                 // SAFETY: `from..from + len` lies in this span's bytes of `scratch`; the
-                // caller promised `p.local` is ours to overwrite for `len` bytes.
+                // caller promised `p.local` is ours to overwrite for `len` bytes, and that
+                // no other piece's is the same (another lane may be writing that one).
                 unsafe {
                     std::ptr::copy_nonoverlapping(
                         scratch.as_ptr().add(from),
@@ -724,13 +775,37 @@ pub unsafe fn read_gathered(
                         p.len,
                     );
                 }
-                moved += p.len as u64;
+                copied += p.len as u64;
             }
             base += (span.1 - span.0) as usize;
         }
-        at = next;
-    }
-    Ok(moved)
+        Ok(copied)
+    };
+    let (next, stop) = (AtomicUsize::new(0), AtomicBool::new(false));
+    // A lane: calls taken in turn until none is left or another lane failed.
+    let lane = || -> LaneEnd {
+        let mut scratch = Vec::new();
+        let mut moved = 0u64;
+        while !stop.load(Ordering::Relaxed) {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let Some(&call) = calls.get(i) else { break };
+            if scratch.is_empty() {
+                scratch = vec![0u8; scratch_len];
+            }
+            let done = before_call(peer, deadline, None, moved, total)
+                .and_then(|()| read_call(call, &mut scratch, moved));
+            match done {
+                Ok(n) => moved += n,
+                Err(error) => {
+                    stop.store(true, Ordering::Relaxed);
+                    return (moved, Some((i, error)));
+                }
+            }
+        }
+        (moved, None)
+    };
+    let lanes = lanes.clamp(1, LANES_MAX).min(calls.len().max(1));
+    in_lanes(lanes, "process_vm_readv", pid, &stop, lane)
 }
 
 /// Checked before every call: the deadline, the writer's `lease` (`None` for a read) and
@@ -931,6 +1006,13 @@ mod tests {
             let from = (p.remote - base) as usize;
             assert_eq!(dst[at..at + LEN], src[from..from + LEN]);
         }
+        // In three lanes (the spans make three calls or more), the same bytes land.
+        let first = dst.clone();
+        dst.fill(0);
+        // SAFETY: `dst` is ours for the call; no two pieces' local ranges overlap.
+        let moved = unsafe { read_gathered_in_lanes(&me, &pieces, &within, far, 3) }.unwrap();
+        assert_eq!(moved, (n * LEN) as u64);
+        assert_eq!(dst, first);
         // A piece longer than one call among small ones is read in parts, whole.
         let mut whole = vec![0u8; src.len()];
         let mut mixed = vec![Piece {

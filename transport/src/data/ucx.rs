@@ -2006,7 +2006,10 @@ fn copy_same_host(
                 .iter()
                 .filter_map(|r| Some((r.addr, r.addr.checked_add(r.extent(theirs.blocks)?)?)))
                 .collect();
-            unsafe { same_host::read_gathered(process, pieces, &within, deadline) }
+            // No two local pieces overlap: our blocks are distinct (`check_destinations`),
+            // as are the slices in them (`Sliced::all`) and the layout's ranges.
+            let lanes = same_host::lanes_for(bytes);
+            unsafe { same_host::read_gathered_in_lanes(process, pieces, &within, deadline, lanes) }
         } else {
             // A large copy runs in lanes, one thread each: the kernel copies in the
             // calling thread, so a single one caps the copy at one core's memcpy.

@@ -380,12 +380,12 @@ pub unsafe fn copy_in_lanes(
     lease: Option<&Lease>,
     lanes: usize,
 ) -> Result<u64, SameHostError> {
-    let runs = split_runs(pieces, LANE_RUN_BYTES);
-    let lanes = lanes.clamp(1, LANES_MAX).min(runs.len());
     if lanes <= 1 {
         // SAFETY: the caller's promise.
         return unsafe { copy(peer, way, pieces, deadline, lease) };
     }
+    let runs = split_runs(pieces, LANE_RUN_BYTES);
+    let lanes = lanes.min(LANES_MAX).min(runs.len());
     let (next, stop) = (AtomicUsize::new(0), AtomicBool::new(false));
     // A lane: runs taken in turn until none is left or another lane failed; what it moved,
     // and its failure with the run's index.
@@ -704,15 +704,14 @@ pub unsafe fn read_gathered_in_lanes(
     // One call: the spans read into `scratch`, then each piece copied to where it belongs.
     let read_call = |(at, next, bytes): (usize, usize, usize),
                      scratch: &mut [u8],
+                     remote: &mut Vec<libc::iovec>,
                      moved: u64|
      -> Result<u64, SameHostError> {
-        let remote: Vec<libc::iovec> = spans[at..next]
-            .iter()
-            .map(|s| libc::iovec {
-                iov_base: s.0 as usize as *mut libc::c_void,
-                iov_len: (s.1 - s.0) as usize,
-            })
-            .collect();
+        remote.clear();
+        remote.extend(spans[at..next].iter().map(|s| libc::iovec {
+            iov_base: s.0 as usize as *mut libc::c_void,
+            iov_len: (s.1 - s.0) as usize,
+        }));
         let local = libc::iovec {
             iov_base: scratch.as_mut_ptr().cast(),
             iov_len: bytes,
@@ -784,7 +783,7 @@ pub unsafe fn read_gathered_in_lanes(
     let (next, stop) = (AtomicUsize::new(0), AtomicBool::new(false));
     // A lane: calls taken in turn until none is left or another lane failed.
     let lane = || -> LaneEnd {
-        let mut scratch = Vec::new();
+        let (mut scratch, mut remote) = (Vec::new(), Vec::new());
         let mut moved = 0u64;
         while !stop.load(Ordering::Relaxed) {
             let i = next.fetch_add(1, Ordering::Relaxed);
@@ -793,7 +792,7 @@ pub unsafe fn read_gathered_in_lanes(
                 scratch = vec![0u8; scratch_len];
             }
             let done = before_call(peer, deadline, None, moved, total)
-                .and_then(|()| read_call(call, &mut scratch, moved));
+                .and_then(|()| read_call(call, &mut scratch, &mut remote, moved));
             match done {
                 Ok(n) => moved += n,
                 Err(error) => {

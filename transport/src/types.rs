@@ -187,6 +187,19 @@ impl fmt::Display for Rank {
 )]
 pub struct BlockId(pub u32);
 
+impl BlockId {
+    /// The first block listed twice in `blocks`, if any (allocators mostly hand out
+    /// ascending runs: no sort for a list that is one).
+    pub fn first_repeat(blocks: &[BlockId]) -> Option<BlockId> {
+        if blocks.windows(2).all(|w| w[0] < w[1]) {
+            return None;
+        }
+        let mut sorted = blocks.to_vec();
+        sorted.sort_unstable();
+        sorted.windows(2).find(|w| w[0] == w[1]).map(|w| w[0])
+    }
+}
+
 impl fmt::Display for BlockId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "#{}", self.0)

@@ -69,15 +69,9 @@ pub fn check_lists(local: &[BlockId], remote: &[BlockId]) -> Result<(), DataErro
 /// Checks that no block is listed twice as a destination: the bytes moved into one block
 /// twice, perhaps at once (a copy's lanes, operations in flight), would be undefined.
 pub fn check_destinations(blocks: &[BlockId]) -> Result<(), DataError> {
-    // Allocators mostly hand out ascending runs: skip the sort when the list is one.
-    if blocks.windows(2).all(|w| w[0] < w[1]) {
-        return Ok(());
-    }
-    let mut sorted = blocks.to_vec();
-    sorted.sort_unstable();
-    match sorted.windows(2).find(|w| w[0] == w[1]) {
-        Some(w) => Err(DataError::Mismatch {
-            detail: format!("destination block {} listed twice", w[0]),
+    match BlockId::first_repeat(blocks) {
+        Some(block) => Err(DataError::Mismatch {
+            detail: format!("destination block {block} listed twice"),
         }),
         None => Ok(()),
     }

@@ -1996,6 +1996,9 @@ fn copy_same_host(
     let copy = |pieces: &[same_host::Piece]| {
         let bytes: u64 = pieces.iter().map(|p| p.len as u64).sum();
         let small = bytes < (pieces.len() as u64).saturating_mul(SAME_HOST_GATHER_PIECE_BYTES);
+        // A large copy runs in lanes, one thread each: the kernel copies in the calling
+        // thread, so a single one caps the copy at one core's memcpy.
+        let lanes = same_host::lanes_for(bytes);
         // SAFETY: every local piece lies in a block of our layout (checked by the caller,
         // mapped by `pair_block`), memory the plane keeps alive while it runs; the peer's
         // addresses need no promise (a bad one is `EFAULT`).
@@ -2008,12 +2011,8 @@ fn copy_same_host(
                 .collect();
             // No two local pieces overlap: our blocks are distinct (`check_destinations`),
             // as are the slices in them (`Sliced::all`) and the layout's ranges.
-            let lanes = same_host::lanes_for(bytes);
             unsafe { same_host::read_gathered_in_lanes(process, pieces, &within, deadline, lanes) }
         } else {
-            // A large copy runs in lanes, one thread each: the kernel copies in the
-            // calling thread, so a single one caps the copy at one core's memcpy.
-            let lanes = same_host::lanes_for(bytes);
             unsafe { same_host::copy_in_lanes(process, way, pieces, deadline, lease, lanes) }
         };
         copied.map_err(|error| DataError::SameHost {

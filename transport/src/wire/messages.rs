@@ -1033,16 +1033,10 @@ fn check_address(what: &'static str, address: &str) -> Result<(), WireError> {
 /// A block list: bounded, and no block twice (two writes into one block would corrupt it).
 fn check_blocks(what: &'static str, blocks: &[BlockId]) -> Result<(), WireError> {
     check_count(what, blocks.len(), BLOCKS_PER_MESSAGE_MAX)?;
-    // Allocators mostly hand out ascending runs: skip the sort when the list is one.
-    if blocks.windows(2).all(|w| w[0] < w[1]) {
-        return Ok(());
-    }
-    let mut sorted = blocks.to_vec();
-    sorted.sort_unstable();
-    match sorted.windows(2).find(|w| w[0] == w[1]) {
-        Some(w) => Err(WireError::Invalid {
+    match BlockId::first_repeat(blocks) {
+        Some(block) => Err(WireError::Invalid {
             what,
-            detail: format!("block {} listed twice", w[0]),
+            detail: format!("block {block} listed twice"),
         }),
         None => Ok(()),
     }

@@ -310,8 +310,9 @@ pub unsafe fn copy(
     unsafe { copy_until(peer, way, pieces, deadline, lease, None) }
 }
 
-/// Environment variable capping the lanes of one copy ([`lanes_for`]): `1` copies on the
-/// calling thread only (an engine that keeps its cores to itself, or a comparison).
+/// Environment variable capping the lanes of one copy ([`lanes_for`]), and the stripes of
+/// one TCP call (each a connection and a thread): `1` moves each on the calling thread only
+/// (an engine that keeps its cores to itself, or a comparison).
 pub const LANES_ENV: &str = "HANDOFF_COPY_LANES";
 
 /// How many lanes [`copy_in_lanes`] gives a copy of `bytes` here: one per

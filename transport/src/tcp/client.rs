@@ -9,11 +9,12 @@ use std::time::{Duration, Instant};
 
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::timeout_at;
 
 use super::frame::{self, Header, HelloOk, Op, Segment};
 use super::io::{busy_poll, io_error, read_exact_vectored, read_head, session, write_frame};
+use super::stripes;
 use super::{
     CLIENT_CONNECTIONS_MAX, OPS_INFLIGHT_MAX, OP_BYTES_MAX, PLAN_PAIRS_MAX, POOL_IDLE_MAX,
     SEGMENTS_PER_OP_MAX,
@@ -65,6 +66,14 @@ struct Inner {
 /// [`OPS_INFLIGHT_MAX`] unanswered); a connection on which anything went wrong is closed,
 /// never reused. Dropping a call's future stops it at once: nothing keeps moving bytes
 /// after it (TCP has no one-sided operations).
+///
+/// A call of several operations and at least two MiB, on a multi-threaded runtime, runs in
+/// stripes: over as many connections at once as the host lends same-host copies lanes
+/// ([`lanes_for`](crate::same_host::lanes_for)), each driven by a thread of its own with
+/// blocking I/O (the calling thread, in `block_in_place`, is the first). Such a call
+/// cannot be dropped halfway (its thread is busy until it ends): it ends when every
+/// operation is answered, at the first failure, or at its deadline, and nothing of it
+/// moves after it returns.
 #[derive(Clone)]
 pub struct DataClient {
     inner: Arc<Inner>,
@@ -325,8 +334,9 @@ impl DataClient {
             op,
             after: started.elapsed(),
         };
+        let std_deadline = deadline;
         let deadline = tokio::time::Instant::from_std(deadline);
-        let _permit = timeout_at(deadline, Arc::clone(&inner.permits).acquire_owned())
+        let permit = timeout_at(deadline, Arc::clone(&inner.permits).acquire_owned())
             .await
             .map_err(|_| timed_out("waiting for a free connection"))?
             .map_err(|_| DataError::Connect {
@@ -337,6 +347,22 @@ impl DataClient {
             Some(conn) => conn,
             None => self.reopen(deadline).await?,
         };
+        // Held until the call ends, one per connection it holds.
+        let mut _held = vec![permit];
+        let stripes = stripes_for(plan);
+        if stripes > 1 {
+            let conns;
+            (conns, _held) = self.more_conns(conn, _held, stripes, deadline).await;
+            if conns.len() > 1 {
+                return self
+                    .run_striped(conns, request, region, plan, access, std_deadline)
+                    .await;
+            }
+            conn = conns.into_iter().next().ok_or_else(|| DataError::Connect {
+                peer: inner.peer.clone(),
+                detail: "no connection".into(),
+            })?;
+        }
         match timeout_at(
             deadline,
             conn.pipeline(inner, request, region, plan, access),
@@ -354,6 +380,72 @@ impl DataClient {
                 Access::Read => "read",
             })),
         }
+    }
+
+    /// Up to `stripes` connections for one call (with `permits` for them): `first`, then idle or new ones for which a
+    /// permit is free now (a striped call never waits for another call's connection, and a
+    /// connection that cannot be opened leaves one stripe fewer).
+    async fn more_conns(
+        &self,
+        first: Conn,
+        mut permits: Vec<OwnedSemaphorePermit>,
+        stripes: usize,
+        deadline: tokio::time::Instant,
+    ) -> (Vec<Conn>, Vec<OwnedSemaphorePermit>) {
+        let mut conns = vec![first];
+        while conns.len() < stripes {
+            let Ok(permit) = Arc::clone(&self.inner.permits).try_acquire_owned() else {
+                break;
+            };
+            let conn = match self.checkout() {
+                Some(conn) => conn,
+                None => match self.reopen(deadline).await {
+                    Ok(conn) => conn,
+                    Err(error) => {
+                        tracing::debug!(peer = %self.inner.peer, %error, "no further connection for a striped call");
+                        break;
+                    }
+                },
+            };
+            conns.push(conn);
+            permits.push(permit);
+        }
+        (conns, permits)
+    }
+
+    /// Runs `plan` over `conns` at once, a thread each ([`stripes`](super::stripes)), and
+    /// hands back to the pool each connection whose stripe ended clean.
+    #[allow(clippy::too_many_arguments)]
+    async fn run_striped(
+        &self,
+        conns: Vec<Conn>,
+        request: &RequestId,
+        region: &Region,
+        plan: &Plan,
+        access: Access,
+        deadline: Instant,
+    ) -> Result<(), DataError> {
+        let peer = self.inner.peer.as_str();
+        let mut std_conns = Vec::with_capacity(conns.len());
+        for conn in conns {
+            std_conns.push(
+                conn.into_std()
+                    .map_err(|e| io_error(peer, "preparing a stripe", e))?,
+            );
+        }
+        let job = stripes::Job::new(peer, request, region, plan, access, deadline);
+        let (result, clean) = tokio::task::block_in_place(|| stripes::run(&mut std_conns, &job));
+        for (conn, clean) in std_conns.into_iter().zip(clean) {
+            if clean {
+                match Conn::from_std(conn) {
+                    Ok(conn) => self.checkin(conn),
+                    Err(error) => {
+                        tracing::debug!(%peer, %error, "a stripe's connection not pooled")
+                    }
+                }
+            }
+        }
+        result
     }
 
     /// An idle pooled connection that is still open, if there is one.
@@ -501,7 +593,53 @@ fn refusal(peer: &str, meta: &[u8]) -> DataError {
     }
 }
 
+/// How many connections a call of `plan` moves its bytes over at once: one per
+/// [`LANE_BYTES_MIN`](crate::same_host::LANE_BYTES_MIN) of it, at most the host's cores and
+/// [`LANES_ENV`](crate::same_host::LANES_ENV) ([`lanes_for`](crate::same_host::lanes_for),
+/// the same-host copies' rule), and one where the runtime has a single thread (a stripe
+/// blocks its thread).
+fn stripes_for(plan: &Plan) -> usize {
+    if plan.ops.len() < 2 {
+        return 1;
+    }
+    let multi_thread = tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+    if !multi_thread {
+        return 1;
+    }
+    crate::same_host::lanes_for(plan.total_bytes()).min(plan.ops.len())
+}
+
 impl Conn {
+    /// The connection out of the runtime's reactor, for a stripe's thread.
+    fn into_std(self) -> std::io::Result<stripes::StdConn> {
+        let stream = self
+            .r
+            .reunite(self.w)
+            .map_err(|e| std::io::Error::other(e.to_string()))?
+            .into_std()?;
+        Ok(stripes::StdConn {
+            stream,
+            sealer: self.sealer,
+            opener: self.opener,
+            seq: self.seq,
+            meta: self.meta,
+        })
+    }
+
+    /// A stripe's connection back in the runtime's reactor.
+    fn from_std(conn: stripes::StdConn) -> std::io::Result<Conn> {
+        let (r, w) = TcpStream::from_std(conn.stream)?.into_split();
+        Ok(Conn {
+            r,
+            w,
+            sealer: conn.sealer,
+            opener: conn.opener,
+            seq: conn.seq,
+            meta: conn.meta,
+        })
+    }
+
     /// Sends every operation of `plan` and takes every answer, at most
     /// [`OPS_INFLIGHT_MAX`] unanswered at a time.
     async fn pipeline(
@@ -526,7 +664,7 @@ impl Conn {
             ..
         } = self;
         let send = async {
-            for (k, range) in plan.ops.iter().enumerate() {
+            for k in 0..plan.ops.len() {
                 window
                     .acquire()
                     .await
@@ -535,27 +673,10 @@ impl Conn {
                         detail: "window closed".into(),
                     })?
                     .forget();
-                let pieces = &plan.pieces[range.clone()];
-                let segments = pieces.iter().map(|p| Segment {
-                    offset: p.remote,
-                    len: p.len as u32,
-                });
-                frame::encode_op(request, segments, meta);
-                let (op, data) = match access {
-                    Access::Write => (Op::Write, local_slices(region, pieces)?),
-                    Access::Read => (Op::Read, Vec::new()),
-                };
-                let data_len = if access == Access::Write {
-                    plan.op_bytes(k) as u32
-                } else {
-                    0
-                };
-                let header = Header {
-                    op,
-                    flags: 0,
-                    seq: base.wrapping_add(k as u32),
-                    meta_len: 0,
-                    data_len,
+                let header = op_header(request, plan, k, access, base.wrapping_add(k as u32), meta);
+                let data = match access {
+                    Access::Write => local_slices(region, &plan.pieces[plan.ops[k].clone()])?,
+                    Access::Read => Vec::new(),
                 };
                 write_frame(w, header, meta, &data, sealer.as_mut())
                     .await
@@ -573,38 +694,20 @@ impl Conn {
                 }
                 let head =
                     read_head(r, opener.as_mut(), &mut answer, peer, "awaiting an answer").await?;
-                match (head.op, access) {
-                    (Op::Error, _) => return Err(refusal(peer, &answer)),
-                    (Op::WriteOk, Access::Write) if head.seq == seq => {}
-                    (Op::ReadData, Access::Read) if head.seq == seq && head.data_len as usize == bytes => {
-                        let mut bufs = local_slices_mut(region, &plan.pieces[range.clone()])?;
-                        read_exact_vectored(r, &mut bufs).await.map_err(|e| io_error(peer, "receiving read data", e))?;
-                        // The bytes count only once the server says its grant held while
-                        // it took them from its blocks.
-                        let end = read_head(r, opener.as_mut(), &mut answer, peer, "awaiting a read's confirmation").await?;
-                        match end.op {
-                            Op::ReadOk if end.seq == seq => {}
-                            Op::Error => return Err(refusal(peer, &answer)),
-                            op => {
-                                return Err(DataError::Protocol {
-                                    peer: peer.into(),
-                                    detail: format!(
-                                        "{op:?} (seq {}) where the confirmation of read {seq} was due",
-                                        end.seq
-                                    ),
-                                })
-                            }
-                        }
-                    }
-                    (op, _) => {
-                        return Err(DataError::Protocol {
-                            peer: peer.into(),
-                            detail: format!(
-                                "{op:?} (seq {}, {} data bytes) where the answer to operation {seq} ({bytes} bytes) was due",
-                                head.seq, head.data_len
-                            ),
-                        })
-                    }
+                if check_answer(&head, &answer, access, seq, bytes, peer)? == Answer::DataFollows {
+                    let mut bufs = local_slices_mut(region, &plan.pieces[range.clone()])?;
+                    read_exact_vectored(r, &mut bufs)
+                        .await
+                        .map_err(|e| io_error(peer, "receiving read data", e))?;
+                    let end = read_head(
+                        r,
+                        opener.as_mut(),
+                        &mut answer,
+                        peer,
+                        "awaiting a read's confirmation",
+                    )
+                    .await?;
+                    check_read_end(&end, &answer, seq, peer)?;
                 }
                 window.add_permits(1);
             }
@@ -614,9 +717,97 @@ impl Conn {
     }
 }
 
+/// The header of the frame that asks for operation `k` of `plan` as sequence `seq`, its
+/// metadata (the request and the server's segments) encoded into `meta`.
+pub(super) fn op_header(
+    request: &RequestId,
+    plan: &Plan,
+    k: usize,
+    access: Access,
+    seq: u32,
+    meta: &mut Vec<u8>,
+) -> Header {
+    let pieces = &plan.pieces[plan.ops[k].clone()];
+    let segments = pieces.iter().map(|p| Segment {
+        offset: p.remote,
+        len: p.len as u32,
+    });
+    frame::encode_op(request, segments, meta);
+    let (op, data_len) = match access {
+        Access::Write => (Op::Write, plan.op_bytes(k) as u32),
+        Access::Read => (Op::Read, 0),
+    };
+    Header {
+        op,
+        flags: 0,
+        seq,
+        meta_len: 0,
+        data_len,
+    }
+}
+
+/// What the server's answer to an operation says comes next.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Answer {
+    /// A write landed: nothing follows.
+    Written,
+    /// A read's bytes follow, then its confirmation ([`check_read_end`]).
+    DataFollows,
+}
+
+/// Checks the answer (`head`, its metadata `answer`) to operation `seq` of `bytes` bytes:
+/// a refusal, an answer of the wrong kind, sequence or size is the call's error.
+pub(super) fn check_answer(
+    head: &Header,
+    answer: &[u8],
+    access: Access,
+    seq: u32,
+    bytes: usize,
+    peer: &str,
+) -> Result<Answer, DataError> {
+    match (head.op, access) {
+        (Op::Error, _) => Err(refusal(peer, answer)),
+        (Op::WriteOk, Access::Write) if head.seq == seq => Ok(Answer::Written),
+        (Op::ReadData, Access::Read) if head.seq == seq && head.data_len as usize == bytes => {
+            Ok(Answer::DataFollows)
+        }
+        (op, _) => Err(DataError::Protocol {
+            peer: peer.into(),
+            detail: format!(
+                "{op:?} (seq {}, {} data bytes) where the answer to operation {seq} ({bytes} bytes) was due",
+                head.seq, head.data_len
+            ),
+        }),
+    }
+}
+
+/// Checks the frame after a read's bytes: the bytes count only once the server says its
+/// grant held while it took them from its blocks.
+pub(super) fn check_read_end(
+    end: &Header,
+    answer: &[u8],
+    seq: u32,
+    peer: &str,
+) -> Result<(), DataError> {
+    match end.op {
+        Op::ReadOk if end.seq == seq => Ok(()),
+        Op::Error => Err(refusal(peer, answer)),
+        op => Err(DataError::Protocol {
+            peer: peer.into(),
+            detail: format!(
+                "{op:?} (seq {}) where the confirmation of read {seq} was due",
+                end.seq
+            ),
+        }),
+    }
+}
+
 /// The local bytes of `pieces` (logical offsets of `region`), as the physical segments of
 /// its ranges, in order: what one write operation sends.
-fn local_slices<'a>(region: &'a Region, pieces: &[Piece]) -> Result<Vec<IoSlice<'a>>, DataError> {
+pub(super) fn local_slices<'a>(
+    region: &'a Region,
+    pieces: &[Piece],
+) -> Result<Vec<IoSlice<'a>>, DataError> {
     let mut segments = Vec::new();
     for p in pieces {
         region.logical_segments_into(p.local as u64, p.len, &mut segments)?;
@@ -631,7 +822,7 @@ fn local_slices<'a>(region: &'a Region, pieces: &[Piece]) -> Result<Vec<IoSlice<
 }
 
 /// The local bytes of `pieces`, to receive into: as [`local_slices`], mutable.
-fn local_slices_mut<'a>(
+pub(super) fn local_slices_mut<'a>(
     region: &'a Region,
     pieces: &[Piece],
 ) -> Result<Vec<IoSliceMut<'a>>, DataError> {

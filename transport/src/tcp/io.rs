@@ -11,7 +11,7 @@ use crate::data::DataError;
 use crate::noise::{self, Opener, Sealer};
 
 /// Most buffers passed to one `writev`: Linux's `IOV_MAX`.
-const IOV_PER_WRITE_MAX: usize = 1024;
+pub(super) const IOV_PER_WRITE_MAX: usize = 1024;
 
 /// Maps an IO error on an established connection to the data plane's error.
 pub(super) fn io_error(peer: &str, op: &'static str, e: io::Error) -> DataError {
@@ -45,48 +45,19 @@ pub(super) async fn read_head(
     peer: &str,
     op: &'static str,
 ) -> Result<Header, DataError> {
-    let protocol = |detail: String| DataError::Protocol {
-        peer: peer.to_string(),
-        detail,
-    };
     if let Some(opener) = opener {
-        let len = r.read_u16_le().await.map_err(|e| io_error(peer, op, e))? as usize;
-        if !(HEADER_BYTES + noise::TAG_BYTES..=SEALED_HEAD_BYTES_MAX).contains(&len) {
-            return Err(DataError::Auth {
-                peer: peer.to_string(),
-                detail: format!("sealed frame head of {len} bytes (not a frame of this session)"),
-            });
-        }
-        let mut sealed = vec![0u8; len];
+        let len = r.read_u16_le().await.map_err(|e| io_error(peer, op, e))?;
+        let mut sealed = vec![0u8; sealed_head_len(len, peer)?];
         r.read_exact(&mut sealed)
             .await
             .map_err(|e| io_error(peer, op, e))?;
-        meta.clear();
-        opener
-            .open_chunk(&sealed, meta)
-            .map_err(|e| DataError::Auth {
-                peer: peer.to_string(),
-                detail: e.to_string(),
-            })?;
-        let mut bytes = [0u8; HEADER_BYTES];
-        bytes.copy_from_slice(&meta[..HEADER_BYTES]);
-        let header = Header::check(&bytes).map_err(|e| protocol(e.to_string()))?;
-        meta.drain(..HEADER_BYTES);
-        if header.has_tag() || meta.len() != header.meta_len as usize {
-            return Err(protocol(format!(
-                "sealed head: {} metadata bytes, header says {}",
-                meta.len(),
-                header.meta_len
-            )));
-        }
-        return Ok(header);
+        return open_head(opener, &sealed, meta, peer);
     }
     let mut bytes = [0u8; HEADER_BYTES];
     r.read_exact(&mut bytes)
         .await
         .map_err(|e| io_error(peer, op, e))?;
-    let header = Header::check(&bytes).map_err(|e| protocol(e.to_string()))?;
-    meta.resize(header.meta_len as usize, 0);
+    let header = plain_header(&bytes, meta, peer)?;
     r.read_exact(meta)
         .await
         .map_err(|e| io_error(peer, op, e))?;
@@ -96,6 +67,73 @@ pub(super) async fn read_head(
             .await
             .map_err(|e| io_error(peer, op, e))?;
     }
+    Ok(header)
+}
+
+/// A sealed head's announced length, checked before anything of it is read.
+pub(super) fn sealed_head_len(len: u16, peer: &str) -> Result<usize, DataError> {
+    let len = usize::from(len);
+    if !(HEADER_BYTES + noise::TAG_BYTES..=SEALED_HEAD_BYTES_MAX).contains(&len) {
+        return Err(DataError::Auth {
+            peer: peer.to_string(),
+            detail: format!("sealed frame head of {len} bytes (not a frame of this session)"),
+        });
+    }
+    Ok(len)
+}
+
+/// Opens a sealed head (its header and metadata, the metadata left in `meta`) and checks it.
+pub(super) fn open_head(
+    opener: &mut Opener,
+    sealed: &[u8],
+    meta: &mut Vec<u8>,
+    peer: &str,
+) -> Result<Header, DataError> {
+    meta.clear();
+    opener
+        .open_chunk(sealed, meta)
+        .map_err(|e| DataError::Auth {
+            peer: peer.to_string(),
+            detail: e.to_string(),
+        })?;
+    let mut bytes = [0u8; HEADER_BYTES];
+    bytes.copy_from_slice(
+        meta.get(..HEADER_BYTES)
+            .ok_or_else(|| DataError::Protocol {
+                peer: peer.to_string(),
+                detail: format!("sealed head of {} bytes, shorter than a header", meta.len()),
+            })?,
+    );
+    let header = Header::check(&bytes).map_err(|e| DataError::Protocol {
+        peer: peer.to_string(),
+        detail: e.to_string(),
+    })?;
+    meta.drain(..HEADER_BYTES);
+    if header.has_tag() || meta.len() != header.meta_len as usize {
+        return Err(DataError::Protocol {
+            peer: peer.to_string(),
+            detail: format!(
+                "sealed head: {} metadata bytes, header says {}",
+                meta.len(),
+                header.meta_len
+            ),
+        });
+    }
+    Ok(header)
+}
+
+/// Checks a bare header and sizes `meta` for the metadata that follows it (the caller reads
+/// it, then the tag if the header has one).
+pub(super) fn plain_header(
+    bytes: &[u8; HEADER_BYTES],
+    meta: &mut Vec<u8>,
+    peer: &str,
+) -> Result<Header, DataError> {
+    let header = Header::check(bytes).map_err(|e| DataError::Protocol {
+        peer: peer.to_string(),
+        detail: e.to_string(),
+    })?;
+    meta.resize(header.meta_len as usize, 0);
     Ok(header)
 }
 
@@ -150,24 +188,12 @@ pub(super) unsafe fn try_recv_raw(r: &OwnedReadHalf, dst: &[RawSlice]) -> io::Re
 /// Every slice of `data` must stay mapped, readable memory until this returns.
 pub(super) async unsafe fn write_frame_raw(
     w: &mut OwnedWriteHalf,
-    mut header: Header,
+    header: Header,
     data: &[RawSlice],
     sealer: Option<&mut Sealer>,
 ) -> io::Result<()> {
-    header.meta_len = 0;
-    header.flags = 0;
-    let plain = header.encode();
-    let head = match sealer {
-        Some(sealer) => {
-            let sealed = sealer
-                .seal(&plain)
-                .map_err(|e| io::Error::other(e.to_string()))?;
-            let mut head = (sealed.len() as u16).to_le_bytes().to_vec();
-            head.extend_from_slice(&sealed);
-            head
-        }
-        None => plain.to_vec(),
-    };
+    let mut head = Vec::with_capacity(HEADER_BYTES);
+    encode_head(header, &[], sealer, &mut head)?;
     let mut iov = Vec::with_capacity(1 + data.len());
     iov.push(RawSlice::new(head.as_ptr(), head.len()));
     iov.extend(
@@ -262,42 +288,45 @@ const _: () = assert!(SEALED_HEAD_BYTES_MAX <= noise::NOISE_MESSAGE_BYTES_MAX);
 /// slices, sent with vectored writes; the bulk bytes are not sealed: see the module docs).
 pub(super) async fn write_frame(
     w: &mut OwnedWriteHalf,
-    mut header: Header,
+    header: Header,
     meta: &[u8],
     data: &[IoSlice<'_>],
     sealer: Option<&mut Sealer>,
 ) -> io::Result<()> {
-    header.meta_len = meta.len() as u32;
-    header.flags = 0;
-    let head = header.encode();
-    let mut bufs: Vec<IoSlice<'_>> = Vec::with_capacity(3 + data.len());
-    let sealed;
-    let len;
-    match sealer {
-        Some(sealer) => {
-            let mut plain = Vec::with_capacity(HEADER_BYTES + meta.len());
-            plain.extend_from_slice(&head);
-            plain.extend_from_slice(meta);
-            sealed = sealer
-                .seal(&plain)
-                .map_err(|e| io::Error::other(e.to_string()))?;
-            len = (sealed.len() as u16).to_le_bytes();
-            bufs.push(IoSlice::new(&len));
-            bufs.push(IoSlice::new(&sealed));
-        }
-        None => {
-            bufs.push(IoSlice::new(&head));
-            if !meta.is_empty() {
-                bufs.push(IoSlice::new(meta));
-            }
-        }
-    }
+    let mut head = Vec::new();
+    encode_head(header, meta, sealer, &mut head)?;
+    let mut bufs: Vec<IoSlice<'_>> = Vec::with_capacity(1 + data.len());
+    bufs.push(IoSlice::new(&head));
     bufs.extend(
         data.iter()
             .filter(|d| !d.is_empty())
             .map(|d| IoSlice::new(d)),
     );
     write_all_vectored(w, &mut bufs).await
+}
+
+/// A frame's header (`meta_len` set from `meta`) and metadata, as they go on the wire, into
+/// `out`: sealed as one Noise message with a session (its `u16` length first), bare without.
+pub(super) fn encode_head(
+    mut header: Header,
+    meta: &[u8],
+    sealer: Option<&mut Sealer>,
+    out: &mut Vec<u8>,
+) -> io::Result<()> {
+    header.meta_len = meta.len() as u32;
+    header.flags = 0;
+    out.clear();
+    out.extend_from_slice(&header.encode());
+    out.extend_from_slice(meta);
+    if let Some(sealer) = sealer {
+        let sealed = sealer
+            .seal(out)
+            .map_err(|e| io::Error::other(e.to_string()))?;
+        out.clear();
+        out.extend_from_slice(&(sealed.len() as u16).to_le_bytes());
+        out.extend_from_slice(&sealed);
+    }
+    Ok(())
 }
 
 /// The Noise handshake that opens a keyed connection ([`noise::PROLOGUE_DATA`]): the client

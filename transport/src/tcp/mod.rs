@@ -33,6 +33,7 @@ mod client;
 pub mod frame;
 mod io;
 mod server;
+mod stripes;
 
 use std::time::Duration;
 

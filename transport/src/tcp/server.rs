@@ -730,79 +730,99 @@ impl Conn<'_> {
 
     /// Receives a write's data straight from the socket into its segments' blocks: no
     /// staging copy. Each receive takes at most [`RECV_CHUNK_BYTES`] of what the socket
-    /// holds, without waiting, while the grant of the blocks it fills is held (waiting for
-    /// the bytes holds nothing): a slow peer holds no grant, and once the grant ends no
-    /// further byte lands. A write stopped that way has landed in part, in blocks its ended
-    /// request is about to give back, and is refused.
+    /// holds (the rest of one segment and as many of the next as fit: small blocks land
+    /// many to a call), without waiting, while the grant of the blocks it fills is held
+    /// (waiting for the bytes holds nothing): a slow peer holds no grant, and once the
+    /// grant ends no further byte lands. A write stopped that way has landed in part, in
+    /// blocks its ended request is about to give back, and is refused.
     async fn land(&mut self, rank: &RankInfo, request: &RequestId) -> Result<Landed, End> {
         let shared = self.shared;
         let region = &shared.region;
         let block_bytes = region.block_bytes() as u64;
         let mut taken = 0usize;
-        for i in 0..self.segments.len() {
-            let seg = self.segments[i];
-            let seg_len = seg.len as usize;
-            let mut done = 0usize;
-            while done < seg_len {
-                let at = seg.offset + done as u64;
-                let want = (seg_len - done).min(RECV_CHUNK_BYTES);
-                // Where these bytes lie (one piece per range of the region they cross), and
-                // the blocks whose grant must hold while they land.
-                self.pieces.clear();
-                if let Err(e) = region.logical_segments_into(at, want, &mut self.pieces) {
-                    return Ok(Landed::internal(taken, e));
+        // Where the next byte lands: segment `i`, `done` bytes into it.
+        let (mut i, mut done) = (0usize, 0usize);
+        while i < self.segments.len() {
+            // This chunk's pieces of the region (one per range each segment's part
+            // crosses), and the blocks whose grant must hold while they land.
+            self.pieces.clear();
+            self.chunk_blocks.clear();
+            let (mut j, mut from, mut want) = (i, done, 0usize);
+            while j < self.segments.len() && want < RECV_CHUNK_BYTES {
+                let seg = self.segments[j];
+                let at = seg.offset + from as u64;
+                let part = (seg.len as usize - from).min(RECV_CHUNK_BYTES - want);
+                if part > 0 {
+                    if let Err(e) = region.logical_segments_into(at, part, &mut self.pieces) {
+                        return Ok(Landed::internal(taken, e));
+                    }
+                    plan::touched_blocks(at, part as u64, block_bytes, &mut self.chunk_blocks);
                 }
-                self.dst.clear();
-                if let Err(e) = raw_slices(region, &self.pieces, &mut self.dst) {
-                    return Ok(Landed::internal(taken, e));
-                }
-                self.chunk_blocks.clear();
-                plan::touched_blocks(at, want as u64, block_bytes, &mut self.chunk_blocks);
-                self.r
-                    .readable()
-                    .await
-                    .map_err(|e| End::Error(io_error(&self.peer, "receiving data", e), None))?;
-                let (r, dst) = (&self.r, &self.dst);
-                let mut got = None;
-                let granted = shared.grants.with_grant(
-                    rank,
-                    request,
-                    Access::Write,
-                    &self.chunk_blocks,
-                    &mut || {
-                        // SAFETY: `dst` are this chunk's pieces of the region: inside its
-                        // memory (`check_op` checked the logical range, the layout mapped
-                        // it), which stays mapped as long as the server's shared state this
-                        // connection holds; no Rust reference covers them; and the grant of
-                        // their blocks is held around this call.
-                        got = Some(unsafe { try_recv_raw(r, dst) });
-                    },
-                );
-                if let Err(why) = granted {
-                    return Ok(Landed::Stopped {
-                        taken,
-                        code: RefusalCode::NotGranted,
-                        why: why.to_string(),
-                    });
-                }
-                let Some(got) = got else {
-                    return Ok(Landed::internal(taken, "grant check ran no copy"));
+                want += part;
+                (j, from) = if from + part == seg.len as usize {
+                    (j + 1, 0)
+                } else {
+                    (j, from + part)
                 };
-                match got {
-                    Ok(0) => {
-                        let e = std::io::ErrorKind::UnexpectedEof.into();
-                        return Err(End::Error(io_error(&self.peer, "receiving data", e), None));
-                    }
-                    Ok(n) => {
-                        done += n;
-                        taken += n;
-                    }
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                    Err(e) => {
-                        return Err(End::Error(io_error(&self.peer, "receiving data", e), None))
+            }
+            if want == 0 {
+                break;
+            }
+            self.dst.clear();
+            if let Err(e) = raw_slices(region, &self.pieces, &mut self.dst) {
+                return Ok(Landed::internal(taken, e));
+            }
+            self.r
+                .readable()
+                .await
+                .map_err(|e| End::Error(io_error(&self.peer, "receiving data", e), None))?;
+            let (r, dst) = (&self.r, &self.dst);
+            let mut got = None;
+            let granted = shared.grants.with_grant(
+                rank,
+                request,
+                Access::Write,
+                &self.chunk_blocks,
+                &mut || {
+                    // SAFETY: `dst` are this chunk's pieces of the region: inside its memory
+                    // (`check_op` checked the logical ranges, the layout mapped them), which
+                    // stays mapped as long as the server's shared state this connection
+                    // holds; no Rust reference covers them; and the grant of their blocks is
+                    // held around this call.
+                    got = Some(unsafe { try_recv_raw(r, dst) });
+                },
+            );
+            if let Err(why) = granted {
+                return Ok(Landed::Stopped {
+                    taken,
+                    code: RefusalCode::NotGranted,
+                    why: why.to_string(),
+                });
+            }
+            let Some(got) = got else {
+                return Ok(Landed::internal(taken, "grant check ran no copy"));
+            };
+            match got {
+                Ok(0) => {
+                    let e = std::io::ErrorKind::UnexpectedEof.into();
+                    return Err(End::Error(io_error(&self.peer, "receiving data", e), None));
+                }
+                Ok(n) => {
+                    taken += n;
+                    // Past what landed: whole segments, then into the one not finished.
+                    let mut left = n;
+                    while left > 0 && i < self.segments.len() {
+                        let rest = self.segments[i].len as usize - done;
+                        if left >= rest {
+                            (i, done, left) = (i + 1, 0, left - rest);
+                        } else {
+                            (done, left) = (done + left, 0);
+                        }
                     }
                 }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(End::Error(io_error(&self.peer, "receiving data", e), None)),
             }
         }
         Ok(Landed::All)

@@ -28,18 +28,7 @@ async fn server(
     key: Option<Key>,
     config: ServerConfig,
 ) -> (DataServer, Arc<Region>) {
-    let region = Arc::new(Region::new(BLOCKS, BLOCK_BYTES).unwrap());
-    let server = DataServer::bind_with(
-        "127.0.0.1:0",
-        Arc::clone(&region),
-        grants,
-        RankInfo::single("decode"),
-        key,
-        config,
-    )
-    .await
-    .unwrap();
-    (server, region)
+    data_common::tcp_server(BLOCKS, BLOCK_BYTES, grants, key, config).await
 }
 
 async fn client(server: &DataServer, key: Option<Key>) -> DataClient {

@@ -28,18 +28,7 @@ fn deadline() -> Instant {
 }
 
 async fn server(grants: Arc<dyn Grants>, key: Option<Key>) -> (DataServer, Arc<Region>) {
-    let region = Arc::new(Region::new(BLOCKS, BLOCK_BYTES).unwrap());
-    let server = DataServer::bind_with(
-        "127.0.0.1:0",
-        Arc::clone(&region),
-        grants,
-        RankInfo::single("decode"),
-        key,
-        ServerConfig::default(),
-    )
-    .await
-    .unwrap();
-    (server, region)
+    data_common::tcp_server(BLOCKS, BLOCK_BYTES, grants, key, ServerConfig::default()).await
 }
 
 async fn client(addr: &str, key: Option<Key>) -> DataClient {

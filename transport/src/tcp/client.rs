@@ -355,7 +355,7 @@ impl DataClient {
             (conns, _held) = self.more_conns(conn, _held, stripes, deadline).await;
             if conns.len() > 1 {
                 return self
-                    .run_striped(conns, request, region, plan, access, std_deadline)
+                    .run_striped(conns, request, region, plan, access, started, std_deadline)
                     .await;
             }
             conn = conns.into_iter().next().ok_or_else(|| DataError::Connect {
@@ -423,6 +423,7 @@ impl DataClient {
         region: &Region,
         plan: &Plan,
         access: Access,
+        started: Instant,
         deadline: Instant,
     ) -> Result<(), DataError> {
         let peer = self.inner.peer.as_str();
@@ -433,7 +434,7 @@ impl DataClient {
                     .map_err(|e| io_error(peer, "preparing a stripe", e))?,
             );
         }
-        let job = stripes::Job::new(peer, request, region, plan, access, deadline);
+        let job = stripes::Job::new(peer, request, region, plan, access, started, deadline);
         let (result, clean) = tokio::task::block_in_place(|| stripes::run(&mut std_conns, &job));
         for (conn, clean) in std_conns.into_iter().zip(clean) {
             if clean {

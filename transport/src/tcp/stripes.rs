@@ -60,6 +60,7 @@ pub(super) struct Job<'a> {
     pub(super) plan: &'a Plan,
     pub(super) access: Access,
     pub(super) deadline: Instant,
+    /// When the call began (for a timeout's report).
     pub(super) started: Instant,
     /// The next operation not taken by a stripe.
     next: AtomicUsize,
@@ -76,6 +77,7 @@ impl<'a> Job<'a> {
         region: &'a Region,
         plan: &'a Plan,
         access: Access,
+        started: Instant,
         deadline: Instant,
     ) -> Self {
         Job {
@@ -85,7 +87,7 @@ impl<'a> Job<'a> {
             plan,
             access,
             deadline,
-            started: Instant::now(),
+            started,
             next: AtomicUsize::new(0),
             stop: AtomicBool::new(false),
             failed: Mutex::new(None),

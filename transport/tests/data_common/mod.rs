@@ -363,3 +363,26 @@ pub fn parse_layout_ready(ready: &str, name: &str) -> UcxPeer {
         device: None,
     }
 }
+
+/// A TCP data server on a loopback port, as rank `decode`, over a fresh region of `blocks`
+/// blocks of `block_bytes`.
+pub async fn tcp_server(
+    blocks: u32,
+    block_bytes: usize,
+    grants: std::sync::Arc<dyn Grants>,
+    key: Option<handoff_transport::auth::Key>,
+    config: handoff_transport::tcp::ServerConfig,
+) -> (handoff_transport::tcp::DataServer, std::sync::Arc<Region>) {
+    let region = std::sync::Arc::new(Region::new(blocks, block_bytes).unwrap());
+    let server = handoff_transport::tcp::DataServer::bind_with(
+        "127.0.0.1:0",
+        std::sync::Arc::clone(&region),
+        grants,
+        RankInfo::single("decode"),
+        key,
+        config,
+    )
+    .await
+    .unwrap();
+    (server, region)
+}

@@ -33,7 +33,7 @@
 //! stale. A frozen worker neither sends nor hears nor ticks; its missed tick runs as it
 //! resumes, before anything reaches it, so the peers it stopped hearing are lost then. The
 //! simulator does not answer a beat at once (the control loop does, only to shorten its
-//! lease's proof; the simulated lease is the grant's connection, `NetState::rkeys`), and
+//! lease's proof; the simulated lease is the grant's connection, `Node::rkeys`), and
 //! closes a connection that carried no request message for longer than a request lives, or
 //! for a loss window when the two share no live request ([`SimNet::engage`], the world's
 //! count), on both ends and without a loss (`NetState::tick`), so that only pairs a request
@@ -50,7 +50,8 @@
 //! still owned by the transfer's request; a transfer that lands in blocks their engine has
 //! taken back is a use after release, reported as a violation.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -99,6 +100,58 @@ fn past_the_end(blocks: &[BlockId], pool: u32) -> Vec<BlockId> {
         .collect()
 }
 
+/// FxHash's multiplicative hasher, for the network's lookup tables (by rank, by request
+/// id): their keys are the simulator's own, so SipHash's resistance to chosen keys buys
+/// nothing, and nothing iterates these tables (their order never reaches the trace).
+#[derive(Clone, Copy, Default)]
+struct Fx(u64);
+
+impl Fx {
+    fn add(&mut self, x: u64) {
+        self.0 = (self.0.rotate_left(5) ^ x).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+}
+
+impl Hasher for Fx {
+    fn write(&mut self, bytes: &[u8]) {
+        let mut words = bytes.chunks_exact(8);
+        for word in &mut words {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(word);
+            self.add(u64::from_le_bytes(w));
+        }
+        let rest = words.remainder();
+        if !rest.is_empty() {
+            let mut w = [0u8; 8];
+            w[..rest.len()].copy_from_slice(rest);
+            self.add(u64::from_le_bytes(w));
+        }
+    }
+
+    fn write_u8(&mut self, n: u8) {
+        self.add(u64::from(n));
+    }
+
+    fn write_u32(&mut self, n: u32) {
+        self.add(u64::from(n));
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.add(n);
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        self.add(n as u64);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+/// A hash map over [`Fx`].
+type FxMap<K, V> = HashMap<K, V, BuildHasherDefault<Fx>>;
+
 /// One worker as the network sees it.
 struct Node {
     idx: usize,
@@ -121,6 +174,16 @@ struct Node {
     /// request's arrival to its settling): a connection to any other closes once idle
     /// for a loss window. Kept across incarnations (the requests outlive them).
     engaged: BTreeMap<usize, u32>,
+    /// RDMA: which incarnation granted this worker access for a request, by request and
+    /// granting worker, as it learned it (from a delivered `TransferInfo` or `Ready`). A
+    /// one-sided transfer targets that registration, so it fails once the granting worker
+    /// has restarted (its memory was registered anew; the old key is dead), as on real
+    /// hardware. A prefill rank serving several decode ranks holds one grant from each.
+    /// With it, the loss count between the two at the time ([`Grant`]): a one-sided write
+    /// is posted only while no loss was declared between them since (the writer's lease,
+    /// `Link::write`; a declared loss drops the connection its lease was on). Kept across
+    /// incarnations, forgotten as the request ends here (`Link::request_ended`).
+    rkeys: FxMap<RequestId, Vec<(usize, Grant)>>,
 }
 
 /// One control connection, as one end holds it.
@@ -343,7 +406,7 @@ struct NetState {
     /// Every worker, by index.
     nodes: Vec<Node>,
     /// Each worker's index, by rank.
-    index: BTreeMap<RankInfo, usize>,
+    index: FxMap<RankInfo, usize>,
     ranks: Vec<RankInfo>,
     siblings: Vec<Vec<RankInfo>>,
     /// The bootstrap server's own registry (its rules: incarnations replace, conflicts and
@@ -361,16 +424,6 @@ struct NetState {
     /// The cluster's shape: which workers share a host ([`Shape::same_host`]); a worker
     /// watches only its own host's.
     shape: Shape,
-    /// RDMA: which incarnation granted access, as each worker learned it for a request
-    /// (from a delivered `TransferInfo` or `Ready`). A one-sided transfer targets that
-    /// registration, so it fails once the granting worker has restarted (its memory was
-    /// registered anew; the old key is dead), as on real hardware. Keyed by the worker, the
-    /// request and the granting worker: a prefill rank serving several decode ranks holds
-    /// one grant from each.
-    /// With it, the loss count between the two at the time ([`Grant`]): a one-sided write
-    /// is posted only while no loss was declared between them since (the writer's lease,
-    /// `Link::write`; a declared loss drops the connection its lease was on).
-    rkeys: BTreeMap<(usize, RequestId, usize), Grant>,
     /// Loss declarations so far, by (observer, peer); never reset.
     losses: BTreeMap<(usize, usize), u64>,
     /// The peer's incarnation each observer lost last, by (observer, peer): the one a
@@ -421,7 +474,7 @@ impl SimNet {
         (data_plane, shape): (DataPlane, Shape),
     ) -> Arc<Self> {
         let mut nodes = Vec::with_capacity(ranks.len());
-        let mut index = BTreeMap::new();
+        let mut index = FxMap::default();
         for (idx, (rank, role)) in ranks.iter().enumerate() {
             let node = Node {
                 idx,
@@ -435,6 +488,7 @@ impl SimNet {
                 table: peer_table(&timing),
                 conns: BTreeMap::new(),
                 engaged: BTreeMap::new(),
+                rkeys: FxMap::default(),
             };
             nodes.push(node);
             index.insert(rank.clone(), idx);
@@ -460,7 +514,6 @@ impl SimNet {
             drops,
             data_plane,
             shape,
-            rkeys: BTreeMap::new(),
             losses: BTreeMap::new(),
             lost_incarnation: BTreeMap::new(),
             liars: BTreeSet::new(),
@@ -912,7 +965,13 @@ impl NetState {
                 }
             }
             let grant = Grant { node: from, losses };
-            self.rkeys.insert((to.0, id.clone(), from.0), grant);
+            if let Some(node) = self.nodes.get_mut(to.0) {
+                let grants = node.rkeys.entry(id.clone()).or_default();
+                match grants.iter_mut().find(|(by, _)| *by == from.0) {
+                    Some(held) => held.1 = grant,
+                    None => grants.push((from.0, grant)),
+                }
+            }
         }
         if inbox.deliver(from_rank, id, msg) {
             self.stats.delivered += 1;
@@ -1508,8 +1567,10 @@ impl SimLink {
                     } else {
                         src_node
                     })
-                    .and_then(|n| st.rkeys.get(&(self.idx, id.clone(), n.idx)))
-                    .copied(),
+                    .and_then(|n| {
+                        let grants = st.node_at(self.idx)?.rkeys.get(id)?;
+                        grants.iter().find(|(by, _)| *by == n.idx).map(|g| g.1)
+                    }),
                 checked: false,
                 reply: tx,
             };
@@ -1845,10 +1906,8 @@ impl Link for SimLink {
 
     fn request_ended(&self, id: &RequestId) {
         let mut st = self.net.lock();
-        let mine = (self.idx, id.clone(), 0)..=(self.idx, id.clone(), usize::MAX);
-        let granted: Vec<_> = st.rkeys.range(mine).map(|(k, _)| k.clone()).collect();
-        for key in granted {
-            st.rkeys.remove(&key);
+        if let Some(node) = st.node_mut(self.idx) {
+            node.rkeys.remove(id);
         }
         if let Some(node) = st.node_at(self.idx).filter(|n| n.inc == self.inc) {
             node.grants.revoke(id);

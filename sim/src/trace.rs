@@ -55,9 +55,8 @@ pub fn push_num(s: &mut String, n: u64) {
             break;
         }
     }
-    for &d in &digits[at..] {
-        s.push(char::from(d));
-    }
+    // ASCII digits: one copy of the run, not a capacity check and a push per digit.
+    s.push_str(std::str::from_utf8(&digits[at..]).unwrap_or_default());
 }
 
 /// Appends `blocks` as `{blocks:?}` writes them (`[BlockId(3), BlockId(4)]`), without the

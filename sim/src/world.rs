@@ -103,6 +103,30 @@ struct ReqFaults {
     ghost: bool,
 }
 
+impl ReqFaults {
+    /// Appends the faults as `{:?}` writes them (the `arrive` trace line, once per request),
+    /// without the formatting machinery.
+    fn push_text(&self, s: &mut String) {
+        let flag = |s: &mut String, name: &str, on: bool| {
+            s.push_str(name);
+            s.push_str(if on { "true" } else { "false" });
+        };
+        flag(s, "ReqFaults { saturated: ", self.saturated);
+        flag(s, ", never_send: ", self.never_send);
+        flag(s, ", skip_prefill: ", self.skip_prefill);
+        flag(s, ", ghost: ", self.ghost);
+        s.push_str(" }");
+    }
+}
+
+/// A transfer mode as `{:?}` writes it.
+fn mode_text(mode: TransferMode) -> &'static str {
+    match mode {
+        TransferMode::Push => "Push",
+        TransferMode::Pull => "Pull",
+    }
+}
+
 #[derive(Debug)]
 struct ReqRec {
     id: RequestId,
@@ -752,11 +776,22 @@ impl World {
         push_num(&mut id, req);
         let id = RequestId::new(id);
         self.trace.record(now, Some(req), |s| {
-            write!(
-                s,
-                "arrive r{req} P-group {pg} D-group {dg} blocks {blocks} {mode:?} {rf:?}{}",
-                if liveness { " liveness" } else { "" }
-            )
+            s.push_str("arrive r");
+            push_num(s, req);
+            s.push_str(" P-group ");
+            push_num(s, pg as u64);
+            s.push_str(" D-group ");
+            push_num(s, dg as u64);
+            s.push_str(" blocks ");
+            push_num(s, u64::from(blocks));
+            s.push(' ');
+            s.push_str(mode_text(mode));
+            s.push(' ');
+            rf.push_text(s);
+            if liveness {
+                s.push_str(" liveness");
+            }
+            Ok(())
         });
         for &w in &opens {
             let skew = self.chaos.range(0, f.skew_ms_max);
@@ -1829,6 +1864,29 @@ impl World {
             trace_lines: self.trace.lines(),
             virtual_ms,
             wall_ms: 0,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fast_arrive_text_matches_the_formatter() {
+        for bits in 0u8..16 {
+            let rf = ReqFaults {
+                saturated: bits & 1 != 0,
+                never_send: bits & 2 != 0,
+                skip_prefill: bits & 4 != 0,
+                ghost: bits & 8 != 0,
+            };
+            let mut s = String::new();
+            rf.push_text(&mut s);
+            assert_eq!(s, format!("{rf:?}"));
+        }
+        for mode in [TransferMode::Push, TransferMode::Pull] {
+            assert_eq!(mode_text(mode), format!("{mode:?}"));
         }
     }
 }

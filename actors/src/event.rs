@@ -202,4 +202,68 @@ impl EventQueue {
         }
         events
     }
+
+    /// Moves every queued event to the end of `out`, oldest first, as [`drain`](Self::drain)
+    /// takes them; the queue keeps its buffer (a caller that drains often, into a buffer of
+    /// its own, allocates nothing once both have grown). Never blocks on the runtime.
+    pub fn drain_into(&self, out: &mut Vec<Event>) {
+        let from = out.len();
+        out.extend(self.lock().drain(..));
+        for e in &out[from..] {
+            if matches!(e, Event::State { state, .. } if state.is_terminal()) {
+                self.unadmit();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(id: &str, state: State) -> Event {
+        Event::State {
+            id: RequestId::new(id),
+            role: Role::Decode,
+            state,
+        }
+    }
+
+    #[test]
+    fn drain_into_appends_in_order_and_counts_final_states_as_drain_does() {
+        let (a, b) = (EventQueue::default(), EventQueue::default());
+        let events = [
+            state("r1", State::Bootstrapping),
+            state("r1", State::Done),
+            Event::Released {
+                id: RequestId::new("r1"),
+                blocks: vec![BlockId(3)],
+                why: ReleaseReason::Done,
+            },
+            state("r2", State::Done),
+        ];
+        for q in [&a, &b] {
+            for _ in 0..3 {
+                q.admit(8).unwrap();
+            }
+            for e in &events {
+                q.push(e.clone());
+            }
+        }
+        let mut out = vec![state("r0", State::Bootstrapping)];
+        a.drain_into(&mut out);
+        assert_eq!(
+            out[0],
+            state("r0", State::Bootstrapping),
+            "kept what was there"
+        );
+        assert_eq!(out[1..], b.drain()[..]);
+        assert_eq!((a.open(), b.open()), (1, 1), "two final states drained");
+        out.clear();
+        a.drain_into(&mut out);
+        assert!(out.is_empty());
+        a.push(state("r3", State::Bootstrapping));
+        a.drain_into(&mut out);
+        assert_eq!(out, [state("r3", State::Bootstrapping)]);
+    }
 }

@@ -931,6 +931,13 @@ impl Runtime {
         self.shared.events.drain()
     }
 
+    /// Every lifecycle event since the last call, oldest first, appended to `out` (the
+    /// runtime keeps its queue's buffer: a caller that drains every step allocates nothing
+    /// once both buffers have grown). Never blocks.
+    pub fn drain_events_into(&self, out: &mut Vec<Event>) {
+        self.shared.events.drain_into(out);
+    }
+
     /// Requests open now: live, or ended with their final event not yet drained.
     pub fn open_requests(&self) -> usize {
         self.shared.events.open()

@@ -1820,8 +1820,16 @@ impl Link for SimLink {
         } else {
             1
         };
-        for _ in 0..copies {
+        // The message itself goes with the last copy (a duplicate takes a clone).
+        let mut msg = Some(msg);
+        for copy in 1..=copies {
             let at = now + st.delay();
+            let msg = if copy < copies {
+                msg.clone()
+            } else {
+                msg.take()
+            };
+            let Some(msg) = msg else { break };
             net.push(
                 st,
                 at,
@@ -1831,7 +1839,7 @@ impl Link for SimLink {
                     to: dest.0,
                     to_inc: dest.1,
                     id: id.clone(),
-                    msg: msg.clone(),
+                    msg,
                     losses: st.losses_between(self.idx, dest.0),
                 },
             );

@@ -44,6 +44,11 @@ impl Fnv64 {
 /// Appends `n` in decimal, as `{n}` would: the trace's hot lines are mostly numbers, and
 /// this skips the formatting machinery (the same text, so the same hash).
 pub fn push_num(s: &mut String, n: u64) {
+    if n < 10 {
+        // Most numbers in the trace are incarnations and small counts.
+        s.push(char::from(b'0' + n as u8));
+        return;
+    }
     let mut digits = [0u8; 20];
     let mut at = digits.len();
     let mut n = n;
@@ -55,8 +60,10 @@ pub fn push_num(s: &mut String, n: u64) {
             break;
         }
     }
-    // ASCII digits: one copy of the run, not a capacity check and a push per digit.
-    s.push_str(std::str::from_utf8(&digits[at..]).unwrap_or_default());
+    s.reserve(digits.len() - at);
+    for &d in &digits[at..] {
+        s.push(char::from(d));
+    }
 }
 
 /// Appends `blocks` as `{blocks:?}` writes them (`[BlockId(3), BlockId(4)]`), without the

@@ -119,6 +119,14 @@ impl ReqFaults {
     }
 }
 
+/// A role as `{}` writes it.
+fn role_text(role: Role) -> &'static str {
+    match role {
+        Role::Prefill => "prefill",
+        Role::Decode => "decode",
+    }
+}
+
 /// A transfer mode as `{:?}` writes it.
 fn mode_text(mode: TransferMode) -> &'static str {
     match mode {
@@ -210,6 +218,8 @@ pub(crate) struct World {
     /// stopped hearing during the faults (`SimNet::settle_ms`).
     settled_at: u64,
     outcomes: Vec<RequestOutcome>,
+    /// The drained events of one runtime, as the main loop handles them (kept for reuse).
+    events: Vec<Event>,
 }
 
 fn rank_info(engine: &str, dp: (u32, u32), tp: (u32, u32), pp: (u32, u32)) -> RankInfo {
@@ -226,7 +236,7 @@ fn rank_info(engine: &str, dp: (u32, u32), tp: (u32, u32), pp: (u32, u32)) -> Ra
 
 /// The whole `k`-th block of request `req` on tp rank `tp`, as decode must end up
 /// holding it. A prefill pipeline rank holds only its layers: its slice of this pattern
-/// ([`pipeline_part`]), and writes only that slice of decode's block.
+/// ([`pipeline_range`]), and writes only that slice of decode's block.
 fn pattern(req: u64, tp: u32, k: usize, block_bytes: usize) -> Vec<u8> {
     let mut rng = Rng::new(req.wrapping_mul(0x9e37_79b9) ^ (u64::from(tp) << 40) ^ k as u64);
     let mut out = Vec::with_capacity(block_bytes);
@@ -249,18 +259,19 @@ fn stage_layers(layers: u32, pp_rank: u32, pp_size: u32) -> LayerSpan {
     }
 }
 
-/// The slice of `whole` that a worker at `rank` holds: its pipeline share (an equal byte
-/// share without layers, its layers' bytes with them). Decode holds whole blocks.
-fn pipeline_part<'a>(shape: &Shape, whole: &'a [u8], rank: &RankInfo) -> &'a [u8] {
-    let (start, len) = if shape.layers == 0 {
-        let part = whole.len() / rank.pp_size.max(1) as usize;
+/// Where, in a block of `len` bytes, the slice a worker at `rank` holds lies: its pipeline
+/// share (an equal byte share without layers, its layers' bytes with them). Decode holds
+/// whole blocks.
+fn pipeline_range(shape: &Shape, len: usize, rank: &RankInfo) -> Range<usize> {
+    let (start, part) = if shape.layers == 0 {
+        let part = len / rank.pp_size.max(1) as usize;
         (part * rank.pp_rank as usize, part)
     } else {
-        let layer = whole.len() / shape.layers as usize;
+        let layer = len / shape.layers as usize;
         let span = stage_layers(shape.layers, rank.pp_rank, rank.pp_size);
         (span.first as usize * layer, span.count as usize * layer)
     };
-    &whole[start.min(whole.len())..(start + len).min(whole.len())]
+    start.min(len)..(start + part).min(len)
 }
 
 /// A worker's region: each pipeline rank holds its share of every block; with layers, laid
@@ -355,11 +366,14 @@ fn worker_bytes(shape: &Shape, req: u64, k: usize, rank: &RankInfo, role: Role) 
             return mine;
         }
     }
-    let whole = pattern(req, rank.tp_rank, k, shape.block_bytes);
-    match role {
-        Role::Prefill => pipeline_part(shape, &whole, rank).to_vec(),
-        Role::Decode => whole,
+    let mut whole = pattern(req, rank.tp_rank, k, shape.block_bytes);
+    if role == Role::Prefill {
+        // Its pipeline share, cut out of the pattern in place (all of it without pp).
+        let part = pipeline_range(shape, whole.len(), rank);
+        whole.truncate(part.end);
+        whole.drain(..part.start);
     }
+    whole
 }
 
 fn expected_checksum(shape: &Shape, req: u64, rank: &RankInfo, blocks: usize) -> u64 {
@@ -492,6 +506,7 @@ impl World {
             awaiting_registration: false,
             settled_at: 0,
             outcomes: Vec::new(),
+            events: Vec::new(),
         };
         world.trace.echo(world.cfg.echo_trace);
         world.start_cluster().await?;
@@ -762,15 +777,14 @@ impl World {
         if self.chaos.chance(f.liar_ppm) {
             self.net.lie_for(req);
         }
-        let (_, _, pworkers) = self.prefill_groups[pg].clone();
-        let (_, _, dworkers) = self.decode_groups[dg].clone();
+        let (pworkers, dworkers) = (&self.prefill_groups[pg].2, &self.decode_groups[dg].2);
         let mode = self.workers[dworkers[0]].mode;
         self.net.engage(self.pairs(pg, dg), true);
-        let mut opens: Vec<usize> = Vec::new();
+        let mut opens: Vec<usize> = Vec::with_capacity(pworkers.len() + dworkers.len());
         if !rf.skip_prefill && !rf.ghost {
-            opens.extend(&pworkers);
+            opens.extend(pworkers);
         }
-        opens.extend(&dworkers);
+        opens.extend(dworkers);
         let mut id = String::with_capacity(12);
         id.push('r');
         push_num(&mut id, req);
@@ -833,7 +847,7 @@ impl World {
                 pgroup: pg,
                 dgroup: dg,
                 opens_pending: opens.len() as u32,
-                ranks: Vec::new(),
+                ranks: Vec::with_capacity(opens.len()),
                 unopened: 0,
             },
         );
@@ -938,11 +952,10 @@ impl World {
 
     /// The workers a request of prefill group `pg` and decode group `dg` may connect:
     /// every prefill rank with every decode rank (a superset of the pairs it uses).
-    fn pairs(&self, pg: usize, dg: usize) -> Vec<(usize, usize)> {
+    fn pairs(&self, pg: usize, dg: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
         let (ps, ds) = (&self.prefill_groups[pg].2, &self.decode_groups[dg].2);
         ps.iter()
-            .flat_map(|&p| ds.iter().map(move |&d| (p, d)))
-            .collect()
+            .flat_map(move |&p| ds.iter().map(move |&d| (p, d)))
     }
 
     /// The prefill engine and dp rank that serve `req`.
@@ -982,6 +995,18 @@ impl World {
         let deadline =
             now + self.cfg.timing.timeouts.lifetime_max().as_millis() as u64 + HANG_SLACK_MS;
         self.deadlines.insert((deadline, req, w, inc));
+        self.trace.record(now, Some(req), |s| {
+            who(s, w, inc);
+            s.push_str(" opens r");
+            push_num(s, req);
+            s.push_str(" as ");
+            s.push_str(role_text(role));
+            if let Some(b) = &blocks {
+                s.push_str(" with blocks ");
+                push_blocks(s, b);
+            }
+            Ok(())
+        });
         if let Some(rec) = self.reqs.get_mut(&req) {
             rec.ranks.push(RankRec {
                 worker: w,
@@ -990,24 +1015,12 @@ impl World {
                 tp,
                 pp,
                 opened_ms: now,
-                handed: blocks.clone().unwrap_or_default(),
+                handed: blocks.unwrap_or_default(),
                 released: Vec::new(),
                 state: State::Bootstrapping,
                 end_ms: None,
             });
         }
-        self.trace.record(now, Some(req), |s| {
-            who(s, w, inc);
-            s.push_str(" opens r");
-            push_num(s, req);
-            s.push_str(" as ");
-            write!(s, "{role}")?;
-            if let Some(b) = &blocks {
-                s.push_str(" with blocks ");
-                push_blocks(s, b);
-            }
-            Ok(())
-        });
     }
 
     /// The engine hands the request's blocks to the runtime: prefill after computing them
@@ -1047,9 +1060,6 @@ impl World {
         };
         match result {
             Ok(()) => {
-                if let Some(r) = self.rank_mut(req, w, inc) {
-                    r.handed = blocks.clone();
-                }
                 self.trace.record(now, Some(req), |s| {
                     who(s, w, inc);
                     s.push_str(" hands r");
@@ -1058,6 +1068,9 @@ impl World {
                     push_blocks(s, &blocks);
                     Ok(())
                 });
+                if let Some(r) = self.rank_mut(req, w, inc) {
+                    r.handed = blocks;
+                }
             }
             Err(ActorError::RequestEnded { blocks, state, .. }) => {
                 let _ = self.workers[w].pool().free(&blocks, &id);
@@ -1110,15 +1123,19 @@ impl World {
                 continue;
             }
             let Some(rt) = &worker.rt else { continue };
-            let events = rt.drain_events();
+            // One buffer for every drain of the run (the runtimes keep theirs too).
+            let mut events = std::mem::take(&mut self.events);
+            rt.drain_events_into(&mut events);
             if events.is_empty() {
+                self.events = events;
                 continue;
             }
             self.last_progress_ms = now;
             let inc = worker.inc;
-            for e in events {
+            for e in events.drain(..) {
                 self.on_event(now, w, inc, e);
             }
+            self.events = events;
             if !self.workers[w].waiters.is_empty() {
                 self.serve_waiters(now, w);
             }
@@ -1887,6 +1904,9 @@ mod tests {
         }
         for mode in [TransferMode::Push, TransferMode::Pull] {
             assert_eq!(mode_text(mode), format!("{mode:?}"));
+        }
+        for role in [Role::Prefill, Role::Decode] {
+            assert_eq!(role_text(role), format!("{role}"));
         }
     }
 }

@@ -875,7 +875,7 @@ impl World {
                 let prefill = if faults.ghost {
                     EngineId::new("Pghost")
                 } else {
-                    EngineId::new(format!("P{pg_engine}"))
+                    self.prefill_engine(req, pg_engine)
                 };
                 // One dp rank: sometimes let the runtime pick the lowest registered one.
                 let dp = if self.cfg.shape.prefill_dp_ranks.len() == 1 && req % 2 == 0 {
@@ -962,6 +962,16 @@ impl World {
     fn prefill_of(&self, req: u64) -> (u32, u32) {
         let pg = self.reqs.get(&req).map_or(0, |r| r.pgroup);
         (self.prefill_groups[pg].0, self.prefill_groups[pg].1)
+    }
+
+    /// The id of engine `P<engine>`, which serves `req`: its workers' own (no new string
+    /// per request).
+    fn prefill_engine(&self, req: u64, engine: u32) -> EngineId {
+        let pg = self.reqs.get(&req).map_or(0, |r| r.pgroup);
+        match self.prefill_groups[pg].2.first() {
+            Some(&p) => self.workers[p].rank.engine_id.clone(),
+            None => EngineId::new(format!("P{engine}")),
+        }
     }
 
     fn refused(&mut self, now: u64, req: u64, w: usize, e: ActorError) {

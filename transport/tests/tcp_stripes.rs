@@ -66,9 +66,15 @@ async fn a_large_call_moves_every_byte_in_stripes_keyed_or_not() {
         assert_eq!(checksum(&back, &order), checksum(&local, &src));
         // A one-block call reuses a stripe's pooled connection on the runtime's own path.
         let one = Region::new(1, BLOCK_BYTES).unwrap();
-        c.read(&RequestId::new("r"), &one, &dst[..1], &ids(0..1), deadline())
-            .await
-            .unwrap();
+        c.read(
+            &RequestId::new("r"),
+            &one,
+            &dst[..1],
+            &ids(0..1),
+            deadline(),
+        )
+        .await
+        .unwrap();
         assert_eq!(checksum(&one, &ids(0..1)), checksum(&local, &src[..1]));
         assert_eq!(server.stats().connections, stripes_here(), "key {key:?}");
         assert_eq!(server.stats().writes, 4);

@@ -631,7 +631,7 @@ impl Conn {
     /// A stripe's connection back in the runtime's reactor, its receive low-water mark the
     /// default again (the runtime waits for answers of a few bytes).
     fn from_std(conn: stripes::StdConn) -> std::io::Result<Conn> {
-        stripes::set_low_water(&conn.stream, 1)?;
+        super::io::set_low_water(&conn.stream, 1)?;
         let (r, w) = TcpStream::from_std(conn.stream)?.into_split();
         Ok(Conn {
             r,

@@ -1,6 +1,7 @@
 //! Reading and writing frames on a connection's halves, with errors that name the peer.
 
 use std::io::{self, IoSlice};
+use std::os::fd::AsRawFd;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -418,4 +419,31 @@ pub(super) async fn read_exact_vectored(
         }
     }
     Ok(())
+}
+
+/// Most bytes a side waiting for an operation's data lets arrive before it is woken
+/// (`SO_RCVLOWAT`, never more than the bytes still due): one wake-up per this many bytes
+/// instead of one per segment the loopback delivers. On this project's 2-core VM it raised
+/// striped 128 KiB reads (the client waiting) from a median 2.28 GB/s to 2.67, and writes
+/// (the server waiting) from 2.87 to 3.35.
+pub(super) const RECV_LOW_WATER_MAX: usize = 256 << 10;
+
+/// Sets `socket`'s receive low-water mark (`SO_RCVLOWAT`) to `bytes`.
+pub(super) fn set_low_water(socket: &impl AsRawFd, bytes: usize) -> io::Result<()> {
+    let value = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
+    // SAFETY: an `int` option, with its size, of a socket the caller holds open.
+    let set = unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVLOWAT,
+            (&value as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if set == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
 }

@@ -15,7 +15,8 @@ use tokio::time::timeout;
 
 use super::frame::{self, FrameError, Header, HelloOk, Op, Segment, HEADER_BYTES, NONCE_BYTES};
 use super::io::{
-    busy_poll, io_error, read_head, session, try_recv_raw, write_frame, write_frame_raw, RawSlice,
+    busy_poll, io_error, read_head, session, set_low_water, try_recv_raw, write_frame,
+    write_frame_raw, RawSlice, RECV_LOW_WATER_MAX,
 };
 use super::{
     CONNECTION_IDLE_TIMEOUT_DEFAULT, FRAME_READ_TIMEOUT_DEFAULT, OP_BYTES_MAX,
@@ -398,6 +399,9 @@ struct Conn<'a> {
     pieces: Vec<crate::layout::Segment>,
     dst: Vec<RawSlice>,
     chunk_blocks: Vec<BlockId>,
+    /// The socket's receive low-water mark now: raised while a write's data is due
+    /// ([`RECV_LOW_WATER_MAX`] at most), 1 (the kernel's default) whenever a frame is.
+    low_water: usize,
 }
 
 /// How a write's data went into its blocks.
@@ -474,6 +478,7 @@ async fn serve_connection(
         pieces: Vec::new(),
         dst: Vec::new(),
         chunk_blocks: Vec::new(),
+        low_water: 1,
     };
     let end = match conn.handshake().await {
         Ok(()) => {
@@ -706,7 +711,10 @@ impl Conn<'_> {
                 .refuse(head.seq, RefusalCode::NotGranted, Some(request), &why)
                 .await;
         }
-        match self.land(&rank, request).await? {
+        let landed = self.land(&rank, request).await?;
+        // The next frame (or the rest of a refused write) is waited for byte by byte again.
+        self.set_low_water(1)?;
+        match landed {
             Landed::All => {
                 self.shared.counters.writes.fetch_add(1, Ordering::Relaxed);
                 let header = Header {
@@ -820,12 +828,28 @@ impl Conn<'_> {
                         }
                     }
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    // Woken again only once more of the write has arrived.
+                    let due: usize = self.segments[i..].iter().map(|s| s.len as usize).sum();
+                    self.set_low_water((due - done).min(RECV_LOW_WATER_MAX))?;
+                }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(End::Error(io_error(&self.peer, "receiving data", e), None)),
             }
         }
         Ok(Landed::All)
+    }
+
+    /// Sets the socket's receive low-water mark to `bytes` (at least 1) if it is not that.
+    fn set_low_water(&mut self, bytes: usize) -> Result<(), End> {
+        let bytes = bytes.max(1);
+        if self.low_water != bytes {
+            let stream: &tokio::net::TcpStream = self.r.as_ref();
+            set_low_water(stream, bytes)
+                .map_err(|e| End::Error(io_error(&self.peer, "setting SO_RCVLOWAT", e), None))?;
+            self.low_water = bytes;
+        }
+        Ok(())
     }
 
     /// Sends the bytes of a read, then `ReadOk`, or `Error` for a refusal. They go straight

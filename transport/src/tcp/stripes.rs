@@ -28,8 +28,8 @@ use std::time::{Duration, Instant};
 use super::client::Answer;
 use super::client::{check_answer, check_read_end, local_slices, local_slices_mut, op_header};
 use super::frame::{Header, HEADER_BYTES};
-use super::io::IOV_PER_WRITE_MAX;
-use super::io::{encode_head, io_error, open_head, plain_header, sealed_head_len};
+use super::io::{encode_head, io_error, open_head, plain_header, sealed_head_len, set_low_water};
+use super::io::{IOV_PER_WRITE_MAX, RECV_LOW_WATER_MAX};
 use super::OPS_INFLIGHT_MAX;
 use crate::auth::TAG_BYTES;
 use crate::data::plan::Plan;
@@ -40,12 +40,6 @@ use crate::types::RequestId;
 
 /// Longest sleep of a stripe waiting for its socket before it looks whether another stripe
 /// failed: bounds how long a failed call's other stripes run on.
-/// Most bytes a stripe waiting for a read's data lets arrive before it is woken
-/// (`SO_RCVLOWAT`, never more than the bytes still due): one wake-up per this many bytes
-/// instead of one per segment the loopback delivers; 15% more read throughput at 128 KiB
-/// blocks on this project's 2-core VM.
-const RECV_LOW_WATER_MAX: usize = 256 << 10;
-
 const STOP_CHECK_EVERY: Duration = Duration::from_millis(10);
 
 /// A handshaken connection, taken out of the runtime's reactor for a striped call: its
@@ -373,25 +367,5 @@ impl Wire<'_, '_> {
             self.read_bytes(&mut tag, op)?;
         }
         Ok(header)
-    }
-}
-
-/// Sets `stream`'s receive low-water mark (`SO_RCVLOWAT`) to `bytes`.
-pub(super) fn set_low_water(stream: &TcpStream, bytes: usize) -> io::Result<()> {
-    let value = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
-    // SAFETY: an `int` option of a socket this stripe owns, with its size.
-    let set = unsafe {
-        libc::setsockopt(
-            stream.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_RCVLOWAT,
-            (&value as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if set == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
     }
 }

@@ -310,6 +310,13 @@ pub unsafe fn copy(
     unsafe { copy_until(peer, way, pieces, deadline, lease, None) }
 }
 
+/// Whether this thread may hand its runtime worker's other tasks away and block
+/// (`tokio::task::block_in_place`): inside a multi-threaded runtime only.
+pub fn may_block_in_place() -> bool {
+    tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
+}
+
 /// Environment variable capping the lanes of one copy ([`lanes_for`]), and the stripes of
 /// one TCP call (each a connection and a thread): `1` moves each on the calling thread only
 /// (an engine that keeps its cores to itself, or a comparison).

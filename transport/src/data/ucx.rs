@@ -850,8 +850,7 @@ impl UcxDataPlane {
             };
             let per_block: u64 = at.iter().map(|a| a.len as u64).sum();
             let bytes = (local.len() as u64).saturating_mul(per_block);
-            let multi_thread = tokio::runtime::Handle::try_current()
-                .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+            let multi_thread = same_host::may_block_in_place();
             let copied = if bytes > SAME_HOST_INLINE_BYTES_MAX && multi_thread {
                 tokio::task::block_in_place(run)
             } else {

@@ -603,9 +603,7 @@ fn stripes_for(plan: &Plan) -> usize {
     if plan.ops.len() < 2 {
         return 1;
     }
-    let multi_thread = tokio::runtime::Handle::try_current()
-        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-    if !multi_thread {
+    if !crate::same_host::may_block_in_place() {
         return 1;
     }
     crate::same_host::lanes_for(plan.total_bytes()).min(plan.ops.len())

@@ -172,10 +172,6 @@ impl Estate {
         (estate, rx)
     }
 
-    pub(crate) fn id(&self) -> &RequestId {
-        &self.id
-    }
-
     pub(crate) fn state(&self) -> &State {
         &self.state
     }
@@ -483,7 +479,7 @@ mod tests {
 
     fn consign(e: &Estate, ids: &[u32], events: &Arc<EventQueue>) -> Consignment {
         let metrics = e.metrics.clone();
-        Consignment::new(e.id().clone(), e.role, blocks(ids), events.clone(), metrics)
+        Consignment::new(e.id.clone(), e.role, blocks(ids), events.clone(), metrics)
     }
 
     fn blocks(ids: &[u32]) -> Vec<BlockId> {

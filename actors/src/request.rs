@@ -153,8 +153,11 @@ async fn run(
             why,
         });
     };
+    // Boxed: the task's future then holds a pointer to the state, not the state itself. A
+    // future keeps a slot for each value it holds across an await, and its whole size is
+    // copied into the task at spawn: 1,888 bytes with the state inline, 712 boxed.
     let started = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        RequestState::start(&myself, args)
+        Box::new(RequestState::start(&myself, args))
     }));
     let mut state = match started {
         Ok(state) => state,

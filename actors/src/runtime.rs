@@ -41,9 +41,15 @@ use crate::Error;
 /// Messages the root actor handles.
 #[derive(Debug)]
 pub(crate) enum RootMsg {
-    /// The engine opened a request: its estate comes with it (dropped unhandled, it fails
-    /// the request and gives its blocks back).
-    Open { estate: Estate, kind: OpenKind },
+    /// The engine opened a request: its estate comes with it, already in the deed its
+    /// actor will use (dropped unhandled, the estate fails the request and gives its blocks
+    /// back). A deed, not the estate itself: the mailbox's slots are as large as its
+    /// largest message, and every message is copied in and out of one.
+    Open {
+        id: RequestId,
+        deed: Deed,
+        kind: OpenKind,
+    },
     /// The engine handed the request's blocks over (and prefill's payload for decode).
     HandOver {
         id: RequestId,
@@ -296,7 +302,7 @@ impl RootState {
 
     fn handle(&mut self, myself: &RootRef, msg: RootMsg) {
         let input = match msg {
-            RootMsg::Open { estate, kind } => return self.open(myself, estate, kind),
+            RootMsg::Open { id, deed, kind } => return self.open(myself, id, deed, kind),
             RootMsg::HandOver { id, blocks, aux } => {
                 return self.hand_over(myself, id, blocks, aux)
             }
@@ -378,14 +384,15 @@ impl RootState {
         actions
     }
 
-    fn open(&mut self, myself: &RootRef, estate: Estate, kind: OpenKind) {
-        let id = estate.id().clone();
-        let mut estate = Some(estate);
+    fn open(&mut self, myself: &RootRef, id: RequestId, deed: Deed, kind: OpenKind) {
+        let mut deed = Some(deed);
         let mut actions = self.decide(Input::Open { id });
         for action in actions.drain(..) {
             match action {
                 Action::Spawn {
-                    backlog, reject, ..
+                    id,
+                    backlog,
+                    reject,
                 } => {
                     let kind = match &kind {
                         OpenKind::Sender => Kind::Sender,
@@ -398,14 +405,14 @@ impl RootState {
                             prefill_dp_rank: *prefill_dp_rank,
                         },
                     };
-                    if let Some(estate) = estate.take() {
-                        self.spawn(myself, estate, kind, backlog, reject);
+                    if let Some(deed) = deed.take() {
+                        self.spawn(myself, id, deed, kind, backlog, reject);
                     }
                 }
                 Action::Refuse { id, reason } => {
                     warn!(request = %id, %reason, "request opened after it ended here");
-                    if let Some(mut estate) = estate.take() {
-                        estate.fail_if_live(reason);
+                    if let Some(deed) = deed.take() {
+                        deed.with(|estate| estate.fail_if_live(reason));
                     }
                     self.shared.ids().remove(&id);
                 }
@@ -418,13 +425,12 @@ impl RootState {
     fn spawn(
         &mut self,
         myself: &RootRef,
-        estate: Estate,
+        id: RequestId,
+        deed: Deed,
         kind: Kind,
         backlog: Vec<MachineEvent>,
         reject: bool,
     ) {
-        let id = estate.id().clone();
-        let deed = Deed::new(estate);
         let args = RequestArgs {
             id: id.clone(),
             role: self.cfg.role,
@@ -880,7 +886,16 @@ impl Runtime {
             Estate::new(id.clone(), self.cfg.role, events, metrics)
         };
         // Refused, the message comes back and is dropped: the estate fails the request.
-        if self.root.cast(RootMsg::Open { estate, kind }).is_err() {
+        let deed = Deed::new(estate);
+        if self
+            .root
+            .cast(RootMsg::Open {
+                id: id.clone(),
+                deed,
+                kind,
+            })
+            .is_err()
+        {
             self.shared.ids().remove(&id);
             return Err(Error::Stopped);
         }

@@ -93,6 +93,17 @@ struct Inner {
 /// talks to, so a restart is never forgotten before the server expires the old record.
 const LOST_INCARNATIONS_MAX: usize = 1024;
 
+/// Whether a lookup hands out workers the directory was told it lost.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Lost {
+    /// A lost worker fails the answer ([`BootstrapError::Lost`]): a new request must not be
+    /// paired with it.
+    Refused,
+    /// Lost workers are answered as the directory holds them: to dial a known peer, whose
+    /// handshake tells whether it answers.
+    Included,
+}
+
 /// Ranks lost at an incarnation, oldest first, at most [`LOST_INCARNATIONS_MAX`]: what a
 /// directory (the bootstrap server's client, or etcd's) must not hand out again.
 #[derive(Default)]
@@ -233,12 +244,38 @@ impl BootstrapClient {
 
     /// Every worker of `engine`, once all its ranks have registered: from the cache if
     /// present, else asked of the server, retrying transient failures, `NotReady` and
-    /// `UnknownEngine` (prefill and decode start concurrently) until `deadline`.
+    /// `UnknownEngine` (prefill and decode start concurrently) until `deadline`. A worker
+    /// this client was told it lost ([`mark_lost`](Self::mark_lost)) fails the answer with
+    /// [`BootstrapError::Lost`].
     pub async fn query(
         &self,
         engine: &EngineId,
         deadline: Instant,
     ) -> Result<Vec<WorkerRecord>, BootstrapError> {
+        self.query_with(engine, deadline, Lost::Refused).await
+    }
+
+    /// [`query`](Self::query), with workers this client lost included: for dialing a peer
+    /// already known, not for pairing a new request. The dial's handshake says whether that
+    /// process answers, and as which incarnation; a writer that was lost while stopped and
+    /// then resumed can only be asked whether it is done this way (it lost us too, and
+    /// would not dial us). Not cached.
+    pub async fn query_including_lost(
+        &self,
+        engine: &EngineId,
+        deadline: Instant,
+    ) -> Result<Vec<WorkerRecord>, BootstrapError> {
+        self.query_with(engine, deadline, Lost::Included).await
+    }
+
+    async fn query_with(
+        &self,
+        engine: &EngineId,
+        deadline: Instant,
+        lost: Lost,
+    ) -> Result<Vec<WorkerRecord>, BootstrapError> {
+        // The cache holds only answers that passed the lost check (a loss drops its
+        // engine's), so either kind of query may take them.
         if let Some(workers) = self.cached(engine) {
             return Ok(workers);
         }
@@ -249,12 +286,13 @@ impl BootstrapClient {
         let workers = self
             .retry(msg, deadline, |reply| match reply {
                 Message::QueryReply(r) => match r.answer {
-                    QueryAnswer::Ready { workers } => {
-                        match self.inner.lost.check(&address, &workers) {
+                    QueryAnswer::Ready { workers } => match lost {
+                        Lost::Included => Judged::Done(workers),
+                        Lost::Refused => match self.inner.lost.check(&address, &workers) {
                             Err(dead) => Judged::Fail(dead),
                             Ok(()) => Judged::Done(workers),
-                        }
-                    }
+                        },
+                    },
                     QueryAnswer::NotReady {
                         registered,
                         expected,
@@ -285,11 +323,13 @@ impl BootstrapClient {
                 },
                 other => other,
             })?;
-        let mut cache = lock(&self.inner.cache);
-        if cache.len() >= CACHED_ENGINES_MAX && !cache.contains_key(engine) {
-            cache.pop_first();
+        if lost == Lost::Refused {
+            let mut cache = lock(&self.inner.cache);
+            if cache.len() >= CACHED_ENGINES_MAX && !cache.contains_key(engine) {
+                cache.pop_first();
+            }
+            cache.insert(engine.clone(), workers.clone());
         }
-        cache.insert(engine.clone(), workers.clone());
         Ok(workers)
     }
 

@@ -36,7 +36,7 @@ use handoff_transport::wire::{self, Message, QueryAnswer, StatusReply, WorkerRec
 use handoff_transport::zmtp::ConnId;
 use handoff_transport::{EngineId, RankInfo};
 
-use crate::client::LostRanks;
+use crate::client::{Lost, LostRanks};
 use crate::registry::{Origin, RegisterOutcome, Registry};
 use crate::{BootstrapError, CACHED_ENGINES_MAX};
 
@@ -837,6 +837,30 @@ impl EtcdDirectory {
         engine: &EngineId,
         deadline: Instant,
     ) -> Result<Vec<WorkerRecord>, BootstrapError> {
+        self.query_with(engine, deadline, Lost::Refused).await
+    }
+
+    /// [`query`](Self::query), with workers this directory lost included: for dialing a
+    /// peer already known, not for pairing a new request (as
+    /// [`BootstrapClient::query_including_lost`](crate::BootstrapClient::query_including_lost)).
+    /// Not cached.
+    ///
+    /// # Errors
+    /// As [`query`](Self::query)'s, less `Lost`.
+    pub async fn query_including_lost(
+        &self,
+        engine: &EngineId,
+        deadline: Instant,
+    ) -> Result<Vec<WorkerRecord>, BootstrapError> {
+        self.query_with(engine, deadline, Lost::Included).await
+    }
+
+    async fn query_with(
+        &self,
+        engine: &EngineId,
+        deadline: Instant,
+        lost: Lost,
+    ) -> Result<Vec<WorkerRecord>, BootstrapError> {
         self.start_watch();
         let fresh = lock(&self.inner.watch).live;
         if let Some((workers, read)) = lock(&self.inner.cache).get(engine).cloned() {
@@ -848,6 +872,7 @@ impl EtcdDirectory {
         let prefix = self.inner.members.address.engine_prefix(engine);
         let (records, revision) = self.records(&prefix, deadline).await?;
         match Self::replay(records).query(engine) {
+            QueryAnswer::Ready { workers } if lost == Lost::Included => Ok(workers),
             QueryAnswer::Ready { workers } => {
                 self.inner.lost.check(&address, &workers)?;
                 // Cached only while the watch can tell a later change, and only if it saw

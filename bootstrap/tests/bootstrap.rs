@@ -517,6 +517,25 @@ async fn a_lost_incarnation_is_not_handed_out_again_until_the_rank_re_registers(
         t0.elapsed() < Duration::from_secs(2),
         "failed only at the deadline"
     );
+    // A dial to a peer already known still finds it: a worker lost while it was stopped
+    // may have resumed, and only its handshake can say so. Such an answer is not cached,
+    // so a new request's lookup still refuses the lost incarnation.
+    assert_eq!(
+        c.query_including_lost(&e, soon())
+            .await
+            .expect("for a dial"),
+        vec![first.clone()]
+    );
+    assert_eq!(
+        c.cached(&e),
+        None,
+        "an answer with a lost worker was cached"
+    );
+    let err = c.query(&e, soon()).await.expect_err("still lost");
+    assert!(
+        matches!(err, BootstrapError::Lost { incarnation: 1, .. }),
+        "{err:?}"
+    );
     let second = record("p", (0, 1), (0, 1), 2);
     c.register(second.clone(), soon())
         .await

@@ -74,6 +74,38 @@ async fn registrations_follow_the_registry_rules() {
     assert_eq!(got, vec![record("P", (0, 2), 6), record("P", (1, 2), 1)]);
 }
 
+/// A rank this directory lost is not handed out again to pair a new request until it
+/// registers anew, as with the server; a dial to it (a peer already known) still finds it,
+/// since a worker lost while it was stopped may have resumed and only its handshake can say.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_incarnation_is_refused_to_new_requests_but_found_for_a_dial() {
+    let Some(etcd) = Etcd::single("a_lost_incarnation_is_refused_to_new_requests") else {
+        return;
+    };
+    let d = dir(&etcd, "lost", None);
+    let engine = EngineId::new("P");
+    let first = record("P", (0, 1), 3);
+    d.register(first.clone(), soon()).await.unwrap();
+    assert_eq!(d.query(&engine, soon()).await.unwrap(), vec![first.clone()]);
+    d.mark_lost(&first.rank, first.incarnation);
+    match d.query(&engine, soon()).await {
+        Err(BootstrapError::Lost { incarnation: 3, .. }) => {}
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        d.query_including_lost(&engine, soon()).await.unwrap(),
+        vec![first.clone()]
+    );
+    // The dial's answer was not cached for new requests.
+    assert!(matches!(
+        d.query(&engine, soon()).await,
+        Err(BootstrapError::Lost { .. })
+    ));
+    let second = record("P", (0, 1), 4);
+    d.register(second.clone(), soon()).await.unwrap();
+    assert_eq!(d.query(&engine, soon()).await.unwrap(), vec![second]);
+}
+
 /// Many directories race to register different records for one rank: exactly one wins
 /// (the transaction holds only where nothing changed since the read), the others are told
 /// the winner's record.

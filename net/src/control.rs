@@ -990,9 +990,11 @@ impl DialJob {
     /// timeout.
     async fn run(self) -> Result<Dialed, DialFailure> {
         let work = async {
+            // Lost workers included: a peer lost at the incarnation the directory still
+            // holds may be back (stopped, then resumed), and this dial is how we find out.
             let records = self
                 .directory
-                .lookup(&self.peer.engine_id)
+                .lookup_including_lost(&self.peer.engine_id)
                 .await
                 .map_err(|e| format!("{e:?}"))?;
             let record = records

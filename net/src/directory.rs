@@ -27,6 +27,19 @@ pub trait Directory: Send + Sync + 'static {
     fn lookup(&self, engine: &EngineId)
         -> DirectoryFuture<Result<Vec<WorkerRecord>, ResolveError>>;
 
+    /// Every registered worker of `engine` as the directory holds them, workers it was told
+    /// it lost included ([`lost`](Self::lost)): what a dial needs to reach a peer it already
+    /// knows. The dial's handshake says whether that process answers, and as which
+    /// incarnation; a writer lost while it was stopped, and since resumed, lost this worker
+    /// too and will not dial it, so being asked whether it is done is its only way back.
+    /// New requests are never paired through this ([`lookup`](Self::lookup) is for them).
+    fn lookup_including_lost(
+        &self,
+        engine: &EngineId,
+    ) -> DirectoryFuture<Result<Vec<WorkerRecord>, ResolveError>> {
+        self.lookup(engine)
+    }
+
     /// Forgets what is cached about `engine` (a peer of it was lost).
     fn invalidate(&self, engine: &EngineId);
 
@@ -145,6 +158,18 @@ impl Directory for handoff_bootstrap::BootstrapClient {
         })
     }
 
+    fn lookup_including_lost(
+        &self,
+        engine: &EngineId,
+    ) -> DirectoryFuture<Result<Vec<WorkerRecord>, ResolveError>> {
+        let client = self.clone();
+        let engine = engine.clone();
+        Box::pin(async move {
+            let deadline = std::time::Instant::now() + LOOKUP_DEADLINE;
+            resolved(client.query_including_lost(&engine, deadline).await)
+        })
+    }
+
     fn invalidate(&self, engine: &EngineId) {
         handoff_bootstrap::BootstrapClient::invalidate(self, engine);
     }
@@ -172,6 +197,18 @@ impl Directory for handoff_bootstrap::EtcdDirectory {
         Box::pin(async move {
             let deadline = std::time::Instant::now() + LOOKUP_DEADLINE;
             resolved(dir.query(&engine, deadline).await)
+        })
+    }
+
+    fn lookup_including_lost(
+        &self,
+        engine: &EngineId,
+    ) -> DirectoryFuture<Result<Vec<WorkerRecord>, ResolveError>> {
+        let dir = self.clone();
+        let engine = engine.clone();
+        Box::pin(async move {
+            let deadline = std::time::Instant::now() + LOOKUP_DEADLINE;
+            resolved(dir.query_including_lost(&engine, deadline).await)
         })
     }
 

@@ -36,6 +36,7 @@
 //! - [`net`]: the simulated network, bootstrap server and data transport (`Attach`/`Link`).
 //! - `world`: workers, engines, the workload, cluster faults, checks, the main loop.
 //! - [`pool`]: a worker's block allocator with owners (catches use after release).
+//! - [`live`]: the live requests by index, a window rather than a tree.
 //! - [`sim`]: [`simulate`], one run on its own paused-time runtime.
 //! - [`report`]: outcomes, latencies, invariant verdicts, the trace hash.
 //! - [`trace`]: FNV-1a 64 and the trace; [`rng`]: the seeded generator.
@@ -49,6 +50,7 @@ pub mod chart;
 pub mod cli;
 pub mod config;
 mod error;
+pub mod live;
 pub mod net;
 mod panic;
 pub mod pool;

@@ -21,6 +21,7 @@ use handoff_actors::{
 
 use crate::agenda::Agenda;
 use crate::config::{Plane, Scripted, Shape, SimConfig, Target, SIM_BLOCK_TOKENS};
+use crate::live::Live;
 use crate::net::{req_index, SimAttach, SimNet};
 use crate::pool::Pool;
 use crate::report::{
@@ -197,8 +198,12 @@ pub(crate) struct World {
     agenda: Agenda<Action>,
     load: Rng,
     chaos: Rng,
-    reqs: BTreeMap<u64, ReqRec>,
-    deadlines: BTreeSet<(u64, u64, usize, u32)>,
+    reqs: Live<ReqRec>,
+    /// Each open rank's hang deadline, as (deadline, request, worker, incarnation), in
+    /// that order and without repeats, as a B-tree set would hold them. A queue: ranks open
+    /// in time order with one lifetime each, so a new deadline goes at the back or a few
+    /// places before it, and the due ones come off the front.
+    deadlines: VecDeque<(u64, u64, usize, u32)>,
     trace: Trace,
     violations: Vec<Violation>,
     phase: Phase,
@@ -429,15 +434,25 @@ impl World {
                 decode_groups.push((e, dp, group));
             }
         }
+        // The ranks of each (engine, dp rank), in rank order: grouped once, rather than
+        // every rank scanning every other (a million comparisons at a thousand workers).
+        let mut groups: BTreeMap<(&EngineId, u32), Vec<&RankInfo>> = BTreeMap::new();
+        for (r, _, _) in &ranks {
+            groups.entry((&r.engine_id, r.dp_rank)).or_default().push(r);
+        }
         let siblings: Vec<Vec<RankInfo>> = ranks
             .iter()
             .map(|(me, _, _)| {
-                ranks
-                    .iter()
-                    .map(|(r, _, _)| r)
-                    .filter(|r| r.engine_id == me.engine_id && r.dp_rank == me.dp_rank && *r != me)
-                    .cloned()
-                    .collect()
+                groups
+                    .get(&(&me.engine_id, me.dp_rank))
+                    .map(|group| {
+                        group
+                            .iter()
+                            .filter(|r| **r != me)
+                            .map(|r| (*r).clone())
+                            .collect()
+                    })
+                    .unwrap_or_default()
             })
             .collect();
         let drops = cfg
@@ -488,8 +503,8 @@ impl World {
             prefill_groups,
             decode_groups,
             agenda: Agenda::new(),
-            reqs: BTreeMap::new(),
-            deadlines: BTreeSet::new(),
+            reqs: Live::new(),
+            deadlines: VecDeque::new(),
             violations: Vec::new(),
             phase: Phase::Safety,
             next_req: 0,
@@ -1004,7 +1019,16 @@ impl World {
         let (role, tp, pp) = (worker.role, worker.rank.tp_rank, worker.rank.pp_rank);
         let deadline =
             now + self.cfg.timing.timeouts.lifetime_max().as_millis() as u64 + HANG_SLACK_MS;
-        self.deadlines.insert((deadline, req, w, inc));
+        let entry = (deadline, req, w, inc);
+        match self.deadlines.back() {
+            Some(last) if *last < entry => self.deadlines.push_back(entry),
+            None => self.deadlines.push_back(entry),
+            Some(_) => {
+                if let Err(at) = self.deadlines.binary_search(&entry) {
+                    self.deadlines.insert(at, entry);
+                }
+            }
+        }
         self.trace.record(now, Some(req), |s| {
             who(s, w, inc);
             s.push_str(" opens r");
@@ -1271,11 +1295,11 @@ impl World {
     }
 
     fn check_deadlines(&mut self, now: u64) {
-        while let Some(&(deadline, req, w, inc)) = self.deadlines.first() {
+        while let Some(&(deadline, req, w, inc)) = self.deadlines.front() {
             if deadline > now {
                 break;
             }
-            self.deadlines.pop_first();
+            self.deadlines.pop_front();
             let Some(rec) = self.reqs.get(&req) else {
                 continue;
             };
@@ -1801,7 +1825,7 @@ impl World {
         if self.reqs.is_empty() || now < self.last_progress_ms + limit {
             return;
         }
-        let Some((&req, rec)) = self.reqs.iter().next() else {
+        let Some((req, rec)) = self.reqs.first() else {
             return;
         };
         let ranks: Vec<String> = rec

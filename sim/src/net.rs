@@ -84,6 +84,9 @@ use crate::trace::Fnv64;
 pub const REGISTER_BACKOFF_MS_MAX: u64 = 200;
 /// First wait between registration attempts.
 pub const REGISTER_BACKOFF_MS_MIN: u64 = 5;
+/// Emptied heartbeat lists kept for reuse: about as many as ticks whose beats are in
+/// flight at once.
+const SPARE_BEAT_LISTS_MAX: usize = 4_096;
 /// The bootstrap server's name in failure reasons.
 pub const BOOTSTRAP_ADDRESS: &str = "sim-bootstrap:8998";
 
@@ -173,7 +176,8 @@ struct Node {
     /// Peers it shares a live request with, and how many (the world's count, from a
     /// request's arrival to its settling): a connection to any other closes once idle
     /// for a loss window. Kept across incarnations (the requests outlive them).
-    engaged: BTreeMap<usize, u32>,
+    /// Only looked up, never iterated: a hash map (its order never shows).
+    engaged: FxMap<usize, u32>,
     /// RDMA: which incarnation granted this worker access for a request, by request and
     /// granting worker, as it learned it (from a delivered `TransferInfo` or `Ready`). A
     /// one-sided transfer targets that registration, so it fails once the granting worker
@@ -451,6 +455,10 @@ struct NetState {
     hash: Fnv64,
     notes: Vec<NetNote>,
     findings: Vec<NetFinding>,
+    /// A tick's idle connections, kept for the next tick (no allocation per tick).
+    idle_scratch: Vec<(usize, bool)>,
+    /// Emptied beat lists, for the next ticks to fill (a tick's beats travel in one).
+    spare_beats: Vec<Vec<Beat>>,
 }
 
 /// The simulated network. Shared by every link (`Arc`); driven by the main loop.
@@ -487,7 +495,7 @@ impl SimNet {
                 grants: Arc::default(),
                 table: peer_table(&timing),
                 conns: BTreeMap::new(),
-                engaged: BTreeMap::new(),
+                engaged: FxMap::default(),
                 rkeys: FxMap::default(),
             };
             nodes.push(node);
@@ -527,6 +535,8 @@ impl SimNet {
             hash: Fnv64::new(),
             notes: Vec::new(),
             findings: Vec::new(),
+            idle_scratch: Vec::new(),
+            spare_beats: Vec::new(),
         };
         Arc::new(Self {
             state: Mutex::new(state),
@@ -1210,38 +1220,34 @@ impl NetState {
     /// lives (the simulator's economy; no request waits on them, so nobody is told).
     fn tick(&mut self, t: u64, worker: usize) -> Option<(u64, NetEvent)> {
         let now = self.at(t);
+        let mut idle = std::mem::take(&mut self.idle_scratch);
         let node = self.node_at(worker).filter(|n| n.up)?;
         let inc = node.inc;
-        let silent: Vec<usize> = node
-            .table
-            .silent(now)
-            .into_iter()
-            .filter(|p| node.conns.contains_key(p))
-            .collect();
+        // Filtered in place: usually empty, and no second list when not.
+        let mut silent = node.table.silent(now);
+        silent.retain(|p| node.conns.contains_key(p));
         // (peer, closed only because no live request is shared)
-        let idle: Vec<(usize, bool)> = node
-            .conns
-            .iter()
-            .filter_map(|(p, c)| {
-                let idle = t.saturating_sub(c.last);
-                if idle > self.idle_ms {
-                    Some((*p, false))
-                } else {
-                    let free = idle > self.idle_free_ms && !node.engaged.contains_key(p);
-                    free.then_some((*p, true))
-                }
-            })
-            .collect();
+        idle.extend(node.conns.iter().filter_map(|(p, c)| {
+            let idle = t.saturating_sub(c.last);
+            if idle > self.idle_ms {
+                Some((*p, false))
+            } else {
+                let free = idle > self.idle_free_ms && !node.engaged.contains_key(p);
+                free.then_some((*p, true))
+            }
+        }));
         let timeout = node.table.loss_timeout();
         for peer in silent {
             self.lose(t, worker, peer, &format!("no heartbeat for {timeout:?}"));
         }
-        for (peer, unengaged) in idle {
+        for &(peer, unengaged) in &idle {
             let closed = self.close(worker, peer);
             self.stats.closed_unengaged += u64::from(unengaged && closed);
         }
+        idle.clear();
+        self.idle_scratch = idle;
+        let mut beats = self.spare_beats.pop().unwrap_or_default();
         let node = self.nodes.get_mut(worker)?;
-        let mut beats = Vec::with_capacity(node.conns.len());
         for (&to, conn) in &node.conns {
             let (seq, echo) = node.table.beat(&to, now);
             beats.push(Beat {
@@ -1253,6 +1259,7 @@ impl NetState {
             });
         }
         if beats.is_empty() {
+            self.spare_beats.push(beats);
             return None;
         }
         self.stats.heartbeats += beats.len() as u64;
@@ -1267,16 +1274,24 @@ impl NetState {
     /// One tick's heartbeats arrive: each is heard by its receiver, if the connection's two
     /// ends are still the incarnations it joined and no partition cuts the control plane
     /// between them. (Not answered: see the module docs.)
-    fn hear_beats(&mut self, t: u64, from: (usize, u32), beats: Vec<Beat>) {
-        if !self.alive(from) {
-            return;
+    fn hear_beats(&mut self, t: u64, from: (usize, u32), mut beats: Vec<Beat>) {
+        if self.alive(from) {
+            self.hear_each(t, from, &beats);
         }
+        // The list goes back for a later tick to fill.
+        beats.clear();
+        if self.spare_beats.len() < SPARE_BEAT_LISTS_MAX {
+            self.spare_beats.push(beats);
+        }
+    }
+
+    fn hear_each(&mut self, t: u64, from: (usize, u32), beats: &[Beat]) {
         let lease_for = Duration::from_millis(self.timing.loss_timeout_ms());
         for beat in beats {
             if !self.alive((beat.to, beat.to_inc)) || self.partitioned(true, from.0, beat.to) {
                 continue;
             }
-            if self.closed_both_ends(from.0, &beat) {
+            if self.closed_both_ends(from.0, beat) {
                 continue;
             }
             if !self.hear(t, beat.to, from, false) {

@@ -98,8 +98,13 @@ pub struct Trace {
     hash: Fnv64,
     lines: u64,
     line: String,
-    /// A ring of the last lines; `next` is where the next line goes. Slots are reused, so
-    /// recording a line allocates nothing once the ring is full.
+    /// `t=<ms> ` for the time of the last line: most lines share their time with the one
+    /// before (a turn of the main loop records many), so it is written once a time.
+    stamp: String,
+    stamp_ms: u64,
+    /// A ring of the last lines; `next` is where the next line goes. Slots are reused (a
+    /// slot's buffer and `line`'s trade places), so recording a line allocates nothing
+    /// once the ring is full.
     tail: Vec<String>,
     next: usize,
     per_request: BTreeMap<u64, VecDeque<String>>,
@@ -125,23 +130,21 @@ impl Trace {
         req: Option<u64>,
         what: impl FnOnce(&mut String) -> std::fmt::Result,
     ) {
+        if self.stamp.is_empty() || self.stamp_ms != t_ms {
+            self.stamp.clear();
+            self.stamp.push_str("t=");
+            push_num(&mut self.stamp, t_ms);
+            self.stamp.push(' ');
+            self.stamp_ms = t_ms;
+        }
         self.line.clear();
-        self.line.push_str("t=");
-        push_num(&mut self.line, t_ms);
-        self.line.push(' ');
+        self.line.push_str(&self.stamp);
         let _ = what(&mut self.line);
         self.hash.str(&self.line);
         self.lines += 1;
         if self.echo {
             println!("{}", self.line);
         }
-        if self.tail.len() < TRACE_TAIL_LINES_MAX {
-            self.tail.push(self.line.clone());
-        } else {
-            self.tail[self.next].clear();
-            self.tail[self.next].push_str(&self.line);
-        }
-        self.next = (self.next + 1) % TRACE_TAIL_LINES_MAX;
         if let (true, Some(r)) = (self.keep_request_lines, req) {
             let lines = self.per_request.entry(r).or_default();
             if lines.len() == TRACE_REQUEST_LINES_MAX {
@@ -149,6 +152,14 @@ impl Trace {
             }
             lines.push_back(self.line.clone());
         }
+        if self.tail.len() < TRACE_TAIL_LINES_MAX {
+            self.tail.push(self.line.clone());
+        } else {
+            // The line moves into the ring as it is, and the line it replaces becomes the
+            // buffer the next one is written in: no copy.
+            std::mem::swap(&mut self.line, &mut self.tail[self.next]);
+        }
+        self.next = (self.next + 1) % TRACE_TAIL_LINES_MAX;
     }
 
     /// Prints every line to stdout as it is recorded (for replaying a seed by eye).

@@ -63,6 +63,8 @@ struct Waiter {
 
 struct Worker {
     idx: usize,
+    /// `w<idx>.<inc>`, as the trace names this incarnation (written once, not per line).
+    name: String,
     rank: RankInfo,
     role: Role,
     mode: TransferMode,
@@ -225,6 +227,9 @@ pub(crate) struct World {
     outcomes: Vec<RequestOutcome>,
     /// The drained events of one runtime, as the main loop handles them (kept for reuse).
     events: Vec<Event>,
+    /// One block's bytes, as prefill fills it or the integrity check expects it (kept for
+    /// reuse: a block is written and checked once per request and rank).
+    block_bytes: Vec<u8>,
 }
 
 fn rank_info(engine: &str, dp: (u32, u32), tp: (u32, u32), pp: (u32, u32)) -> RankInfo {
@@ -243,13 +248,20 @@ fn rank_info(engine: &str, dp: (u32, u32), tp: (u32, u32), pp: (u32, u32)) -> Ra
 /// holding it. A prefill pipeline rank holds only its layers: its slice of this pattern
 /// ([`pipeline_range`]), and writes only that slice of decode's block.
 fn pattern(req: u64, tp: u32, k: usize, block_bytes: usize) -> Vec<u8> {
-    let mut rng = Rng::new(req.wrapping_mul(0x9e37_79b9) ^ (u64::from(tp) << 40) ^ k as u64);
     let mut out = Vec::with_capacity(block_bytes);
+    pattern_into(&mut out, req, tp, k, block_bytes);
+    out
+}
+
+/// [`pattern`], written into `out` (cleared first): the world fills and checks every
+/// block of every request through one buffer rather than a new one per block.
+fn pattern_into(out: &mut Vec<u8>, req: u64, tp: u32, k: usize, block_bytes: usize) {
+    let mut rng = Rng::new(req.wrapping_mul(0x9e37_79b9) ^ (u64::from(tp) << 40) ^ k as u64);
+    out.clear();
     while out.len() < block_bytes {
         out.extend_from_slice(&rng.next_u64().to_le_bytes());
     }
     out.truncate(block_bytes);
-    out
 }
 
 /// The layers prefill pipeline rank `pp_rank` of `pp_size` holds of a model of `layers`
@@ -364,27 +376,43 @@ fn head_part(shape: &Shape, whole: &[u8], rank: &RankInfo, role: Role) -> Option
 
 /// A worker's bytes of the `k`-th block of request `req`: with heads, its heads of the
 /// model's block; otherwise its tp rank's block, or its pipeline share of it.
-fn worker_bytes(shape: &Shape, req: u64, k: usize, rank: &RankInfo, role: Role) -> Vec<u8> {
+/// Written into `out` (replacing what it held).
+fn worker_bytes(
+    out: &mut Vec<u8>,
+    (shape, req, k): (&Shape, u64, usize),
+    rank: &RankInfo,
+    role: Role,
+) {
     if shape.kv_heads > 0 {
         let whole = pattern(req, 0, k, shape.block_bytes);
         if let Some(mine) = head_part(shape, &whole, rank, role) {
-            return mine;
+            *out = mine;
+            return;
         }
     }
-    let mut whole = pattern(req, rank.tp_rank, k, shape.block_bytes);
+    pattern_into(out, req, rank.tp_rank, k, shape.block_bytes);
+    let whole = out;
     if role == Role::Prefill {
         // Its pipeline share, cut out of the pattern in place (all of it without pp).
         let part = pipeline_range(shape, whole.len(), rank);
         whole.truncate(part.end);
         whole.drain(..part.start);
     }
-    whole
 }
 
-fn expected_checksum(shape: &Shape, req: u64, rank: &RankInfo, blocks: usize) -> u64 {
+/// The checksum decode's blocks of `req` must hold; `scratch` holds each block's bytes
+/// in turn.
+fn expected_checksum(
+    scratch: &mut Vec<u8>,
+    shape: &Shape,
+    req: u64,
+    rank: &RankInfo,
+    blocks: usize,
+) -> u64 {
     let mut h = Fnv64::new();
     for k in 0..blocks {
-        h.bytes(&worker_bytes(shape, req, k, rank, Role::Decode));
+        worker_bytes(scratch, (shape, req, k), rank, Role::Decode);
+        h.bytes(scratch);
     }
     h.finish()
 }
@@ -393,12 +421,28 @@ fn state_text(s: &State) -> String {
     s.to_string()
 }
 
-/// Writes a worker and its incarnation as the trace names them (`w3.1`).
-fn who(s: &mut String, w: usize, inc: u32) {
+/// Writes a worker and its incarnation as the trace names them (`w3.1`): the current
+/// incarnation's name as the worker keeps it, an earlier one's written out.
+fn who(s: &mut String, worker: &Worker, inc: u32) {
+    if worker.inc == inc {
+        return s.push_str(&worker.name);
+    }
     s.push('w');
-    push_num(s, w as u64);
+    push_num(s, worker.idx as u64);
     s.push('.');
     push_num(s, u64::from(inc));
+}
+
+/// Writes request `req` as the trace names it (`r7`): its id when live (the same text),
+/// else written out.
+fn push_req(s: &mut String, rec: Option<&ReqRec>, req: u64) {
+    match rec {
+        Some(rec) => s.push_str(rec.id.as_str()),
+        None => {
+            s.push('r');
+            push_num(s, req);
+        }
+    }
 }
 
 impl World {
@@ -481,6 +525,7 @@ impl World {
             let region = Arc::new(worker_region(&s, &rank, role)?);
             workers.push(Worker {
                 idx,
+                name: format!("w{idx}.0"),
                 rank,
                 role,
                 mode,
@@ -522,6 +567,7 @@ impl World {
             settled_at: 0,
             outcomes: Vec::new(),
             events: Vec::new(),
+            block_bytes: Vec::new(),
         };
         world.trace.echo(world.cfg.echo_trace);
         world.start_cluster().await?;
@@ -1029,10 +1075,11 @@ impl World {
                 }
             }
         }
+        let rec = self.reqs.get(&req);
         self.trace.record(now, Some(req), |s| {
-            who(s, w, inc);
-            s.push_str(" opens r");
-            push_num(s, req);
+            who(s, worker, inc);
+            s.push_str(" opens ");
+            push_req(s, rec, req);
             s.push_str(" as ");
             s.push_str(role_text(role));
             if let Some(b) = &blocks {
@@ -1080,8 +1127,14 @@ impl World {
         };
         if worker.role == Role::Prefill {
             for (k, b) in blocks.iter().enumerate() {
-                let bytes = worker_bytes(&self.cfg.shape, req, k, &worker.rank, Role::Prefill);
-                if let Err(e) = worker.region.write_block(*b, &bytes) {
+                let bytes = &mut self.block_bytes;
+                worker_bytes(
+                    bytes,
+                    (&self.cfg.shape, req, k),
+                    &worker.rank,
+                    Role::Prefill,
+                );
+                if let Err(e) = worker.region.write_block(*b, bytes) {
                     let detail = format!("w{w} could not fill block {b}: {e}");
                     return self.violate(Invariant::Api, Some(req), detail);
                 }
@@ -1094,10 +1147,11 @@ impl World {
         };
         match result {
             Ok(()) => {
+                let (worker, rec) = (&self.workers[w], self.reqs.get(&req));
                 self.trace.record(now, Some(req), |s| {
-                    who(s, w, inc);
-                    s.push_str(" hands r");
-                    push_num(s, req);
+                    who(s, worker, inc);
+                    s.push_str(" hands ");
+                    push_req(s, rec, req);
                     s.push_str(" blocks ");
                     push_blocks(s, &blocks);
                     Ok(())
@@ -1151,17 +1205,17 @@ impl World {
     // ----- events and checks -----
 
     fn drain(&mut self, now: u64) {
+        // One buffer for every drain of the run (the runtimes keep theirs too), taken out
+        // once a turn rather than once a worker.
+        let mut events = std::mem::take(&mut self.events);
         for w in 0..self.workers.len() {
             let worker = &self.workers[w];
             if worker.handles.is_empty() {
                 continue;
             }
             let Some(rt) = &worker.rt else { continue };
-            // One buffer for every drain of the run (the runtimes keep theirs too).
-            let mut events = std::mem::take(&mut self.events);
             rt.drain_events_into(&mut events);
             if events.is_empty() {
-                self.events = events;
                 continue;
             }
             self.last_progress_ms = now;
@@ -1169,11 +1223,11 @@ impl World {
             for e in events.drain(..) {
                 self.on_event(now, w, inc, e);
             }
-            self.events = events;
             if !self.workers[w].waiters.is_empty() {
                 self.serve_waiters(now, w);
             }
         }
+        self.events = events;
     }
 
     fn on_event(&mut self, now: u64, w: usize, inc: u32, event: Event) {
@@ -1192,10 +1246,11 @@ impl World {
     }
 
     fn on_state(&mut self, now: u64, req: u64, w: usize, inc: u32, state: State) {
+        let (worker, rec) = (&self.workers[w], self.reqs.get(&req));
         self.trace.record(now, Some(req), |s| {
-            who(s, w, inc);
-            s.push_str(" r");
-            push_num(s, req);
+            who(s, worker, inc);
+            s.push(' ');
+            push_req(s, rec, req);
             s.push(' ');
             if let State::Failed(_) = state {
                 return write!(s, "{state}");
@@ -1233,10 +1288,11 @@ impl World {
     }
 
     fn on_released(&mut self, now: u64, req: u64, w: usize, inc: u32, blocks: Vec<BlockId>) {
+        let (worker, rec) = (&self.workers[w], self.reqs.get(&req));
         self.trace.record(now, Some(req), |s| {
-            who(s, w, inc);
-            s.push_str(" r");
-            push_num(s, req);
+            who(s, worker, inc);
+            s.push(' ');
+            push_req(s, rec, req);
             s.push_str(" released ");
             push_blocks(s, &blocks);
             Ok(())
@@ -1272,7 +1328,8 @@ impl World {
         .then(|| r.handed.clone());
         if let Some(handed) = check {
             let rank = self.workers[w].rank.clone();
-            let want = expected_checksum(&self.cfg.shape, req, &rank, handed.len());
+            let scratch = &mut self.block_bytes;
+            let want = expected_checksum(scratch, &self.cfg.shape, req, &rank, handed.len());
             match self.workers[w].region.checksum(&handed) {
                 Ok(got) if got == want => {}
                 Ok(got) => {
@@ -1750,6 +1807,7 @@ impl World {
         }
         let worker = &mut self.workers[w];
         worker.inc += 1;
+        worker.name = format!("w{w}.{}", worker.inc);
         // A new process: new memory, a new pool.
         let s = &self.cfg.shape;
         match worker_region(s, &worker.rank, worker.role) {

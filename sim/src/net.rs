@@ -903,7 +903,7 @@ impl NetState {
         id: RequestId,
         (msg, losses): (PeerMessage, u64),
     ) {
-        let req = req_index(&id);
+        // The request's index only for a note (parsed only when one is written).
         if !self.alive(from) || !self.alive(to) {
             self.stats.dead_end += 1;
             let text = format!(
@@ -912,7 +912,7 @@ impl NetState {
                 to.0,
                 MessageKind::of(&msg)
             );
-            return self.note(t, req, text);
+            return self.note(t, req_index(&id), text);
         }
         if self.partitioned(true, from.0, to.0) {
             self.stats.partitioned += 1;
@@ -922,7 +922,7 @@ impl NetState {
                 to.0,
                 MessageKind::of(&msg)
             );
-            return self.note(t, req, text);
+            return self.note(t, req_index(&id), text);
         }
         if !self.hear(t, to.0, from, true) {
             let text = format!(
@@ -932,7 +932,7 @@ impl NetState {
                 MessageKind::of(&msg),
                 from.1
             );
-            return self.note(t, req, text);
+            return self.note(t, req_index(&id), text);
         }
         self.hash.bytes(&t.to_le_bytes());
         self.hash.bytes(&(from.0 as u64).to_le_bytes());
@@ -967,7 +967,7 @@ impl NetState {
                 if let Err(why) = checked {
                     self.stats.refused += 1;
                     let text = format!("refuse w{}->w{}: {why}", from.0, to.0);
-                    self.note(t, req, text);
+                    self.note(t, req_index(&id), text);
                     if inbox.deliver_invalid(from_rank, id, why) {
                         self.stats.delivered += 1;
                     }
@@ -995,12 +995,11 @@ impl NetState {
             src_blocks,
             dst_blocks,
         } = ends;
-        let req = req_index(id);
         let fail = |st: &mut Self, why: String| {
             st.stats.transfers_failed += 1;
             st.note(
                 t,
-                req,
+                req_index(id),
                 format!("transfer w{}->w{} failed: {why}", src.0, dst.0),
             );
             Err(why)
@@ -1050,7 +1049,7 @@ impl NetState {
         if !dst_ok {
             self.findings.push(NetFinding {
                 t_ms: t,
-                req,
+                req: req_index(id),
                 detail: format!(
                     "a transfer for {id} landed in w{} blocks {dst_blocks:?} that its engine had taken back (use after release)",
                     dst.0
@@ -1061,7 +1060,7 @@ impl NetState {
             self.stats.stale_source += 1;
             self.note(
                 t,
-                req,
+                req_index(id),
                 format!(
                     "transfer w{}->w{} read source blocks no longer owned by {id}",
                     src.0, dst.0
@@ -1798,11 +1797,17 @@ impl Link for SimLink {
             st.dial(now, self.idx, dest);
         }
         let kind = MessageKind::of(&msg);
-        let req = req_index(id);
         // A lying peer: the blocks it names are past the end of its pool (its own grant,
         // above, is for the blocks it holds). Decode lies in an even request's transfer
-        // info, prefill in an odd one's `Ready` (pull).
-        let lies = req.filter(|r| st.liars.contains(r)).map(|r| r % 2 == 0);
+        // info, prefill in an odd one's `Ready` (pull). (The id is parsed only when some
+        // request has liars, or for a note.)
+        let lies = if st.liars.is_empty() {
+            None
+        } else {
+            req_index(id)
+                .filter(|r| st.liars.contains(r))
+                .map(|r| r % 2 == 0)
+        };
         let msg = match (msg, lies) {
             (PeerMessage::TransferInfo { mode, blocks }, Some(true)) => PeerMessage::TransferInfo {
                 mode,
@@ -1819,7 +1824,7 @@ impl Link for SimLink {
             st.stats.lost += 1;
             st.note(
                 now,
-                req,
+                req_index(id),
                 format!("lose w{}->w{} {kind:?}", self.idx, dest.0),
             );
             return Ok(());
@@ -1828,7 +1833,7 @@ impl Link for SimLink {
             st.stats.duplicated += 1;
             st.note(
                 now,
-                req,
+                req_index(id),
                 format!("duplicate w{}->w{} {kind:?}", self.idx, dest.0),
             );
             2

@@ -230,6 +230,9 @@ pub(crate) struct World {
     /// One block's bytes, as prefill fills it or the integrity check expects it (kept for
     /// reuse: a block is written and checked once per request and rank).
     block_bytes: Vec<u8>,
+    /// A bit per worker, set while it holds a handle (`Worker::handles` not empty): each
+    /// turn drains only those, rather than looking at every worker of a thousand.
+    busy: Vec<u64>,
 }
 
 fn rank_info(engine: &str, dp: (u32, u32), tp: (u32, u32), pp: (u32, u32)) -> RankInfo {
@@ -537,6 +540,7 @@ impl World {
                 waiters: VecDeque::new(),
             });
         }
+        let workers_len = workers.len();
         let mut world = Self {
             load: Rng::fork(cfg.seed, "load"),
             chaos: Rng::fork(cfg.seed, "chaos"),
@@ -568,6 +572,7 @@ impl World {
             outcomes: Vec::new(),
             events: Vec::new(),
             block_bytes: Vec::new(),
+            busy: vec![0; workers_len.div_ceil(64)],
         };
         world.trace.echo(world.cfg.echo_trace);
         world.start_cluster().await?;
@@ -681,7 +686,7 @@ impl World {
     }
 
     fn next_wake(&self, now: u64) -> u64 {
-        let busy = self.workers.iter().any(|w| !w.handles.is_empty()) || !self.reqs.is_empty();
+        let busy = !self.reqs.is_empty() || self.busy.iter().any(|&bits| bits != 0);
         let mut next = if busy { now + DRAIN_STEP_MS } else { u64::MAX };
         if let Some(t) = self.agenda.next_time() {
             next = next.min(t);
@@ -960,6 +965,7 @@ impl World {
                         if let Some(b) = given {
                             self.record_open(now, req, w, inc, Some(b));
                             self.workers[w].handles.insert(req, Handle::Receiver(h));
+                            self.mark_busy(w);
                             return;
                         }
                         Ok(Handle::Receiver(h))
@@ -977,6 +983,7 @@ impl World {
             Ok(handle) => {
                 let role = self.workers[w].role;
                 self.workers[w].handles.insert(req, handle);
+                self.mark_busy(w);
                 self.record_open(now, req, w, inc, None);
                 let f = &self.cfg.faults;
                 match role {
@@ -1204,11 +1211,34 @@ impl World {
 
     // ----- events and checks -----
 
+    /// Worker `w` holds a handle now.
+    fn mark_busy(&mut self, w: usize) {
+        self.busy[w / 64] |= 1 << (w % 64);
+    }
+
+    /// The first worker from `from` on that holds a handle (as the bits say now).
+    fn next_busy(&self, from: usize) -> Option<usize> {
+        let mut word = from / 64;
+        let mut bits = self.busy.get(word)? & (u64::MAX << (from % 64));
+        loop {
+            if bits != 0 {
+                return Some(word * 64 + bits.trailing_zeros() as usize);
+            }
+            word += 1;
+            bits = *self.busy.get(word)?;
+        }
+    }
+
     fn drain(&mut self, now: u64) {
         // One buffer for every drain of the run (the runtimes keep theirs too), taken out
         // once a turn rather than once a worker.
         let mut events = std::mem::take(&mut self.events);
-        for w in 0..self.workers.len() {
+        // In worker order, each looked at as the loop reaches it (handling one worker's
+        // events may settle requests, and so free other workers), as a scan of every
+        // worker would; only the busy ones.
+        let mut from = 0;
+        while let Some(w) = self.next_busy(from) {
+            from = w + 1;
             let worker = &self.workers[w];
             if worker.handles.is_empty() {
                 continue;
@@ -1395,6 +1425,9 @@ impl World {
             let w = &mut self.workers[r.worker];
             if w.inc == r.inc {
                 w.handles.remove(&req);
+                if w.handles.is_empty() {
+                    self.busy[r.worker / 64] &= !(1 << (r.worker % 64));
+                }
             }
         }
         self.check_agreement(req, &rec);
@@ -1778,6 +1811,7 @@ impl World {
         worker.waiters.clear();
         let live: Vec<u64> = worker.handles.keys().copied().collect();
         worker.handles.clear();
+        self.busy[w / 64] &= !(1 << (w % 64));
         let owned = worker.pool().owned();
         if !owned.is_empty() {
             let detail = format!("w{w}.{inc} stopped, but its engine still holds {owned:?}");

@@ -1472,22 +1472,23 @@ impl World {
                 mode => mode,
             };
             for pp in 0..rec.prefill_pp {
-                let peers: Vec<&RankRec> = rec
-                    .ranks
-                    .iter()
-                    .filter(|p| p.role == Role::Prefill && share.contains(&p.tp) && p.pp == pp)
-                    .collect();
+                // (An iterator, not a list: walked once or twice, and listed only for a
+                // report.)
+                let peers = || {
+                    rec.ranks
+                        .iter()
+                        .filter(|p| p.role == Role::Prefill && share.contains(&p.tp) && p.pp == pp)
+                };
                 // Fan-out (decode's TP above prefill's): a prefill rank tells each decode
                 // rank `Done` once its own write landed, and may still fail for another
                 // decode rank's write; the bytes themselves are checked at release.
                 let fan_out = decode_tp > tp;
                 let backed = match mode {
-                    TransferMode::Push if !fan_out => peers.iter().any(|p| p.state == State::Done),
-                    _ => !peers.is_empty(),
+                    TransferMode::Push if !fan_out => peers().any(|p| p.state == State::Done),
+                    _ => peers().next().is_some(),
                 };
                 if !backed {
-                    let states: Vec<String> = peers
-                        .iter()
+                    let states: Vec<String> = peers()
                         .map(|p| format!("w{}: {}", p.worker, p.state))
                         .collect();
                     let detail = format!(
@@ -1559,23 +1560,28 @@ impl World {
         // `role:end` keys, made into a `String` only the first time each is counted.
         let mut key = String::new();
         for r in &rec.ranks {
-            key.clear();
-            key.push_str(match r.role {
-                Role::Prefill => "prefill",
-                Role::Decode => "decode",
-            });
-            key.push(':');
-            key.push_str(&end_kind(&r.state));
-            match out.ranks.get_mut(key.as_str()) {
+            // The common keys as they are; any other written out.
+            let key = match (r.role, &r.state) {
+                (Role::Prefill, State::Done) => "prefill:done",
+                (Role::Decode, State::Done) => "decode:done",
+                (role, state) => {
+                    key.clear();
+                    key.push_str(role_text(role));
+                    key.push(':');
+                    key.push_str(&end_kind(state));
+                    key.as_str()
+                }
+            };
+            match out.ranks.get_mut(key) {
                 Some(n) => *n += 1,
                 None => {
-                    out.ranks.insert(key.clone(), 1);
+                    out.ranks.insert(key.to_string(), 1);
                 }
             }
         }
-        let states: Vec<&State> = rec.ranks.iter().map(|r| &r.state).collect();
-        let any_done = states.iter().any(|s| **s == State::Done);
-        let merged = handoff_actors::merge_all(states.iter().copied());
+        let states = || rec.ranks.iter().map(|r| &r.state);
+        let any_done = states().any(|s| *s == State::Done);
+        let merged = handoff_actors::merge_all(states());
         match merged {
             Some(State::Done) if rec.unopened == 0 => {
                 out.done += 1;

@@ -366,6 +366,10 @@ struct Post {
     id: RequestId,
     src_node: Peer,
     dst_node: Peer,
+    /// The two ends' worker indices (`NetState::index`, fixed for the run), looked up
+    /// once as the transfer starts.
+    src_idx: Option<usize>,
+    dst_idx: Option<usize>,
     src: Vec<BlockId>,
     dst: Vec<BlockId>,
     deadline_ms: u64,
@@ -1567,24 +1571,24 @@ impl SimLink {
             let mut guard = net.lock();
             let st = &mut *guard;
             let now = net.now_ms();
+            let (src_idx, dst_idx) = (st.index.get(src_node), st.index.get(dst_node));
+            let (src_idx, dst_idx) = (src_idx.copied(), dst_idx.copied());
+            // This worker is the source (ranks and indices match one to one).
+            let from_me = src_idx == Some(self.idx);
             let post = Post {
                 by: self.idx,
                 id: id.clone(),
                 src_node: src_node.clone(),
                 dst_node: dst_node.clone(),
+                src_idx,
+                dst_idx,
                 src,
                 dst,
                 deadline_ms,
-                grant: st
-                    .node_of(if *src_node == self.me {
-                        dst_node
-                    } else {
-                        src_node
-                    })
-                    .and_then(|n| {
-                        let grants = st.node_at(self.idx)?.rkeys.get(id)?;
-                        grants.iter().find(|(by, _)| *by == n.idx).map(|g| g.1)
-                    }),
+                grant: (if from_me { dst_idx } else { src_idx }).and_then(|peer| {
+                    let grants = st.node_at(self.idx)?.rkeys.get(id)?;
+                    grants.iter().find(|(by, _)| *by == peer).map(|g| g.1)
+                }),
                 checked: false,
                 reply: tx,
             };
@@ -1593,7 +1597,7 @@ impl SimLink {
                 Some(until) if until > now => {
                     st.stats.deferred += 1;
                     let mut post = post;
-                    if *src_node == self.me && post.grant.is_some() {
+                    if from_me && post.grant.is_some() {
                         post.checked = st.stop_in_gap.remove(&self.idx);
                         st.stats.posted_unchecked += u64::from(post.checked);
                     }
@@ -1620,6 +1624,8 @@ impl SimNet {
             id,
             src_node,
             dst_node,
+            src_idx,
+            dst_idx,
             src,
             dst,
             deadline_ms,
@@ -1627,11 +1633,10 @@ impl SimNet {
             checked,
             reply,
         } = post;
-        let write = st.ranks.get(by) == Some(&src_node);
-        let mut ends = (
-            st.node_of(&src_node).map(|n| (n.idx, n.inc)),
-            st.node_of(&dst_node).map(|n| (n.idx, n.inc)),
-        );
+        // The worker that starts it writes when it is the source.
+        let write = src_idx == Some(by);
+        let end = |idx: Option<usize>| idx.and_then(|i| st.node_at(i)).map(|n| (n.idx, n.inc));
+        let mut ends = (end(src_idx), end(dst_idx));
         let mut lease_ended = None;
         if st.data_plane == DataPlane::Rdma {
             // The remote end is the registration this worker learned for the request.
@@ -1918,7 +1923,7 @@ impl Link for SimLink {
         dst: Vec<BlockId>,
         deadline: Instant,
     ) -> TransferFuture {
-        self.transfer(id, &self.me.clone(), to, src, dst, deadline)
+        self.transfer(id, &self.me, to, src, dst, deadline)
     }
 
     fn read(
@@ -1929,7 +1934,7 @@ impl Link for SimLink {
         dst: Vec<BlockId>,
         deadline: Instant,
     ) -> TransferFuture {
-        self.transfer(id, from, &self.me.clone(), src, dst, deadline)
+        self.transfer(id, from, &self.me, src, dst, deadline)
     }
 
     fn request_ended(&self, id: &RequestId) {

@@ -137,6 +137,23 @@ fn resolved(
     }
 }
 
+/// A lookup of `engine` through `query`, bounded by [`LOOKUP_DEADLINE`], answered as a
+/// request reads it ([`resolved`]).
+fn looked_up<F, Q>(
+    engine: &EngineId,
+    query: F,
+) -> DirectoryFuture<Result<Vec<WorkerRecord>, ResolveError>>
+where
+    F: FnOnce(EngineId, std::time::Instant) -> Q + Send + 'static,
+    Q: std::future::Future<Output = Result<Vec<WorkerRecord>, BootstrapError>> + Send + 'static,
+{
+    let engine = engine.clone();
+    Box::pin(async move {
+        let deadline = std::time::Instant::now() + LOOKUP_DEADLINE;
+        resolved(query(engine, deadline).await)
+    })
+}
+
 impl Directory for handoff_bootstrap::BootstrapClient {
     fn register(&self, record: WorkerRecord) -> DirectoryFuture<Result<(), BootstrapError>> {
         let client = self.clone();
@@ -151,10 +168,8 @@ impl Directory for handoff_bootstrap::BootstrapClient {
         engine: &EngineId,
     ) -> DirectoryFuture<Result<Vec<WorkerRecord>, ResolveError>> {
         let client = self.clone();
-        let engine = engine.clone();
-        Box::pin(async move {
-            let deadline = std::time::Instant::now() + LOOKUP_DEADLINE;
-            resolved(client.query(&engine, deadline).await)
+        looked_up(engine, move |engine, deadline| async move {
+            client.query(&engine, deadline).await
         })
     }
 
@@ -163,10 +178,8 @@ impl Directory for handoff_bootstrap::BootstrapClient {
         engine: &EngineId,
     ) -> DirectoryFuture<Result<Vec<WorkerRecord>, ResolveError>> {
         let client = self.clone();
-        let engine = engine.clone();
-        Box::pin(async move {
-            let deadline = std::time::Instant::now() + LOOKUP_DEADLINE;
-            resolved(client.query_including_lost(&engine, deadline).await)
+        looked_up(engine, move |engine, deadline| async move {
+            client.query_including_lost(&engine, deadline).await
         })
     }
 
@@ -193,10 +206,8 @@ impl Directory for handoff_bootstrap::EtcdDirectory {
         engine: &EngineId,
     ) -> DirectoryFuture<Result<Vec<WorkerRecord>, ResolveError>> {
         let dir = self.clone();
-        let engine = engine.clone();
-        Box::pin(async move {
-            let deadline = std::time::Instant::now() + LOOKUP_DEADLINE;
-            resolved(dir.query(&engine, deadline).await)
+        looked_up(engine, move |engine, deadline| async move {
+            dir.query(&engine, deadline).await
         })
     }
 
@@ -205,10 +216,8 @@ impl Directory for handoff_bootstrap::EtcdDirectory {
         engine: &EngineId,
     ) -> DirectoryFuture<Result<Vec<WorkerRecord>, ResolveError>> {
         let dir = self.clone();
-        let engine = engine.clone();
-        Box::pin(async move {
-            let deadline = std::time::Instant::now() + LOOKUP_DEADLINE;
-            resolved(dir.query_including_lost(&engine, deadline).await)
+        looked_up(engine, move |engine, deadline| async move {
+            dir.query_including_lost(&engine, deadline).await
         })
     }
 

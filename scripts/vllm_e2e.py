@@ -523,6 +523,7 @@ def tp_pairings(args, servers: list[Server]) -> None:
     try:
         for ptp, dtp, ports in pairs:
             args.prefill_port, args.decode_port = ports
+            warm_up(args, f"tp {ptp} -> {dtp}", salt=9000 + 100 * ptp + 10 * dtp)
             for si, size in enumerate(SIZES):
                 r = pd_round(args, size, salt=7000 + 100 * ptp + 10 * dtp + si)
                 label = f"tp {ptp} -> {dtp}: {size}-token prompt"
@@ -533,6 +534,26 @@ def tp_pairings(args, servers: list[Server]) -> None:
     finally:
         args.prefill_port, args.decode_port = saved
         args.model_dir = None
+
+
+#: Unchecked rounds a pair may take to come up, at most.
+WARM_UP_ROUNDS_MAX = 3
+
+
+def warm_up(args, label: str, salt: int) -> None:
+    """Unchecked rounds until one completes (at most `WARM_UP_ROUNDS_MAX`), before a
+    pair's checked ones. With six vLLM workers on two cores, a TP 2 instance's first forward
+    pass has kept both of its processes from running our runtime for 15-30 s (no answer to
+    decode's dials, its bootstrap heartbeat lapsed), so decode's first requests failed as
+    `peer_lost`, cleanly, after three unanswered dials: a cold start on an oversubscribed
+    host, not what these rounds check (how heads pair across TP sizes). The count is
+    printed, so a pair that needed more than one shows in the log."""
+    for n in range(1, WARM_UP_ROUNDS_MAX + 1):
+        r = pd_round(args, SIZES[0], salt=salt + n)
+        if not r.get("error") and r.get("tokens"):
+            print(f"{label}: up after {n} warm-up round(s)", flush=True)
+            return
+        print(f"{label}: warm-up round {n} failed: {r.get('error') or 'no tokens'}", flush=True)
 
 
 def check_round(args, label: str, size: int, r: dict) -> None:

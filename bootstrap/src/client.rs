@@ -31,7 +31,8 @@ use tracing::{debug, error, info, warn};
 
 use super::{
     BootstrapError, ATTEMPT_TIMEOUT_DEFAULT, BACKOFF_MAX, BACKOFF_MIN, CACHED_ENGINES_MAX,
-    CLIENT_CALLS_QUEUED_MAX, CLIENT_REGISTRATIONS_MAX, HEARTBEAT_INTERVAL_DEFAULT,
+    CLIENT_CALLS_QUEUED_MAX, CLIENT_REGISTRATIONS_MAX, EXPIRE_AFTER_DEFAULT,
+    HEARTBEAT_INTERVAL_DEFAULT,
 };
 
 /// The ZMTP identity the client announces (servers route by connection, not identity).
@@ -51,7 +52,17 @@ pub struct ClientConfig {
     pub backoff_min: Duration,
     /// Longest pause between retries.
     pub backoff_max: Duration,
+    /// How long a worker this client was told it lost is refused to new lookups
+    /// ([`BootstrapClient::mark_lost`]), unless its process answers a handshake again first
+    /// ([`BootstrapClient::mark_found`]). Default [`LOST_KEPT_DEFAULT`]: longer than the
+    /// server keeps a dead worker's record, so a record still there at that incarnation
+    /// afterwards is one its process kept alive (a pause, not a death).
+    pub lost_kept: Duration,
 }
+
+/// [`ClientConfig::lost_kept`]'s default: twice the server's default `expire_after`, which
+/// removes a dead worker's record within `expire_after` and a quarter of it (its sweep).
+pub const LOST_KEPT_DEFAULT: Duration = Duration::from_secs(2 * EXPIRE_AFTER_DEFAULT.as_secs());
 
 impl Default for ClientConfig {
     fn default() -> ClientConfig {
@@ -60,6 +71,7 @@ impl Default for ClientConfig {
             attempt_timeout: ATTEMPT_TIMEOUT_DEFAULT,
             backoff_min: BACKOFF_MIN,
             backoff_max: BACKOFF_MAX,
+            lost_kept: LOST_KEPT_DEFAULT,
         }
     }
 }
@@ -84,7 +96,7 @@ struct Inner {
     cache: Mutex<BTreeMap<EngineId, Vec<WorkerRecord>>>,
     /// Ranks lost at an incarnation: the server may still hold their records until they
     /// expire, and a lookup must not hand a dead worker out again: it fails by name until
-    /// the rank registers anew.
+    /// the rank registers anew, its process answers a handshake, or the mark expires.
     lost: LostRanks,
     driver: Mutex<Option<DriverHandle>>,
 }
@@ -105,20 +117,66 @@ pub(crate) enum Lost {
 }
 
 /// Ranks lost at an incarnation, oldest first, at most [`LOST_INCARNATIONS_MAX`]: what a
-/// directory (the bootstrap server's client, or etcd's) must not hand out again.
-#[derive(Default)]
-pub(crate) struct LostRanks(Mutex<std::collections::VecDeque<(RankInfo, u64)>>);
+/// directory (the bootstrap server's client, or etcd's) must not hand out again, for as long
+/// as a dead worker's record can outlive it there (`keep`: past that, a record still held
+/// at that incarnation was kept alive by its process since the loss, which must then have
+/// been a pause, not a death), or until that very process answers a handshake again
+/// ([`found`](Self::found)).
+pub(crate) struct LostRanks {
+    marks: Mutex<std::collections::VecDeque<LostMark>>,
+    keep: Duration,
+}
+
+struct LostMark {
+    rank: RankInfo,
+    incarnation: u64,
+    at: Instant,
+}
 
 impl LostRanks {
-    /// Remembers `rank` lost at `incarnation` (the oldest is forgotten at the bound).
-    pub(crate) fn insert(&self, rank: &RankInfo, incarnation: u64) {
-        let mut lost = lock(&self.0);
-        if !lost.contains(&(rank.clone(), incarnation)) {
-            if lost.len() >= LOST_INCARNATIONS_MAX {
-                lost.pop_front();
-            }
-            lost.push_back((rank.clone(), incarnation));
+    /// No rank lost yet; each mark is kept for `keep`.
+    pub(crate) fn new(keep: Duration) -> LostRanks {
+        LostRanks {
+            marks: Mutex::new(std::collections::VecDeque::new()),
+            keep,
         }
+    }
+
+    /// The marks still kept, expired ones forgotten (they are in the order they were set).
+    fn current(&self) -> std::sync::MutexGuard<'_, std::collections::VecDeque<LostMark>> {
+        let mut marks = lock(&self.marks);
+        let now = Instant::now();
+        while marks
+            .front()
+            .is_some_and(|m| now.saturating_duration_since(m.at) >= self.keep)
+        {
+            marks.pop_front();
+        }
+        marks
+    }
+
+    /// Remembers `rank` lost at `incarnation`, from now (the oldest is forgotten at the
+    /// bound).
+    pub(crate) fn insert(&self, rank: &RankInfo, incarnation: u64) {
+        let mut marks = self.current();
+        marks.retain(|m| !(m.rank == *rank && m.incarnation == incarnation));
+        if marks.len() >= LOST_INCARNATIONS_MAX {
+            marks.pop_front();
+        }
+        marks.push_back(LostMark {
+            rank: rank.clone(),
+            incarnation,
+            at: Instant::now(),
+        });
+    }
+
+    /// The process of `rank` at `incarnation` answered a handshake: it lives, and may be
+    /// handed out again. True when it was marked lost.
+    pub(crate) fn found(&self, rank: &RankInfo, incarnation: u64) -> bool {
+        let mut marks = self.current();
+        let before = marks.len();
+        marks.retain(|m| !(m.rank == *rank && m.incarnation == incarnation));
+        marks.len() != before
     }
 
     /// [`BootstrapError::Lost`] for the first of `workers` that was lost: what it held is
@@ -128,11 +186,12 @@ impl LostRanks {
         address: &str,
         workers: &[WorkerRecord],
     ) -> Result<(), BootstrapError> {
-        let lost = lock(&self.0);
-        match workers
-            .iter()
-            .find(|w| lost.contains(&(w.rank.clone(), w.incarnation)))
-        {
+        let marks = self.current();
+        match workers.iter().find(|w| {
+            marks
+                .iter()
+                .any(|m| m.rank == w.rank && m.incarnation == w.incarnation)
+        }) {
             Some(dead) => Err(BootstrapError::Lost {
                 address: address.to_string(),
                 rank: dead.rank.clone(),
@@ -208,7 +267,7 @@ impl BootstrapClient {
                 key,
                 cfg,
                 cache: Mutex::new(BTreeMap::new()),
-                lost: LostRanks::default(),
+                lost: LostRanks::new(cfg.lost_kept),
                 driver: Mutex::new(None),
             }),
         }
@@ -345,11 +404,19 @@ impl BootstrapClient {
     }
 
     /// Remembers that `rank` was lost at `incarnation` and forgets its engine's cached
-    /// answer: until the rank registers again with a new incarnation, lookups of its engine
-    /// fail with [`BootstrapError::Lost`] rather than hand the dead worker out again.
+    /// answer: until the rank registers again with a new incarnation, its process answers a
+    /// handshake again ([`mark_found`](Self::mark_found)) or [`ClientConfig::lost_kept`]
+    /// passes, lookups of its engine fail with [`BootstrapError::Lost`] rather than hand
+    /// the dead worker out again.
     pub fn mark_lost(&self, rank: &RankInfo, incarnation: u64) {
         self.inner.lost.insert(rank, incarnation);
         self.invalidate(&rank.engine_id);
+    }
+
+    /// The process of `rank` at `incarnation`, lost before, answered a handshake: lookups
+    /// hand it out again. True when it was marked lost.
+    pub fn mark_found(&self, rank: &RankInfo, incarnation: u64) -> bool {
+        self.inner.lost.found(rank, incarnation)
     }
 
     /// Everything the server holds, retrying transient failures until `deadline`.

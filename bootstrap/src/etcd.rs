@@ -56,6 +56,11 @@ pub const ENDPOINTS_MAX: usize = 16;
 /// third of it, so two renewals may fail (an etcd leader change) before it lapses.
 pub const LEASE_TTL: Duration = Duration::from_secs(10);
 
+/// How long a worker lost at an incarnation is refused to new lookups unless its process
+/// answers a handshake first: twice a lease, so that a dead worker's record is gone by then
+/// (its lease lapsed), and one still there was kept alive by its process since the loss.
+const LOST_KEPT: Duration = Duration::from_secs(2 * LEASE_TTL.as_secs());
+
 /// One HTTP exchange with one etcd member, at most.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -681,7 +686,7 @@ impl EtcdDirectory {
                 },
                 key,
                 cache: Mutex::new(BTreeMap::new()),
-                lost: LostRanks::default(),
+                lost: LostRanks::new(LOST_KEPT),
                 keeper: Mutex::new(None),
                 watch: Mutex::new(Watch::default()),
             }),
@@ -1058,6 +1063,12 @@ impl EtcdDirectory {
     pub fn mark_lost(&self, rank: &RankInfo, incarnation: u64) {
         self.inner.lost.insert(rank, incarnation);
         self.invalidate(&rank.engine_id);
+    }
+
+    /// The process of `rank` at `incarnation`, lost before, answered a handshake: lookups
+    /// hand it out again. True when it was marked lost.
+    pub fn mark_found(&self, rank: &RankInfo, incarnation: u64) -> bool {
+        self.inner.lost.found(rank, incarnation)
     }
 
     /// Every engine of the cluster and its workers, as `handoff bootstrap status` shows a

@@ -30,6 +30,7 @@ fn fast() -> ClientConfig {
         attempt_timeout: Duration::from_millis(500),
         backoff_min: Duration::from_millis(20),
         backoff_max: Duration::from_millis(200),
+        lost_kept: handoff_bootstrap::LOST_KEPT_DEFAULT,
     }
 }
 
@@ -544,6 +545,80 @@ async fn a_lost_incarnation_is_not_handed_out_again_until_the_rank_re_registers(
         c.query(&e, soon()).await.expect("ready again"),
         vec![second]
     );
+}
+
+#[tokio::test]
+async fn a_lost_worker_that_answers_again_is_handed_out_again() {
+    // A worker lost while it was paused (SIGSTOP, a long stall) keeps its incarnation when
+    // it resumes: once its process answers a handshake (the control loop says so with
+    // `mark_found`), new requests may be paired with it again, not only after a restart.
+    let server = server().await;
+    let c = client(&server);
+    let e = EngineId::new("p");
+    let first = record("p", (0, 1), (0, 1), 1);
+    c.register(first.clone(), soon()).await.expect("register");
+    c.mark_lost(&first.rank, first.incarnation);
+    let err = c.query(&e, soon()).await.expect_err("lost");
+    assert!(
+        matches!(err, BootstrapError::Lost { incarnation: 1, .. }),
+        "{err:?}"
+    );
+    let other = record("p", (0, 1), (0, 1), 7);
+    assert!(
+        !c.mark_found(&other.rank, other.incarnation),
+        "another incarnation was never lost"
+    );
+    assert!(c.query(&e, soon()).await.is_err(), "still lost");
+    assert!(c.mark_found(&first.rank, first.incarnation));
+    assert_eq!(
+        c.query(&e, soon()).await.expect("found again"),
+        vec![first.clone()]
+    );
+    assert!(!c.mark_found(&first.rank, first.incarnation), "found twice");
+}
+
+#[tokio::test]
+async fn a_lost_mark_lasts_as_long_as_a_dead_record_can() {
+    // Past `lost_kept` (longer than the server keeps a dead worker's record), a record still
+    // held at the lost incarnation is one its process kept alive since the loss: a pause
+    // that nothing dialed back from. It is handed out again; until then it is refused.
+    let server = server().await;
+    let kept = Duration::from_millis(400);
+    let c = BootstrapClient::new(
+        &server.address(),
+        None,
+        ClientConfig {
+            lost_kept: kept,
+            ..fast()
+        },
+    );
+    let e = EngineId::new("p");
+    let first = record("p", (0, 1), (0, 1), 1);
+    c.register(first.clone(), soon()).await.expect("register");
+    let marked = Instant::now();
+    c.mark_lost(&first.rank, first.incarnation);
+    let err = c.query(&e, soon()).await.expect_err("lost");
+    assert!(
+        matches!(err, BootstrapError::Lost { incarnation: 1, .. }),
+        "{err:?}"
+    );
+    // Asked again and again until it is handed out (or the deadline).
+    let deadline = soon();
+    let found = loop {
+        match c.query(&e, deadline).await {
+            Ok(workers) => break workers,
+            Err(BootstrapError::Lost { .. }) if Instant::now() < deadline => {
+                tokio::task::yield_now().await;
+            }
+            Err(other) => panic!("still refused at the deadline: {other:?}"),
+        }
+    };
+    assert!(
+        marked.elapsed() >= kept,
+        "handed out {:?} after the loss, before the mark's {kept:?}",
+        marked.elapsed()
+    );
+    assert_eq!(found, vec![first]);
 }
 
 /// A log sink shared with a tracing subscriber.

@@ -331,6 +331,14 @@ impl Control {
     /// incarnation than the one we know is refused: `Err` with the one we know.
     fn note_incarnation(&mut self, peer: &Peer, incarnation: u64) -> Result<(), u64> {
         let replaced = match self.table.incarnation(peer, incarnation) {
+            Incarnation::Unchanged if self.table.is_lost(peer) => {
+                // The very process we lost answers: paused (SIGSTOP, a long stall), not
+                // dead. New requests may be paired with it again.
+                if self.directory.found(peer, incarnation) {
+                    info!(%peer, incarnation, "a peer lost at this incarnation answers again: new requests may pair with it");
+                }
+                false
+            }
             Incarnation::First | Incarnation::Unchanged => false,
             Incarnation::Back { old } => {
                 info!(%peer, old, new = incarnation, "peer back with a new incarnation");

@@ -49,6 +49,14 @@ pub trait Directory: Send + Sync + 'static {
         let _ = incarnation;
         self.invalidate(&peer.engine_id);
     }
+
+    /// `peer`, [`lost`](Self::lost) at `incarnation`, answered a handshake as that very
+    /// process: it was paused, not dead, and lookups may hand it out again. True when the
+    /// directory had it marked lost.
+    fn found(&self, peer: &RankInfo, incarnation: u64) -> bool {
+        let _ = (peer, incarnation);
+        false
+    }
 }
 
 /// A directory with a fixed set of workers: every registration is kept in memory, and
@@ -190,6 +198,10 @@ impl Directory for handoff_bootstrap::BootstrapClient {
     fn lost(&self, peer: &RankInfo, incarnation: u64) {
         self.mark_lost(peer, incarnation);
     }
+
+    fn found(&self, peer: &RankInfo, incarnation: u64) -> bool {
+        self.mark_found(peer, incarnation)
+    }
 }
 
 impl Directory for handoff_bootstrap::EtcdDirectory {
@@ -227,5 +239,9 @@ impl Directory for handoff_bootstrap::EtcdDirectory {
 
     fn lost(&self, peer: &RankInfo, incarnation: u64) {
         self.mark_lost(peer, incarnation);
+    }
+
+    fn found(&self, peer: &RankInfo, incarnation: u64) -> bool {
+        self.mark_found(peer, incarnation)
     }
 }

@@ -263,7 +263,11 @@ pub struct WorkerArgs {
     /// Decode: after the first requests, open as many more for this prefill engine...
     #[arg(long)]
     pub then_prefill: Option<String>,
-    /// ...this long after the first ones were opened.
+    /// Prefill: after the first requests, open as many more (the ids decode's
+    /// `--then-prefill` opens), each handing its blocks over this long after it opened...
+    #[arg(long, value_name = "MS")]
+    pub then_hold_ms: Option<u64>,
+    /// ...this long after the first ones were opened (both of the above).
     #[arg(long, default_value_t = 1000)]
     pub then_after_ms: u64,
     /// Stay up until SIGINT/SIGTERM instead of exiting when the requests end.
@@ -511,11 +515,15 @@ async fn run_inner(a: WorkerArgs) -> Result<ExitCode, String> {
             a.prefill.clone(),
         ));
     }
-    if let Some(second) = &a.then_prefill {
+    let second = match role {
+        Role::Decode => a.then_prefill.clone().map(Some),
+        Role::Prefill => a.then_hold_ms.map(|_| None),
+    };
+    if let Some(second) = second {
         for n in 0..a.requests {
             plan.ids.push((
                 RequestId::new(format!("{}-then-{n}", a.request_prefix)),
-                Some(second.clone()),
+                second.clone(),
             ));
         }
     }
@@ -609,7 +617,11 @@ async fn drive(
             let blocks: Vec<BlockId> = (0..a.blocks_per_request)
                 .filter_map(|_| plan.pool.pop())
                 .collect();
-            match open(a, rt, role, &id, prefill, blocks.clone()) {
+            let hold = match a.then_hold_ms {
+                Some(ms) if next > first_wave => ms,
+                _ => a.hold_ms,
+            };
+            match open(a, rt, role, &id, prefill, blocks.clone(), hold) {
                 Ok(()) => {}
                 Err(Opened::Refused(e)) => {
                     emit(json!({"event": "error", "request": id.as_str(), "error": e}));
@@ -719,13 +731,14 @@ fn open(
     id: &RequestId,
     prefill: Option<String>,
     blocks: Vec<BlockId>,
+    hold_ms: u64,
 ) -> Result<(), Opened> {
     let refused = |e: handoff_actors::Error| Opened::Refused(e.to_string());
     match role {
         Role::Prefill => {
             let sender = rt.sender(id.clone()).map_err(refused)?;
             let region = rt.region().clone();
-            let (hold, id, rank) = (Duration::from_millis(a.hold_ms), id.clone(), rank_of(a));
+            let (hold, id, rank) = (Duration::from_millis(hold_ms), id.clone(), rank_of(a));
             tokio::spawn(async move {
                 tokio::time::sleep(hold).await;
                 let mut bytes = vec![0u8; region.block_bytes()];

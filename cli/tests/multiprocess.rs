@@ -815,6 +815,84 @@ fn a_resumed_prefill_fails_its_requests_for_a_lost_decode_at_once_in_push_mode()
     a_resumed_prefill_fails_its_requests_for_a_lost_decode_at_once("push");
 }
 
+/// Prefill paused (SIGSTOP) past the loss timeout, then resumed with the same incarnation:
+/// decode fails the requests that depended on it, `peer_lost`, and pairs later ones with it
+/// again once a dead worker's record would be gone from the server (the client's lost mark,
+/// `ClientConfig::lost_kept`, 12 s): before, the mark lasted until a restart, and every new
+/// request to the paused engine failed `peer_lost` at once while it ran.
+#[test]
+fn a_prefill_that_was_only_paused_is_paired_with_new_requests_again() {
+    let (_boot, addr) = bootstrap();
+    // The second waves open 20 s (prefill) and 25 s (decode) after the first: decode's
+    // lookup then comes well after its mark of the loss (a moment after the stop) expired.
+    let p = worker_env(
+        "prefill",
+        "prefill",
+        "P",
+        &addr,
+        &[
+            "--requests",
+            "3",
+            "--hold-ms",
+            "600000",
+            "--then-hold-ms",
+            "0",
+            "--then-after-ms",
+            "20000",
+            "--serve",
+        ],
+        &[("RUST_LOG", Some("warn,handoff_net::control=info"))],
+    );
+    let d = worker(
+        "decode",
+        "decode",
+        "D",
+        &addr,
+        &[
+            "--requests",
+            "3",
+            "--prefill",
+            "P",
+            "--then-prefill",
+            "P",
+            "--then-after-ms",
+            "25000",
+            "--waiting-timeout-s",
+            "10",
+        ],
+    );
+    p.until_waiting_for_input(3);
+    signal(&p, "STOP");
+    let first = d.until("the paused prefill's requests ended", |seen| {
+        seen.iter().filter(|v| v["event"] == "end").count() == 3
+    });
+    let first = ends_of(&json_lines("decode", &first));
+    assert!(kinds(&first).iter().all(|k| k == "peer_lost"), "{first:?}");
+    signal(&p, "CONT");
+    let (ends, summary) = d.ends();
+    let second: Vec<&Value> = ends
+        .iter()
+        .filter(|v| v["request"].as_str().is_some_and(|r| r.contains("then")))
+        .collect();
+    assert_eq!(second.len(), 3, "{ends:?}");
+    assert!(
+        second
+            .iter()
+            .all(|v| v["state"] == "Done" && v["verified"] == true),
+        "the resumed prefill was not paired again: {second:?}"
+    );
+    assert_eq!(summary["done"], 3, "{summary}");
+    // Decode's dial was the first word between the two since the pause: the prefill, which
+    // had lost decode too, takes that very process back (its own mark of decode expired
+    // long before).
+    assert!(
+        p.stderr_says("answers again", T),
+        "the prefill did not take decode back: {}",
+        p.stderr.lock().unwrap()
+    );
+    eprintln!("the resumed prefill served decode's second wave: {second:?}");
+}
+
 /// The bootstrap server stops: requests already resolved finish (peers are cached); new
 /// requests that need a lookup fail with a named error (the address and the last error).
 #[test]

@@ -333,10 +333,10 @@ impl Control {
         let replaced = match self.table.incarnation(peer, incarnation) {
             Incarnation::Unchanged if self.table.is_lost(peer) => {
                 // The very process we lost answers: paused (SIGSTOP, a long stall), not
-                // dead. New requests may be paired with it again.
-                if self.directory.found(peer, incarnation) {
-                    info!(%peer, incarnation, "a peer lost at this incarnation answers again: new requests may pair with it");
-                }
+                // dead. New requests may be paired with it again (the directory may still
+                // refuse it to them: `found` says whether it did).
+                let refused = self.directory.found(peer, incarnation);
+                info!(%peer, incarnation, refused_until_now = refused, "a peer lost at this incarnation answers again: new requests may pair with it");
                 false
             }
             Incarnation::First | Incarnation::Unchanged => false,

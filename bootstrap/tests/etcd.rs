@@ -101,6 +101,11 @@ async fn a_lost_incarnation_is_refused_to_new_requests_but_found_for_a_dial() {
         d.query(&engine, soon()).await,
         Err(BootstrapError::Lost { .. })
     ));
+    // The very process answered the dial's handshake: it was paused, not dead, and new
+    // requests may be paired with it again.
+    assert!(d.mark_found(&first.rank, first.incarnation));
+    assert_eq!(d.query(&engine, soon()).await.unwrap(), vec![first.clone()]);
+    d.mark_lost(&first.rank, first.incarnation);
     let second = record("P", (0, 1), 4);
     d.register(second.clone(), soon()).await.unwrap();
     assert_eq!(d.query(&engine, soon()).await.unwrap(), vec![second]);

@@ -133,6 +133,12 @@ struct LostMark {
     at: Instant,
 }
 
+impl LostMark {
+    fn of(&self, rank: &RankInfo, incarnation: u64) -> bool {
+        self.rank == *rank && self.incarnation == incarnation
+    }
+}
+
 impl LostRanks {
     /// No rank lost yet; each mark is kept for `keep`.
     pub(crate) fn new(keep: Duration) -> LostRanks {
@@ -159,7 +165,7 @@ impl LostRanks {
     /// bound).
     pub(crate) fn insert(&self, rank: &RankInfo, incarnation: u64) {
         let mut marks = self.current();
-        marks.retain(|m| !(m.rank == *rank && m.incarnation == incarnation));
+        marks.retain(|m| !m.of(rank, incarnation));
         if marks.len() >= LOST_INCARNATIONS_MAX {
             marks.pop_front();
         }
@@ -175,7 +181,7 @@ impl LostRanks {
     pub(crate) fn found(&self, rank: &RankInfo, incarnation: u64) -> bool {
         let mut marks = self.current();
         let before = marks.len();
-        marks.retain(|m| !(m.rank == *rank && m.incarnation == incarnation));
+        marks.retain(|m| !m.of(rank, incarnation));
         marks.len() != before
     }
 
@@ -187,11 +193,10 @@ impl LostRanks {
         workers: &[WorkerRecord],
     ) -> Result<(), BootstrapError> {
         let marks = self.current();
-        match workers.iter().find(|w| {
-            marks
-                .iter()
-                .any(|m| m.rank == w.rank && m.incarnation == w.incarnation)
-        }) {
+        match workers
+            .iter()
+            .find(|w| marks.iter().any(|m| m.of(&w.rank, w.incarnation)))
+        {
             Some(dead) => Err(BootstrapError::Lost {
                 address: address.to_string(),
                 rank: dead.rank.clone(),

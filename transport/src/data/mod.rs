@@ -325,6 +325,17 @@ pub enum DataError {
         /// The limit.
         max: usize,
     },
+    /// A one-sided write finished (every operation posted under the writer's lease), but
+    /// its completion was seen only after the lease with the peer ended or was revoked: the
+    /// peer may have taken us for lost and failed the request meanwhile, so the write is not
+    /// reported done.
+    #[error("write to {peer} completed only after our lease with it {}: the peer may have failed the request meanwhile", match .ago { Some(ago) => format!("ended {ago:?} earlier"), None => "was revoked (the peer was lost)".to_string() })]
+    ConfirmedLate {
+        /// The peer.
+        peer: String,
+        /// How long before the completion was seen the lease ended; `None` when revoked.
+        ago: Option<Duration>,
+    },
     /// A UCX call failed.
     #[error("UCX: {0}")]
     Ucx(#[from] UcxError),

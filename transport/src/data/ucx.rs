@@ -740,8 +740,12 @@ impl UcxDataPlane {
     /// [`UcxDataPlane::write_slices`] fenced by the writer's [`Lease`] with the peer: the
     /// lease is checked before the job starts and immediately before every operation is
     /// posted; once it has ended nothing more is posted and the call fails
-    /// [`DataError::Io`] naming the peer and the lease. A writer frozen or cut off past its
-    /// lease therefore cannot land a write in blocks the peer has given back since.
+    /// [`UcxError::LeaseExpired`] naming the peer and the lease. A writer frozen or cut off
+    /// past its lease therefore cannot land a write in blocks the peer has given back since.
+    /// A write whose every operation was posted in time but whose completion is seen only
+    /// after the lease ended (the writer stopped between its last post and its answer) fails
+    /// too, [`DataError::ConfirmedLate`]: the peer may have taken us for lost and failed the
+    /// request by then, so we do not call it done ([`confirm_leased`]).
     #[allow(clippy::too_many_arguments)]
     pub async fn write_leased(
         &self,
@@ -753,17 +757,19 @@ impl UcxDataPlane {
         deadline: Instant,
         lease: Arc<Lease>,
     ) -> Result<(), DataError> {
-        self.submit(
-            Direction::Put,
-            request,
-            peer,
-            src,
-            dst,
-            slices,
-            deadline,
-            Some(lease),
-        )
-        .await
+        let result = self
+            .submit(
+                Direction::Put,
+                request,
+                peer,
+                src,
+                dst,
+                slices,
+                deadline,
+                Some(Arc::clone(&lease)),
+            )
+            .await;
+        confirm_leased(result, &peer.name, &lease, Instant::now())
     }
 
     /// Pull: reads `peer`'s `src` blocks into our `dst` blocks (`src[i]` → `dst[i]`)
@@ -911,6 +917,26 @@ impl UcxDataPlane {
             }),
             Err(_) => Err(timed_out("waiting for the UCX thread's answer")),
         }
+    }
+}
+
+/// A leased write's outcome as seen at `now`: a success seen only after the lease ended is
+/// [`DataError::ConfirmedLate`] (the bytes landed, every operation posted under the lease,
+/// but the peer may have counted us lost since, and failed the request; saying `Done` here
+/// would contradict it). Failures stay as they are.
+fn confirm_leased(
+    result: Result<(), DataError>,
+    peer: &str,
+    lease: &Lease,
+    now: Instant,
+) -> Result<(), DataError> {
+    result?;
+    match lease.expired_for(now) {
+        None => Ok(()),
+        Some(ago) => Err(DataError::ConfirmedLate {
+            peer: peer.to_string(),
+            ago: (ago != Duration::MAX).then_some(ago),
+        }),
     }
 }
 
@@ -2232,5 +2258,42 @@ fn ucx_error(peer: &UcxPeer, error: UcxError, started: Instant) -> DataError {
             peer: peer.name.clone(),
             detail: other.to_string(),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_leased_write_seen_done_only_after_its_lease_ended_is_not_done() {
+        let t = Instant::now();
+        let lease = Lease::new();
+        lease.extend_to(t + Duration::from_secs(2));
+        // Seen within the lease: done.
+        assert!(confirm_leased(Ok(()), "D", &lease, t + Duration::from_secs(1)).is_ok());
+        // Seen after it (the writer stopped between its last post and the answer): refused,
+        // saying how late.
+        let late = confirm_leased(Ok(()), "D", &lease, t + Duration::from_secs(5));
+        assert!(
+            matches!(&late, Err(DataError::ConfirmedLate { peer, ago: Some(ago) })
+                if peer == "D" && *ago == Duration::from_secs(3)),
+            "{late:?}"
+        );
+        // A failure stays the failure it was.
+        let timeout = DataError::Timeout {
+            peer: "D".into(),
+            op: "flush",
+            after: Duration::ZERO,
+        };
+        let failed = confirm_leased(Err(timeout), "D", &lease, t + Duration::from_secs(5));
+        assert!(
+            matches!(failed, Err(DataError::Timeout { .. })),
+            "{failed:?}"
+        );
+        // Revoked (the peer was lost): refused, and the message says so.
+        lease.revoke();
+        let revoked = confirm_leased(Ok(()), "D", &lease, t).unwrap_err();
+        assert!(revoked.to_string().contains("revoked"), "{revoked}");
     }
 }

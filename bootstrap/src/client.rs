@@ -116,13 +116,14 @@ pub(crate) enum Lost {
     Included,
 }
 
-/// Ranks lost at an incarnation, oldest first, at most [`LOST_INCARNATIONS_MAX`]: what a
-/// directory (the bootstrap server's client, or etcd's) must not hand out again, for as long
+/// Ranks lost at an incarnation, oldest first, at most 1,024 (the oldest forgotten first):
+/// what a directory (the bootstrap server's client, or etcd's) must not hand out again, for as long
 /// as a dead worker's record can outlive it there (`keep`: past that, a record still held
 /// at that incarnation was kept alive by its process since the loss, which must then have
 /// been a pause, not a death), or until that very process answers a handshake again
-/// ([`found`](Self::found)).
-pub(crate) struct LostRanks {
+/// ([`found`](Self::found)). Plain data: every call is told the time, so the simulator
+/// keeps one per worker in virtual time, as the clients keep theirs in real time.
+pub struct LostRanks {
     marks: Mutex<std::collections::VecDeque<LostMark>>,
     keep: Duration,
 }
@@ -141,17 +142,20 @@ impl LostMark {
 
 impl LostRanks {
     /// No rank lost yet; each mark is kept for `keep`.
-    pub(crate) fn new(keep: Duration) -> LostRanks {
+    pub fn new(keep: Duration) -> LostRanks {
         LostRanks {
             marks: Mutex::new(std::collections::VecDeque::new()),
             keep,
         }
     }
 
-    /// The marks still kept, expired ones forgotten (they are in the order they were set).
-    fn current(&self) -> std::sync::MutexGuard<'_, std::collections::VecDeque<LostMark>> {
+    /// The marks still kept at `now`, expired ones forgotten (they are in the order they
+    /// were set).
+    fn current(
+        &self,
+        now: Instant,
+    ) -> std::sync::MutexGuard<'_, std::collections::VecDeque<LostMark>> {
         let mut marks = lock(&self.marks);
-        let now = Instant::now();
         while marks
             .front()
             .is_some_and(|m| now.saturating_duration_since(m.at) >= self.keep)
@@ -161,10 +165,10 @@ impl LostRanks {
         marks
     }
 
-    /// Remembers `rank` lost at `incarnation`, from now (the oldest is forgotten at the
+    /// Remembers `rank` lost at `incarnation`, from `now` (the oldest is forgotten at the
     /// bound).
-    pub(crate) fn insert(&self, rank: &RankInfo, incarnation: u64) {
-        let mut marks = self.current();
+    pub fn insert(&self, rank: &RankInfo, incarnation: u64, now: Instant) {
+        let mut marks = self.current(now);
         marks.retain(|m| !m.of(rank, incarnation));
         if marks.len() >= LOST_INCARNATIONS_MAX {
             marks.pop_front();
@@ -172,27 +176,31 @@ impl LostRanks {
         marks.push_back(LostMark {
             rank: rank.clone(),
             incarnation,
-            at: Instant::now(),
+            at: now,
         });
     }
 
     /// The process of `rank` at `incarnation` answered a handshake: it lives, and may be
-    /// handed out again. True when it was marked lost.
-    pub(crate) fn found(&self, rank: &RankInfo, incarnation: u64) -> bool {
-        let mut marks = self.current();
+    /// handed out again. True when it was marked lost (at `now`, unexpired).
+    pub fn found(&self, rank: &RankInfo, incarnation: u64, now: Instant) -> bool {
+        let mut marks = self.current(now);
         let before = marks.len();
         marks.retain(|m| !m.of(rank, incarnation));
         marks.len() != before
     }
 
-    /// [`BootstrapError::Lost`] for the first of `workers` that was lost: what it held is
-    /// gone with it.
-    pub(crate) fn check(
+    /// [`BootstrapError::Lost`] for the first of `workers` marked lost at `now`: what it
+    /// held is gone with it (`address`: the directory's, for the error).
+    ///
+    /// # Errors
+    /// [`BootstrapError::Lost`].
+    pub fn check(
         &self,
         address: &str,
         workers: &[WorkerRecord],
+        now: Instant,
     ) -> Result<(), BootstrapError> {
-        let marks = self.current();
+        let marks = self.current(now);
         match workers
             .iter()
             .find(|w| marks.iter().any(|m| m.of(&w.rank, w.incarnation)))
@@ -352,10 +360,12 @@ impl BootstrapClient {
                 Message::QueryReply(r) => match r.answer {
                     QueryAnswer::Ready { workers } => match lost {
                         Lost::Included => Judged::Done(workers),
-                        Lost::Refused => match self.inner.lost.check(&address, &workers) {
-                            Err(dead) => Judged::Fail(dead),
-                            Ok(()) => Judged::Done(workers),
-                        },
+                        Lost::Refused => {
+                            match self.inner.lost.check(&address, &workers, Instant::now()) {
+                                Err(dead) => Judged::Fail(dead),
+                                Ok(()) => Judged::Done(workers),
+                            }
+                        }
                     },
                     QueryAnswer::NotReady {
                         registered,
@@ -414,14 +424,14 @@ impl BootstrapClient {
     /// passes, lookups of its engine fail with [`BootstrapError::Lost`] rather than hand
     /// the dead worker out again.
     pub fn mark_lost(&self, rank: &RankInfo, incarnation: u64) {
-        self.inner.lost.insert(rank, incarnation);
+        self.inner.lost.insert(rank, incarnation, Instant::now());
         self.invalidate(&rank.engine_id);
     }
 
     /// The process of `rank` at `incarnation`, lost before, answered a handshake: lookups
     /// hand it out again. True when it was marked lost.
     pub fn mark_found(&self, rank: &RankInfo, incarnation: u64) -> bool {
-        self.inner.lost.found(rank, incarnation)
+        self.inner.lost.found(rank, incarnation, Instant::now())
     }
 
     /// Everything the server holds, retrying transient failures until `deadline`.

@@ -879,7 +879,7 @@ impl EtcdDirectory {
         match Self::replay(records).query(engine) {
             QueryAnswer::Ready { workers } if lost == Lost::Included => Ok(workers),
             QueryAnswer::Ready { workers } => {
-                self.inner.lost.check(&address, &workers)?;
+                self.inner.lost.check(&address, &workers, Instant::now())?;
                 // Cached only while the watch can tell a later change, and only if it saw
                 // none of this engine's since the read.
                 let watch = lock(&self.inner.watch);
@@ -1061,14 +1061,14 @@ impl EtcdDirectory {
     /// Remembers that `rank` was lost at `incarnation` (until it registers anew, a lookup
     /// that finds that record fails by name) and forgets its engine's cached answer.
     pub fn mark_lost(&self, rank: &RankInfo, incarnation: u64) {
-        self.inner.lost.insert(rank, incarnation);
+        self.inner.lost.insert(rank, incarnation, Instant::now());
         self.invalidate(&rank.engine_id);
     }
 
     /// The process of `rank` at `incarnation`, lost before, answered a handshake: lookups
     /// hand it out again. True when it was marked lost.
     pub fn mark_found(&self, rank: &RankInfo, incarnation: u64) -> bool {
-        self.inner.lost.found(rank, incarnation)
+        self.inner.lost.found(rank, incarnation, Instant::now())
     }
 
     /// Every engine of the cluster and its workers, as `handoff bootstrap status` shows a

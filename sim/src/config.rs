@@ -330,7 +330,19 @@ impl Timing {
     pub fn loss_timeout_ms(&self) -> u64 {
         self.heartbeat_interval_ms() * self.heartbeats_missed_max()
     }
+
+    /// How long a worker's directory refuses a rank it lost at an incarnation (the
+    /// bootstrap client's `LostRanks`), virtual ms: [`LOST_KEPT_LOSS_TIMEOUTS`] loss timeouts.
+    pub fn lost_kept_ms(&self) -> u64 {
+        LOST_KEPT_LOSS_TIMEOUTS * self.loss_timeout_ms()
+    }
 }
+
+/// A lost mark's life in loss timeouts, as in production: `handoff worker`'s 3 s loss
+/// timeout against the bootstrap client's 12 s (`LOST_KEPT_DEFAULT`, twice the server's
+/// record expiry, which the simulated server does not model: its records live until the
+/// rank registers anew).
+pub const LOST_KEPT_LOSS_TIMEOUTS: u64 = 4;
 
 /// The scaled-down deadlines every simulation starts from.
 pub fn sim_timeouts() -> Timeouts {

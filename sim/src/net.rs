@@ -65,7 +65,7 @@ use handoff_actors::{
     Role,
 };
 use handoff_bootstrap::registry::{Origin, RegisterOutcome, Registry};
-use handoff_bootstrap::{QueryAnswer, WorkerRecord};
+use handoff_bootstrap::{LostRanks, QueryAnswer, WorkerRecord};
 use handoff_net::peers::{Incarnation, PeerTable};
 use handoff_transport::data::{Access, GrantTable};
 
@@ -173,6 +173,11 @@ struct Node {
     table: PeerTable<usize>,
     /// The peers it holds a control connection with: these are beaten every tick.
     conns: BTreeMap<usize, Conn>,
+    /// The ranks its directory was told it lost, at which incarnation (the bootstrap
+    /// client's own marks, in virtual time): a query whose engine holds one fails
+    /// `PeerLost` rather than pair a new request with it, until the mark expires, the rank
+    /// registers anew, or that very process is heard again. Fresh for every incarnation.
+    lost: LostRanks,
     /// Peers it shares a live request with, and how many (the world's count, from a
     /// request's arrival to its settling): a connection to any other closes once idle
     /// for a loss window. Kept across incarnations (the requests outlive them).
@@ -260,6 +265,11 @@ pub struct NetStats {
     pub queries: u64,
     /// Bootstrap queries that failed (server down, error, lost).
     pub queries_failed: u64,
+    /// Bootstrap queries refused by the asking worker's lost marks: the engine holds a
+    /// worker it lost (`PeerLost`).
+    pub queries_refused_lost: u64,
+    /// Lost marks cleared because the very process lost was heard again (a freeze).
+    pub lost_found: u64,
     /// Registration attempts that failed and were retried.
     pub registrations_retried: u64,
     /// Peers lost by a worker's peer table (silent past the loss timeout, or restarted),
@@ -499,6 +509,7 @@ impl SimNet {
                 grants: Arc::default(),
                 table: peer_table(&timing),
                 conns: BTreeMap::new(),
+                lost: lost_ranks(&timing),
                 engaged: FxMap::default(),
                 rkeys: FxMap::default(),
             };
@@ -708,11 +719,13 @@ impl SimNet {
     /// How long after [`SimNet::heal_all`] every peer table has decided about what it
     /// stopped hearing during the faults: a peer silent since before the heal is lost by a
     /// tick within one loss timeout and an interval; the other end, which then stops
-    /// hearing it, within another; plus a hop.
+    /// hearing it, within another; plus a hop; and a rank lost during the faults whose
+    /// process was only frozen may be refused to new requests as long as its lost mark is
+    /// kept ([`Timing::lost_kept_ms`]), unless it is heard again first.
     pub fn settle_ms(&self) -> u64 {
         let st = self.lock();
         let t = &st.timing;
-        2 * (t.loss_timeout_ms() + t.heartbeat_interval_ms()) + t.delay_ms.1
+        2 * (t.loss_timeout_ms() + t.heartbeat_interval_ms()) + t.delay_ms.1 + t.lost_kept_ms()
     }
 
     /// Counters so far.
@@ -795,7 +808,7 @@ impl SimNet {
                 lost,
                 reply,
             } => {
-                let answer = st.answer(who, &prefill, dp, lost);
+                let answer = st.answer(t, who, &prefill, dp, lost);
                 let _ = reply.send(answer);
             }
             NetEvent::Register { who, backoff_ms } => {
@@ -849,6 +862,11 @@ impl SimNet {
 /// A worker's peer table, with the control loop's loss timeout.
 fn peer_table(timing: &Timing) -> PeerTable<usize> {
     PeerTable::new(Duration::from_millis(timing.loss_timeout_ms()))
+}
+
+/// A worker's directory's lost marks, kept [`Timing::lost_kept_ms`].
+fn lost_ranks(timing: &Timing) -> LostRanks {
+    LostRanks::new(Duration::from_millis(timing.lost_kept_ms()))
 }
 
 impl NetState {
@@ -1098,6 +1116,7 @@ impl NetState {
 
     fn answer(
         &mut self,
+        t: u64,
         who: (usize, u32),
         prefill: &EngineId,
         dp: Option<u32>,
@@ -1143,6 +1162,14 @@ impl NetState {
                 return failed(self, format!("engine {prefill} unknown"));
             }
         };
+        // The client's own check: a worker it lost is not handed out for a new request.
+        let now = self.at(t);
+        if let Some(node) = self.nodes.get(who.0) {
+            if let Err(e) = node.lost.check(BOOTSTRAP_ADDRESS, &workers, now) {
+                self.stats.queries_refused_lost += 1;
+                return Err(ResolveError::Fatal(e.failure_reason()));
+            }
+        }
         let ranks = workers.iter().map(|w| (&w.rank, w.role));
         match select_prefill_peers(&me, prefill, dp, ranks) {
             Err(ResolveError::NotReady { detail }) => failed(self, detail),
@@ -1364,6 +1391,16 @@ impl NetState {
             return;
         };
         let replaced = match node.table.incarnation(&peer, inc) {
+            Incarnation::Unchanged if node.table.is_lost(&peer) => {
+                // The very process it lost answers (it was frozen): new requests may pair
+                // with it again, as `control.rs`'s `note_incarnation` tells the directory.
+                if node.lost.found(&self.ranks[peer], inc, self.at(t)) {
+                    self.stats.lost_found += 1;
+                    let text = format!("w{at}: w{peer} answers again at incarnation {inc}");
+                    self.note(t, None, text);
+                }
+                false
+            }
             Incarnation::First | Incarnation::Unchanged => false,
             Incarnation::Back { old } => {
                 self.note(t, None, format!("w{at}: w{peer} back ({old} -> {inc})"));
@@ -1417,7 +1454,7 @@ impl NetState {
     /// the runtime that depends on it fails (`Inbox::peer_lost`). Counted as a loss
     /// declared between the two (the grants' leases).
     fn lose(&mut self, t: u64, observer: usize, peer: usize, why: &str) {
-        let Some(node) = self.node_mut(observer).filter(|n| n.up) else {
+        let Some(node) = self.nodes.get_mut(observer).filter(|n| n.up) else {
             return;
         };
         let incarnation = node.table.known_incarnation(&peer);
@@ -1427,6 +1464,10 @@ impl NetState {
             return;
         }
         let inbox = node.inbox.clone();
+        if let Some(i) = incarnation {
+            node.lost
+                .insert(&self.ranks[peer], i, self.epoch + Duration::from_millis(t));
+        }
         if let Some(inc) = incarnation.and_then(|i| u32::try_from(i).ok()) {
             self.lost_incarnation.insert((observer, peer), inc);
         }
@@ -1487,6 +1528,7 @@ impl Attach for SimAttach {
         let mut st = net.lock();
         let now = net.now_ms();
         let table = peer_table(&st.timing);
+        let lost = lost_ranks(&st.timing);
         let Some(node) = st
             .index
             .get(&rank)
@@ -1520,6 +1562,7 @@ impl Attach for SimAttach {
         node.grants = Arc::default();
         // A new process: a new control loop, knowing no peer.
         node.table = table;
+        node.lost = lost;
         node.conns.clear();
         let (idx, inc) = (node.idx, node.inc);
         let tick = now + st.timing.heartbeat_interval_ms();

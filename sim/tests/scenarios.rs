@@ -528,6 +528,41 @@ fn a_worker_frozen_past_the_window_loses_its_peers_as_it_resumes() {
     assert!(checked > 0, "no request was still open on P0 as it resumed");
 }
 
+/// A prefill engine frozen past decode's loss window is refused to new requests by decode's
+/// own directory (the bootstrap client's lost marks, kept in virtual time): decode's
+/// queries for it fail `PeerLost` at once instead of handing out a worker that does not
+/// answer. Once it resumes it is paired again (heard again, or its marks expired): the
+/// liveness phase's requests on it end `Done`.
+#[test]
+fn a_prefill_lost_while_frozen_is_refused_to_new_requests_then_paired_again() {
+    let (freeze_at, for_ms) = (60, 400);
+    let (mut refused, mut paired_again) = (0, 0);
+    for seed in 0..4u64 {
+        let mut cfg = base(8350 + seed);
+        cfg.workload.requests = 60;
+        cfg.workload.liveness_requests = 12;
+        cfg.script.push(Scripted::Freeze {
+            target: Target::Engine("P0".into()),
+            at_ms: freeze_at,
+            for_ms,
+        });
+        let report = run(&cfg);
+        assert!(report.net.peer_lost > 0, "{report}");
+        refused += report.net.queries_refused_lost;
+        for o in report.outcomes.iter().filter(|o| o.liveness) {
+            for r in o.ranks.iter().filter(|r| r.engine == "P0") {
+                assert_eq!(r.end, "done", "seed {seed}: {o:?}");
+                paired_again += 1;
+            }
+        }
+    }
+    assert!(refused > 0, "no query was refused for the lost prefill");
+    assert!(
+        paired_again > 0,
+        "no liveness request was paired with P0 again"
+    );
+}
+
 /// A control-plane cut shorter than the loss window (less two intervals and a hop) loses
 /// nobody: heartbeats are cut, but the peer tables hear them again in time. The same cut
 /// past the window loses peers.

@@ -745,7 +745,7 @@ impl UcxDataPlane {
     /// A write whose every operation was posted in time but whose completion is seen only
     /// after the lease ended (the writer stopped between its last post and its answer) fails
     /// too, [`DataError::ConfirmedLate`]: the peer may have taken us for lost and failed the
-    /// request by then, so we do not call it done ([`confirm_leased`]).
+    /// request by then, so we do not call it done.
     #[allow(clippy::too_many_arguments)]
     pub async fn write_leased(
         &self,

@@ -278,6 +278,9 @@ pub struct NetStats {
     /// One-sided writes refused before posting: the writer's lease with the peer had ended
     /// (a loss was declared between them since the peer granted the blocks).
     pub lease_refused: u64,
+    /// One-sided writes that landed but whose writer saw the completion only after its
+    /// lease ended: failed, not done (`ConfirmedLate`).
+    pub confirmed_late: u64,
     /// Writes a frozen worker posted as it resumed without a lease check (its stop fell
     /// between the check and the post).
     pub posted_unchecked: u64,
@@ -328,6 +331,16 @@ enum NetEvent {
         /// the destination side reads (pull): where the grant is checked.
         id: RequestId,
         write: bool,
+        /// A one-sided write under a lease: whose, with whom, and the loss count it was
+        /// granted at; its completion counts only if the lease still holds when the writer
+        /// sees it.
+        leased: Option<Leased>,
+        reply: oneshot::Sender<Result<(), String>>,
+    },
+    /// A leased write's completion, seen by its writer once it runs again (it was frozen
+    /// when the write landed, as a stopped process sees its completions only on resuming).
+    Seen {
+        leased: Leased,
         reply: oneshot::Sender<Result<(), String>>,
     },
     /// A transfer that would end past its deadline: the plane answers at the deadline,
@@ -407,6 +420,17 @@ struct Beat {
 #[derive(Clone, Copy)]
 struct Grant {
     node: (usize, u32),
+    losses: u64,
+}
+
+/// A one-sided write's lease, as its landing carries it ([`NetEvent::Land`]).
+#[derive(Clone, Copy)]
+struct Leased {
+    /// The writer.
+    by: usize,
+    /// The target that granted the blocks.
+    peer: usize,
+    /// Losses declared between the two when it granted them.
     losses: u64,
 }
 
@@ -781,6 +805,7 @@ impl SimNet {
                 dst_blocks,
                 id,
                 write,
+                leased,
                 reply,
             } => {
                 let ends = Ends {
@@ -790,8 +815,14 @@ impl SimNet {
                     dst_blocks: &dst_blocks,
                 };
                 let r = st.land(t, ends, &id, write);
-                let _ = reply.send(r);
+                match (r, leased) {
+                    (Ok(()), Some(leased)) => self.seen(st, t, leased, reply),
+                    (r, _) => {
+                        let _ = reply.send(r);
+                    }
+                }
             }
+            NetEvent::Seen { leased, reply } => self.seen(st, t, leased, reply),
             NetEvent::Expire { req, reply } => {
                 st.stats.transfers_failed += 1;
                 st.note(
@@ -1659,6 +1690,33 @@ impl SimLink {
 }
 
 impl SimNet {
+    /// A leased write that landed, as its writer sees the completion: only once it runs
+    /// (a frozen writer sees it as it resumes, after its missed tick), and as done only
+    /// while its lease holds, i.e. no loss was declared between it and the target since
+    /// the grant. Otherwise the bytes landed but the write fails, as the UCX plane's
+    /// `ConfirmedLate` does: the target may have failed the request meanwhile.
+    fn seen(
+        &self,
+        st: &mut NetState,
+        t: u64,
+        leased: Leased,
+        reply: oneshot::Sender<Result<(), String>>,
+    ) {
+        if let Some(until) = st.frozen.get(&leased.by).copied().filter(|u| *u > t) {
+            self.push(st, until, NetEvent::Seen { leased, reply });
+            return;
+        }
+        if st.losses_between(leased.by, leased.peer) == leased.losses {
+            let _ = reply.send(Ok(()));
+            return;
+        }
+        st.stats.confirmed_late += 1;
+        let _ = reply.send(Err(format!(
+            "write to w{} completed only after the lease ended (a loss was declared between us since it granted the blocks)",
+            leased.peer
+        )));
+    }
+
     /// Posts a transfer at `now`: its landing (or its expiry at the deadline) goes on the
     /// agenda, or it is refused at once (an end gone, a one-sided write whose lease ended).
     fn post(&self, st: &mut NetState, now: u64, post: Post) {
@@ -1681,6 +1739,7 @@ impl SimNet {
         let end = |idx: Option<usize>| idx.and_then(|i| st.node_at(i)).map(|n| (n.idx, n.inc));
         let mut ends = (end(src_idx), end(dst_idx));
         let mut lease_ended = None;
+        let mut leased = None;
         if st.data_plane == DataPlane::Rdma {
             // The remote end is the registration this worker learned for the request.
             if let Some(granted) = grant {
@@ -1694,6 +1753,13 @@ impl SimNet {
                 // declared between it and the peer since the grant (its lease ended).
                 if write && !checked && st.losses_between(by, peer) != granted.losses {
                     lease_ended = Some(peer);
+                }
+                if write {
+                    leased = Some(Leased {
+                        by,
+                        peer,
+                        losses: granted.losses,
+                    });
                 }
             }
         }
@@ -1734,6 +1800,7 @@ impl SimNet {
                         dst_blocks: dst,
                         id,
                         write,
+                        leased,
                         reply,
                     }
                 };

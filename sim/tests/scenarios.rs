@@ -292,7 +292,7 @@ fn frozen_writer_on((seed, i): (u64, u64), for_ms: Option<u64>, hosts: u32) -> R
 /// none may land. Push over RDMA, where nothing at the target can refuse a write.
 #[test]
 fn a_frozen_writer_that_resumes_lands_nothing_in_released_blocks() {
-    let (mut deferred, mut refused) = (0, 0);
+    let (mut deferred, mut refused, mut late) = (0, 0, 0);
     for seed in 0..8u64 {
         let report = frozen_writer((8100 + seed, seed), Some(1_500));
         assert!(
@@ -302,11 +302,15 @@ fn a_frozen_writer_that_resumes_lands_nothing_in_released_blocks() {
         assert!(landed_after_release(&report).is_empty(), "{report}");
         deferred += report.net.deferred;
         refused += report.net.lease_refused;
+        late += report.net.confirmed_late;
     }
-    // Writes were queued during the freeze, and resumed ones refused by the lease.
+    // Writes were queued during the freeze, and resumed ones refused by the lease; and a
+    // write that landed while its writer was stopped was seen only as it resumed, past its
+    // lease, so it failed rather than end the request `Done` on prefill alone (the UCX
+    // plane's `ConfirmedLate`).
     assert!(
-        deferred > 0 && refused > 0,
-        "deferred {deferred}, refused {refused}"
+        deferred > 0 && refused > 0 && late > 0,
+        "deferred {deferred}, refused {refused}, confirmed late {late}"
     );
 }
 

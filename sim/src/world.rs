@@ -1915,10 +1915,10 @@ impl World {
     /// Requests that neither progress nor hit a deadline (a rank ended but never released
     /// its blocks, say) would keep the run going forever: past the longest a request may
     /// go quiet (a fence waiting out its bound, then a quarantine asking its lost writer
-    /// again, three asks being lost or cut off) without any event, whatever is left is
-    /// reported.
+    /// again, [`World::quarantine_asks`] asks being lost or cut off) without any event,
+    /// whatever is left is reported.
     fn stuck_check(&mut self, now: u64) {
-        let asks = 3 * QUARANTINE_ASK_EVERY.as_millis() as u64;
+        let asks = self.quarantine_asks() * QUARANTINE_ASK_EVERY.as_millis() as u64;
         let limit = self.cfg.timing.timeouts.fence_max().as_millis() as u64 + asks + HANG_SLACK_MS;
         if self.reqs.is_empty() || now < self.last_progress_ms + limit {
             return;
@@ -1948,6 +1948,24 @@ impl World {
             Invariant::NoHang
         };
         self.violate(inv, Some(req), detail);
+    }
+
+    /// How many of a quarantine's asks may go unanswered before a quiet request counts as
+    /// stuck. Each ask is a round of two messages (decode's `Abort`, the writer's
+    /// `AbortAck`), each lost with the run's loss rate, and the faults stay on until every
+    /// safety request settles: with a fixed count, a seed with heavy loss can lose them all
+    /// and be reported stuck while the quarantine works (seed 98308 of an RDMA swarm sweep
+    /// lost four rounds in a row at 10% loss). So: enough rounds that all of them fail with
+    /// a chance below one in 10^9, and at least three (partitions cut asks too).
+    fn quarantine_asks(&self) -> u64 {
+        let p = (self.cfg.faults.loss_ppm as f64 / 1e6).clamp(0.0, 0.5);
+        let round_fails = 1.0 - (1.0 - p) * (1.0 - p);
+        let rounds = if round_fails > 0.0 {
+            (1e-9f64.ln() / round_fails.ln()).ceil() as u64
+        } else {
+            0
+        };
+        rounds.max(3)
     }
 
     async fn start_liveness(&mut self, now: u64) {

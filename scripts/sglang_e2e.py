@@ -378,13 +378,46 @@ def seed3_pair(args, backend: str, tag: str, pool: int, env=None) -> tuple[Serve
     return p, d
 
 
+def scrape_race(block: list[str]) -> bool:
+    """A traceback of SGLang's own `/metrics` handler reading a prometheus multiprocess
+    file that another of its processes has only just created, still empty: that scrape
+    answers 500 and the next one works. Not a crash of the server (seen once in CI, on
+    2026-12-02: `struct.error` in prometheus_client's `mmap_dict.py`)."""
+    return any("prometheus_client/multiprocess.py" in ln for ln in block) and any(
+        "prometheus_client/mmap_dict.py" in ln for ln in block
+    )
+
+
+def crash_lines(text: str) -> list[str]:
+    """The log's lines that say something crashed: a traceback (but not a scrape race,
+    `scrape_race`), an assertion, a scheduler's exception, a SIGQUIT."""
+    lines = text.splitlines()
+    hits, i = [], 0
+    while i < len(lines):
+        ln = lines[i]
+        if ln.startswith("Traceback"):
+            # The block: the frames (indented) and the exception's line after them.
+            end = i + 1
+            while end < len(lines) and lines[end][:1] in (" ", "\t"):
+                end += 1
+            block = lines[i : end + 1]
+            if not scrape_race(block):
+                hits.extend(b for b in block if CRASH.search(b))
+            i = end + 1
+            continue
+        if CRASH.search(ln):
+            hits.append(ln)
+        i += 1
+    return hits
+
+
 def crashes(*servers: Server) -> str:
     """What went wrong in a server: dead, or a traceback or assertion in its log."""
     out = []
     for s in servers:
         if not s.alive():
             out.append(f"{s.name} died")
-        hits = [ln for ln in s.text().splitlines() if CRASH.search(ln)]
+        hits = crash_lines(s.text())
         if hits:
             out.append(f"{s.name}: {hits[0][:160]}")
     return "; ".join(out)

@@ -103,7 +103,7 @@ struct Inner {
 
 /// Lost incarnations remembered per client: more than the ranks of the engines one worker
 /// talks to, so a restart is never forgotten before the server expires the old record.
-const LOST_INCARNATIONS_MAX: usize = 1024;
+pub const LOST_INCARNATIONS_MAX: usize = 1024;
 
 /// Whether a lookup hands out workers the directory was told it lost.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -116,8 +116,8 @@ pub(crate) enum Lost {
     Included,
 }
 
-/// Ranks lost at an incarnation, oldest first, at most 1,024 (the oldest forgotten first):
-/// what a directory (the bootstrap server's client, or etcd's) must not hand out again, for as long
+/// Ranks lost at an incarnation, oldest first, at most [`LOST_INCARNATIONS_MAX`]: what a
+/// directory (the bootstrap server's client, or etcd's) must not hand out again, for as long
 /// as a dead worker's record can outlive it there (`keep`: past that, a record still held
 /// at that incarnation was kept alive by its process since the loss, which must then have
 /// been a pause, not a death), or until that very process answers a handshake again

@@ -44,7 +44,9 @@ pub mod registry;
 pub mod server;
 pub mod status;
 
-pub use client::{BootstrapClient, ClientConfig, LostRanks, LOST_KEPT_DEFAULT};
+pub use client::{
+    BootstrapClient, ClientConfig, LostRanks, LOST_INCARNATIONS_MAX, LOST_KEPT_DEFAULT,
+};
 pub use error::BootstrapError;
 pub use etcd::EtcdDirectory;
 pub use exposure::load_key;

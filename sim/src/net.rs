@@ -948,6 +948,12 @@ impl NetState {
         count((a, b)) + count((b, a))
     }
 
+    /// Whether a one-sided writer's lease still holds: no loss declared between it and
+    /// the target since the target granted the blocks.
+    fn lease_holds(&self, leased: Leased) -> bool {
+        self.losses_between(leased.by, leased.peer) == leased.losses
+    }
+
     fn deliver(
         &mut self,
         t: u64,
@@ -1485,6 +1491,7 @@ impl NetState {
     /// the runtime that depends on it fails (`Inbox::peer_lost`). Counted as a loss
     /// declared between the two (the grants' leases).
     fn lose(&mut self, t: u64, observer: usize, peer: usize, why: &str) {
+        let at = self.at(t);
         let Some(node) = self.nodes.get_mut(observer).filter(|n| n.up) else {
             return;
         };
@@ -1496,8 +1503,7 @@ impl NetState {
         }
         let inbox = node.inbox.clone();
         if let Some(i) = incarnation {
-            node.lost
-                .insert(&self.ranks[peer], i, self.epoch + Duration::from_millis(t));
+            node.lost.insert(&self.ranks[peer], i, at);
         }
         if let Some(inc) = incarnation.and_then(|i| u32::try_from(i).ok()) {
             self.lost_incarnation.insert((observer, peer), inc);
@@ -1706,7 +1712,7 @@ impl SimNet {
             self.push(st, until, NetEvent::Seen { leased, reply });
             return;
         }
-        if st.losses_between(leased.by, leased.peer) == leased.losses {
+        if st.lease_holds(leased) {
             let _ = reply.send(Ok(()));
             return;
         }
@@ -1738,7 +1744,6 @@ impl SimNet {
         let write = src_idx == Some(by);
         let end = |idx: Option<usize>| idx.and_then(|i| st.node_at(i)).map(|n| (n.idx, n.inc));
         let mut ends = (end(src_idx), end(dst_idx));
-        let mut lease_ended = None;
         let mut leased = None;
         if st.data_plane == DataPlane::Rdma {
             // The remote end is the registration this worker learned for the request.
@@ -1749,20 +1754,18 @@ impl SimNet {
                 } else if ends.1.is_some_and(|(i, _)| i == peer) {
                     ends.1 = Some(granted.node);
                 }
-                // A one-sided writer fences itself: nothing is posted once a loss was
-                // declared between it and the peer since the grant (its lease ended).
-                if write && !checked && st.losses_between(by, peer) != granted.losses {
-                    lease_ended = Some(peer);
-                }
-                if write {
-                    leased = Some(Leased {
-                        by,
-                        peer,
-                        losses: granted.losses,
-                    });
-                }
+                leased = write.then_some(Leased {
+                    by,
+                    peer,
+                    losses: granted.losses,
+                });
             }
         }
+        // A one-sided writer fences itself: nothing is posted once a loss was declared
+        // between it and the peer since the grant (its lease ended).
+        let lease_ended = leased
+            .filter(|l| !checked && !st.lease_holds(*l))
+            .map(|l| l.peer);
         let refused = match ends {
             _ if lease_ended.is_some() => {
                 st.stats.lease_refused += 1;

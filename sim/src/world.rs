@@ -1918,9 +1918,12 @@ impl World {
     /// again, [`World::quarantine_asks`] asks being lost or cut off) without any event,
     /// whatever is left is reported.
     fn stuck_check(&mut self, now: u64) {
+        if self.reqs.is_empty() {
+            return;
+        }
         let asks = self.quarantine_asks() * QUARANTINE_ASK_EVERY.as_millis() as u64;
         let limit = self.cfg.timing.timeouts.fence_max().as_millis() as u64 + asks + HANG_SLACK_MS;
-        if self.reqs.is_empty() || now < self.last_progress_ms + limit {
+        if now < self.last_progress_ms + limit {
             return;
         }
         let Some((req, rec)) = self.reqs.first() else {

@@ -91,6 +91,12 @@ const WATCH_BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duratio
 /// Engines whose last change the watch remembers (by revision), at most.
 const CHANGED_ENGINES_MAX: usize = 4096;
 
+/// How long a dial's lookup ([`EtcdDirectory::query_including_lost`]) waits for a member
+/// before it takes the last answer read for the engine, when there is one: a request
+/// already paired reaches its peers while etcd is away (the handshake says whether the
+/// process there is the one it knows).
+pub const KNOWN_FALLBACK_AFTER: Duration = Duration::from_secs(1);
+
 /// A parsed `etcd://` address.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EtcdAddress {
@@ -628,6 +634,9 @@ struct Inner {
     key: Option<Key>,
     /// Ready answers by engine, with when they were read.
     cache: Mutex<BTreeMap<EngineId, (Vec<WorkerRecord>, Instant)>>,
+    /// The last ready answer read for each engine, whatever the watch said: not trusted to
+    /// be current, only what a dial falls back to while no member answers.
+    known: Mutex<BTreeMap<EngineId, Vec<WorkerRecord>>>,
     lost: LostRanks,
     keeper: Mutex<Option<JoinHandle<()>>>,
     watch: Mutex<Watch>,
@@ -686,6 +695,7 @@ impl EtcdDirectory {
                 },
                 key,
                 cache: Mutex::new(BTreeMap::new()),
+                known: Mutex::new(BTreeMap::new()),
                 lost: LostRanks::new(LOST_KEPT),
                 keeper: Mutex::new(None),
                 watch: Mutex::new(Watch::default()),
@@ -848,7 +858,9 @@ impl EtcdDirectory {
     /// [`query`](Self::query), with workers this directory lost included: for dialing a
     /// peer already known, not for pairing a new request (as
     /// [`BootstrapClient::query_including_lost`](crate::BootstrapClient::query_including_lost)).
-    /// Not cached.
+    /// Not cached. When no member answers within [`KNOWN_FALLBACK_AFTER`], the last answer
+    /// read for `engine` (by either kind of query), if there is one: etcd going away does
+    /// not cut a request already paired off its peers.
     ///
     /// # Errors
     /// As [`query`](Self::query)'s, less `Lost`.
@@ -875,8 +887,34 @@ impl EtcdDirectory {
         }
         let address = self.inner.members.address.to_string();
         let prefix = self.inner.members.address.engine_prefix(engine);
-        let (records, revision) = self.records(&prefix, deadline).await?;
-        match Self::replay(records).query(engine) {
+        // A dial to a peer already known takes the last answer read if no member answers
+        // soon; pairing a new request never does (it fails by name instead).
+        let known = match lost {
+            Lost::Included => lock(&self.inner.known).get(engine).cloned(),
+            Lost::Refused => None,
+        };
+        let read_by = match known {
+            Some(_) => deadline.min(Instant::now() + KNOWN_FALLBACK_AFTER),
+            None => deadline,
+        };
+        let (records, revision) = match (self.records(&prefix, read_by).await, known) {
+            (Ok(read), _) => read,
+            (Err(BootstrapError::Unavailable { last_error, .. }), Some(workers)) => {
+                tracing::info!(etcd = %address, engine = %engine, error = %last_error,
+                    "no etcd member answers; dialing with the last answer read");
+                return Ok(workers);
+            }
+            (Err(e), _) => return Err(e),
+        };
+        let answer = Self::replay(records).query(engine);
+        if let QueryAnswer::Ready { workers } = &answer {
+            let mut known = lock(&self.inner.known);
+            if known.len() >= CACHED_ENGINES_MAX && !known.contains_key(engine) {
+                known.pop_first();
+            }
+            known.insert(engine.clone(), workers.clone());
+        }
+        match answer {
             QueryAnswer::Ready { workers } if lost == Lost::Included => Ok(workers),
             QueryAnswer::Ready { workers } => {
                 self.inner.lost.check(&address, &workers, Instant::now())?;

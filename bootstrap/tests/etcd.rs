@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use handoff_bootstrap::etcd::{b64, CACHE_AGE_MAX};
+use handoff_bootstrap::etcd::{b64, CACHE_AGE_MAX, KNOWN_FALLBACK_AFTER};
 use handoff_bootstrap::{BootstrapError, EtcdDirectory, Key, WorkerRecord};
 use handoff_testkit::etcd::{address, Etcd};
 use handoff_transport::EngineId;
@@ -109,6 +109,53 @@ async fn a_lost_incarnation_is_refused_to_new_requests_but_found_for_a_dial() {
     let second = record("P", (0, 1), 4);
     d.register(second.clone(), soon()).await.unwrap();
     assert_eq!(d.query(&engine, soon()).await.unwrap(), vec![second]);
+}
+
+/// etcd goes away after a request was paired: the dial to its peer (a lookup with lost
+/// workers included) takes the last answer read, well before its deadline; pairing a new
+/// request, or dialing an engine never read, fails by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_etcd_gone_a_dial_takes_the_last_answer_read_and_new_pairings_fail() {
+    let Some(mut etcd) = Etcd::single("with_etcd_gone_a_dial_takes_the_last_answer_read") else {
+        return;
+    };
+    let d = dir(&etcd, "gone", None);
+    let engine = EngineId::new("P");
+    let first = record("P", (0, 1), 3);
+    d.register(first.clone(), soon()).await.unwrap();
+    assert_eq!(d.query(&engine, soon()).await.unwrap(), vec![first.clone()]);
+    etcd.kill9();
+    // Once the cut watch has dropped what it cached, only the fallback can answer.
+    let cut = soon();
+    while d.is_cached(&engine) {
+        assert!(
+            Instant::now() < cut,
+            "the watch never noticed etcd was gone"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The fallback comes after KNOWN_FALLBACK_AFTER, long before this deadline (without
+    // it, the lookup fails Unavailable at the deadline).
+    let by = Instant::now() + KNOWN_FALLBACK_AFTER * 4;
+    assert_eq!(
+        d.query_including_lost(&engine, by).await.unwrap(),
+        vec![first.clone()]
+    );
+    let shortly = || Instant::now() + Duration::from_millis(300);
+    for (what, got) in [
+        ("a new pairing", d.query(&engine, shortly()).await),
+        (
+            "a dial to an engine never read",
+            d.query_including_lost(&EngineId::new("Q"), shortly()).await,
+        ),
+    ] {
+        match got {
+            Err(BootstrapError::Unavailable { address, .. }) => {
+                assert!(address.contains(&etcd.client), "{what}: {address}")
+            }
+            other => panic!("{what}: {other:?}"),
+        }
+    }
 }
 
 /// Many directories race to register different records for one rank: exactly one wins

@@ -99,7 +99,9 @@ impl ServerConfig {
         self
     }
 
-    fn sweep_interval(&self) -> Duration {
+    /// How often the server sweeps for expired records: a quarter of `expire_after`, at
+    /// least [`SWEEP_INTERVAL_MIN`].
+    pub fn sweep_interval(&self) -> Duration {
         (self.expire_after / 4).max(SWEEP_INTERVAL_MIN)
     }
 }

@@ -336,13 +336,44 @@ impl Timing {
     pub fn lost_kept_ms(&self) -> u64 {
         LOST_KEPT_LOSS_TIMEOUTS * self.loss_timeout_ms()
     }
+
+    /// How long the simulated bootstrap server keeps a record its worker's client stopped
+    /// heartbeating, virtual ms: a lost mark's life over [`LOST_KEPT_EXPIRIES`], as the
+    /// bootstrap client keeps its marks for twice the server's `expire_after`.
+    pub fn expire_after_ms(&self) -> u64 {
+        (self.lost_kept_ms() / LOST_KEPT_EXPIRIES).max(1)
+    }
+
+    /// How often a registered worker's bootstrap client heartbeats the server, virtual ms:
+    /// the expiry over [`EXPIRY_HEARTBEATS`], as in production.
+    pub fn bootstrap_heartbeat_ms(&self) -> u64 {
+        (self.expire_after_ms() / EXPIRY_HEARTBEATS).max(1)
+    }
+
+    /// How often the simulated server sweeps for expired records: the real server's
+    /// interval for [`Timing::expire_after_ms`] (`ServerConfig::sweep_interval`).
+    pub fn sweep_ms(&self) -> u64 {
+        let cfg = handoff_bootstrap::server::ServerConfig::new(crate::net::BOOTSTRAP_ADDRESS)
+            .with_expire_after(Duration::from_millis(self.expire_after_ms()));
+        u64::try_from(cfg.sweep_interval().as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1)
+    }
 }
 
 /// A lost mark's life in loss timeouts, as in production: `handoff worker`'s 3 s loss
-/// timeout against the bootstrap client's 12 s (`LOST_KEPT_DEFAULT`, twice the server's
-/// record expiry, which the simulated server does not model: its records live until the
-/// rank registers anew).
+/// timeout against the bootstrap client's 12 s (`LOST_KEPT_DEFAULT`).
 pub const LOST_KEPT_LOSS_TIMEOUTS: u64 = 4;
+
+/// A lost mark's life in server record expiries, as in production: the client's
+/// `LOST_KEPT_DEFAULT` (12 s) against the server's `EXPIRE_AFTER_DEFAULT` (6 s).
+pub const LOST_KEPT_EXPIRIES: u64 = handoff_bootstrap::LOST_KEPT_DEFAULT.as_secs()
+    / handoff_bootstrap::EXPIRE_AFTER_DEFAULT.as_secs();
+
+/// The server's record expiry in client heartbeats, as in production:
+/// `EXPIRE_AFTER_DEFAULT` (6 s) against `HEARTBEAT_INTERVAL_DEFAULT` (2 s).
+pub const EXPIRY_HEARTBEATS: u64 = handoff_bootstrap::EXPIRE_AFTER_DEFAULT.as_secs()
+    / handoff_bootstrap::HEARTBEAT_INTERVAL_DEFAULT.as_secs();
 
 /// The scaled-down deadlines every simulation starts from.
 pub fn sim_timeouts() -> Timeouts {

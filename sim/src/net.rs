@@ -9,8 +9,12 @@
 //! same seed makes the same decisions in the same order.
 //!
 //! The bootstrap server's answers come from the real [`Registry`] (registration by
-//! incarnation, readiness of an engine) and the runtime's own `select_prefill_peers`; only
-//! its availability and the network between it and the workers are simulated.
+//! incarnation, readiness of an engine, expiry of records whose client went silent) and the
+//! runtime's own `select_prefill_peers`; only its availability, its sockets and the network
+//! between it and the workers are simulated. Each prefill's client beats the server every
+//! [`Timing::bootstrap_heartbeat_ms`] (`Registry::touch`); the server sweeps every
+//! [`Timing::sweep_ms`] (`Registry::expire`, closing the expired record's connection), and
+//! a client without a connection registers again at its next beat, as the real one does.
 //!
 //! Failure detection is the real control loop's: each worker owns the net crate's
 //! [`PeerTable`] (keyed by worker index) with the control loop's loss timeout (heartbeat interval × beats missed,
@@ -193,6 +197,23 @@ struct Node {
     /// `Link::write`; a declared loss drops the connection its lease was on). Kept across
     /// incarnations, forgotten as the request ends here (`Link::request_ended`).
     rkeys: FxMap<RequestId, Vec<(usize, Grant)>>,
+    /// Its bootstrap client's connection to the server (a prefill's): heartbeated every
+    /// [`Timing::bootstrap_heartbeat_ms`], registering again on a new one.
+    boot: BootConn,
+}
+
+/// A worker's bootstrap client, as the server sees it: the real client heartbeats on its
+/// connection every interval, reconnecting first if the connection is gone (the server
+/// closed it on expiring the record, or the server was unreachable at the last beat), and
+/// registers again on every new connection.
+#[derive(Clone, Copy, Default)]
+struct BootConn {
+    /// Registered over a connection still open: its beats refresh the record.
+    open: bool,
+    /// A registration is on its way (with its own retries); no beat reconnects meanwhile.
+    registering: bool,
+    /// When the client beats next, virtual ms.
+    beat_due: u64,
 }
 
 /// One control connection, as one end holds it.
@@ -272,6 +293,12 @@ pub struct NetStats {
     pub lost_found: u64,
     /// Registration attempts that failed and were retried.
     pub registrations_retried: u64,
+    /// Records the bootstrap server expired: their worker's client had not been heard for
+    /// [`Timing::expire_after_ms`] (stopped, crashed, or cut off from the server).
+    pub records_expired: u64,
+    /// Registrations made again by a client whose connection to the server had gone (the
+    /// server expired its record and closed it, or the server was unreachable at a beat).
+    pub registered_again: u64,
     /// Peers lost by a worker's peer table (silent past the loss timeout, or restarted),
     /// each reported to the worker's runtime.
     pub peer_lost: u64,
@@ -360,6 +387,8 @@ enum NetEvent {
         who: (usize, u32),
         backoff_ms: u64,
     },
+    /// The bootstrap server's expiry sweep (every [`Timing::sweep_ms`]).
+    Sweep,
     /// A worker's heartbeat tick (its control loop's interval).
     Tick {
         worker: usize,
@@ -454,6 +483,8 @@ struct NetState {
     /// The bootstrap server's own registry (its rules: incarnations replace, conflicts and
     /// bounds refuse, an engine is ready once every rank registered).
     registry: Registry,
+    /// How often the server sweeps its registry for expired records ([`Timing::sweep_ms`]).
+    sweep_ms: u64,
     /// The registry's and the peer tables' clock: virtual ms after this (a fixed instant).
     epoch: Instant,
     bootstrap_up: bool,
@@ -536,11 +567,14 @@ impl SimNet {
                 lost: lost_ranks(&timing),
                 engaged: FxMap::default(),
                 rkeys: FxMap::default(),
+                boot: BootConn::default(),
             };
             nodes.push(node);
             index.insert(rank.clone(), idx);
         }
-        let state = NetState {
+        let sweep_ms = timing.sweep_ms();
+        let mut state = NetState {
+            sweep_ms,
             nodes,
             index,
             ranks: ranks.into_iter().map(|(r, _)| r).collect(),
@@ -577,6 +611,7 @@ impl SimNet {
             idle_scratch: Vec::new(),
             spare_beats: Vec::new(),
         };
+        state.agenda.push(sweep_ms, NetEvent::Sweep);
         Arc::new(Self {
             state: Mutex::new(state),
             notify: Notify::new(),
@@ -779,6 +814,49 @@ impl SimNet {
         }
     }
 
+    /// Worker `who`'s bootstrap client at its tick `t` (a prefill's, once registered): when
+    /// its beat is due, a beat on an open connection refreshes its record at the server
+    /// (one the server cannot be reached for breaks the connection); without a connection
+    /// it reconnects and registers again, as the real client does on its next beat.
+    fn bootstrap_beat(&self, st: &mut NetState, t: u64, who: (usize, u32)) {
+        let up = st.bootstrap_up;
+        let every = st.timing.bootstrap_heartbeat_ms();
+        let Some(node) = st.node_mut(who.0).filter(|n| n.inc == who.1 && n.up) else {
+            return;
+        };
+        let boot = node.boot;
+        if node.role != Role::Prefill || boot.registering || t < boot.beat_due {
+            return;
+        }
+        node.boot.beat_due = t + every;
+        if boot.open {
+            if up {
+                let conn = boot_conn(who);
+                let now = st.at(t);
+                st.registry.touch(conn, now);
+            } else if let Some(n) = st.node_mut(who.0) {
+                n.boot.open = false;
+            }
+            return;
+        }
+        node.boot.registering = true;
+        st.stats.registered_again += 1;
+        st.note(
+            t,
+            None,
+            format!("w{} reconnects to the bootstrap server", who.0),
+        );
+        let at = t + st.timing.delay_ms.0;
+        self.push(
+            st,
+            at,
+            NetEvent::Register {
+                who,
+                backoff_ms: REGISTER_BACKOFF_MS_MIN,
+            },
+        );
+    }
+
     /// Runs every event due at or before `now_ms`, in order.
     pub fn run_due(&self, now_ms: u64) {
         let mut st = self.lock();
@@ -843,7 +921,13 @@ impl SimNet {
                 let _ = reply.send(answer);
             }
             NetEvent::Register { who, backoff_ms } => {
-                if let Some(retry) = st.register(t, who, backoff_ms) {
+                let retry = st.register(t, who, backoff_ms);
+                if retry.is_none() {
+                    if let Some(n) = st.node_mut(who.0).filter(|n| n.inc == who.1) {
+                        n.boot.registering = false;
+                    }
+                }
+                if let Some(retry) = retry {
                     let next = (backoff_ms * 2).min(REGISTER_BACKOFF_MS_MAX);
                     self.push(
                         st,
@@ -855,6 +939,11 @@ impl SimNet {
                     );
                 }
             }
+            NetEvent::Sweep => {
+                let next = t + st.sweep_ms;
+                self.push(st, next, NetEvent::Sweep);
+                st.sweep(t);
+            }
             NetEvent::Tick { worker, inc } => {
                 if !st.alive((worker, inc)) {
                     return; // the incarnation's control loop is gone
@@ -863,6 +952,7 @@ impl SimNet {
                 self.push(st, next, NetEvent::Tick { worker, inc });
                 // A frozen worker's tick waits for it to resume (`Thaw`).
                 if st.frozen.get(&worker).is_none_or(|until| *until <= t) {
+                    self.bootstrap_beat(st, t, (worker, inc));
                     if let Some((at, beats)) = st.tick(t, worker) {
                         self.push(st, at, beats);
                     }
@@ -880,6 +970,9 @@ impl SimNet {
                     st.stop_in_gap.remove(&worker);
                     st.note(t, None, format!("w{worker} resumes"));
                     // The tick it missed runs at once, before anything reaches it.
+                    if let Some(inc) = st.node_at(worker).filter(|n| n.up).map(|n| n.inc) {
+                        self.bootstrap_beat(st, t, (worker, inc));
+                    }
                     if let Some((at, beats)) = st.tick(t, worker) {
                         self.push(st, at, beats);
                     }
@@ -888,6 +981,12 @@ impl SimNet {
             NetEvent::Post(post) => self.post(st, t, *post),
         }
     }
+}
+
+/// The bootstrap connection of worker incarnation `who`: one per incarnation, as a real
+/// client opens.
+fn boot_conn((idx, inc): (usize, u32)) -> ConnId {
+    ConnId(((idx as u64) << 32) | u64::from(inc))
 }
 
 /// A worker's peer table, with the control loop's loss timeout.
@@ -1245,11 +1344,25 @@ impl NetState {
         };
         // One connection per worker incarnation, as a real client opens.
         let origin = Origin {
-            conn: ConnId(((who.0 as u64) << 32) | u64::from(who.1)),
+            conn: boot_conn(who),
             peer: std::net::SocketAddr::from(([10, 0, 0, 1], 7400)),
         };
         let now = self.epoch + Duration::from_millis(t);
-        match self.registry.register(record, origin, now) {
+        let beat_due = t + self.timing.bootstrap_heartbeat_ms();
+        let outcome = self.registry.register(record, origin, now);
+        let registered = matches!(
+            outcome,
+            RegisterOutcome::Added | RegisterOutcome::Refreshed | RegisterOutcome::Replaced { .. }
+        );
+        if let Some(n) = self.node_mut(who.0) {
+            // Refused for good, as the real client takes a conflict: no beat registers again.
+            n.boot = BootConn {
+                open: registered,
+                registering: false,
+                beat_due: if registered { beat_due } else { u64::MAX },
+            };
+        }
+        match outcome {
             // Idempotent: the same rank registering again (a restart) replaces itself.
             RegisterOutcome::Added
             | RegisterOutcome::Refreshed
@@ -1268,6 +1381,36 @@ impl NetState {
             }
         }
         None
+    }
+
+    /// The server's expiry sweep at `t`, while it runs (the registry's own rule: records
+    /// not heard from for [`Timing::expire_after_ms`]): each expired record's connection is
+    /// closed, and its worker's client, if it still runs, registers again at its next beat.
+    fn sweep(&mut self, t: u64) {
+        if !self.bootstrap_up {
+            return;
+        }
+        let now = self.at(t);
+        let after = Duration::from_millis(self.timing.expire_after_ms());
+        for expired in self.registry.expire(now, after) {
+            self.stats.records_expired += 1;
+            let idx = self.index.get(&expired.record.rank).copied();
+            let silent = expired.silent.as_millis();
+            let text = match idx {
+                Some(i) => format!(
+                    "record of w{i}.{} expired (silent {silent} ms)",
+                    expired.record.incarnation
+                ),
+                None => format!("record of {} expired", expired.record.rank),
+            };
+            self.note(t, None, text);
+            let Some(node) = idx.and_then(|i| self.node_mut(i)) else {
+                continue;
+            };
+            if u64::from(node.inc) == expired.record.incarnation {
+                node.boot.open = false;
+            }
+        }
     }
 
     // ---- liveness: the control loop's peer table, fed in virtual time ----
@@ -1601,6 +1744,11 @@ impl Attach for SimAttach {
         node.table = table;
         node.lost = lost;
         node.conns.clear();
+        // Its client connects and registers (below) before it beats.
+        node.boot = BootConn {
+            registering: role == Role::Prefill,
+            ..BootConn::default()
+        };
         let (idx, inc) = (node.idx, node.inc);
         let tick = now + st.timing.heartbeat_interval_ms();
         net.push(&mut st, tick, NetEvent::Tick { worker: idx, inc });

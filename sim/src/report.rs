@@ -221,11 +221,11 @@ impl fmt::Display for Report {
         let n = &self.net;
         writeln!(
             f,
-            "  network: sent {} delivered {} lost {} partitioned {} dead_end {} dup {} stale {} refused {} heartbeats {} heard {} closed_unengaged {} transfers ok {} failed {} slow {} fenced {} stale_source {} peer_lost {} deferred {} lease_refused {} confirmed_late {} posted_unchecked {} pulls_instead {} queries_refused_lost {} lost_found {}",
+            "  network: sent {} delivered {} lost {} partitioned {} dead_end {} dup {} stale {} refused {} heartbeats {} heard {} closed_unengaged {} transfers ok {} failed {} slow {} fenced {} stale_source {} peer_lost {} deferred {} lease_refused {} confirmed_late {} posted_unchecked {} pulls_instead {} queries_refused_lost {} lost_found {} records_expired {} registered_again {}",
             n.sent, n.delivered, n.lost, n.partitioned, n.dead_end, n.duplicated, n.stale, n.refused, n.heartbeats, n.heartbeats_heard, n.closed_unengaged,
             n.transfers_ok, n.transfers_failed, n.transfers_slow, n.fenced, n.stale_source, n.peer_lost,
             n.deferred, n.lease_refused, n.confirmed_late, n.posted_unchecked, n.pulls_instead,
-            n.queries_refused_lost, n.lost_found
+            n.queries_refused_lost, n.lost_found, n.records_expired, n.registered_again
         )?;
         for inv in Invariant::ALL {
             let broken = self

@@ -1056,3 +1056,65 @@ fn a_request_prefill_let_expire_is_never_written_after() {
     let report = simulate(&cfg).expect("runs");
     assert!(report.ok(), "{cfg}{report}");
 }
+
+/// The bootstrap server's record expiry, with the real registry's rule: a prefill frozen
+/// longer than [`Timing::expire_after_ms`] stops heartbeating its bootstrap client, and the
+/// server expires its record; as it resumes, its client finds the connection closed and
+/// registers again, and the liveness requests on it end `Done`. Frozen for less than the
+/// expiry, it keeps its record. A prefill crashed for longer loses its record too, so new
+/// requests for its engine fail by name at the bootstrap step instead of being paired with
+/// a process that is gone; the restarted one registers anew and serves again.
+///
+/// [`Timing::expire_after_ms`]: handoff_sim::config::Timing::expire_after_ms
+#[test]
+fn records_of_workers_silent_past_the_expiry_expire_and_come_back_with_their_worker() {
+    let expire = SimConfig::new(0).timing.expire_after_ms();
+    for (seed, for_ms, expires) in [(8600, expire / 2, false), (8601, 2 * expire, true)] {
+        let mut cfg = base(seed);
+        cfg.workload.requests = 60;
+        cfg.workload.liveness_requests = 12;
+        cfg.script.push(Scripted::Freeze {
+            target: Target::Engine("P0".into()),
+            at_ms: 60,
+            for_ms,
+        });
+        let report = run(&cfg);
+        let net = &report.net;
+        assert_eq!(
+            net.records_expired > 0,
+            expires,
+            "frozen {for_ms} ms: {report}"
+        );
+        assert_eq!(
+            net.registered_again > 0,
+            expires,
+            "frozen {for_ms} ms: {report}"
+        );
+        for o in report.outcomes.iter().filter(|o| o.liveness) {
+            for r in o.ranks.iter().filter(|r| r.engine == "P0") {
+                assert_eq!(r.end, "done", "seed {seed}: {o:?}");
+            }
+        }
+    }
+    let mut cfg = base(8602);
+    cfg.workload.requests = 120;
+    cfg.workload.liveness_requests = 12;
+    cfg.script.push(Scripted::Crash {
+        target: Target::Engine("P0".into()),
+        at_ms: 30,
+        for_ms: 3 * expire,
+    });
+    let report = run(&cfg);
+    assert!(report.net.records_expired > 0, "{report}");
+    // Without the expiry every one of them failed `peer_lost` (the dead record handed
+    // out, refused by the lost marks or dialed in vain).
+    assert!(
+        ranks(&report, "decode:bootstrap_timeout") > 0,
+        "no request found P0's engine gone from the server: {report}"
+    );
+    for o in report.outcomes.iter().filter(|o| o.liveness) {
+        for r in o.ranks.iter().filter(|r| r.engine == "P0") {
+            assert_eq!(r.end, "done", "{o:?}");
+        }
+    }
+}

@@ -77,11 +77,16 @@ class Server(ServerProcess):
             PYTHONUNBUFFERED="1",
         )
         full_env.update(env)
+        # The torch.distributed store's port too, from the ports this run hands out: left to
+        # SGLang, each instance draws it at random from 22000-29999 as it starts and binds
+        # it a minute later, so instances starting together can draw one port (a CI run's
+        # decode died so: EADDRINUSE on its store's port).
         cmd = [
             sys.executable, "-m", "sglang.launch_server",
             "--model-path", str(Path(args.dir) / "tiny"), "--load-format", "dummy",
             "--skip-tokenizer-init", "--device", "cpu", "--host", "127.0.0.1",
-            "--port", str(port), "--max-total-tokens", "8192", "--max-running-requests", "4",
+            "--port", str(port), "--nccl-port", str(free_port()),
+            "--max-total-tokens", "8192", "--max-running-requests", "4",
             "--disable-cuda-graph", "--enable-metrics", *extra,
         ]  # fmt: skip
         super().__init__(name, port, Path(args.dir) / "logs" / f"{name}.log", cmd, full_env)

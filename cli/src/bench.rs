@@ -655,11 +655,22 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
             keyed.p50_us / lifecycle.p50_us.max(f64::MIN_POSITIVE),
             keyed.p99_us / lifecycle.p99_us.max(f64::MIN_POSITIVE)
         );
+        let paired = |q: f64| {
+            let n = measured.paired.len();
+            measured
+                .paired
+                .get(((n.max(1) - 1) as f64 * q).round() as usize)
+                .copied()
+                .unwrap_or(f64::NAN)
+        };
         lifecycle.note = format!(
-            "one 16 KiB request: open both sides, transfer info, write, Done (peers cached); p50 {:.2}x the round trip that wakes its peer measured between the requests ({:.2}x the one measured before them), {:.2}x the one between two tasks",
+            "one 16 KiB request: open both sides, transfer info, write, Done (peers cached); p50 {:.2}x the round trip that wakes its peer measured between the requests ({:.2}x the one measured before them), {:.2}x the one between two tasks; each request over the round trip timed just before it: median {:.2}x (middle half {:.2}-{:.2}x)",
             lifecycle.p50_us / between.p50_us.max(f64::MIN_POSITIVE),
             lifecycle.p50_us / woken.p50_us.max(f64::MIN_POSITIVE),
-            lifecycle.p50_us / floor.p50_us.max(f64::MIN_POSITIVE)
+            lifecycle.p50_us / floor.p50_us.max(f64::MIN_POSITIVE),
+            paired(0.5),
+            paired(0.25),
+            paired(0.75),
         );
         report.latency.push(Latency {
             note: "64 B TCP ping-pong between two tasks of this process (when both run on one worker, no thread is woken)".into(),

@@ -85,6 +85,10 @@ pub struct Measured {
     /// timed request, so the floor and the requests are measured under the same conditions
     /// (this machine's wake-up latency drifts several-fold within seconds).
     pub woken: Vec<f64>,
+    /// With `floor`: each request's latency over the round trip timed just before it,
+    /// sorted: the ratio paired request by request, so a drift of the machine's wake-up
+    /// latency between the two cancels out.
+    pub paired: Vec<f64>,
     /// The CPU this process spent, as a share of one core, while the two runtimes sat idle
     /// after the requests (connected, heartbeating) for the window asked; `None` when not
     /// asked or not readable (`/proc/self/task/*/schedstat`).
@@ -146,7 +150,7 @@ pub async fn measure(
     if let Some(echo) = echo {
         echo.finish()?;
     }
-    let (samples, woken) = timed?;
+    let (samples, woken, paired) = timed?;
     let mut idle_core_share = None;
     if let Some(window) = idle {
         // Past the planes' busy-poll windows first.
@@ -163,21 +167,24 @@ pub async fn measure(
     Ok(Measured {
         samples,
         woken,
+        paired,
         idle_core_share,
     })
 }
 
 /// `iters` one-block requests from prefill `p` to decode `d`, one after the other, each
 /// timed from opening both sides to decode's `Done` (after one untimed): µs, sorted; and,
-/// with `echo`, one round trip to it timed just before each timed request, µs, sorted.
+/// with `echo`, one round trip to it timed just before each timed request, µs, sorted, and
+/// each request's latency over its round trip, sorted.
 async fn requests(
     p: &Runtime,
     d: &Runtime,
     iters: usize,
     mut echo: Option<&mut WokenEcho>,
-) -> Result<(Vec<f64>, Vec<f64>), String> {
+) -> Result<(Vec<f64>, Vec<f64>, Vec<f64>), String> {
     let mut samples = Vec::with_capacity(iters);
     let mut woken = Vec::with_capacity(if echo.is_some() { iters } else { 0 });
+    let mut paired = Vec::with_capacity(woken.capacity());
     for i in 0..=iters {
         if let (Some(echo), true) = (echo.as_deref_mut(), i > 0) {
             woken.push(echo.ping().await?);
@@ -202,14 +209,19 @@ async fn requests(
             return Err(format!("request {id} ended {end}"));
         }
         if i > 0 {
-            samples.push(started.elapsed().as_secs_f64() * 1e6);
+            let us = started.elapsed().as_secs_f64() * 1e6;
+            samples.push(us);
+            if let Some(&floor) = woken.last() {
+                paired.push(us / f64::max(floor, f64::MIN_POSITIVE));
+            }
         }
         // Keep the engines' event queues (and their admission counts) drained.
         let _ = (p.drain_events(), d.drain_events());
     }
     samples.sort_by(f64::total_cmp);
     woken.sort_by(f64::total_cmp);
-    Ok((samples, woken))
+    paired.sort_by(f64::total_cmp);
+    Ok((samples, woken, paired))
 }
 
 /// How long the runtimes rest after the requests before their idle CPU is measured.

@@ -166,6 +166,19 @@ fn host_bench_verifies_every_point_against_the_memcpy_reference() {
         (said - want).abs() <= 0.01 + want * 1e-3,
         "{note}: want {want:.3}"
     );
+    // Each request over the round trip just before it: a median inside its middle half.
+    let paired: Vec<f64> = note
+        .split_once("timed just before it: median ")
+        .map(|(_, tail)| {
+            tail.split(|c: char| !(c.is_ascii_digit() || c == '.'))
+                .filter_map(|n| n.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(
+        matches!(paired[..], [m, lo, hi, ..] if m > 0.0 && lo <= m && m <= hi),
+        "no paired ratio in: {note}"
+    );
 }
 
 #[test]

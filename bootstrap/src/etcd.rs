@@ -667,6 +667,15 @@ impl Drop for Inner {
     }
 }
 
+/// Keeps `value` for `engine`, forgetting the first engine held when the map is full
+/// ([`CACHED_ENGINES_MAX`]).
+fn keep_bounded<V>(map: &mut BTreeMap<EngineId, V>, engine: &EngineId, value: V) {
+    if map.len() >= CACHED_ENGINES_MAX && !map.contains_key(engine) {
+        map.pop_first();
+    }
+    map.insert(engine.clone(), value);
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -908,11 +917,7 @@ impl EtcdDirectory {
         };
         let answer = Self::replay(records).query(engine);
         if let QueryAnswer::Ready { workers } = &answer {
-            let mut known = lock(&self.inner.known);
-            if known.len() >= CACHED_ENGINES_MAX && !known.contains_key(engine) {
-                known.pop_first();
-            }
-            known.insert(engine.clone(), workers.clone());
+            keep_bounded(&mut lock(&self.inner.known), engine, workers.clone());
         }
         match answer {
             QueryAnswer::Ready { workers } if lost == Lost::Included => Ok(workers),
@@ -926,11 +931,8 @@ impl EtcdDirectory {
                     && revision >= watch.since
                     && watch.changed.get(&hex).is_none_or(|&r| r <= revision)
                 {
-                    let mut cache = lock(&self.inner.cache);
-                    if cache.len() >= CACHED_ENGINES_MAX && !cache.contains_key(engine) {
-                        cache.pop_first();
-                    }
-                    cache.insert(engine.clone(), (workers.clone(), Instant::now()));
+                    let answer = (workers.clone(), Instant::now());
+                    keep_bounded(&mut lock(&self.inner.cache), engine, answer);
                 }
                 Ok(workers)
             }

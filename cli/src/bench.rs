@@ -655,14 +655,7 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
             keyed.p50_us / lifecycle.p50_us.max(f64::MIN_POSITIVE),
             keyed.p99_us / lifecycle.p99_us.max(f64::MIN_POSITIVE)
         );
-        let paired = |q: f64| {
-            let n = measured.paired.len();
-            measured
-                .paired
-                .get(((n.max(1) - 1) as f64 * q).round() as usize)
-                .copied()
-                .unwrap_or(f64::NAN)
-        };
+        let paired = |q: f64| quantile(&measured.paired, q);
         lifecycle.note = format!(
             "one 16 KiB request: open both sides, transfer info, write, Done (peers cached); p50 {:.2}x the round trip that wakes its peer measured between the requests ({:.2}x the one measured before them), {:.2}x the one between two tasks; each request over the round trip timed just before it: median {:.2}x (middle half {:.2}-{:.2}x)",
             lifecycle.p50_us / between.p50_us.max(f64::MIN_POSITIVE),
@@ -1618,20 +1611,22 @@ async fn lifecycle_row(
 
 /// The percentiles row of sorted `samples` (µs).
 fn percentiles(transport: &str, op: &str, samples: &[f64], note: String) -> Latency {
-    let at = |q: f64| {
-        samples
-            .get(((samples.len().max(1) as f64 - 1.0) * q).round() as usize)
-            .copied()
-            .unwrap_or(f64::NAN)
-    };
     Latency {
         transport: transport.into(),
         op: op.into(),
         samples: samples.len(),
-        p50_us: at(0.5),
-        p99_us: at(0.99),
+        p50_us: quantile(samples, 0.5),
+        p99_us: quantile(samples, 0.99),
         note,
     }
+}
+
+/// The `q` quantile of `sorted` (the nearest rank); NaN when empty.
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    sorted
+        .get(((sorted.len().max(1) as f64 - 1.0) * q).round() as usize)
+        .copied()
+        .unwrap_or(f64::NAN)
 }
 
 // ------------------------------------------------------------------ the peer process

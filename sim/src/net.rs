@@ -824,22 +824,24 @@ impl SimNet {
         let Some(node) = st.node_mut(who.0).filter(|n| n.inc == who.1 && n.up) else {
             return;
         };
-        let boot = node.boot;
-        if node.role != Role::Prefill || boot.registering || t < boot.beat_due {
+        let open = node.boot.open;
+        if node.role != Role::Prefill || node.boot.registering || t < node.boot.beat_due {
             return;
         }
-        node.boot.beat_due = t + every;
-        if boot.open {
+        // A beat the server cannot be reached for breaks the connection; without one the
+        // client registers again.
+        node.boot = BootConn {
+            open: open && up,
+            registering: !open,
+            beat_due: t + every,
+        };
+        if open {
             if up {
-                let conn = boot_conn(who);
                 let now = st.at(t);
-                st.registry.touch(conn, now);
-            } else if let Some(n) = st.node_mut(who.0) {
-                n.boot.open = false;
+                st.registry.touch(boot_conn(who), now);
             }
             return;
         }
-        node.boot.registering = true;
         st.stats.registered_again += 1;
         st.note(
             t,
@@ -921,13 +923,7 @@ impl SimNet {
                 let _ = reply.send(answer);
             }
             NetEvent::Register { who, backoff_ms } => {
-                let retry = st.register(t, who, backoff_ms);
-                if retry.is_none() {
-                    if let Some(n) = st.node_mut(who.0).filter(|n| n.inc == who.1) {
-                        n.boot.registering = false;
-                    }
-                }
-                if let Some(retry) = retry {
+                if let Some(retry) = st.register(t, who, backoff_ms) {
                     let next = (backoff_ms * 2).min(REGISTER_BACKOFF_MS_MAX);
                     self.push(
                         st,
@@ -970,7 +966,7 @@ impl SimNet {
                     st.stop_in_gap.remove(&worker);
                     st.note(t, None, format!("w{worker} resumes"));
                     // The tick it missed runs at once, before anything reaches it.
-                    if let Some(inc) = st.node_at(worker).filter(|n| n.up).map(|n| n.inc) {
+                    if let Some(inc) = st.node_at(worker).map(|n| n.inc) {
                         self.bootstrap_beat(st, t, (worker, inc));
                     }
                     if let Some((at, beats)) = st.tick(t, worker) {
@@ -1347,7 +1343,7 @@ impl NetState {
             conn: boot_conn(who),
             peer: std::net::SocketAddr::from(([10, 0, 0, 1], 7400)),
         };
-        let now = self.epoch + Duration::from_millis(t);
+        let now = self.at(t);
         let beat_due = t + self.timing.bootstrap_heartbeat_ms();
         let outcome = self.registry.register(record, origin, now);
         let registered = matches!(

@@ -72,10 +72,13 @@ pub struct PeerTable<P = Peer> {
     loss_timeout: Duration,
     /// Peers whose current incarnation was not lost: those a tick looks at.
     peers: BTreeMap<P, Liveness>,
-    /// Peers whose current incarnation was lost and its requests failed: kept only so
-    /// that its late messages are known stale. Apart, so that a tick never walks them (a
-    /// worker that served a thousand peers in turn keeps them all).
-    lost: BTreeMap<P, Liveness>,
+    /// Peers whose current incarnation was lost and its requests failed, with that
+    /// incarnation: kept only so that its late messages are known stale. Apart, so that a
+    /// tick never walks them, and only the incarnation, so that a worker that served a
+    /// thousand peers in turn keeps a thousand numbers, not a thousand liveness records
+    /// (the simulator's scale run loses a peer on almost every request: its idle
+    /// connections close).
+    lost: BTreeMap<P, u64>,
     /// Heartbeat seqs, for all peers, so an echo never matches a beat of another connection.
     beat_seq: u64,
 }
@@ -96,26 +99,19 @@ impl<P: Ord + Clone> PeerTable<P> {
         self.loss_timeout
     }
 
-    /// The peer's entry, lost or not.
-    fn get(&self, peer: &P) -> Option<&Liveness> {
-        self.peers.get(peer).or_else(|| self.lost.get(peer))
-    }
-
-    /// The peer's entry, lost or not; a new one (not lost) for a peer never heard of.
-    fn entry(&mut self, peer: &P) -> &mut Liveness {
-        if self.peers.contains_key(peer) {
-            return self.peers.entry(peer.clone()).or_default();
+    /// The entry of a peer not lost; a new one for a peer never heard of. `None` for a
+    /// lost one: it stays lost until [`adopt`](Self::adopt)ed again.
+    fn entry(&mut self, peer: &P) -> Option<&mut Liveness> {
+        if self.lost.contains_key(peer) {
+            return None;
         }
-        match self.lost.get_mut(peer) {
-            Some(entry) => entry,
-            None => self.peers.entry(peer.clone()).or_default(),
-        }
+        Some(self.peers.entry(peer.clone()).or_default())
     }
 
     /// What `incarnation`, announced by `peer`, means; changes nothing (a `Restarted`
     /// peer is lost first, then [`adopt`](Self::adopt)ed).
     pub fn incarnation(&self, peer: &P, incarnation: u64) -> Incarnation {
-        if let Some(old) = self.lost.get(peer).and_then(|l| l.incarnation) {
+        if let Some(&old) = self.lost.get(peer) {
             return match incarnation.cmp(&old) {
                 std::cmp::Ordering::Less => Incarnation::Stale { current: old },
                 std::cmp::Ordering::Equal => Incarnation::Unchanged,
@@ -132,11 +128,8 @@ impl<P: Ord + Clone> PeerTable<P> {
 
     /// Takes `incarnation` as the peer's, live.
     pub fn adopt(&mut self, peer: &P, incarnation: u64) {
-        let entry = match self.lost.remove(peer) {
-            Some(was_lost) => self.peers.entry(peer.clone()).or_insert(was_lost),
-            None => self.entry(peer),
-        };
-        entry.incarnation = Some(incarnation);
+        self.lost.remove(peer);
+        self.peers.entry(peer.clone()).or_default().incarnation = Some(incarnation);
     }
 
     /// False for a message stamped with an incarnation the peer no longer has.
@@ -147,13 +140,21 @@ impl<P: Ord + Clone> PeerTable<P> {
 
     /// The incarnation the peer announced last, if any.
     pub fn known_incarnation(&self, peer: &P) -> Option<u64> {
-        self.get(peer).and_then(|l| l.incarnation)
+        match self.peers.get(peer) {
+            Some(live) => live.incarnation,
+            None => self.lost.get(peer).copied(),
+        }
     }
 
     /// A new connection with the peer, heard `now`, with its new writer's lease. Echoes
     /// of beats sent before it prove nothing about this connection: they are forgotten.
+    /// A peer still lost (not [`adopt`](Self::adopt)ed since) gets no lease: it is
+    /// revoked at once.
     pub fn connected(&mut self, peer: &P, now: Instant, lease: Arc<Lease>) {
-        let entry = self.entry(peer);
+        let Some(entry) = self.entry(peer) else {
+            lease.revoke();
+            return;
+        };
         entry.last_heard = Some(now);
         entry.lease = Some(lease);
         entry.beats.clear();
@@ -182,14 +183,18 @@ impl<P: Ord + Clone> PeerTable<P> {
     }
 
     /// Our next heartbeat to the peer, sent `now`: its seq and the seq it echoes (the
-    /// peer's latest). Remembered, so its echo extends our lease.
+    /// peer's latest). Remembered, so its echo extends our lease (not for a lost peer:
+    /// it holds no lease to extend, and echoes none).
     pub fn beat(&mut self, peer: &P, now: Instant) -> (u64, u64) {
         self.beat_seq += 1;
         let seq = self.beat_seq;
         // Beaten every interval: look it up before cloning a key for a first beat.
         let entry = match self.peers.get_mut(peer) {
             Some(entry) => entry,
-            None => self.entry(peer),
+            None => match self.entry(peer) {
+                Some(entry) => entry,
+                None => return (seq, 0),
+            },
         };
         if entry.beats.len() >= BEATS_REMEMBERED {
             entry.beats.pop_front();
@@ -204,9 +209,10 @@ impl<P: Ord + Clone> PeerTable<P> {
     /// `t + lease_for`: our lease extends to that. Returns the seq to echo in an answer
     /// owed now (so the peer's proof lags by a round trip, not an interval).
     pub fn heartbeat(&mut self, peer: &P, seq: u64, echo: u64, lease_for: Duration) -> Option<u64> {
-        let entry = match self.peers.get_mut(peer) {
-            Some(entry) => entry,
-            None => self.lost.get_mut(peer)?,
+        let Some(entry) = self.peers.get_mut(peer) else {
+            // A lost peer's beat: nothing of ours to extend; an answer is still owed if
+            // it asks (its connection may not know yet).
+            return (seq != 0 && self.lost.contains_key(peer)).then_some(seq);
         };
         if echo != 0 {
             while entry.beats.front().is_some_and(|(s, _)| *s < echo) {
@@ -231,20 +237,14 @@ impl<P: Ord + Clone> PeerTable<P> {
     /// memory from now on), and only its incarnation is kept, marked lost, so its late
     /// messages are known stale. Returns whether the peer was known.
     pub fn lose(&mut self, peer: &P) -> bool {
-        let Some(entry) = self.peers.remove(peer).or_else(|| self.lost.remove(peer)) else {
-            return false;
+        let Some(entry) = self.peers.remove(peer) else {
+            return self.lost.contains_key(peer);
         };
         if let Some(lease) = &entry.lease {
             lease.revoke();
         }
         if let Some(incarnation) = entry.incarnation {
-            self.lost.insert(
-                peer.clone(),
-                Liveness {
-                    incarnation: Some(incarnation),
-                    ..Liveness::default()
-                },
-            );
+            self.lost.insert(peer.clone(), incarnation);
         }
         true
     }
@@ -256,6 +256,6 @@ impl<P: Ord + Clone> PeerTable<P> {
 
     /// Beats remembered for the peer (bounded by [`BEATS_REMEMBERED`]).
     pub fn beats_remembered(&self, peer: &P) -> usize {
-        self.get(peer).map_or(0, |l| l.beats.len())
+        self.peers.get(peer).map_or(0, |l| l.beats.len())
     }
 }

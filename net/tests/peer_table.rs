@@ -205,3 +205,48 @@ fn lost(m: &mut Model) {
         m.lost = true;
     }
 }
+
+/// A lost peer keeps only its incarnation: a connection reported for it before it is
+/// adopted again gets no lease (revoked at once), our beats to it are not remembered, and
+/// its late messages of the lost incarnation stay recognised; adopting it makes it live.
+#[test]
+fn a_lost_peer_keeps_its_incarnation_and_nothing_that_could_extend_a_lease() {
+    let now = Instant::now();
+    let mut table = PeerTable::new(TIMEOUT);
+    let p = peer(1);
+    table.adopt(&p, 5);
+    table.connected(&p, now, Arc::new(Lease::new()));
+    assert!(table.lose(&p));
+    assert!(table.is_lost(&p));
+    assert_eq!(table.known_incarnation(&p), Some(5));
+    assert_eq!(table.incarnation(&p, 5), Incarnation::Unchanged);
+    assert_eq!(table.incarnation(&p, 6), Incarnation::Back { old: 5 });
+
+    let lease = Arc::new(Lease::new());
+    lease.extend_to(now + TIMEOUT);
+    table.connected(&p, now, lease.clone());
+    assert!(lease.is_revoked(), "a lost peer's connection got a lease");
+    let (seq, echo) = table.beat(&p, now);
+    assert_eq!(echo, 0);
+    assert_eq!(table.beats_remembered(&p), 0);
+    assert_eq!(
+        table.heartbeat(&p, 9, seq, TIMEOUT),
+        Some(9),
+        "its beat is answered"
+    );
+    assert!(table.lose(&p), "losing it again: still known");
+    assert!(table.is_lost(&p));
+
+    table.adopt(&p, 6);
+    assert!(!table.is_lost(&p));
+    assert_eq!(table.known_incarnation(&p), Some(6));
+    let lease = Arc::new(Lease::new());
+    table.connected(&p, now, lease.clone());
+    let (seq, _) = table.beat(&p, now);
+    assert_eq!(table.beats_remembered(&p), 1);
+    table.heartbeat(&p, 0, seq, TIMEOUT);
+    assert!(
+        lease.holds_at(now),
+        "the adopted peer's echo extends its lease"
+    );
+}

@@ -33,6 +33,7 @@ pub mod metrics;
 mod request;
 pub mod router;
 pub mod runtime;
+mod tombstones;
 
 pub use config::{RuntimeConfig, TransportChoice};
 pub use error::Error;

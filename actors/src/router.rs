@@ -22,7 +22,7 @@
 //!   ([`Action::Quarantine`]), until every prefill rank that could still write confirms
 //!   (`AbortAck` or `Done`) or is reported gone ([`Input::WriterGone`]).
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use handoff_transport::{BlockId, FailureReason, RequestId, Role, TransferMode};
@@ -32,6 +32,7 @@ use crate::config::{
 };
 use crate::event::FenceEnd;
 use crate::machine::{Peer, PeerMessage, ReceiverEvent, SenderEvent, State, QUARANTINE_ASK_EVERY};
+use crate::tombstones::Tombstones;
 
 /// An event for either machine: the role decides which ([`MachineEvent::for_role`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -570,9 +571,8 @@ pub struct Router {
     /// How requests ended, by id: looked up for every message and open, never walked, so
     /// hashed (with thousands remembered, a B-tree's string comparisons chased a pointer
     /// each: the simulator's scale run, a thousand routers in one process, spent most of
-    /// its growth there). `tombstone_order` holds the order they are forgotten in.
-    tombstones: HashMap<RequestId, State>,
-    tombstone_order: VecDeque<RequestId>,
+    /// its growth there), each kept once, in the order they are forgotten in.
+    tombstones: Tombstones,
     /// Orphans, with the peers to tell when their blocks go.
     orphans: BTreeMap<RequestId, Orphan>,
     stats: RouterStats,
@@ -581,6 +581,7 @@ pub struct Router {
 impl Router {
     /// A router with nothing open.
     pub fn new(cfg: RouterConfig) -> Self {
+        let tombstones = Tombstones::new(cfg.limits.tombstones);
         Self {
             cfg,
             live: BTreeMap::new(),
@@ -588,8 +589,7 @@ impl Router {
             pending: BTreeMap::new(),
             pending_bytes: 0,
             pending_order: VecDeque::new(),
-            tombstones: HashMap::new(),
-            tombstone_order: VecDeque::new(),
+            tombstones,
             orphans: BTreeMap::new(),
             stats: RouterStats::default(),
         }
@@ -1198,13 +1198,6 @@ impl Router {
 
     /// Remembers how a request ended here (at most `limits.tombstones`, oldest forgotten).
     fn entomb(&mut self, id: RequestId, state: State) {
-        if self.tombstones.insert(id.clone(), state).is_none() {
-            self.tombstone_order.push_back(id);
-        }
-        while self.tombstone_order.len() > self.cfg.limits.tombstones {
-            if let Some(old) = self.tombstone_order.pop_front() {
-                self.tombstones.remove(&old);
-            }
-        }
+        self.tombstones.insert(id, state);
     }
 }

@@ -568,10 +568,8 @@ pub struct Router {
     pending_bytes: usize,
     /// Pending requests in the order they expire (all live for the same bootstrap timeout).
     pending_order: VecDeque<(Instant, RequestId)>,
-    /// How requests ended, by id: looked up for every message and open, never walked, so
-    /// hashed (with thousands remembered, a B-tree's string comparisons chased a pointer
-    /// each: the simulator's scale run, a thousand routers in one process, spent most of
-    /// its growth there), each kept once, in the order they are forgotten in.
+    /// How requests ended, by id (at most `limits.tombstones`, oldest forgotten): looked up
+    /// for every message and open, never walked, so hashed.
     tombstones: Tombstones,
     /// Orphans, with the peers to tell when their blocks go.
     orphans: BTreeMap<RequestId, Orphan>,
@@ -937,7 +935,8 @@ impl Router {
                 // engine opens the request after all, or its messages come late (found by
                 // the simulator: a late transfer info buffered again, the engine opened
                 // the request, and prefill wrote into blocks decode had reused).
-                self.entomb(id.clone(), State::Failed(FailureReason::BootstrapTimeout));
+                self.tombstones
+                    .insert(id.clone(), State::Failed(FailureReason::BootstrapTimeout));
             }
             for to in p.from {
                 let abort = PeerMessage::Abort {
@@ -1190,14 +1189,9 @@ impl Router {
                 });
             }
         }
-        self.entomb(id.clone(), state);
+        self.tombstones.insert(id.clone(), state);
         if !self.orphans.contains_key(&id) {
             out.push(Action::Forget { id });
         }
-    }
-
-    /// Remembers how a request ended here (at most `limits.tombstones`, oldest forgotten).
-    fn entomb(&mut self, id: RequestId, state: State) {
-        self.tombstones.insert(id, state);
     }
 }

@@ -29,6 +29,7 @@ pub mod event;
 pub mod inproc;
 pub mod link;
 pub mod machine;
+mod mailbox;
 pub mod metrics;
 mod request;
 pub mod router;

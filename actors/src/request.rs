@@ -22,7 +22,6 @@ use std::time::{Duration, Instant};
 
 use handoff_transport::{EngineId, RequestId, Role, TransferMode};
 
-use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
 use tracing::{debug, warn, Instrument, Span};
 
@@ -31,6 +30,7 @@ use crate::link::{Link, ResolveError, TransferError, PLANE_ANSWER_GRACE};
 use crate::machine::{
     Action, ReceiverEvent, ReceiverMachine, SenderEvent, SenderMachine, State, Timeouts,
 };
+use crate::mailbox;
 use crate::metrics::Metrics;
 use crate::router::{Local, MachineEvent};
 use crate::runtime::{RootMsg, RootRef};
@@ -93,7 +93,7 @@ pub(crate) enum Kind {
 /// lookups). A send to an actor that is gone gives the message back (and a consignment in
 /// it gives its blocks back to the engine when dropped).
 #[derive(Clone)]
-pub(crate) struct RequestRef(mpsc::UnboundedSender<RequestMsg>);
+pub(crate) struct RequestRef(mailbox::Sender<RequestMsg>);
 
 impl RequestRef {
     /// False if the actor is gone (the message, dropped, gave back what it carried).
@@ -125,7 +125,7 @@ impl RequestTask {
 
 /// Starts a request actor on the current tokio runtime.
 pub(crate) fn spawn(args: RequestArgs, serial: u64) -> RequestTask {
-    let (tx, rx) = mpsc::unbounded_channel();
+    let (tx, rx) = mailbox::channel();
     let addr = RequestRef(tx);
     // Boxed: the task then holds a pointer, not the actor's whole state, so tokio's moves
     // of the task's stage (at spawn and at the end) copy 8 bytes, not kilobytes.
@@ -142,7 +142,7 @@ pub(crate) fn spawn(args: RequestArgs, serial: u64) -> RequestTask {
 async fn run(
     args: RequestArgs,
     myself: RequestRef,
-    mut rx: mpsc::UnboundedReceiver<RequestMsg>,
+    mut rx: mailbox::Receiver<RequestMsg>,
     serial: u64,
 ) {
     let (id, root) = (args.id.clone(), args.root.clone());

@@ -19,8 +19,11 @@ use std::time::Duration;
 
 use tokio::sync::mpsc;
 
+#[path = "shared/alloc.rs"]
+mod alloc;
+
 #[global_allocator]
-static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOC: alloc::Mimalloc = alloc::Mimalloc;
 
 /// 176 bytes, as the runtime's `RootMsg` and `RequestMsg`.
 type Payload = [u64; 20];

@@ -3,11 +3,14 @@
 //! `cargo run --release -p handoff-sim --example scale [-- REQUESTS_CAP [STEP]]`: every
 //! step, or only step STEP (0-based, for profiling one), each capped at REQUESTS_CAP.
 
+#[path = "shared/alloc.rs"]
+mod alloc;
+
 /// The simulation allocates heavily (messages, actors, tasks per request); mimalloc ran
 /// the 1,000-worker steps about 1.5x faster than the system allocator here, with the same
 /// trace hashes (the allocator does not touch determinism).
 #[global_allocator]
-static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOC: alloc::Mimalloc = alloc::Mimalloc;
 
 fn main() {
     let mut args = std::env::args().skip(1);

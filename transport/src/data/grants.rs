@@ -5,7 +5,7 @@
 //! blocks are released, and revoking waits for a copy in flight under that grant to finish,
 //! so no byte lands in a block after the engine got it back.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use super::{Access, GrantError};
@@ -13,12 +13,29 @@ use crate::types::{BlockId, RankInfo, RequestId};
 
 /// One request's grants: a request has one peer per pipeline rank of the other side
 /// (decode grants each prefill pipeline rank write access to the same blocks), so each
-/// peer's grant is its own entry.
+/// peer's grant is its own entry. Most requests grant one peer: the entries are a list
+/// searched in order (at most [`GRANTS_PER_REQUEST_MAX`]), each peer's blocks sorted, so a
+/// grant is two small allocations rather than a tree's nodes.
 struct RequestGrants {
-    by_peer: BTreeMap<(RankInfo, Access), BTreeSet<BlockId>>,
+    by_peer: Vec<Grant>,
     revoked: bool,
     /// Which grant of the request this is: a grant made after a revocation is a new one.
     generation: u64,
+}
+
+/// What one peer may touch: `blocks` sorted, each once.
+struct Grant {
+    peer: RankInfo,
+    access: Access,
+    blocks: Vec<BlockId>,
+}
+
+impl RequestGrants {
+    fn find(&self, peer: &RankInfo, access: Access) -> Option<usize> {
+        self.by_peer
+            .iter()
+            .position(|g| g.access == access && g.peer == *peer)
+    }
 }
 
 /// Peers one request may grant to: the pipeline ranks of one engine, times its tensor ranks
@@ -46,7 +63,7 @@ impl GrantTable {
             .entry(id.clone())
             .or_insert_with(|| {
                 Arc::new(Mutex::new(RequestGrants {
-                    by_peer: BTreeMap::new(),
+                    by_peer: Vec::with_capacity(1),
                     revoked: false,
                     generation: self
                         .generations
@@ -56,12 +73,20 @@ impl GrantTable {
             })
             .clone();
         let mut grants = entry.lock().unwrap_or_else(|e| e.into_inner());
-        let key = (peer.clone(), access);
-        if grants.by_peer.len() >= GRANTS_PER_REQUEST_MAX && !grants.by_peer.contains_key(&key) {
-            tracing::warn!(request = %id, %peer, "too many peers granted for one request; grant dropped");
-            return;
+        let mut sorted = blocks.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        match grants.find(peer, access) {
+            Some(i) => grants.by_peer[i].blocks = sorted,
+            None if grants.by_peer.len() >= GRANTS_PER_REQUEST_MAX => {
+                tracing::warn!(request = %id, %peer, "too many peers granted for one request; grant dropped");
+            }
+            None => grants.by_peer.push(Grant {
+                peer: peer.clone(),
+                access,
+                blocks: sorted,
+            }),
         }
-        grants.by_peer.insert(key, blocks.iter().copied().collect());
     }
 
     /// Revokes every grant of request `id`; waits for a copy in flight under it to finish.
@@ -95,14 +120,14 @@ impl GrantTable {
                 request: id.clone(),
             });
         }
-        let Some(granted) = grants.by_peer.get(&(peer.clone(), access)) else {
+        let Some(granted) = grants.find(peer, access).map(|i| &grants.by_peer[i].blocks) else {
             return Err(GrantError::NotHeld {
                 request: id.clone(),
                 peer: peer.clone(),
                 access,
             });
         };
-        if let Some(b) = blocks.iter().find(|b| !granted.contains(b)) {
+        if let Some(b) = blocks.iter().find(|b| granted.binary_search(b).is_err()) {
             return Err(GrantError::Block {
                 request: id.clone(),
                 block: *b,
@@ -189,5 +214,61 @@ mod tests {
         }
         assert_eq!(copies, 3);
         assert!(t.is_empty());
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Grant(usize, usize, bool, Vec<u32>),
+        Revoke(usize),
+        Check(usize, usize, bool, Vec<u32>),
+    }
+
+    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        let blocks = || proptest::collection::vec(0u32..12, 0..6);
+        prop_oneof![
+            (0..3usize, 0..3usize, any::<bool>(), blocks())
+                .prop_map(|(r, p, w, b)| Op::Grant(r, p, w, b)),
+            (0..3usize).prop_map(Op::Revoke),
+            (0..3usize, 0..3usize, any::<bool>(), blocks())
+                .prop_map(|(r, p, w, b)| Op::Check(r, p, w, b)),
+        ]
+    }
+
+    proptest::proptest! {
+        /// Any mix of grants (repeated blocks, repeated peers, both accesses), revocations
+        /// and checks answers as a map from (request, peer, access) to a set of blocks does.
+        #[test]
+        fn answers_as_a_map_of_sets_would(ops in proptest::collection::vec(op(), 0..60)) {
+            use std::collections::{BTreeMap, BTreeSet};
+            let t = GrantTable::default();
+            let peers = [RankInfo::single("P"), RankInfo::single("Q"), RankInfo::single("R")];
+            let ids = [RequestId::new("a"), RequestId::new("b"), RequestId::new("c")];
+            let access = |w: bool| if w { Access::Write } else { Access::Read };
+            let mut model: BTreeMap<(usize, usize, bool), BTreeSet<u32>> = BTreeMap::new();
+            for op in ops {
+                match op {
+                    Op::Grant(r, p, w, b) => {
+                        let blocks: Vec<BlockId> = b.iter().copied().map(BlockId).collect();
+                        t.grant(&peers[p], &ids[r], access(w), &blocks);
+                        model.insert((r, p, w), b.into_iter().collect());
+                    }
+                    Op::Revoke(r) => {
+                        t.revoke(&ids[r]);
+                        model.retain(|k, _| k.0 != r);
+                    }
+                    Op::Check(r, p, w, b) => {
+                        let blocks: Vec<BlockId> = b.iter().copied().map(BlockId).collect();
+                        let mut copied = false;
+                        let got = t.check_and_copy(&peers[p], &ids[r], access(w), &blocks, &mut || copied = true);
+                        let want = model.get(&(r, p, w)).is_some_and(|set| b.iter().all(|x| set.contains(x)));
+                        proptest::prop_assert_eq!(got.is_ok(), want);
+                        proptest::prop_assert_eq!(copied, want);
+                    }
+                }
+            }
+            let live: BTreeSet<usize> = model.keys().map(|k| k.0).collect();
+            proptest::prop_assert_eq!(t.len(), live.len());
+        }
     }
 }

@@ -337,33 +337,42 @@ struct Ends<'a> {
     dst_blocks: &'a [BlockId],
 }
 
+/// A control message in flight.
+struct Delivery {
+    from: usize,
+    from_inc: u32,
+    to: usize,
+    to_inc: u32,
+    id: RequestId,
+    msg: PeerMessage,
+    /// Loss declarations between the two when it was sent: a grant carries the
+    /// connection it was made on ([`Grant`]).
+    losses: u64,
+}
+
+/// A data transfer in flight.
+struct Landing {
+    src: (usize, u32),
+    dst: (usize, u32),
+    src_blocks: Vec<BlockId>,
+    dst_blocks: Vec<BlockId>,
+    /// The request the transfer is for, and whether the source side writes (push) or
+    /// the destination side reads (pull): where the grant is checked.
+    id: RequestId,
+    write: bool,
+    /// A one-sided write under a lease: whose, with whom, and the loss count it was
+    /// granted at; its completion counts only if the lease still holds when the writer
+    /// sees it.
+    leased: Option<Leased>,
+    reply: oneshot::Sender<Result<(), String>>,
+}
+
+/// What happens at a virtual instant. The two largest (a message, a transfer) are boxed:
+/// every event is written into its millisecond's queue, most a heartbeat interval ahead,
+/// into memory last touched that long ago, so the queue's slots are kept small.
 enum NetEvent {
-    Deliver {
-        from: usize,
-        from_inc: u32,
-        to: usize,
-        to_inc: u32,
-        id: RequestId,
-        msg: PeerMessage,
-        /// Loss declarations between the two when it was sent: a grant carries the
-        /// connection it was made on ([`Grant`]).
-        losses: u64,
-    },
-    Land {
-        src: (usize, u32),
-        dst: (usize, u32),
-        src_blocks: Vec<BlockId>,
-        dst_blocks: Vec<BlockId>,
-        /// The request the transfer is for, and whether the source side writes (push) or
-        /// the destination side reads (pull): where the grant is checked.
-        id: RequestId,
-        write: bool,
-        /// A one-sided write under a lease: whose, with whom, and the loss count it was
-        /// granted at; its completion counts only if the lease still holds when the writer
-        /// sees it.
-        leased: Option<Leased>,
-        reply: oneshot::Sender<Result<(), String>>,
-    },
+    Deliver(Box<Delivery>),
+    Land(Box<Landing>),
     /// A leased write's completion, seen by its writer once it runs again (it was frozen
     /// when the write landed, as a stopped process sees its completions only on resuming).
     Seen {
@@ -869,25 +878,29 @@ impl SimNet {
 
     fn run_event(&self, st: &mut NetState, t: u64, event: NetEvent) {
         match event {
-            NetEvent::Deliver {
-                from,
-                from_inc,
-                to,
-                to_inc,
-                id,
-                msg,
-                losses,
-            } => st.deliver(t, (from, from_inc), (to, to_inc), id, (msg, losses)),
-            NetEvent::Land {
-                src,
-                dst,
-                src_blocks,
-                dst_blocks,
-                id,
-                write,
-                leased,
-                reply,
-            } => {
+            NetEvent::Deliver(d) => {
+                let Delivery {
+                    from,
+                    from_inc,
+                    to,
+                    to_inc,
+                    id,
+                    msg,
+                    losses,
+                } = *d;
+                st.deliver(t, (from, from_inc), (to, to_inc), id, (msg, losses))
+            }
+            NetEvent::Land(landing) => {
+                let Landing {
+                    src,
+                    dst,
+                    src_blocks,
+                    dst_blocks,
+                    id,
+                    write,
+                    leased,
+                    reply,
+                } = *landing;
                 let ends = Ends {
                     src,
                     dst,
@@ -1940,7 +1953,7 @@ impl SimNet {
                         reply,
                     }
                 } else {
-                    NetEvent::Land {
+                    NetEvent::Land(Box::new(Landing {
                         src: s,
                         dst: d,
                         src_blocks: src,
@@ -1949,7 +1962,7 @@ impl SimNet {
                         write,
                         leased,
                         reply,
-                    }
+                    }))
                 };
                 self.push(st, lands.min(deadline_ms.max(now)), event);
                 return;
@@ -2115,7 +2128,7 @@ impl Link for SimLink {
             net.push(
                 st,
                 at,
-                NetEvent::Deliver {
+                NetEvent::Deliver(Box::new(Delivery {
                     from: self.idx,
                     from_inc: self.inc,
                     to: dest.0,
@@ -2123,7 +2136,7 @@ impl Link for SimLink {
                     id: id.clone(),
                     msg,
                     losses: st.losses_between(self.idx, dest.0),
-                },
+                })),
             );
         }
         Ok(())

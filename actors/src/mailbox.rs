@@ -112,10 +112,14 @@ impl<T> Receiver<T> {
         if inner.senders == 0 {
             return Poll::Ready(None);
         }
-        match &inner.waker {
-            Some(waker) if waker.will_wake(cx.waker()) => {}
-            _ => inner.waker = Some(cx.waker().clone()),
-        }
+        let replaced = match &inner.waker {
+            Some(waker) if waker.will_wake(cx.waker()) => None,
+            _ => inner.waker.replace(cx.waker().clone()),
+        };
+        // A waker's drop may run a task's teardown, which may drop a writer of this
+        // mailbox: never under its lock.
+        drop(inner);
+        drop(replaced);
         Poll::Pending
     }
 }
@@ -221,6 +225,44 @@ mod tests {
         );
         drop(back);
         assert_eq!(drops.load(Ordering::SeqCst), 3);
+    }
+
+    /// A message whose drop writes to the mailbox it sits in (as a consignment's drop
+    /// reaches back into the runtime).
+    struct WritesBack(Option<Sender<WritesBack>>, Arc<AtomicUsize>);
+
+    impl Drop for WritesBack {
+        fn drop(&mut self) {
+            if let Some(tx) = self.0.take() {
+                let back = tx.send(WritesBack(None, self.1.clone()));
+                self.1
+                    .fetch_add(usize::from(back.is_err()), Ordering::SeqCst);
+            }
+        }
+    }
+
+    #[test]
+    fn a_message_dropped_with_the_reader_may_write_to_its_own_mailbox() {
+        let refused = Arc::new(AtomicUsize::new(0));
+        let (tx, rx) = channel();
+        let msg = WritesBack(Some(tx.clone()), refused.clone());
+        assert!(tx.send(msg).is_ok());
+        // Only the message holds a writer now: a failing test unwinds without the lock.
+        drop(tx);
+        // Under the lock, this drop would deadlock on the send inside it: it runs on a
+        // thread of its own, waited for with a deadline.
+        let (done, finished) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            drop(rx);
+            let _ = done.send(());
+        });
+        let waited = finished.recv_timeout(std::time::Duration::from_secs(10));
+        assert!(waited.is_ok(), "dropping the reader deadlocked");
+        assert_eq!(
+            refused.load(Ordering::SeqCst),
+            1,
+            "the closed mailbox refused it"
+        );
     }
 
     #[tokio::test]

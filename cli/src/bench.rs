@@ -601,7 +601,9 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
     // The lifecycle and perftest references run in host memory only.
     let network = transports.iter().find_map(|t| match t {
         _ if plan.uses_cuda() => None,
-        BenchTransport::Ucx => Some(crate::lifecycle::Plane::Ucx),
+        BenchTransport::Ucx => Some(crate::lifecycle::Plane::Ucx {
+            registered: plan.registered,
+        }),
         BenchTransport::Tcp => Some(crate::lifecycle::Plane::Tcp),
         _ => None,
     });
@@ -630,16 +632,12 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
             &measured.woken,
             "the woken round trip again, one before each lifecycle request: the floor under the same conditions as the requests".into(),
         );
-        let mut lifecycle = percentiles(
-            "lifecycle",
-            &format!("{plane:?}").to_lowercase(),
-            &measured.samples,
-            String::new(),
-        );
+        let mut lifecycle =
+            percentiles("lifecycle", plane.name(), &measured.samples, String::new());
         if let Some(share) = measured.idle_core_share {
             report.notes.push(format!(
                 "idle: a connected prefill and decode runtime ({}) left idle for {:?} cost this process {:.2}% of one core",
-                format!("{plane:?}").to_lowercase(),
+                plane.name(),
                 IDLE_WINDOW,
                 share * 100.0
             ));
@@ -657,7 +655,8 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
         );
         let paired = |q: f64| quantile(&measured.paired, q);
         lifecycle.note = format!(
-            "one 16 KiB request: open both sides, transfer info, write, Done (peers cached); p50 {:.2}x the round trip that wakes its peer measured between the requests ({:.2}x the one measured before them), {:.2}x the one between two tasks; each request over the round trip timed just before it: median {:.2}x (middle half {:.2}-{:.2}x)",
+            "one 16 KiB request{}: open both sides, transfer info, write, Done (peers cached); p50 {:.2}x the round trip that wakes its peer measured between the requests ({:.2}x the one measured before them), {:.2}x the one between two tasks; each request over the round trip timed just before it: median {:.2}x (middle half {:.2}-{:.2}x)",
+            plane.memory(),
             lifecycle.p50_us / between.p50_us.max(f64::MIN_POSITIVE),
             lifecycle.p50_us / woken.p50_us.max(f64::MIN_POSITIVE),
             lifecycle.p50_us / floor.p50_us.max(f64::MIN_POSITIVE),
@@ -683,6 +682,24 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
             tasked.p50_us / lifecycle.p50_us.max(f64::MIN_POSITIVE)
         );
         report.latency.push(tasked);
+        // Over registered memory (an engine's tensors) the write is a same-host copy on
+        // the request's own worker; over memory UCX allocated (`handoff worker`'s pool) it is
+        // a job for the UCX thread. Both, in the same run.
+        if let crate::lifecycle::Plane::Ucx { registered: true } = plane {
+            let pool = crate::lifecycle::Plane::Ucx { registered: false };
+            let m =
+                crate::lifecycle::measure(pool, 16 << 10, iters, None, None, Caller::Thread, true)
+                    .await?;
+            let mut row = percentiles("lifecycle+pool", plane.name(), &m.samples, String::new());
+            row.note = format!(
+                "the same requests over memory UCX allocated (handoff worker's pool), each write a job for the UCX thread: p50 {:.2}x the lifecycle line's; each request over the round trip timed just before it: median {:.2}x (middle half {:.2}-{:.2}x)",
+                row.p50_us / lifecycle.p50_us.max(f64::MIN_POSITIVE),
+                quantile(&m.paired, 0.5),
+                quantile(&m.paired, 0.25),
+                quantile(&m.paired, 0.75),
+            );
+            report.latency.push(row);
+        }
         report.lifecycle = Some(lifecycle);
     }
     // One-block latency of each transport, after the lifecycle rows: measured before them,
@@ -1605,8 +1622,12 @@ async fn lifecycle_row(
 ) -> Result<Latency, String> {
     let measured =
         crate::lifecycle::measure(plane, 16 << 10, iters, key, None, caller, false).await?;
-    let plane = format!("{plane:?}").to_lowercase();
-    Ok(percentiles(op, &plane, &measured.samples, String::new()))
+    Ok(percentiles(
+        op,
+        plane.name(),
+        &measured.samples,
+        String::new(),
+    ))
 }
 
 /// The percentiles row of sorted `samples` (µs).

@@ -16,6 +16,7 @@ use handoff_bootstrap::Key;
 use handoff_net::tcp::TcpDataPlane;
 use handoff_net::ucx::UcxPlane;
 use handoff_net::{DataPlane, NetConfig, NetTransport, StaticDirectory};
+use handoff_transport::data::UcxPlaneOptions;
 
 /// Blocks each side's pool holds; requests cycle through them.
 const POOL_BLOCKS: u32 = 64;
@@ -27,8 +28,37 @@ const REQUEST_DEADLINE: Duration = Duration::from_secs(10);
 pub enum Plane {
     /// The TCP data plane.
     Tcp,
-    /// The UCX data plane.
-    Ucx,
+    /// The UCX data plane, over heap memory registered by address (an engine's tensors,
+    /// which a verified same-host peer copies with the kernel) or over memory UCX allocates
+    /// (`handoff worker`'s pool, which a same-host peer's UCX maps and writes through its
+    /// thread).
+    Ucx {
+        /// Heap memory registered by address rather than memory UCX allocates.
+        registered: bool,
+    },
+}
+
+impl Plane {
+    /// The plane's name in the bench's rows.
+    pub fn name(self) -> &'static str {
+        match self {
+            Plane::Tcp => "tcp",
+            Plane::Ucx { .. } => "ucx",
+        }
+    }
+
+    /// What the lifecycle line says of the memory its write moves between.
+    pub fn memory(self) -> &'static str {
+        match self {
+            Plane::Tcp => "",
+            Plane::Ucx { registered: true } => {
+                " between heap memory registered by address, as an engine's tensors (the write a same-host copy on the request's worker)"
+            }
+            Plane::Ucx { registered: false } => {
+                " between memory UCX allocated (the write a job for the UCX thread)"
+            }
+        }
+    }
 }
 
 async fn side(
@@ -41,8 +71,15 @@ async fn side(
 ) -> Result<Runtime, String> {
     let rank = RankInfo::single(engine);
     let (region, data): (Arc<Region>, Arc<dyn DataPlane>) = match plane {
-        Plane::Ucx => {
+        Plane::Ucx { registered: false } => {
             let p = UcxPlane::start(POOL_BLOCKS, block_bytes, &rank).map_err(|e| e.to_string())?;
+            (p.region(), Arc::new(p))
+        }
+        Plane::Ucx { registered: true } => {
+            let region = Region::new(POOL_BLOCKS, block_bytes).map_err(|e| e.to_string())?;
+            region.advise_huge_pages();
+            let p = UcxPlane::start_on_region(Arc::new(region), &rank, UcxPlaneOptions::default())
+                .map_err(|e| e.to_string())?;
             (p.region(), Arc::new(p))
         }
         Plane::Tcp => {

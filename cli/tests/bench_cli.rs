@@ -231,6 +231,21 @@ fn layered_bench_repeats_every_ucx_point_over_per_layer_ranges_with_its_ratio() 
         }
     }
     assert!(log.contains("vs 1-range"), "{log}");
+    // The lifecycle between registered memory (the engine's path, a same-host copy), and
+    // the same requests over memory UCX allocated, each with its paired ratio.
+    let note = report["lifecycle"]["note"].as_str().unwrap_or("");
+    assert!(note.contains("registered by address"), "{note}");
+    let pool = report["latency"]
+        .as_array()
+        .and_then(|rows| rows.iter().find(|r| r["transport"] == "lifecycle+pool"))
+        .unwrap_or_else(|| panic!("no lifecycle+pool row\n{log}"));
+    assert_eq!(pool["op"], "ucx", "{pool}");
+    assert!(pool["p50_us"].as_f64().is_some_and(|p| p > 0.0), "{pool}");
+    let note = pool["note"].as_str().unwrap_or("");
+    assert!(
+        note.contains("UCX allocated") && note.contains("median"),
+        "{note}"
+    );
 }
 
 #[test]

@@ -72,19 +72,9 @@ fn view(view: View) -> (ViewTx, ViewRx) {
 }
 
 impl ViewTx {
-    /// Publishes a change; wakes the waiters only when the state is an end, the one thing
-    /// they wait for ([`ViewRx::ended`]). An engine's thread blocked on a request's
-    /// completion, woken at every intermediate state, would wake a sleeping core on the
-    /// request's path for nothing.
     fn modify(&self, f: impl FnOnce(&mut View)) {
-        let ended = {
-            let mut view = self.0.lock();
-            f(&mut view);
-            view.state.is_terminal()
-        };
-        if ended {
-            self.0.changed.notify_waiters();
-        }
+        f(&mut self.0.lock());
+        self.0.changed.notify_waiters();
     }
 }
 
@@ -527,44 +517,6 @@ mod tests {
             released(&events).is_empty(),
             "an ended, empty estate gives nothing back when dropped"
         );
-    }
-
-    /// A waiter for the end sleeps through the states before it: an engine's thread
-    /// blocked on `completion()` is woken once, by the end.
-    #[test]
-    fn a_waiter_for_the_end_is_woken_by_the_end_alone() {
-        use std::future::Future;
-        use std::sync::atomic::AtomicUsize;
-        use std::task::{Context, Poll, Wake, Waker};
-
-        struct Count(AtomicUsize);
-        impl Wake for Count {
-            fn wake(self: Arc<Self>) {
-                self.0.fetch_add(1, Ordering::SeqCst);
-            }
-        }
-        let events = Arc::new(EventQueue::default());
-        let (mut e, view) = estate(&events);
-        let count = Arc::new(Count(AtomicUsize::new(0)));
-        let waker = Waker::from(count.clone());
-        let mut cx = Context::from_waker(&waker);
-        let mut ended = Box::pin(view.ended());
-        assert!(ended.as_mut().poll(&mut cx).is_pending());
-        e.transition(State::WaitingForInput);
-        e.transition(State::Transferring);
-        assert_eq!(
-            view.state(),
-            State::Transferring,
-            "the view follows every state"
-        );
-        assert_eq!(count.0.load(Ordering::SeqCst), 0, "woken before the end");
-        e.end(State::Done, &[], ReleaseReason::Done);
-        assert_eq!(
-            count.0.load(Ordering::SeqCst),
-            1,
-            "the end wakes the waiter once"
-        );
-        assert_eq!(ended.as_mut().poll(&mut cx), Poll::Ready(State::Done));
     }
 
     /// A debug build stops at the bug; a release build logs it and gives nothing back twice.

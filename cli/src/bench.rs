@@ -646,8 +646,15 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
         let key = handoff_bootstrap::Key::new(b"handoff bench secret, 32 bytes..")
             .map_err(|e| e.to_string())?;
         let iters = plan.latency_iters;
-        let mut keyed =
-            lifecycle_row("lifecycle+secret", plane, iters, Some(&key), Caller::Thread).await?;
+        let (mut keyed, _) = lifecycle_row(
+            "lifecycle+secret",
+            plane,
+            iters,
+            Some(&key),
+            Caller::Thread,
+            false,
+        )
+        .await?;
         keyed.note = format!(
             "the same requests with a shared secret (every connection a Noise session): p50 {:.2}x, p99 {:.2}x without",
             keyed.p50_us / lifecycle.p50_us.max(f64::MIN_POSITIVE),
@@ -676,7 +683,8 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
         report.latency.push(keyed);
         // The same requests opened and awaited from a task of the runtime: the runtime's own
         // path, without the two wake-ups of a caller outside it.
-        let mut tasked = lifecycle_row("lifecycle+task", plane, iters, None, Caller::Task).await?;
+        let (mut tasked, _) =
+            lifecycle_row("lifecycle+task", plane, iters, None, Caller::Task, false).await?;
         tasked.note = format!(
             "the same requests opened and awaited from a task of the runtime, not this thread: p50 {:.2}x the lifecycle line's, whose rest is the wake-ups of a worker by the calls and of the calling thread by the end",
             tasked.p50_us / lifecycle.p50_us.max(f64::MIN_POSITIVE)
@@ -687,16 +695,14 @@ pub async fn measure(args: &BenchArgs) -> Result<Report, String> {
         // a job for the UCX thread. Both, in the same run.
         if let crate::lifecycle::Plane::Ucx { registered: true } = plane {
             let pool = crate::lifecycle::Plane::Ucx { registered: false };
-            let m =
-                crate::lifecycle::measure(pool, 16 << 10, iters, None, None, Caller::Thread, true)
-                    .await?;
-            let mut row = percentiles("lifecycle+pool", plane.name(), &m.samples, String::new());
+            let (mut row, paired) =
+                lifecycle_row("lifecycle+pool", pool, iters, None, Caller::Thread, true).await?;
             row.note = format!(
                 "the same requests over memory UCX allocated (handoff worker's pool), each write a job for the UCX thread: p50 {:.2}x the lifecycle line's; each request over the round trip timed just before it: median {:.2}x (middle half {:.2}-{:.2}x)",
                 row.p50_us / lifecycle.p50_us.max(f64::MIN_POSITIVE),
-                quantile(&m.paired, 0.5),
-                quantile(&m.paired, 0.25),
-                quantile(&m.paired, 0.75),
+                quantile(&paired, 0.5),
+                quantile(&paired, 0.25),
+                quantile(&paired, 0.75),
             );
             report.latency.push(row);
         }
@@ -918,8 +924,10 @@ fn passes(plan: &Plan) -> usize {
 
 /// A host region for a bench point, backed by huge pages where the kernel has them, as a
 /// worker's pool is ([`Region::advise_huge_pages`]): the memcpy reference and every
-/// transport measure the same kind of memory.
-fn host_region(region: Result<Region, handoff_transport::RegionError>) -> Result<Region, String> {
+/// transport measure the same kind of memory (the lifecycle's registered pool as well).
+pub(crate) fn host_region(
+    region: Result<Region, handoff_transport::RegionError>,
+) -> Result<Region, String> {
     let region = region.map_err(|e| e.to_string())?;
     region.advise_huge_pages();
     Ok(region)
@@ -1612,22 +1620,20 @@ async fn latency(t: BenchTransport, plan: &Plan) -> Result<Latency, String> {
 }
 
 /// A latency row `op` of one-block lifecycles on `plane` (`key`: every connection
-/// authenticated with it), opened and awaited from `caller`.
+/// authenticated with it), opened and awaited from `caller`; with `paired`, each request's
+/// ratio to the round trip timed just before it comes back too (else empty).
 async fn lifecycle_row(
     op: &str,
     plane: crate::lifecycle::Plane,
     iters: usize,
     key: Option<&handoff_bootstrap::Key>,
     caller: crate::lifecycle::Caller,
-) -> Result<Latency, String> {
+    paired: bool,
+) -> Result<(Latency, Vec<f64>), String> {
     let measured =
-        crate::lifecycle::measure(plane, 16 << 10, iters, key, None, caller, false).await?;
-    Ok(percentiles(
-        op,
-        plane.name(),
-        &measured.samples,
-        String::new(),
-    ))
+        crate::lifecycle::measure(plane, 16 << 10, iters, key, None, caller, paired).await?;
+    let row = percentiles(op, plane.name(), &measured.samples, String::new());
+    Ok((row, measured.paired))
 }
 
 /// The percentiles row of sorted `samples` (µs).

@@ -76,8 +76,7 @@ async fn side(
             (p.region(), Arc::new(p))
         }
         Plane::Ucx { registered: true } => {
-            let region = Region::new(POOL_BLOCKS, block_bytes).map_err(|e| e.to_string())?;
-            region.advise_huge_pages();
+            let region = crate::bench::host_region(Region::new(POOL_BLOCKS, block_bytes))?;
             let p = UcxPlane::start_on_region(Arc::new(region), &rank, UcxPlaneOptions::default())
                 .map_err(|e| e.to_string())?;
             (p.region(), Arc::new(p))

@@ -505,7 +505,10 @@ pub struct RouterConfig {
 /// Messages for a request this runtime does not know yet.
 #[derive(Debug)]
 struct Pending {
-    expires: Instant,
+    /// Which buffering of the request this is: its entry in `pending_order` carries the
+    /// same number (a request opened and buffered again within one instant has two
+    /// entries there with the same deadline, and only the later speaks for it).
+    seq: u64,
     /// The peers that sent something, to be told if the request is never opened.
     from: Vec<Peer>,
     events: Vec<MachineEvent>,
@@ -566,8 +569,11 @@ pub struct Router {
     pending: BTreeMap<RequestId, Pending>,
     /// What every pending request's messages hold, together.
     pending_bytes: usize,
-    /// Pending requests in the order they expire (all live for the same bootstrap timeout).
-    pending_order: VecDeque<(Instant, RequestId)>,
+    /// Pending requests in the order they expire (all live for the same bootstrap timeout),
+    /// each with its [`Pending::seq`].
+    pending_order: VecDeque<(Instant, u64, RequestId)>,
+    /// The next [`Pending::seq`].
+    pending_seq: u64,
     /// How requests ended, by id (at most `limits.tombstones`, oldest forgotten): looked up
     /// for every message and open, never walked, so hashed.
     tombstones: Tombstones,
@@ -587,6 +593,7 @@ impl Router {
             pending: BTreeMap::new(),
             pending_bytes: 0,
             pending_order: VecDeque::new(),
+            pending_seq: 0,
             tombstones,
             orphans: BTreeMap::new(),
             stats: RouterStats::default(),
@@ -873,15 +880,17 @@ impl Router {
                 return;
             }
             let expires = now + self.cfg.bootstrap;
+            let seq = self.pending_seq;
+            self.pending_seq += 1;
             let fresh = Pending {
-                expires,
+                seq,
                 from: Vec::new(),
                 events: Vec::new(),
                 bytes: 0,
                 lost: Vec::new(),
             };
             self.pending.insert(id.clone(), fresh);
-            self.pending_order.push_back((expires, id.clone()));
+            self.pending_order.push_back((expires, seq, id.clone()));
             // One timer per buffered request (bounded like the buffer), so an unopened
             // request is answered at its deadline even if nothing else arrives.
             out.push(Action::After {
@@ -911,15 +920,15 @@ impl Router {
     /// Drops messages for requests the engine never opened within the bootstrap timeout,
     /// and tells their senders (instead of leaving them to their own deadlines).
     fn expire_pending(&mut self, now: Instant, out: &mut Vec<Action>) {
-        while let Some((expires, _)) = self.pending_order.front() {
+        while let Some((expires, _, _)) = self.pending_order.front() {
             if *expires > now {
                 return;
             }
-            let Some((expires, id)) = self.pending_order.pop_front() else {
+            let Some((_, seq, id)) = self.pending_order.pop_front() else {
                 return;
             };
             // Opened since (entry gone) or buffered again later: nothing to expire.
-            if self.pending.get(&id).is_none_or(|p| p.expires != expires) {
+            if self.pending.get(&id).is_none_or(|p| p.seq != seq) {
                 continue;
             }
             let Some(p) = self.take_pending(&id) else {

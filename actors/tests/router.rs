@@ -926,7 +926,7 @@ impl Harness {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(512))]
+    #![proptest_config(ProptestConfig::with_cases(handoff_testkit::proptest_cases(512)))]
 
     #[test]
     fn the_router_keeps_its_rules(setup in setup(), ops in prop::collection::vec(op(), 1..80)) {

@@ -75,7 +75,7 @@ struct Model {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(1000))]
+    #![proptest_config(ProptestConfig::with_cases(handoff_testkit::proptest_cases(1000)))]
 
     #[test]
     fn the_peer_table_decides_as_the_model_says(ops in prop::collection::vec(op(), 0..60)) {

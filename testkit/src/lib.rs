@@ -134,9 +134,31 @@ pub fn vm_flags(addr: usize) -> String {
     String::new()
 }
 
+/// How many cases a property test runs: `PROPTEST_CASES` when set (a deeper run on demand,
+/// e.g. `PROPTEST_CASES=200000 cargo test -p handoff-actors --test machine_props`), else
+/// `default`, the number `cargo test` runs every time.
+pub fn proptest_cases(default: u32) -> u32 {
+    cases_from(std::env::var("PROPTEST_CASES").ok().as_deref(), default)
+}
+
+fn cases_from(var: Option<&str>, default: u32) -> u32 {
+    var.and_then(|v| v.trim().parse().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(default)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn proptest_cases_come_from_the_variable_when_it_is_a_count() {
+        assert_eq!(cases_from(None, 512), 512);
+        assert_eq!(cases_from(Some("200000"), 512), 200_000);
+        assert_eq!(cases_from(Some(" 64 "), 512), 64);
+        assert_eq!(cases_from(Some("many"), 512), 512, "not a number");
+        assert_eq!(cases_from(Some("0"), 512), 512, "zero would test nothing");
+    }
 
     #[test]
     fn only_gpu_may_be_skipped_unless_the_run_says_more() {

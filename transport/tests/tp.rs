@@ -20,7 +20,12 @@ fn valid(kv_heads: u32, tp: u32) -> bool {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(512))]
+    // About half the drawn shapes are rejected (heads that do not divide): the bound on
+    // rejects grows with the cases, for a deeper run (`PROPTEST_CASES`).
+    #![proptest_config(ProptestConfig {
+        max_global_rejects: 4 * handoff_testkit::proptest_cases(512),
+        ..ProptestConfig::with_cases(handoff_testkit::proptest_cases(512))
+    })]
 
     /// Ranks split the heads evenly, or each head is replicated on `tp / kv_heads`
     /// consecutive ranks.
@@ -362,7 +367,12 @@ fn range_bytes(layout: &HeadLayout, held: u32, parts: &[u64]) -> Vec<u64> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(256))]
+    // About half the drawn shapes are rejected (heads that do not divide): the bound on
+    // rejects grows with the cases, for a deeper run (`PROPTEST_CASES`).
+    #![proptest_config(ProptestConfig {
+        max_global_rejects: 4 * handoff_testkit::proptest_cases(256),
+        ..ProptestConfig::with_cases(handoff_testkit::proptest_cases(256))
+    })]
 
     /// Every decode rank's logical block, rebuilt from the spans of every prefill rank,
     /// equals the model's heads it holds, each byte written exactly once: any TP sizes

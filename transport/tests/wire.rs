@@ -1133,7 +1133,7 @@ fn decode_everything(bytes: &[u8], key: &Key) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(512))]
+    #![proptest_config(ProptestConfig::with_cases(handoff_testkit::proptest_cases(512)))]
 
     #[test]
     fn encode_then_decode_is_identity(msg in any_message(), signed in any::<bool>()) {

@@ -293,18 +293,33 @@ def threads() -> dict[int, tuple[str, int]]:
 
 @contextlib.contextmanager
 def new_runtime_threads(**kw):
-    """Starts a runtime; yields it and the nice values of the threads it started (tokio's
-    and, over UCX, the plane's): threads that other tests' runtimes left are not counted."""
+    """Starts a runtime; yields it and `nices(want)`: the nice values of the threads it
+    started (tokio's and, over UCX, the plane's; threads other tests' runtimes left are not
+    counted) once they all read `want`, or as they read after 10 s. A thread takes its
+    value as it starts, so one seen just born (tokio starts blocking threads on demand)
+    still has the engine's: `nices` waits for it."""
     before = set(threads())
     with runtime(**kw) as rt:
-        mine = {
-            t: v for t, v in threads().items() if t not in before and v[0].startswith("handoff-")
-        }
-        names = {n for n, _ in mine.values()}
-        assert "handoff-rt" in names, f"new threads: {mine}"
-        if rt.transport == "ucx":
-            assert any(n.startswith("handoff-ucx") for n in names), f"new threads: {mine}"
-        yield rt, {nice for _, nice in mine.values()}
+
+        def nices(want: int) -> set[int]:
+            def now() -> set[int]:
+                mine = {
+                    t: v
+                    for t, v in threads().items()
+                    if t not in before and v[0].startswith("handoff-")
+                }
+                names = {n for n, _ in mine.values()}
+                assert "handoff-rt" in names, f"new threads: {mine}"
+                if rt.transport == "ucx":
+                    assert any(n.startswith("handoff-ucx") for n in names), f"new threads: {mine}"
+                return {nice for _, nice in mine.values()}
+
+            # (Past the wait, the values as they are: the caller's assertion shows them.)
+            with contextlib.suppress(AssertionError):
+                until(lambda: now() == {want}, f"runtime threads at nice {want}", timeout_s=10)
+            return now()
+
+        yield rt, nices
 
 
 def test_runtime_threads_take_their_nice_value_and_the_engine_keeps_its_own(bootstrap):
@@ -314,12 +329,12 @@ def test_runtime_threads_take_their_nice_value_and_the_engine_keeps_its_own(boot
     with new_runtime_threads(
         role="prefill", engine="P", bootstrap=bootstrap, kv=kv, transport="auto", thread_nice=19
     ) as (_, nices):
-        assert nices == {19}
+        assert nices(19) == {19}
         assert os.getpriority(os.PRIO_PROCESS, 0) == engine_nice
     with new_runtime_threads(
         role="prefill", engine="P1", bootstrap=bootstrap, kv=kv, thread_nice=None
     ) as (_, nices):
-        assert nices == {engine_nice}, "None leaves them as they were born"
+        assert nices(engine_nice) == {engine_nice}, "None leaves them as they were born"
     for bad in (-21, 20, "high", True):
         with pytest.raises(handoff.InvalidInput, match="thread_nice"):
             runtime("prefill", "P2", bootstrap, kv, thread_nice=bad)
@@ -348,7 +363,7 @@ def test_by_default_runtime_threads_run_ahead_of_the_engine_where_allowed(bootst
             role="decode", engine="D", bootstrap=bootstrap, kv=kv_d, transport="auto", mode="pull"
         ) as (d, dn),
     ):
-        assert pn == dn == {want}
+        assert pn(want) == dn(want) == {want}
         kv_p[2] = 7
         r = d.receiver("nice", "P", blocks=[1])
         p.sender("nice").send([2])

@@ -1,4 +1,5 @@
-//! A request actor's mailbox: an unbounded queue with one reader, many writers.
+//! A request actor's mailbox, and the root's: an unbounded queue with one reader, many
+//! writers.
 //!
 //! A request actor reads about six messages in its life, so what a channel costs to make
 //! matters more than what a message costs to pass. Tokio's unbounded channel allocated a
@@ -14,7 +15,15 @@
 //! blocks back to the engine), outside the lock; the reader sees the end (`None`) once every
 //! writer is gone and the queue is empty. Unlike tokio's channel, a receive does not count
 //! against tokio's cooperative budget: the root feeds an actor, and an actor handles each
-//! message to its end before it reads the next.
+//! message to its end before it reads the next; the root, whose mailbox may always hold
+//! mail, counts each message itself (`tokio::task::consume_budget`).
+//!
+//! The root's mailbox was tokio's channel too: it is made once, but every message wrote a
+//! slot of a 32-slot block and touched the channel's counters and its waker's. Over 1,000
+//! simulated workers, each root's lines are cold by its next message; this queue's
+//! buffer is as long as the longest backlog and reused. The simulator's
+//! 100,000-request step over 1,000 workers ran 0.92x as long (0.82-0.98, eight paired
+//! runs, same trace hash).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -71,6 +80,13 @@ impl<T> Sender<T> {
             waker.wake();
         }
         Ok(())
+    }
+}
+
+impl<T> Sender<T> {
+    /// The reader is gone: every send gives its message back.
+    pub(crate) fn is_closed(&self) -> bool {
+        self.0.lock().closed
     }
 }
 

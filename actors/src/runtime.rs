@@ -22,7 +22,6 @@ use std::time::Instant;
 
 use handoff_transport::wire::AUX_BYTES_MAX;
 use handoff_transport::{BlockId, EngineId, RankInfo, Region, RequestId, Role, TransferMode};
-use tokio::sync::mpsc;
 use tracing::{debug, error, info, trace, warn, Instrument};
 
 use crate::estate::{Consignment, Deed, Estate, ViewRx};
@@ -164,11 +163,11 @@ impl Shared {
 ///
 /// The root is one tokio task reading one unbounded mailbox (bounded in practice: the
 /// engine's opens by admission, peers' messages by the control loop's bounds, a request
-/// actor's reports by the requests it holds), as a request actor is: no actor framework
-/// sits between a message and the router.
+/// actor's reports by the requests it holds), the same kind a request actor reads
+/// ([`crate::mailbox`]): no actor framework sits between a message and the router.
 #[derive(Clone)]
 pub(crate) struct RootRef {
-    tx: mpsc::UnboundedSender<RootMsg>,
+    tx: crate::mailbox::Sender<RootMsg>,
     stop: Arc<StopSignal>,
 }
 
@@ -184,10 +183,11 @@ impl RootRef {
     /// Queues `msg` for the root; gives it back (dropped by the caller, it gives back what
     /// it carries) once the runtime is stopping or stopped.
     pub(crate) fn cast(&self, msg: RootMsg) -> Result<(), Box<RootMsg>> {
-        if self.stopping() {
+        // (A root that is gone closed its mailbox: the send gives the message back.)
+        if self.stop.asked.load(Ordering::Acquire) {
             return Err(Box::new(msg));
         }
-        self.tx.send(msg).map_err(|e| Box::new(e.0))
+        self.tx.send(msg).map_err(Box::new)
     }
 
     /// The runtime was asked to stop, or its root is gone.
@@ -262,7 +262,7 @@ impl RootState {
     /// until the runtime is stopped. A panic in a handler (a bug in the root) stops the
     /// runtime as `shutdown` would: every request is closed and its blocks given back,
     /// rather than leaving them to a root that no longer answers.
-    async fn run(mut self, me: RootRef, mut rx: mpsc::UnboundedReceiver<RootMsg>) {
+    async fn run(mut self, me: RootRef, mut rx: crate::mailbox::Receiver<RootMsg>) {
         let sleep = tokio::time::sleep_until(tokio::time::Instant::now());
         tokio::pin!(sleep);
         loop {
@@ -292,12 +292,14 @@ impl RootState {
                 me.stop.asked.store(true, Ordering::Release);
                 break;
             }
+            // The mailbox does not count against tokio's cooperative budget: each message
+            // does, so a root that always has mail still lets its worker's other tasks run.
+            tokio::task::consume_budget().await;
         }
         self.stop();
         // What the mailbox still holds goes after the event queue is marked stopping: an
         // `Open`'s estate closes its request, a consignment gives its blocks back.
-        rx.close();
-        while rx.try_recv().is_ok() {}
+        drop(rx);
     }
 
     fn handle(&mut self, myself: &RootRef, msg: RootMsg) {
@@ -792,7 +794,7 @@ impl RuntimeBuilder {
             metrics,
             ids: Mutex::default(),
         });
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = crate::mailbox::channel();
         let root = RootRef {
             tx,
             stop: Arc::default(),

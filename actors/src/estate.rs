@@ -104,8 +104,15 @@ impl ViewRx {
             tokio::pin!(notified);
             // Registered before the check, so a change between the two wakes it.
             notified.as_mut().enable();
+            // Gone first, then the state: an owner that publishes its end and goes between
+            // the two reads is seen with its end. (The other order returned the state from
+            // before the end, `WaitingForInput`, as the request's end: the owner had
+            // published `Done` and gone after the state was read and before `closed` was.)
+            let closed = self.0.closed.load(Ordering::Acquire);
+            #[cfg(test)]
+            tests::between_reads();
             let state = self.state();
-            if state.is_terminal() || self.0.closed.load(Ordering::Acquire) {
+            if state.is_terminal() || closed {
                 return state;
             }
             notified.await;
@@ -466,6 +473,40 @@ impl Drop for Consignment {
 
 #[cfg(test)]
 mod tests {
+    thread_local! {
+        /// What a test runs inside [`ViewRx::ended`], between its two reads.
+        static BETWEEN_READS: std::cell::RefCell<Option<Box<dyn FnOnce()>>> =
+            const { std::cell::RefCell::new(None) };
+    }
+
+    pub(super) fn between_reads() {
+        if let Some(f) = BETWEEN_READS.with(|h| h.borrow_mut().take()) {
+            f();
+        }
+    }
+
+    /// Found by running the Python tests in a loop on a loaded machine: `Runtime.wait`
+    /// answered `WaitingForInput` for a request that had ended `Done`. Its owner published
+    /// the end and went between the waiter's read of the state and its read of `closed`.
+    #[test]
+    fn an_owner_that_ends_and_goes_between_the_waiters_reads_is_seen_ended() {
+        use std::future::Future;
+        use std::task::{Context, Poll, Waker};
+
+        let (tx, rx) = view(View {
+            state: State::WaitingForInput,
+            aux: Vec::new(),
+        });
+        BETWEEN_READS.with(|h| {
+            *h.borrow_mut() = Some(Box::new(move || {
+                tx.modify(|v| v.state = State::Done);
+                drop(tx);
+            }))
+        });
+        let mut ended = Box::pin(rx.ended());
+        let mut cx = Context::from_waker(Waker::noop());
+        assert_eq!(ended.as_mut().poll(&mut cx), Poll::Ready(State::Done));
+    }
     use super::*;
 
     fn estate(events: &Arc<EventQueue>) -> (Estate, ViewRx) {

@@ -94,7 +94,13 @@ def test_layouts_that_cannot_pair_fail_the_request_by_name(bootstrap):
     ):
         r = d.receiver("r", "P", blocks=[1])
         s = p.sender("r")
-        s.send([2])
+        # Prefill checks the pairing when decode's transfer info comes, which may be before
+        # the engine hands its blocks over: they then stay the engine's, and the error says
+        # why the request ended (it did in the 4th of a loop of the suite on a loaded machine).
+        try:
+            s.send([2])
+        except handoff.RequestEnded as ended:
+            assert "do not pair" in str(ended), ended
         with pytest.raises(handoff.RequestFailed) as e:
             r.wait(30)
         assert e.value.reason in ("protocol_error", "aborted_by_peer"), e.value

@@ -12,7 +12,8 @@
 //! What the router remembers, each with a bound:
 //! - the live requests (opened, not yet ended) and whether the engine handed their blocks
 //!   over (decode's admission control counts those still waiting);
-//! - messages for requests not opened yet ([`RouterLimits::pending_requests`] requests,
+//! - messages for requests not opened yet, and those the transport found invalid (they fail
+//!   the request at its open) ([`RouterLimits::pending_requests`] requests,
 //!   [`RouterLimits::pending_messages`] each, for the bootstrap timeout);
 //! - how requests ended ([`RouterLimits::tombstones`], oldest forgotten), so a late message
 //!   is answered instead of buffered as if its request were still to come;
@@ -624,6 +625,9 @@ impl Router {
             Input::Open { id } => self.open(id, out),
             Input::Local { id, what } => {
                 let Some(live) = self.live.get_mut(&id) else {
+                    if let Local::Invalid { from, detail } = what {
+                        self.invalid_before_open(now, from, id, detail, out);
+                    }
                     return;
                 };
                 if matches!(what, Local::HandedOver { .. }) && !live.handed_over {
@@ -839,6 +843,43 @@ impl Router {
             });
         }
         self.buffer(now, from, id, (event, bytes), out);
+    }
+
+    /// A peer's message about a request not live here, found invalid by the transport
+    /// (decode's transfer info for blocks that do not pair with ours, before the engine
+    /// opened the request): it is what a valid message would have been, so it is answered
+    /// as one: an ended request's peer is told it ended, and for one not opened yet it is
+    /// buffered, failing the request by name at its open (which tells the peer), or told
+    /// to the peer at the buffer's expiry. Dropped, it left the peer waiting out its own
+    /// deadline for an answer that never came (found by the Python layouts test on a
+    /// loaded machine: decode `WaitingForInput` for 30 s).
+    fn invalid_before_open(
+        &mut self,
+        now: Instant,
+        from: Peer,
+        id: RequestId,
+        detail: String,
+        out: &mut Vec<Action>,
+    ) {
+        if let Some(ended) = self.tombstones.get(&id) {
+            let reason = ended.failure().cloned().unwrap_or(FailureReason::Protocol {
+                detail: format!("request {id} already ended ({ended})"),
+            });
+            let msg = PeerMessage::Abort { reason };
+            out.push(Action::Send {
+                to: from.clone(),
+                id: id.clone(),
+                msg,
+            });
+            out.push(Action::Note(Note::Late { id, from }));
+            return;
+        }
+        let what = Local::Invalid {
+            from: from.clone(),
+            detail,
+        };
+        let event = MachineEvent::for_role(self.cfg.role, what);
+        self.buffer(now, from, id, (event, 0), out);
     }
 
     fn buffer(

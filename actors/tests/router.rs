@@ -71,9 +71,52 @@ enum Msg {
     Abort,
     AbortAck,
     Queued,
+    /// A message the transport found invalid (transfer info whose blocks do not pair):
+    /// it reaches the router as the local event that fails the request by name.
+    Invalid,
 }
 
 impl Msg {
+    /// What the router is fed when `from` sends this about `id`.
+    fn input(self, from: Peer, id: RequestId) -> Input {
+        match self {
+            Msg::Invalid => Input::Local {
+                id,
+                what: Local::Invalid {
+                    from,
+                    detail: "blocks do not pair".into(),
+                },
+            },
+            m => Input::Inbound {
+                from,
+                id,
+                msg: m.outbound(),
+            },
+        }
+    }
+
+    /// The event its request's machine gets.
+    fn event(self, role: Role, from: Peer) -> MachineEvent {
+        match self {
+            Msg::Invalid => MachineEvent::for_role(
+                role,
+                Local::Invalid {
+                    from,
+                    detail: "blocks do not pair".into(),
+                },
+            ),
+            m => MachineEvent::inbound(role, from, m.outbound()),
+        }
+    }
+
+    /// What buffering it holds ([`PeerMessage::held_bytes`]).
+    fn held_bytes(self) -> usize {
+        match self {
+            Msg::Invalid => 0,
+            m => m.outbound().held_bytes(),
+        }
+    }
+
     fn outbound(self) -> PeerMessage {
         match self {
             Msg::TransferInfo => PeerMessage::TransferInfo {
@@ -90,7 +133,7 @@ impl Msg {
                 reason: FailureReason::RejectedBusy,
             },
             Msg::AbortAck => PeerMessage::AbortAck,
-            Msg::Queued => PeerMessage::Queued,
+            Msg::Queued | Msg::Invalid => PeerMessage::Queued,
         }
     }
 }
@@ -121,6 +164,7 @@ fn op() -> impl Strategy<Value = Op> {
         Just(Msg::Abort),
         Just(Msg::AbortAck),
         Just(Msg::Queued),
+        Just(Msg::Invalid),
     ];
     prop_oneof![
         3 => (0u8..6).prop_map(Op::Open),
@@ -553,7 +597,6 @@ impl Harness {
     }
 
     fn inbound(&mut self, from: Peer, id: RequestId, m: Msg) {
-        let msg = m.outbound();
         let orphan = self.model.orphans.contains_key(&id);
         let confirmed = if matches!(m, Msg::AbortAck | Msg::Done) {
             self.orphan_confirmed(&id, &from)
@@ -562,13 +605,9 @@ impl Harness {
         };
         if let Some(ended) = self.router.ended(&id).cloned() {
             let pending = self.router.pending();
-            let got = self.feed(Input::Inbound {
-                from: from.clone(),
-                id: id.clone(),
-                msg,
-            });
+            let got = self.feed(m.input(from.clone(), id.clone()));
             let mut expect = confirmed;
-            if matches!(m, Msg::TransferInfo | Msg::Ready) {
+            if matches!(m, Msg::TransferInfo | Msg::Ready | Msg::Invalid) {
                 let reason = ended.failure().cloned();
                 assert!(
                     matches!(&got.first(), Some(Action::Send { msg: PeerMessage::Abort { reason: r }, .. }) if reason.as_ref().is_none_or(|x| x == r)),
@@ -590,13 +629,9 @@ impl Harness {
             assert_eq!(self.router.pending(), pending, "nor buffered");
             return;
         }
-        let bytes = msg.held_bytes();
-        let event = MachineEvent::inbound(self.setup.role, from.clone(), msg.clone());
-        let got = self.feed(Input::Inbound {
-            from: from.clone(),
-            id: id.clone(),
-            msg,
-        });
+        let bytes = m.held_bytes();
+        let event = m.event(self.setup.role, from.clone());
+        let got = self.feed(m.input(from.clone(), id.clone()));
         if self.model.live.contains_key(&id) {
             assert_eq!(got, vec![Action::Deliver { id, event }]);
             return;

@@ -1077,6 +1077,49 @@ async fn layouts_that_do_not_pair_fail_by_name_before_a_byte_moves() {
     assert_eq!(d.region().read_block(BlockId(5)).unwrap(), vec![0; 128]);
 }
 
+/// The same, with decode's transfer info at prefill before prefill's engine opened the
+/// request: the info that cannot pair waits for the open like any early message and fails
+/// the request by name there, which tells decode. (Dropped, as it was, it left decode in
+/// `WaitingForInput` until its own deadline: found by the Python layouts test, 30 s.)
+#[tokio::test(start_paused = true)]
+async fn layouts_that_do_not_pair_fail_by_name_when_decode_asks_before_prefill_opens() {
+    let fabric = Fabric::new();
+    let mode = TransferMode::Push;
+    let mut ours = KvLayout::shaped(KvShape::KvHalves, 4, BLOCKS, 16);
+    ours.block_tokens = 16;
+    let mut theirs = KvLayout::shaped(KvShape::LayerBlocks, 4, BLOCKS, 16);
+    theirs.block_tokens = 32;
+    let p = start_laid_out(&fabric, Role::Prefill, rank("P", 0, 1), mode, ours).await;
+    let d = start_laid_out(&fabric, Role::Decode, rank("D", 0, 1), mode, theirs).await;
+    let opened = tokio::time::Instant::now();
+    let r = d.receiver("r", spec("P", Some(vec![BlockId(5)]))).unwrap();
+    // Decode's transfer info out (and so at prefill's root, in process) before the open.
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while r.poll() != State::WaitingForInput {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await
+    .expect("decode sent its transfer info");
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let s = p.sender("r").unwrap();
+    // The open fails it at once: the blocks may stay the engine's.
+    let _ = s.send(vec![BlockId(1)]);
+    let on_prefill = s.completion().await;
+    let on_decode = r.completion().await;
+    for outcome in [&on_prefill, &on_decode] {
+        assert!(
+            format!("{outcome}").contains("tokens per block differ"),
+            "{outcome}"
+        );
+    }
+    assert!(
+        opened.elapsed() < timeouts().waiting,
+        "decode learnt it only at its deadline"
+    );
+    assert_eq!(d.region().read_block(BlockId(5)).unwrap(), vec![0; 128]);
+}
+
 /// The in-process link, except that the transfers of one request panic inside the plane's
 /// future (a bug in a data plane, as the request actor polls it), and so does a lookup of
 /// prefill engine `Q` once it was first found pending (a bug in a directory).

@@ -583,6 +583,19 @@ pub struct Router {
     stats: RouterStats,
 }
 
+/// Tells `from`, who sent what would start a transfer for `id`, that the request ended
+/// here (`ended`): its failure, or a protocol error naming the end.
+fn ended_abort(id: &RequestId, ended: &State, from: &Peer) -> Action {
+    let reason = ended.failure().cloned().unwrap_or(FailureReason::Protocol {
+        detail: format!("request {id} already ended ({ended})"),
+    });
+    Action::Send {
+        to: from.clone(),
+        id: id.clone(),
+        msg: PeerMessage::Abort { reason },
+    }
+}
+
 impl Router {
     /// A router with nothing open.
     pub fn new(cfg: RouterConfig) -> Self {
@@ -802,15 +815,7 @@ impl Router {
                 msg,
                 PeerMessage::TransferInfo { .. } | PeerMessage::Ready { .. }
             ) {
-                let reason = ended.failure().cloned().unwrap_or(FailureReason::Protocol {
-                    detail: format!("request {id} already ended ({ended})"),
-                });
-                let msg = PeerMessage::Abort { reason };
-                out.push(Action::Send {
-                    to: from.clone(),
-                    id: id.clone(),
-                    msg,
-                });
+                out.push(ended_abort(&id, ended, &from));
             }
             // A request buried here is settled: no write of ours for it is in flight, so a
             // decode rank fencing its blocks can have its acknowledgement at once.
@@ -862,15 +867,7 @@ impl Router {
         out: &mut Vec<Action>,
     ) {
         if let Some(ended) = self.tombstones.get(&id) {
-            let reason = ended.failure().cloned().unwrap_or(FailureReason::Protocol {
-                detail: format!("request {id} already ended ({ended})"),
-            });
-            let msg = PeerMessage::Abort { reason };
-            out.push(Action::Send {
-                to: from.clone(),
-                id: id.clone(),
-                msg,
-            });
+            out.push(ended_abort(&id, ended, &from));
             out.push(Action::Note(Note::Late { id, from }));
             return;
         }

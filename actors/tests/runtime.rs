@@ -1046,10 +1046,9 @@ async fn decode_pulls_each_stage_of_an_uneven_split_into_place() {
     uneven_pipeline_stages_fill_whole_blocks(TransferMode::Pull).await;
 }
 
-/// Two layouts of the same size that disagree on tokens per block (another model, or a
-/// misconfigured engine) fail the request by name on both sides; not a byte moves.
-#[tokio::test(start_paused = true)]
-async fn layouts_that_do_not_pair_fail_by_name_before_a_byte_moves() {
+/// Prefill and decode runtimes (push) whose layouts are of the same size but disagree on
+/// tokens per block (another model, or a misconfigured engine).
+async fn layouts_that_do_not_pair() -> (Runtime, Runtime) {
     let fabric = Fabric::new();
     let mode = TransferMode::Push;
     let mut ours = KvLayout::shaped(KvShape::KvHalves, 4, BLOCKS, 16);
@@ -1058,6 +1057,14 @@ async fn layouts_that_do_not_pair_fail_by_name_before_a_byte_moves() {
     theirs.block_tokens = 32;
     let p = start_laid_out(&fabric, Role::Prefill, rank("P", 0, 1), mode, ours).await;
     let d = start_laid_out(&fabric, Role::Decode, rank("D", 0, 1), mode, theirs).await;
+    (p, d)
+}
+
+/// Two layouts of the same size that disagree on tokens per block (another model, or a
+/// misconfigured engine) fail the request by name on both sides; not a byte moves.
+#[tokio::test(start_paused = true)]
+async fn layouts_that_do_not_pair_fail_by_name_before_a_byte_moves() {
+    let (p, d) = layouts_that_do_not_pair().await;
     p.region().write_block(BlockId(1), &[9; 128]).unwrap();
     let r = d.receiver("r", spec("P", Some(vec![BlockId(5)]))).unwrap();
     let s = p.sender("r").unwrap();
@@ -1083,14 +1090,7 @@ async fn layouts_that_do_not_pair_fail_by_name_before_a_byte_moves() {
 /// `WaitingForInput` until its own deadline: found by the Python layouts test, 30 s.)
 #[tokio::test(start_paused = true)]
 async fn layouts_that_do_not_pair_fail_by_name_when_decode_asks_before_prefill_opens() {
-    let fabric = Fabric::new();
-    let mode = TransferMode::Push;
-    let mut ours = KvLayout::shaped(KvShape::KvHalves, 4, BLOCKS, 16);
-    ours.block_tokens = 16;
-    let mut theirs = KvLayout::shaped(KvShape::LayerBlocks, 4, BLOCKS, 16);
-    theirs.block_tokens = 32;
-    let p = start_laid_out(&fabric, Role::Prefill, rank("P", 0, 1), mode, ours).await;
-    let d = start_laid_out(&fabric, Role::Decode, rank("D", 0, 1), mode, theirs).await;
+    let (p, d) = layouts_that_do_not_pair().await;
     let opened = tokio::time::Instant::now();
     let r = d.receiver("r", spec("P", Some(vec![BlockId(5)]))).unwrap();
     // Decode's transfer info out (and so at prefill's root, in process) before the open.

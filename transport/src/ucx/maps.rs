@@ -24,7 +24,9 @@ pub(crate) struct Mapping {
 }
 
 /// Serializes snapshot, unpack, snapshot across every UCX thread of the process, so the
-/// mappings new between two snapshots are those one unpacking made.
+/// mappings new between two snapshots are those one unpacking made. Also held across a
+/// key-vetting fork and around `ucp_init`/`ucp_cleanup`, so that the fork never copies
+/// UCX's memory-event lock held by a context coming or going on another thread.
 pub(crate) static UNPACK: Mutex<()> = Mutex::new(());
 
 /// The process's shared mappings (`s` in the permissions), sorted by start. `Err` where

@@ -216,14 +216,17 @@ pub(crate) fn vet(
                 libc::dup2(null, 2);
                 libc::close(null);
             }
+            // The raw system call, not libc's `mmap`: UCX hooks that symbol, and its hook
+            // takes locks another thread of the parent may have held at the fork.
             for m in &shared {
-                libc::mmap(
-                    m.start as *mut libc::c_void,
+                libc::syscall(
+                    libc::SYS_mmap,
+                    m.start as usize,
                     (m.end - m.start) as usize,
                     libc::PROT_READ | libc::PROT_WRITE,
                     libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE,
-                    -1,
-                    0,
+                    -1i32,
+                    0usize,
                 );
             }
             for &p in &ptrs {

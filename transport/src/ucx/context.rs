@@ -94,12 +94,8 @@ pub(crate) struct ContextInner {
 
 impl Drop for ContextInner {
     fn drop(&mut self) {
-        // Under `maps::UNPACK`: cleanup removes UCX's memory-event handlers under its event
-        // lock, which a key-vetting child forked meanwhile would inherit held, and wait on
-        // forever.
-        let _fork = super::maps::UNPACK
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        // Cleanup unsets UCX's memory-event handlers: not while a vetting fork is made (`maps`).
+        let _fork = super::maps::hold();
         // SAFETY: `handle` came from `ucp_init_version`; every worker and region holds an
         // `Rc` to this inner, so none is left when it drops.
         unsafe { (self.api.ucp_cleanup)(self.handle) };
@@ -185,11 +181,8 @@ impl Context {
         }
         let (major, minor) = (sys::API_VERSION.0, sys::API_VERSION.1.min(api.version.1));
         let mut handle = std::ptr::null_mut();
-        // Under `maps::UNPACK`: init installs UCX's memory-event handlers under its event
-        // lock (see `Drop`), which no key-vetting fork may copy held.
-        let fork = super::maps::UNPACK
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        // Init sets UCX's memory-event handlers: not while a vetting fork is made (`maps`).
+        let fork = super::maps::hold();
         // SAFETY: `params` is a 1.13-layout block with only 1.13 fields flagged; the config
         // handle is live; `handle` is written on OK.
         let status =

@@ -27,7 +27,12 @@ pub(crate) struct Mapping {
 /// mappings new between two snapshots are those one unpacking made. Also held across a
 /// key-vetting fork and around `ucp_init`/`ucp_cleanup`, so that the fork never copies
 /// UCX's memory-event lock held by a context coming or going on another thread.
-pub(crate) static UNPACK: Mutex<()> = Mutex::new(());
+static UNPACK: Mutex<()> = Mutex::new(());
+
+/// Holds [`UNPACK`] (a panic elsewhere under it left nothing to repair: it guards no data).
+pub(crate) fn hold() -> std::sync::MutexGuard<'static, ()> {
+    UNPACK.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// The process's shared mappings (`s` in the permissions), sorted by start. `Err` where
 /// `/proc/self/maps` cannot be read (then nothing reached by pointer can be checked).

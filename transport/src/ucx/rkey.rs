@@ -181,7 +181,7 @@ pub(crate) fn vet(
     let (release_r, release_w) = pipe()?;
     let unpack = api.ucp_ep_rkey_unpack;
     // No other UCX thread of this process maps anything between the snapshot and the fork.
-    let guard = maps::UNPACK.lock().unwrap_or_else(|e| e.into_inner());
+    let guard = maps::hold();
     let shared =
         maps::shared().map_err(|e| VetError::Unavailable(format!("/proc/self/maps: {e}")))?;
     let parent = std::process::id() as libc::pid_t;

@@ -551,7 +551,7 @@ impl Endpoint {
         let mut handle = std::ptr::null_mut();
         // Snapshot, unpack, snapshot, under one process-wide lock: the shared mappings new
         // between the two are the ones this unpacking made (see `maps`).
-        let guard = maps::UNPACK.lock().unwrap_or_else(|e| e.into_inner());
+        let guard = maps::hold();
         let before = maps::shared();
         // SAFETY: live endpoint; `packed` outlives the call (UCX copies what it needs).
         let status = unsafe { (api.ucp_ep_rkey_unpack)(ep, packed.as_ptr().cast(), &mut handle) };

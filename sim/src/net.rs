@@ -39,7 +39,7 @@
 //! simulator does not answer a beat at once (the control loop does, only to shorten its
 //! lease's proof; the simulated lease is the grant's connection, `Node::rkeys`), and
 //! closes a connection that carried no request message for longer than a request lives, or
-//! for a loss window when the two share no live request ([`SimNet::engage`], the world's
+//! for a heartbeat interval when the two share no live request ([`SimNet::engage`], the world's
 //! count), on both ends and without a loss (`NetState::tick`), so that only pairs a request
 //! depends on, or that talked very recently, are beaten: a thousand workers that beat every
 //! peer they ever served spent most of the scale run on heartbeats. A beat still in flight
@@ -262,7 +262,7 @@ pub struct NetStats {
     pub heartbeats: u64,
     /// Heartbeats heard (the rest were cut by a partition or lost with an end).
     pub heartbeats_heard: u64,
-    /// Connections closed after a loss window idle because their ends shared no live
+    /// Connections closed after a heartbeat interval idle because their ends shared no live
     /// request ([`SimNet::engage`]); counted at the end that closed them.
     pub closed_unengaged: u64,
     /// Messages and heartbeats dropped because the receiver's peer table holds another
@@ -522,7 +522,8 @@ struct NetState {
     stop_in_gap: BTreeSet<usize>,
     /// A connection that carried no request message for longer than this closes (ms).
     idle_ms: u64,
-    /// One between workers that share no live request closes sooner: once idle this long.
+    /// One between workers that share no live request closes sooner: once idle this long
+    /// (one heartbeat interval; a loss window kept 3.4 times the beats in the scale run).
     idle_free_ms: u64,
     rng: Rng,
     /// Connection ends opened so far (each end's [`Conn::id`]).
@@ -599,7 +600,7 @@ impl SimNet {
             idle_ms: u64::try_from(timing.timeouts.lifetime_max().as_millis())
                 .unwrap_or(u64::MAX)
                 .saturating_add(timing.loss_timeout_ms()),
-            idle_free_ms: timing.loss_timeout_ms(),
+            idle_free_ms: timing.heartbeat_interval_ms(),
             timing,
             drops,
             data_plane,
@@ -687,7 +688,8 @@ impl SimNet {
     /// A request between workers `a` and `b` arrives (`on`) or settles: while any does,
     /// their connection stays open however idle (up to a request's lifetime), so that the
     /// peer tables watch what the request depends on. Connections between workers that
-    /// share none close after a loss window idle: a thousand workers would otherwise beat
+    /// share none close after a heartbeat interval idle: nothing depends on their liveness
+    /// then (a later message dials again), and a thousand workers would otherwise beat
     /// every peer they ever served, most of the simulator's work at that scale.
     pub fn engage(&self, pairs: impl IntoIterator<Item = (usize, usize)>, on: bool) {
         let mut st = self.lock();
@@ -1669,7 +1671,7 @@ impl NetState {
     }
 
     /// The connection between `a` and `b` closes on both ends, quietly: idle for longer
-    /// than any request lives, or for a loss window with no live request between the two,
+    /// than any request lives, or for a heartbeat interval with no live request between the two,
     /// nothing depends on it (only its incarnation is kept, as for a lost peer; the next
     /// message opens a new one).
     /// True when `a` still held the connection (not lost just before).

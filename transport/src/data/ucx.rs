@@ -1231,7 +1231,33 @@ struct PeerConn {
     /// The layout whose keys were refused, and why: asked again, it fails at once (a
     /// lying peer must not make us vet its keys, a fork each time, per request).
     refused: Option<(RegionDescriptor, Arc<[UcxRange]>, DataError)>,
+    /// Vettings of its keys in a row that ended undecided ([`UcxError::KeysUndecided`]).
+    undecided: u32,
     ep: Endpoint,
+}
+
+/// Vettings of a peer's keys in a row that may end undecided before its keys are refused:
+/// each holds this thread up to the vetting bound, so keys that always stall the vetting
+/// process are refused after this many, while an honest peer's whose vetting met a lock
+/// held at the fork are tried again at their next use.
+const KEYS_UNDECIDED_MAX: u32 = 3;
+
+/// How a failure to unpack a peer's keys is kept, given `undecided` vettings in a row that
+/// ended undecided before it: `Some(error)` is remembered as the refusal of that layout
+/// (asked again, it fails at once), `None` is tried again at the next use. A key found
+/// malformed or unverified is refused at once; undecided keys at the
+/// [`KEYS_UNDECIDED_MAX`]th time in a row, as malformed; anything else (no vetting process
+/// could be made, the endpoint failed) never.
+fn refusal(error: &UcxError, undecided: u32) -> Option<UcxError> {
+    match error {
+        UcxError::MalformedKey { .. } | UcxError::UnverifiedKey { .. } => Some(error.clone()),
+        UcxError::KeysUndecided { detail } if undecided + 1 >= KEYS_UNDECIDED_MAX => {
+            Some(UcxError::MalformedKey {
+                detail: format!("{detail}, {KEYS_UNDECIDED_MAX} times in a row"),
+            })
+        }
+        _ => None,
+    }
 }
 
 /// Everything the thread owns. The registrations are `ManuallyDrop`: they are unmapped
@@ -1696,6 +1722,7 @@ impl State {
             let conn = PeerConn {
                 keys: None,
                 refused: None,
+                undecided: 0,
                 ep,
             };
             self.peers.insert(address.clone(), conn);
@@ -1751,19 +1778,22 @@ impl State {
             Ok(rkeys) => rkeys,
             Err((i, e)) => {
                 // Only a refusal is remembered: a vetting process that could not be made
-                // (out of processes, say) is tried again next time.
-                let refused = matches!(
-                    e,
-                    UcxError::MalformedKey { .. } | UcxError::UnverifiedKey { .. }
-                );
-                let error = ucx_error(peer, range_error(i, e), Instant::now());
-                if refused {
+                // (out of processes, say) is tried again next time, and one that ended
+                // undecided a bounded number of times in a row.
+                let refused = refusal(&e, conn.undecided);
+                if matches!(e, UcxError::KeysUndecided { .. }) {
+                    conn.undecided += 1;
+                }
+                let kept = refused.is_some();
+                let error = ucx_error(peer, range_error(i, refused.unwrap_or(e)), Instant::now());
+                if kept {
                     let ranges = Arc::clone(&peer.ranges);
                     conn.refused = Some((peer.region.clone(), ranges, error.clone()));
                 }
                 return Err(error);
             }
         };
+        conn.undecided = 0;
         self.rkeys += rkeys.len();
         conn.keys = Some(PeerKeys {
             region: peer.region.clone(),
@@ -2264,6 +2294,41 @@ fn ucx_error(peer: &UcxPeer, error: UcxError, started: Instant) -> DataError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn undecided_keys_are_tried_again_a_bounded_number_of_times_then_refused() {
+        let undecided = UcxError::KeysUndecided {
+            detail: "the vetting process did not unpack the keys within 5s".into(),
+        };
+        // Tried again while fewer than the bound ended undecided in a row...
+        for before in 0..KEYS_UNDECIDED_MAX - 1 {
+            assert_eq!(refusal(&undecided, before), None, "after {before}");
+        }
+        // ...then refused as malformed, saying how often.
+        match refusal(&undecided, KEYS_UNDECIDED_MAX - 1) {
+            Some(UcxError::MalformedKey { detail }) => {
+                assert!(detail.contains("did not unpack"), "{detail}");
+                assert!(detail.contains("3 times in a row"), "{detail}");
+            }
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+        // A malformed or unverified key is refused at once; what says nothing about the
+        // keys (no vetting process, a failed endpoint) never is.
+        let malformed = UcxError::MalformedKey {
+            detail: "cut".into(),
+        };
+        assert_eq!(refusal(&malformed, 0), Some(malformed.clone()));
+        let unverified = UcxError::UnverifiedKey {
+            base: 0x1000,
+            len: 64,
+            detail: "outside".into(),
+        };
+        assert_eq!(refusal(&unverified, 0), Some(unverified.clone()));
+        let unavailable = UcxError::InvalidArgument {
+            what: "remote keys not vetted: fork: EAGAIN".into(),
+        };
+        assert_eq!(refusal(&unavailable, KEYS_UNDECIDED_MAX + 5), None);
+    }
 
     #[test]
     fn a_leased_write_seen_done_only_after_its_lease_ended_is_not_done() {

@@ -186,6 +186,15 @@ pub enum UcxError {
         /// What is wrong with it.
         detail: String,
     },
+    /// A peer's host keys (UCX before 1.19) whose vetting process neither answered nor
+    /// died within its bound: nothing certain was learnt (a lock of UCX's memory hooks held
+    /// at the fork stalls the child as a key could), so the keys are tried again at their
+    /// next use, a bounded number of times, rather than refused. Nothing was unpacked here.
+    #[error("remote keys not vetted: {detail}")]
+    KeysUndecided {
+        /// What the vetting saw.
+        detail: String,
+    },
     /// A writer's lease with the peer ended (or was revoked: the peer was lost) before
     /// every operation was posted: nothing more was, and the endpoint was force-closed.
     #[error("write lease with the peer {}, after {posted} operations were posted: the peer may have given our grant's blocks back", match .ago { Some(ago) => format!("ended {ago:?} ago"), None => "was revoked (the peer was lost)".to_string() })]

@@ -129,9 +129,13 @@ pub(crate) fn needs_vetting(version: (u32, u32, u32)) -> bool {
 /// Why vetting failed.
 #[derive(Debug)]
 pub(crate) enum VetError {
-    /// The keys are refused: unpacking them killed the child, UCX refused one there, or it
-    /// did not finish in time.
+    /// The keys are refused: unpacking them killed the child, or UCX refused one there.
     Refused(String),
+    /// The child neither answered nor died within its bound. Nothing certain was learnt: a
+    /// key can stall UCX's unpacking, but so can a lock of UCX's memory hooks that another
+    /// thread of ours held at the fork (the child inherits it held, and no one there
+    /// releases it), so an honest peer's keys may see this too.
+    Undecided(String),
     /// The child could not be made (fork, pipe, `/proc/self/maps`): nothing was learnt.
     Unavailable(String),
 }
@@ -169,7 +173,8 @@ fn pipe() -> Result<(OwnedFd, OwnedFd), VetError> {
 /// Unpacks `keys` (each already [`padded`]) on `ep` in a child process forked for it. `Ok`
 /// holds the child, which unpacked every key and keeps what it attached until the [`Held`]
 /// is dropped; `Err` says how the child failed: a signal (the key would have killed this
-/// process), a status UCX returned, or no answer before `deadline`.
+/// process) or a status UCX returned ([`VetError::Refused`]), or no answer before
+/// `deadline` ([`VetError::Undecided`]).
 pub(crate) fn vet(
     api: &'static sys::Api,
     ep: sys::ucp_ep_h,
@@ -304,7 +309,7 @@ fn read_answer(answer: &OwnedFd, deadline: Instant) -> Result<bool, VetError> {
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(VetError::Refused(format!(
+            return Err(VetError::Undecided(format!(
                 "the vetting process did not unpack the keys within {VET_TIMEOUT:?}"
             )));
         }
@@ -360,6 +365,29 @@ mod tests {
         k.extend([0x22, 0, 0xc8, 0, 0, 0x30, 0x18, 0x99, 0x5f, 0x7f, 0, 0]);
         k.push(0);
         k
+    }
+
+    #[test]
+    fn a_child_that_never_answers_is_undecided_and_one_that_ends_silent_is_not_ok() {
+        let (r, w) = pipe().map_err(|e| format!("{e:?}")).unwrap();
+        let deadline = Instant::now() + Duration::from_millis(20);
+        // The writer stays open and silent: a child stuck in its unpacking.
+        match read_answer(&r, deadline) {
+            Err(VetError::Undecided(detail)) => assert!(detail.contains("did not unpack")),
+            other => panic!("expected Undecided, got {other:?}"),
+        }
+        // The writer closes without a word: a child that died (how is for waitpid).
+        drop(w);
+        let later = Instant::now() + Duration::from_secs(5);
+        assert!(matches!(read_answer(&r, later), Ok(false)));
+        let (r, w) = pipe().map_err(|e| format!("{e:?}")).unwrap();
+        // SAFETY: one byte from a live local.
+        let ok = b'k';
+        assert_eq!(
+            unsafe { libc::write(w.as_raw_fd(), (&ok as *const u8).cast(), 1) },
+            1
+        );
+        assert!(matches!(read_answer(&r, later), Ok(true)));
     }
 
     #[test]

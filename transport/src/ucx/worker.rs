@@ -493,7 +493,8 @@ impl Endpoint {
     ///   type this runtime moves, else [`UcxError::MalformedKey`]; UCX gets it padded;
     /// - where the loaded UCX (before 1.19) dies when one domain of a key fails to unpack,
     ///   the host keys are unpacked first in a forked child, and a key that kills it (or
-    ///   that UCX refuses, or that takes longer than a bound) is [`UcxError::MalformedKey`];
+    ///   that UCX refuses) is [`UcxError::MalformedKey`]; a child that takes longer than a
+    ///   bound is [`UcxError::KeysUndecided`];
     /// - where UCX reaches the key's memory by pointer (the shared-memory transports, whose
     ///   puts and gets are an unbounded `memcpy` into a mapping of the peer's segment), the
     ///   range must lie inside the mapping this unpacking made, else
@@ -522,6 +523,7 @@ impl Endpoint {
                 // Which key: the child does not say; the first host key stands for them.
                 let error = match e {
                     rkey::VetError::Refused(detail) => UcxError::MalformedKey { detail },
+                    rkey::VetError::Undecided(detail) => UcxError::KeysUndecided { detail },
                     rkey::VetError::Unavailable(detail) => UcxError::InvalidArgument {
                         what: format!("remote keys not vetted: {detail}"),
                     },

@@ -27,14 +27,16 @@
 //! The bootstrap server has its own (`handoff_bootstrap::BootstrapMetrics`); both are
 //! served by `handoff_transport::exposition::serve_metrics`.
 
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::{EncodeLabelSet, EncodeMetric, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
 use crate::event::ReleaseReason;
@@ -91,12 +93,10 @@ fn transfer_histogram() -> Histogram {
 /// One process's metrics (module docs). Cheap to share: every family is reference-counted.
 pub struct Metrics {
     registry: Registry,
-    requests: Family<EndLabels, Counter>,
-    open: Family<StateLabels, Gauge>,
-    blocks_held: Family<RoleLabel, Gauge>,
-    released: Family<ReleaseLabels, Counter>,
-    fences: Family<RoleLabel, Gauge>,
-    quarantined: Family<RoleLabel, Gauge>,
+    /// Requests that failed, by reason (those done are [`SideValues::done`]).
+    failed: Family<EndLabels, Counter>,
+    /// Prefill's and decode's hot-path series, shared with the families that encode them.
+    sides: Arc<[SideValues; 2]>,
     transfers: Family<TransferEnd, Counter>,
     transfer_blocks: Family<TransferLabels, Counter>,
     transfer_bytes: Family<TransferLabels, Counter>,
@@ -107,8 +107,6 @@ pub struct Metrics {
     refused: Family<CauseLabel, Counter>,
     frames_refused: Family<CauseLabel, Counter>,
     pushes_as_pull: Counter,
-    /// Prefill's and decode's [`Side`].
-    sides: [OnceLock<Side>; 2],
     /// Each (transport, op)'s [`TransferSeries`], made the first time it records: a
     /// handful (the transports this process uses, times `write` and `read`).
     transfer_series: Mutex<Vec<TransferSeries>>,
@@ -144,16 +142,131 @@ fn live_index(state: &State) -> Option<usize> {
     }
 }
 
-/// One role's series on the hot path (a state change, a hand-over, a release): handles
-/// into their families, so recording is an atomic add, not a labelled lookup.
-struct Side {
-    role: &'static str,
-    open: [Gauge; 3],
-    done: Counter,
-    held: Gauge,
-    released: [Counter; 4],
-    fences: Gauge,
-    quarantined: Gauge,
+/// The `role` labels, in [`Metrics::side`] order.
+const ROLES: [&str; 2] = ["prefill", "decode"];
+
+/// One role's series on the hot path (a state change, a hand-over, a release), side by
+/// side: recording is an atomic add into the two cache lines a request's role touches, not
+/// into a dozen series each in an allocation of its own (prometheus-client's handles), which
+/// a worker among a thousand (the simulator's scale run) finds cold every time. Encoded by
+/// [`SideFamily`] (and [`RequestsFamily`]), only once the role recorded (a worker exposes
+/// only its own role's series).
+#[derive(Debug, Default)]
+#[repr(align(64))]
+struct SideValues {
+    used: AtomicBool,
+    /// Live requests per state, in [`LIVE_STATES`] order.
+    open: [AtomicI64; 3],
+    done: AtomicU64,
+    held: AtomicI64,
+    /// Blocks released per why, in [`RELEASE_WHYS`] order.
+    released: [AtomicU64; 4],
+    fences: AtomicI64,
+    quarantined: AtomicI64,
+}
+
+/// Which of a role's series a [`SideFamily`] encodes.
+#[derive(Clone, Copy, Debug)]
+enum SideSeries {
+    Open,
+    Held,
+    Released,
+    Fences,
+    Quarantined,
+}
+
+/// One family of the roles' hot-path series, registered as any family is and read from
+/// [`SideValues`] when scraped.
+#[derive(Debug)]
+struct SideFamily {
+    sides: Arc<[SideValues; 2]>,
+    series: SideSeries,
+}
+
+fn used(sides: &[SideValues; 2]) -> impl Iterator<Item = (&SideValues, &'static str)> {
+    sides
+        .iter()
+        .zip(ROLES)
+        .filter(|(side, _)| side.used.load(Ordering::Relaxed))
+}
+
+fn gauge(encoder: &mut MetricEncoder, labels: &impl EncodeLabelSet, v: &AtomicI64) -> Fmt {
+    encoder
+        .encode_family(labels)?
+        .encode_gauge(&v.load(Ordering::Relaxed))
+}
+
+fn counter(encoder: &mut MetricEncoder, labels: &impl EncodeLabelSet, v: &AtomicU64) -> Fmt {
+    encoder
+        .encode_family(labels)?
+        .encode_counter::<NoLabelSet, _, u64>(&v.load(Ordering::Relaxed), None)
+}
+
+type Fmt = Result<(), std::fmt::Error>;
+
+impl EncodeMetric for SideFamily {
+    fn encode(&self, mut encoder: MetricEncoder) -> Fmt {
+        for (side, role) in used(&self.sides) {
+            let e = &mut encoder;
+            match self.series {
+                SideSeries::Open => {
+                    for (state, v) in LIVE_STATES.into_iter().zip(&side.open) {
+                        gauge(e, &StateLabels { role, state }, v)?;
+                    }
+                }
+                SideSeries::Released => {
+                    for (why, v) in RELEASE_WHYS.into_iter().zip(&side.released) {
+                        counter(e, &ReleaseLabels { role, why }, v)?;
+                    }
+                }
+                SideSeries::Held => gauge(e, &RoleLabel { role }, &side.held)?,
+                SideSeries::Fences => gauge(e, &RoleLabel { role }, &side.fences)?,
+                SideSeries::Quarantined => gauge(e, &RoleLabel { role }, &side.quarantined)?,
+            }
+        }
+        Ok(())
+    }
+
+    fn metric_type(&self) -> MetricType {
+        match self.series {
+            SideSeries::Released => MetricType::Counter,
+            _ => MetricType::Gauge,
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        used(&self.sides).next().is_none()
+    }
+}
+
+/// `handoff_requests_total`: the roles' done counters ([`SideValues::done`]) and the
+/// failed ones, by reason (a labelled family: failures are rare).
+#[derive(Debug)]
+struct RequestsFamily {
+    sides: Arc<[SideValues; 2]>,
+    failed: Family<EndLabels, Counter>,
+}
+
+impl EncodeMetric for RequestsFamily {
+    fn encode(&self, mut encoder: MetricEncoder) -> Fmt {
+        for (side, role) in used(&self.sides) {
+            let done = EndLabels {
+                role,
+                outcome: "done",
+                reason: "",
+            };
+            counter(&mut encoder, &done, &side.done)?;
+        }
+        self.failed.encode(encoder)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Counter
+    }
+
+    fn is_empty(&self) -> bool {
+        used(&self.sides).next().is_none() && self.failed.is_empty()
+    }
 }
 
 /// One (transport, op)'s series that every transfer that went well records: handles into
@@ -172,41 +285,44 @@ impl Metrics {
     /// Every family registered, all at zero.
     pub fn new() -> Arc<Self> {
         let mut registry = Registry::with_prefix("handoff");
-        let requests = Family::default();
+        let sides: Arc<[SideValues; 2]> = Arc::default();
+        let failed = Family::default();
         registry.register(
             "requests",
             "Requests ended, by role, outcome and failure reason",
-            requests.clone(),
+            RequestsFamily {
+                sides: Arc::clone(&sides),
+                failed: failed.clone(),
+            },
         );
-        let open = Family::default();
+        let side_family = |series| SideFamily {
+            sides: Arc::clone(&sides),
+            series,
+        };
         registry.register(
             "requests_open",
             "Live requests per lifecycle state",
-            open.clone(),
+            side_family(SideSeries::Open),
         );
-        let blocks_held = Family::default();
         registry.register(
             "blocks_held",
             "Blocks the runtime holds for requests",
-            blocks_held.clone(),
+            side_family(SideSeries::Held),
         );
-        let released = Family::default();
         registry.register(
             "blocks_released",
             "Blocks given back to the engine, by why",
-            released.clone(),
+            side_family(SideSeries::Released),
         );
-        let fences = Family::default();
         registry.register(
             "fences_pending",
             "Ended requests whose blocks wait behind a fence",
-            fences.clone(),
+            side_family(SideSeries::Fences),
         );
-        let quarantined = Family::default();
         registry.register(
             "blocks_quarantined",
             "Blocks held past the fence bound for a lost writer on this host that may still land a write",
-            quarantined.clone(),
+            side_family(SideSeries::Quarantined),
         );
         let transfers = Family::default();
         registry.register(
@@ -273,12 +389,8 @@ impl Metrics {
         );
         Arc::new(Self {
             registry,
-            requests,
-            open,
-            blocks_held,
-            released,
-            fences,
-            quarantined,
+            failed,
+            sides,
             transfers,
             transfer_blocks,
             transfer_bytes,
@@ -289,7 +401,6 @@ impl Metrics {
             refused,
             frames_refused,
             pushes_as_pull,
-            sides: [OnceLock::new(), OnceLock::new()],
             transfer_series: Mutex::new(Vec::new()),
         })
     }
@@ -302,60 +413,39 @@ impl Metrics {
         out
     }
 
-    /// The hot path's handles for role `r`, made the first time the role records (so a
-    /// worker exposes only its own role's series).
-    fn side(&self, r: Role) -> &Side {
-        let (slot, role) = match r {
-            Role::Prefill => (&self.sides[0], "prefill"),
-            Role::Decode => (&self.sides[1], "decode"),
-        };
-        slot.get_or_init(|| {
-            let open = LIVE_STATES.map(|state| {
-                let labels = StateLabels { role, state };
-                self.open.get_or_create(&labels).clone()
-            });
-            let released = RELEASE_WHYS.map(|why| {
-                let labels = ReleaseLabels { role, why };
-                self.released.get_or_create(&labels).clone()
-            });
-            let done = EndLabels {
-                role,
-                outcome: "done",
-                reason: "",
-            };
-            Side {
-                role,
-                open,
-                done: self.requests.get_or_create(&done).clone(),
-                held: self.blocks_held.get_or_create(&RoleLabel { role }).clone(),
-                released,
-                fences: self.fences.get_or_create(&RoleLabel { role }).clone(),
-                quarantined: self.quarantined.get_or_create(&RoleLabel { role }).clone(),
-            }
-        })
+    /// Role `r`'s hot-path series, marked as recorded into (so that they are exposed).
+    fn side(&self, r: Role) -> &SideValues {
+        let side = &self.sides[match r {
+            Role::Prefill => 0,
+            Role::Decode => 1,
+        }];
+        if !side.used.load(Ordering::Relaxed) {
+            side.used.store(true, Ordering::Relaxed);
+        }
+        side
     }
 
     /// A request of `r` entered `to` (from `from`, `None` when it was just opened).
     pub fn moved(&self, r: Role, from: Option<&State>, to: &State) {
         let side = self.side(r);
         if let Some(i) = from.and_then(live_index) {
-            side.open[i].dec();
+            side.open[i].fetch_sub(1, Ordering::Relaxed);
         }
         match to {
             State::Done => {
-                side.done.inc();
+                side.done.fetch_add(1, Ordering::Relaxed);
             }
             State::Failed(reason) => {
                 let labels = EndLabels {
-                    role: side.role,
+                    role: ROLES[usize::from(r == Role::Decode)],
                     outcome: "failed",
                     reason: reason.kind(),
                 };
-                self.requests.get_or_create(&labels).inc();
+                self.failed.get_or_create(&labels).inc();
             }
             live => {
                 if let Some(i) = live_index(live) {
-                    side.open[i].inc();
+                    side.open[i].fetch_add(1, Ordering::Relaxed);
                 }
             }
         }
@@ -363,31 +453,29 @@ impl Metrics {
 
     /// `n` blocks handed over to a request of `r` are held from now.
     pub fn held(&self, r: Role, n: usize) {
-        self.side(r).held.inc_by(n as i64);
+        let n = i64::try_from(n).unwrap_or(i64::MAX);
+        self.side(r).held.fetch_add(n, Ordering::Relaxed);
     }
 
     /// `n` blocks of a request of `r` go back for `why`; `held` of them were held.
     pub fn released(&self, r: Role, n: usize, held: usize, why: &ReleaseReason) {
         let side = self.side(r);
-        side.released[release_index(why)].inc_by(n as u64);
+        side.released[release_index(why)].fetch_add(n as u64, Ordering::Relaxed);
         if held > 0 {
-            side.held.dec_by(held as i64);
+            let held = i64::try_from(held).unwrap_or(i64::MAX);
+            side.held.fetch_sub(held, Ordering::Relaxed);
         }
     }
 
     /// A request of `r` started (`true`) or stopped (`false`) waiting behind a fence.
     pub fn fenced(&self, r: Role, pending: bool) {
-        let gauge = &self.side(r).fences;
-        if pending {
-            gauge.inc();
-        } else {
-            gauge.dec();
-        }
+        let delta = if pending { 1 } else { -1 };
+        self.side(r).fences.fetch_add(delta, Ordering::Relaxed);
     }
 
     /// `delta` blocks of a request of `r` entered (positive) or left (negative) quarantine.
     pub fn quarantined(&self, r: Role, delta: i64) {
-        self.side(r).quarantined.inc_by(delta);
+        self.side(r).quarantined.fetch_add(delta, Ordering::Relaxed);
     }
 
     /// A transfer over `transport` (`op`: `write` or `read`) of `blocks` answered after
@@ -510,6 +598,96 @@ mod tests {
         text.lines()
             .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
             .map(str::to_string)
+    }
+
+    #[test]
+    fn a_roles_series_count_what_it_recorded_and_only_a_role_that_recorded_shows() {
+        let m = Metrics::new();
+        let text = m.encode();
+        for family in [
+            "requests",
+            "blocks_held",
+            "blocks_released",
+            "fences",
+            "blocks_q",
+        ] {
+            assert!(
+                !text.contains(&format!("handoff_{family}")),
+                "no family before anything is recorded: {text}"
+            );
+        }
+        let failed = State::Failed(handoff_transport::FailureReason::TtlExpired);
+        m.moved(Role::Decode, None, &State::Bootstrapping);
+        m.moved(
+            Role::Decode,
+            Some(&State::Bootstrapping),
+            &State::WaitingForInput,
+        );
+        m.moved(Role::Decode, None, &State::Bootstrapping);
+        m.held(Role::Decode, 5);
+        m.moved(Role::Decode, Some(&State::WaitingForInput), &State::Done);
+        m.released(Role::Decode, 3, 3, &ReleaseReason::Done);
+        m.moved(Role::Decode, Some(&State::Bootstrapping), &failed);
+        m.fenced(Role::Decode, true);
+        m.quarantined(Role::Decode, 2);
+        let text = m.encode();
+        let at = |series: &str| value(&text, series);
+        let expect = [
+            (
+                r#"handoff_requests_open{role="decode",state="bootstrapping"}"#,
+                "0",
+            ),
+            (
+                r#"handoff_requests_open{role="decode",state="waiting_for_input"}"#,
+                "0",
+            ),
+            (
+                r#"handoff_requests_open{role="decode",state="transferring"}"#,
+                "0",
+            ),
+            (
+                r#"handoff_requests_total{role="decode",outcome="done",reason=""}"#,
+                "1",
+            ),
+            (
+                r#"handoff_requests_total{role="decode",outcome="failed",reason="ttl_expired"}"#,
+                "1",
+            ),
+            (r#"handoff_blocks_held{role="decode"}"#, "2"),
+            (
+                r#"handoff_blocks_released_total{role="decode",why="done"}"#,
+                "3",
+            ),
+            (
+                r#"handoff_blocks_released_total{role="decode",why="late"}"#,
+                "0",
+            ),
+            (r#"handoff_fences_pending{role="decode"}"#, "1"),
+            (r#"handoff_blocks_quarantined{role="decode"}"#, "2"),
+        ];
+        for (series, v) in expect {
+            assert_eq!(at(series).as_deref(), Some(v), "{series}: {text}");
+        }
+        assert!(
+            text.contains("# TYPE handoff_requests_total counter"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE handoff_requests_open gauge"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE handoff_blocks_released_total counter"),
+            "{text}"
+        );
+        assert!(
+            !text.contains(r#"role="prefill""#),
+            "prefill recorded nothing: {text}"
+        );
+        m.moved(Role::Prefill, None, &State::Bootstrapping);
+        let text = m.encode();
+        let open = r#"handoff_requests_open{role="prefill",state="bootstrapping"}"#;
+        assert_eq!(value(&text, open).as_deref(), Some("1"), "{text}");
     }
 
     #[test]

@@ -142,8 +142,15 @@ fn live_index(state: &State) -> Option<usize> {
     }
 }
 
-/// The `role` labels, in [`Metrics::side`] order.
+/// The `role` labels, in [`role_index`] order.
 const ROLES: [&str; 2] = ["prefill", "decode"];
+
+fn role_index(r: Role) -> usize {
+    match r {
+        Role::Prefill => 0,
+        Role::Decode => 1,
+    }
+}
 
 /// One role's series on the hot path (a state change, a hand-over, a release), side by
 /// side: recording is an atomic add into the two cache lines a request's role touches, not
@@ -415,10 +422,7 @@ impl Metrics {
 
     /// Role `r`'s hot-path series, marked as recorded into (so that they are exposed).
     fn side(&self, r: Role) -> &SideValues {
-        let side = &self.sides[match r {
-            Role::Prefill => 0,
-            Role::Decode => 1,
-        }];
+        let side = &self.sides[role_index(r)];
         if !side.used.load(Ordering::Relaxed) {
             side.used.store(true, Ordering::Relaxed);
         }
@@ -437,7 +441,7 @@ impl Metrics {
             }
             State::Failed(reason) => {
                 let labels = EndLabels {
-                    role: ROLES[usize::from(r == Role::Decode)],
+                    role: ROLES[role_index(r)],
                     outcome: "failed",
                     reason: reason.kind(),
                 };

@@ -1242,17 +1242,18 @@ struct PeerConn {
 /// held at the fork are tried again at their next use.
 const KEYS_UNDECIDED_MAX: u32 = 3;
 
-/// How a failure to unpack a peer's keys is kept, given `undecided` vettings in a row that
-/// ended undecided before it: `Some(error)` is remembered as the refusal of that layout
+/// How a failure to unpack a peer's keys is kept, counting the vettings in a row that ended
+/// undecided in `undecided`: `Some(error)` is remembered as the refusal of that layout
 /// (asked again, it fails at once), `None` is tried again at the next use. A key found
 /// malformed or unverified is refused at once; undecided keys at the
 /// [`KEYS_UNDECIDED_MAX`]th time in a row, as malformed; anything else (no vetting process
 /// could be made, the endpoint failed) never.
-fn refusal(error: &UcxError, undecided: u32) -> Option<UcxError> {
+fn refusal(error: &UcxError, undecided: &mut u32) -> Option<UcxError> {
     match error {
         UcxError::MalformedKey { .. } | UcxError::UnverifiedKey { .. } => Some(error.clone()),
-        UcxError::KeysUndecided { detail } if undecided + 1 >= KEYS_UNDECIDED_MAX => {
-            Some(UcxError::MalformedKey {
+        UcxError::KeysUndecided { detail } => {
+            *undecided += 1;
+            (*undecided >= KEYS_UNDECIDED_MAX).then(|| UcxError::MalformedKey {
                 detail: format!("{detail}, {KEYS_UNDECIDED_MAX} times in a row"),
             })
         }
@@ -1780,16 +1781,12 @@ impl State {
                 // Only a refusal is remembered: a vetting process that could not be made
                 // (out of processes, say) is tried again next time, and one that ended
                 // undecided a bounded number of times in a row.
-                let refused = refusal(&e, conn.undecided);
-                if matches!(e, UcxError::KeysUndecided { .. }) {
-                    conn.undecided += 1;
-                }
-                let kept = refused.is_some();
-                let error = ucx_error(peer, range_error(i, refused.unwrap_or(e)), Instant::now());
-                if kept {
-                    let ranges = Arc::clone(&peer.ranges);
-                    conn.refused = Some((peer.region.clone(), ranges, error.clone()));
-                }
+                let Some(refused) = refusal(&e, &mut conn.undecided) else {
+                    return Err(ucx_error(peer, range_error(i, e), Instant::now()));
+                };
+                let error = ucx_error(peer, range_error(i, refused), Instant::now());
+                let ranges = Arc::clone(&peer.ranges);
+                conn.refused = Some((peer.region.clone(), ranges, error.clone()));
                 return Err(error);
             }
         };
@@ -2301,11 +2298,12 @@ mod tests {
             detail: "the vetting process did not unpack the keys within 5s".into(),
         };
         // Tried again while fewer than the bound ended undecided in a row...
+        let mut count = 0;
         for before in 0..KEYS_UNDECIDED_MAX - 1 {
-            assert_eq!(refusal(&undecided, before), None, "after {before}");
+            assert_eq!(refusal(&undecided, &mut count), None, "after {before}");
         }
         // ...then refused as malformed, saying how often.
-        match refusal(&undecided, KEYS_UNDECIDED_MAX - 1) {
+        match refusal(&undecided, &mut count) {
             Some(UcxError::MalformedKey { detail }) => {
                 assert!(detail.contains("did not unpack"), "{detail}");
                 assert!(detail.contains("3 times in a row"), "{detail}");
@@ -2317,17 +2315,17 @@ mod tests {
         let malformed = UcxError::MalformedKey {
             detail: "cut".into(),
         };
-        assert_eq!(refusal(&malformed, 0), Some(malformed.clone()));
+        assert_eq!(refusal(&malformed, &mut 0), Some(malformed.clone()));
         let unverified = UcxError::UnverifiedKey {
             base: 0x1000,
             len: 64,
             detail: "outside".into(),
         };
-        assert_eq!(refusal(&unverified, 0), Some(unverified.clone()));
+        assert_eq!(refusal(&unverified, &mut 0), Some(unverified.clone()));
         let unavailable = UcxError::InvalidArgument {
             what: "remote keys not vetted: fork: EAGAIN".into(),
         };
-        assert_eq!(refusal(&unavailable, KEYS_UNDECIDED_MAX + 5), None);
+        assert_eq!(refusal(&unavailable, &mut (KEYS_UNDECIDED_MAX + 5)), None);
     }
 
     #[test]

@@ -1,8 +1,8 @@
 //! Lifecycle events, collected without blocking by the engine once per step.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use std::fmt;
 
@@ -142,6 +142,70 @@ pub struct EventQueue {
     /// The runtime is stopping: blocks that never reached their request go back as
     /// `Shutdown`, not `Late`.
     stopping: AtomicBool,
+    /// Rung after every push, if the engine asked for it ([`Doorbells`]).
+    bell: Option<Doorbell>,
+}
+
+/// One bit per runtime, set by a runtime as it queues an event: a caller that drives many
+/// runtimes (an engine process with one per rank, the simulator's thousand workers) drains
+/// only those that have something, without looking at the others.
+///
+/// A bit is set after its event is queued, so a caller that clears it ([`Doorbells::clear`])
+/// before draining misses nothing: an event queued in between is drained now and leaves the
+/// bit set for one empty drain later.
+#[derive(Debug)]
+pub struct Doorbells {
+    words: Box<[AtomicU64]>,
+}
+
+impl Doorbells {
+    /// Bells for `slots` runtimes, none rung.
+    pub fn new(slots: usize) -> Arc<Self> {
+        let words = (0..slots.div_ceil(64)).map(|_| AtomicU64::new(0)).collect();
+        Arc::new(Self { words })
+    }
+
+    /// The bell of slot `slot`, for [`crate::RuntimeBuilder::doorbell`]; `None` past the
+    /// last slot.
+    pub fn bell(self: &Arc<Self>, slot: usize) -> Option<Doorbell> {
+        (slot < self.words.len() * 64).then(|| Doorbell {
+            bells: Arc::clone(self),
+            slot,
+        })
+    }
+
+    /// The first rung slot at `from` or after, if any (it stays rung).
+    pub fn next(&self, from: usize) -> Option<usize> {
+        let mut word = from / 64;
+        let mut bits = self.words.get(word)?.load(Ordering::Acquire) & (u64::MAX << (from % 64));
+        while bits == 0 {
+            word += 1;
+            bits = self.words.get(word)?.load(Ordering::Acquire);
+        }
+        Some(word * 64 + bits.trailing_zeros() as usize)
+    }
+
+    /// Unrings slot `slot` (before draining its runtime's events).
+    pub fn clear(&self, slot: usize) {
+        if let Some(word) = self.words.get(slot / 64) {
+            word.fetch_and(!(1 << (slot % 64)), Ordering::AcqRel);
+        }
+    }
+}
+
+/// One runtime's bit in a [`Doorbells`].
+#[derive(Clone, Debug)]
+pub struct Doorbell {
+    bells: Arc<Doorbells>,
+    slot: usize,
+}
+
+impl Doorbell {
+    fn ring(&self) {
+        if let Some(word) = self.bells.words.get(self.slot / 64) {
+            word.fetch_or(1 << (self.slot % 64), Ordering::AcqRel);
+        }
+    }
 }
 
 /// Events one request can emit: four state changes, one release at the end, one for blocks
@@ -149,8 +213,19 @@ pub struct EventQueue {
 pub const EVENTS_PER_REQUEST_MAX: usize = 6;
 
 impl EventQueue {
+    /// A queue that rings `bell` at every push.
+    pub(crate) fn with_bell(bell: Option<Doorbell>) -> Self {
+        Self {
+            bell,
+            ..Self::default()
+        }
+    }
+
     pub(crate) fn push(&self, event: Event) {
         self.lock().push_back(event);
+        if let Some(bell) = &self.bell {
+            bell.ring();
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Event>> {
@@ -227,6 +302,30 @@ mod tests {
             role: Role::Decode,
             state,
         }
+    }
+
+    #[test]
+    fn a_queue_rings_its_bell_at_each_push_and_only_its_own() {
+        let bells = Doorbells::new(130);
+        assert!(bells.bell(192).is_none(), "past the last word");
+        let (a, b) = (
+            EventQueue::with_bell(bells.bell(3)),
+            EventQueue::with_bell(bells.bell(129)),
+        );
+        assert_eq!(bells.next(0), None, "nothing rung yet");
+        a.push(state("r1", State::Bootstrapping));
+        b.push(state("r2", State::Bootstrapping));
+        assert_eq!(bells.next(0), Some(3));
+        assert_eq!(bells.next(4), Some(129), "found in a later word");
+        bells.clear(3);
+        assert_eq!(bells.next(0), Some(129), "a cleared bell stays quiet");
+        assert_eq!(a.drain().len(), 1);
+        a.push(state("r1", State::Done));
+        assert_eq!(bells.next(0), Some(3), "rung again by the next push");
+        bells.clear(3);
+        bells.clear(129);
+        assert_eq!(bells.next(0), None);
+        assert_eq!((a.drain().len(), b.drain().len()), (1, 1));
     }
 
     #[test]

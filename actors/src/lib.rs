@@ -38,7 +38,7 @@ mod tombstones;
 
 pub use config::{RuntimeConfig, TransportChoice};
 pub use error::Error;
-pub use event::{Event, FenceEnd, ReleaseReason};
+pub use event::{Doorbell, Doorbells, Event, FenceEnd, ReleaseReason};
 pub use handoff_transport::{
     BlockId, BlockSlice, EngineId, FailureReason, KvLayout, KvMemory, KvRange, KvShape, LayerSpan,
     PairSide, PairingError, RankInfo, Region, RegionError, RequestId, Role, TransferMode,

@@ -810,6 +810,14 @@ impl Router {
         if matches!(msg, PeerMessage::AbortAck | PeerMessage::Done { .. }) {
             self.orphan_confirmed(id.clone(), &from, out);
         }
+        if self.live.contains_key(&id) {
+            // Looked up first: most messages are for live requests, and a live id is never
+            // remembered as ended (`open` refuses one, and both ends remove it from `live`
+            // before burying it).
+            let event = MachineEvent::inbound(self.cfg.role, from, msg);
+            out.push(Action::Deliver { id, event });
+            return;
+        }
         if let Some(ended) = self.tombstones.get(&id) {
             if matches!(
                 msg,
@@ -834,10 +842,6 @@ impl Router {
         let is_abort = matches!(msg, PeerMessage::Abort { .. });
         let bytes = msg.held_bytes();
         let event = MachineEvent::inbound(self.cfg.role, from.clone(), msg);
-        if self.live.contains_key(&id) {
-            out.push(Action::Deliver { id, event });
-            return;
-        }
         if is_abort && self.cfg.role == Role::Prefill {
             // Not opened here yet, so nothing of ours was written: decode may release now.
             // (The abort is still buffered: the request fails as soon as it is opened.)

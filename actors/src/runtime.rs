@@ -27,7 +27,7 @@ use tracing::{debug, error, info, trace, warn, Instrument};
 use crate::estate::{Consignment, Deed, Estate, ViewRx};
 
 use crate::config::{RuntimeConfig, TransportChoice, REQUESTS_OPEN_MAX_DEFAULT};
-use crate::event::{Event, EventQueue, ReleaseReason};
+use crate::event::{Doorbell, Event, EventQueue, ReleaseReason};
 use crate::link::{Attach, Inbox, Link};
 use crate::machine::{Peer, PeerMessage, State, Timeouts};
 use crate::metrics::Metrics;
@@ -717,9 +717,18 @@ pub struct RuntimeBuilder {
     transport: Option<TransportChoice>,
     region: Option<Arc<Region>>,
     metrics: Option<Arc<Metrics>>,
+    doorbell: Option<Doorbell>,
 }
 
 impl RuntimeBuilder {
+    /// Rings `bell` whenever an event is queued for [`Runtime::drain_events`]: an engine
+    /// that drives many runtimes drains only those whose bell rang ([`crate::Doorbells`]).
+    /// Default: no bell.
+    pub fn doorbell(mut self, bell: Doorbell) -> Self {
+        self.doorbell = Some(bell);
+        self
+    }
+
     /// Decode only: admission control. With `Some(n)`, a receiver opened without blocks
     /// while `n` requests already wait for blocks is rejected at once (`RejectedBusy`), and
     /// prefill is told `Rejected` instead of waiting out its bootstrap timeout (seed 003).
@@ -790,7 +799,7 @@ impl RuntimeBuilder {
         let metrics = self.metrics.unwrap_or_else(Metrics::new);
         metrics.set_block_bytes(cfg.region.block_bytes());
         let shared = Arc::new(Shared {
-            events: Arc::default(),
+            events: Arc::new(EventQueue::with_bell(self.doorbell)),
             metrics,
             ids: Mutex::default(),
         });
@@ -849,6 +858,7 @@ impl Runtime {
             transport: None,
             region: None,
             metrics: None,
+            doorbell: None,
         }
     }
 

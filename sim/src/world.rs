@@ -14,9 +14,9 @@ use std::sync::{Arc, Mutex};
 
 use handoff_actors::machine::QUARANTINE_ASK_EVERY;
 use handoff_actors::{
-    Attach, BlockId, EngineId, Error as ActorError, Event, KvLayout, LayerSpan, RankInfo,
-    ReceiverHandle, ReceiverSpec, Region, RegionError, RequestId, Role, Runtime, SenderHandle,
-    State, TransferMode, TransportChoice,
+    Attach, BlockId, Doorbells, EngineId, Error as ActorError, Event, KvLayout, LayerSpan,
+    RankInfo, ReceiverHandle, ReceiverSpec, Region, RegionError, RequestId, Role, Runtime,
+    SenderHandle, State, TransferMode, TransportChoice,
 };
 
 use crate::agenda::Agenda;
@@ -233,6 +233,10 @@ pub(crate) struct World {
     /// A bit per worker, set while it holds a handle (`Worker::handles` not empty): each
     /// turn drains only those, rather than looking at every worker of a thousand.
     busy: Vec<u64>,
+    /// A bit per worker, rung by its runtime as it queues an event: a turn drains only
+    /// busy workers whose bell rang (most busy workers of a thousand have nothing new in a
+    /// given millisecond, and looking at each cost a cache miss or two).
+    bells: Arc<Doorbells>,
 }
 
 fn rank_info(engine: &str, dp: (u32, u32), tp: (u32, u32), pp: (u32, u32)) -> RankInfo {
@@ -573,6 +577,7 @@ impl World {
             events: Vec::new(),
             block_bytes: Vec::new(),
             busy: vec![0; workers_len.div_ceil(64)],
+            bells: Doorbells::new(workers_len),
         };
         world.trace.echo(world.cfg.echo_trace);
         world.start_cluster().await?;
@@ -627,7 +632,11 @@ impl World {
         let worker = &mut self.workers[w];
         self.net
             .set_memory(w, worker.inc, worker.region.clone(), worker.pool.clone());
-        let rt = Runtime::builder(worker.role, worker.rank.clone())
+        let mut rt = Runtime::builder(worker.role, worker.rank.clone());
+        if let Some(bell) = self.bells.bell(w) {
+            rt = rt.doorbell(bell);
+        }
+        let rt = rt
             .timeouts(timeouts)
             .mode(worker.mode)
             .transport(TransportChoice::Custom(self.attach.clone()))
@@ -1216,34 +1225,31 @@ impl World {
         self.busy[w / 64] |= 1 << (w % 64);
     }
 
-    /// The first worker from `from` on that holds a handle (as the bits say now).
-    fn next_busy(&self, from: usize) -> Option<usize> {
-        let mut word = from / 64;
-        let mut bits = self.busy.get(word)? & (u64::MAX << (from % 64));
-        loop {
-            if bits != 0 {
-                return Some(word * 64 + bits.trailing_zeros() as usize);
-            }
-            word += 1;
-            bits = *self.busy.get(word)?;
-        }
-    }
-
     fn drain(&mut self, now: u64) {
         // One buffer for every drain of the run (the runtimes keep theirs too), taken out
         // once a turn rather than once a worker.
         let mut events = std::mem::take(&mut self.events);
         // In worker order, each looked at as the loop reaches it (handling one worker's
         // events may settle requests, and so free other workers), as a scan of every
-        // worker would; only the busy ones.
+        // worker would; only the busy ones whose bell rang (an unrung queue is empty).
         let mut from = 0;
-        while let Some(w) = self.next_busy(from) {
+        while let Some(w) = self.bells.next(from) {
             from = w + 1;
+            let busy = self
+                .busy
+                .get(w / 64)
+                .is_some_and(|b| b & (1 << (w % 64)) != 0);
             let worker = &self.workers[w];
-            if worker.handles.is_empty() {
+            let Some(rt) = &worker.rt else {
+                // (A stopped runtime's events went with it.)
+                self.bells.clear(w);
+                continue;
+            };
+            if !busy || worker.handles.is_empty() {
+                // Left rung: drained once the worker holds a handle again, as before.
                 continue;
             }
-            let Some(rt) = &worker.rt else { continue };
+            self.bells.clear(w);
             rt.drain_events_into(&mut events);
             if events.is_empty() {
                 continue;

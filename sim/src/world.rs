@@ -230,11 +230,11 @@ pub(crate) struct World {
     /// One block's bytes, as prefill fills it or the integrity check expects it (kept for
     /// reuse: a block is written and checked once per request and rank).
     block_bytes: Vec<u8>,
-    /// A bit per worker, set while it holds a handle (`Worker::handles` not empty): each
-    /// turn drains only those, rather than looking at every worker of a thousand.
+    /// A bit per worker, set while it holds a handle (`Worker::handles` not empty): whether
+    /// any is busy, without looking at every worker of a thousand.
     busy: Vec<u64>,
     /// A bit per worker, rung by its runtime as it queues an event: a turn drains only
-    /// busy workers whose bell rang (most busy workers of a thousand have nothing new in a
+    /// workers holding a handle whose bell rang (most of a thousand have nothing new in a
     /// given millisecond, and looking at each cost a cache miss or two).
     bells: Arc<Doorbells>,
 }
@@ -1235,17 +1235,13 @@ impl World {
         let mut from = 0;
         while let Some(w) = self.bells.next(from) {
             from = w + 1;
-            let busy = self
-                .busy
-                .get(w / 64)
-                .is_some_and(|b| b & (1 << (w % 64)) != 0);
             let worker = &self.workers[w];
             let Some(rt) = &worker.rt else {
                 // (A stopped runtime's events went with it.)
                 self.bells.clear(w);
                 continue;
             };
-            if !busy || worker.handles.is_empty() {
+            if worker.handles.is_empty() {
                 // Left rung: drained once the worker holds a handle again, as before.
                 continue;
             }

@@ -53,6 +53,9 @@ struct ViewCell {
     changed: Notify,
     /// The owner is gone: the view holds what it last published.
     closed: AtomicBool,
+    /// The engine handed the request's blocks over (its handles' fact, not the owner's:
+    /// kept here so a request needs no allocation of its own for it).
+    handed: AtomicBool,
 }
 
 impl ViewCell {
@@ -67,6 +70,7 @@ fn view(view: View) -> (ViewTx, ViewRx) {
         view: Mutex::new(view),
         changed: Notify::new(),
         closed: AtomicBool::new(false),
+        handed: AtomicBool::new(false),
     });
     (ViewTx(cell.clone()), ViewRx(cell))
 }
@@ -86,6 +90,11 @@ impl Drop for ViewTx {
 }
 
 impl ViewRx {
+    /// Marks the blocks handed over; true if they were already.
+    pub(crate) fn mark_handed(&self) -> bool {
+        self.0.handed.swap(true, Ordering::AcqRel)
+    }
+
     /// The state published last.
     pub(crate) fn state(&self) -> State {
         self.0.lock().state.clone()

@@ -23,7 +23,7 @@
 //!   ([`Action::Quarantine`]), until every prefill rank that could still write confirms
 //!   (`AbortAck` or `Done`) or is reported gone ([`Input::WriterGone`]).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use handoff_transport::{BlockId, FailureReason, RequestId, Role, TransferMode};
@@ -563,7 +563,11 @@ struct Orphan {
 #[derive(Debug)]
 pub struct Router {
     cfg: RouterConfig,
-    live: BTreeMap<RequestId, Live>,
+    /// Looked up for every message, walked only on a peer's loss or replacement (then in
+    /// id order, sorted there): hashed, with std's keyed hasher (ids a peer chooses cannot
+    /// be made to collide). A B-tree's lookup compared the id with a dozen others, each
+    /// behind its own pointer.
+    live: HashMap<RequestId, Live>,
     /// Live requests whose blocks the engine has not handed over yet (admission control
     /// counts them on every open: kept here rather than counted).
     waiting: usize,
@@ -602,7 +606,7 @@ impl Router {
         let tombstones = Tombstones::new(cfg.limits.tombstones);
         Self {
             cfg,
-            live: BTreeMap::new(),
+            live: HashMap::new(),
             waiting: 0,
             pending: BTreeMap::new(),
             pending_bytes: 0,
@@ -666,7 +670,7 @@ impl Router {
             Input::PeerLost { peer } => {
                 // Every live request is told; its machine alone knows whether it depends
                 // on the peer (`depends_on`) and fails `PeerLost` at once if it does.
-                for id in self.live.keys() {
+                for id in self.live_sorted() {
                     let what = Local::PeerLost { peer: peer.clone() };
                     out.push(Action::Deliver {
                         id: id.clone(),
@@ -706,7 +710,14 @@ impl Router {
 
     /// Live requests, in id order.
     pub fn live(&self) -> impl Iterator<Item = &RequestId> {
-        self.live.keys()
+        self.live_sorted().into_iter()
+    }
+
+    /// Live requests, in id order (what is done to each must not depend on the hasher).
+    fn live_sorted(&self) -> Vec<&RequestId> {
+        let mut ids: Vec<&RequestId> = self.live.keys().collect();
+        ids.sort_unstable();
+        ids
     }
 
     /// Whether `id` is live here.
@@ -1147,7 +1158,7 @@ impl Router {
         if self.cfg.role != Role::Decode {
             return; // only decode fences on a writer's confirmation
         }
-        for id in self.live.keys() {
+        for id in self.live_sorted() {
             let what = Local::PeerReplaced { peer: peer.clone() };
             out.push(Action::Deliver {
                 id: id.clone(),

@@ -151,6 +151,8 @@ pub(crate) struct Shared {
     /// Ids from `sender`/`receiver` returning until the root forgets the request: an id is
     /// not opened twice while the runtime still knows it.
     ids: Mutex<BTreeSet<RequestId>>,
+    /// The runtime's memory, which a handle checks the blocks it is given against.
+    region: Arc<Region>,
 }
 
 impl Shared {
@@ -802,6 +804,7 @@ impl RuntimeBuilder {
             events: Arc::new(EventQueue::with_bell(self.doorbell)),
             metrics,
             ids: Mutex::default(),
+            region: cfg.region.clone(),
         });
         let (tx, rx) = crate::mailbox::channel();
         let root = RootRef {
@@ -914,9 +917,7 @@ impl Runtime {
         Ok(Handle {
             id,
             view,
-            handed: Arc::new(AtomicBool::new(false)),
             root: self.root.clone(),
-            region: self.cfg.region.clone(),
             role: self.cfg.role,
             shared: self.shared.clone(),
         })
@@ -1012,22 +1013,20 @@ fn first_duplicate(blocks: &[BlockId]) -> Option<BlockId> {
     sorted.windows(2).find(|w| w[0] == w[1]).map(|w| w[0])
 }
 
-/// What both handles share: the request's published view, and whether the engine handed
-/// its blocks over (the engine's own fact, shared by the handle's clones).
+/// What both handles share: the request's published view, which also says whether the
+/// engine handed its blocks over (the engine's own fact, shared by the handle's clones).
 #[derive(Clone)]
 struct Handle {
     id: RequestId,
     view: ViewRx,
-    handed: Arc<AtomicBool>,
     root: RootRef,
-    region: Arc<Region>,
     role: Role,
     shared: Arc<Shared>,
 }
 
 impl Handle {
     fn hand_over(&self, blocks: Vec<BlockId>, aux: Vec<u8>) -> Result<(), Error> {
-        self.region.check_blocks(&blocks)?;
+        self.shared.region.check_blocks(&blocks)?;
         if let Some(block) = first_duplicate(&blocks) {
             let id = self.id.clone();
             return Err(Error::DuplicateBlock { id, block, blocks });
@@ -1043,7 +1042,7 @@ impl Handle {
             let id = self.id.clone();
             return Err(Error::RequestEnded { id, state, blocks });
         }
-        if self.handed.swap(true, Ordering::AcqRel) {
+        if self.view.mark_handed() {
             return Err(Error::AlreadyHandedOver(self.id.clone()));
         }
         // From here the blocks are the runtime's: the request's owner takes them, or, if the

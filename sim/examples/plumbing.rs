@@ -88,6 +88,11 @@ async fn root(me: mpsc::UnboundedSender<RootMsg>, mut rx: mpsc::UnboundedReceive
 }
 
 fn main() {
+    if !alloc::keep_freed_memory() {
+        eprintln!(
+            "plumbing: mimalloc's purge delay is not where this build expects it; left as is"
+        );
+    }
     let mut args = std::env::args().skip(1).map(|a| a.parse::<u64>().ok());
     let workers = args.next().flatten().unwrap_or(1_000).max(1);
     let requests = args.next().flatten().unwrap_or(300_000);

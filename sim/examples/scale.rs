@@ -13,6 +13,9 @@ mod alloc;
 static ALLOC: alloc::Mimalloc = alloc::Mimalloc;
 
 fn main() {
+    if !alloc::keep_freed_memory() {
+        eprintln!("scale: mimalloc's purge delay is not where this build expects it; left as is");
+    }
     let mut args = std::env::args().skip(1);
     let cap = args.next().and_then(|s| s.parse().ok()).unwrap_or(u64::MAX);
     let steps = &handoff_sim::cli::SCALE_STEPS;

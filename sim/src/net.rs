@@ -82,7 +82,7 @@ use tokio::sync::{oneshot, Notify};
 use crate::config::{DataPlane, Faults, MessageKind, Plane, Shape, Timing};
 use crate::pool::Pool;
 use crate::rng::Rng;
-use crate::trace::Fnv64;
+use crate::trace::Fold64;
 
 /// Largest wait between two registration attempts while the bootstrap server is down.
 pub const REGISTER_BACKOFF_MS_MAX: u64 = 200;
@@ -528,7 +528,7 @@ struct NetState {
     agenda: Agenda<NetEvent>,
     wake_at: u64,
     stats: NetStats,
-    hash: Fnv64,
+    hash: Fold64,
     notes: Vec<NetNote>,
     findings: Vec<NetFinding>,
     /// A tick's idle connections, kept for the next tick (no allocation per tick).
@@ -611,7 +611,7 @@ impl SimNet {
             agenda: Agenda::new(),
             wake_at: u64::MAX,
             stats: NetStats::default(),
-            hash: Fnv64::new(),
+            hash: Fold64::new(),
             notes: Vec::new(),
             findings: Vec::new(),
             idle_scratch: Vec::new(),
@@ -1099,11 +1099,11 @@ impl NetState {
             );
             return self.note(t, req_index(&id), text);
         }
-        self.hash.bytes(&t.to_le_bytes());
-        self.hash.bytes(&(from.0 as u64).to_le_bytes());
-        self.hash.bytes(&(to.0 as u64).to_le_bytes());
+        self.hash.word(t);
+        self.hash.word(from.0 as u64);
+        self.hash.word(to.0 as u64);
         self.hash.str(id.as_str());
-        self.hash.bytes(&[MessageKind::of(&msg) as u8]);
+        self.hash.word(MessageKind::of(&msg) as u64);
         let from_rank = self.ranks[from.0].clone();
         let Some(inbox) = self.node_at(to.0).and_then(|n| n.inbox.clone()) else {
             return;
@@ -1248,9 +1248,9 @@ impl NetState {
         match copied {
             Ok(()) => {
                 self.stats.transfers_ok += 1;
-                self.hash.bytes(&t.to_le_bytes());
-                self.hash.bytes(&(src.0 as u64).to_le_bytes());
-                self.hash.bytes(&(dst.0 as u64).to_le_bytes());
+                self.hash.word(t);
+                self.hash.word(src.0 as u64);
+                self.hash.word(dst.0 as u64);
                 Ok(())
             }
             Err(e) => fail(self, e.to_string()),

@@ -565,7 +565,7 @@ pub struct Router {
     cfg: RouterConfig,
     /// Looked up for every message, walked only on a peer's loss or replacement (then in
     /// id order, sorted there): hashed, with std's keyed hasher (ids a peer chooses cannot
-    /// be made to collide). A B-tree's lookup compared the id with a dozen others, each
+    /// be made to collide), where a B-tree's lookup compared the id with others, each
     /// behind its own pointer.
     live: HashMap<RequestId, Live>,
     /// Live requests whose blocks the engine has not handed over yet (admission control

@@ -8,9 +8,6 @@
 //! (a thousand of them in the simulator's scale run) keeps about half the memory a map
 //! from id to state and a queue of ids took. Lookups compare the ids themselves: exact.
 
-use std::collections::hash_map::RandomState;
-use std::hash::BuildHasher;
-
 use handoff_transport::RequestId;
 use hashbrown::HashTable;
 
@@ -45,9 +42,6 @@ impl Tomb {
 /// How at most `max` requests ended, by id; the oldest forgotten first.
 #[derive(Debug)]
 pub(crate) struct Tombstones {
-    /// Keyed per router (std's SipHash with random keys): ids chosen by a peer cannot be
-    /// made to collide.
-    hasher: RandomState,
     /// Positions in `ring`, found by the hash of the id there.
     table: HashTable<u32>,
     /// The tombstones, in the order they were written until the ring is full; then
@@ -61,7 +55,6 @@ impl Tombstones {
     /// Remembers at most `max` (at most `u32::MAX`; 0 remembers nothing).
     pub(crate) fn new(max: usize) -> Self {
         Self {
-            hasher: RandomState::new(),
             table: HashTable::new(),
             ring: Vec::new(),
             next: 0,
@@ -78,14 +71,14 @@ impl Tombstones {
 
     /// How `id` ended, if it is remembered.
     pub(crate) fn get(&self, id: &RequestId) -> Option<&State> {
-        let i = self.position(self.hasher.hash_one(id), id)?;
+        let i = self.position(id.hash_code(), id)?;
         Some(self.ring[i].1.state())
     }
 
     /// Remembers how `id` ended: a request remembered already keeps its place in the order
     /// and takes the new state; a new one past `max` makes the oldest forgotten.
     pub(crate) fn insert(&mut self, id: RequestId, state: State) {
-        let hash = self.hasher.hash_one(&id);
+        let hash = id.hash_code();
         if let Some(i) = self.position(hash, &id) {
             self.ring[i].1 = Tomb::of(state);
             return;
@@ -99,17 +92,18 @@ impl Tombstones {
         } else {
             let i = self.next;
             self.next = (i + 1) % self.max;
-            let old = self.hasher.hash_one(&self.ring[i].0);
+            let old = self.ring[i].0.hash_code();
             if let Ok(entry) = self.table.find_entry(old, |&j| j as usize == i) {
                 entry.remove();
             }
             self.ring[i] = (id, Tomb::of(state));
             i
         };
-        let (ring, hasher) = (&self.ring, &self.hasher);
-        // `i < max <= u32::MAX`.
+        let ring = &self.ring;
+        // `i < max <= u32::MAX`. (An id's hash is keyed per process: ids a peer chooses
+        // cannot be made to collide.)
         self.table
-            .insert_unique(hash, i as u32, |&j| hasher.hash_one(&ring[j as usize].0));
+            .insert_unique(hash, i as u32, |&j| ring[j as usize].0.hash_code());
     }
 
     /// Requests remembered.

@@ -8,6 +8,8 @@
 //! (a thousand of them in the simulator's scale run) keeps about half the memory a map
 //! from id to state and a queue of ids took. Lookups compare the ids themselves: exact.
 
+use std::sync::Arc;
+
 use handoff_transport::RequestId;
 use hashbrown::HashTable;
 
@@ -45,8 +47,10 @@ pub(crate) struct Tombstones {
     /// Positions in `ring`, found by the hash of the id there.
     table: HashTable<u32>,
     /// The tombstones, in the order they were written until the ring is full; then
-    /// `next` is the oldest, overwritten by the next one.
-    ring: Vec<(RequestId, Tomb)>,
+    /// `next` is the oldest, overwritten by the next one. An id's text alone (three words
+    /// an entry, not four): its hash is computed again when the entry is forgotten or the
+    /// table grows, never when an id is looked up (that id carries its own).
+    ring: Vec<(Arc<str>, Tomb)>,
     next: usize,
     max: usize,
 }
@@ -65,7 +69,7 @@ impl Tombstones {
     fn position(&self, hash: u64, id: &RequestId) -> Option<usize> {
         let ring = &self.ring;
         self.table
-            .find(hash, |&i| ring[i as usize].0 == *id)
+            .find(hash, |&i| *ring[i as usize].0 == *id.as_str())
             .map(|&i| i as usize)
     }
 
@@ -87,23 +91,24 @@ impl Tombstones {
             return;
         }
         let i = if self.ring.len() < self.max {
-            self.ring.push((id, Tomb::of(state)));
+            self.ring.push((id.into_text(), Tomb::of(state)));
             self.ring.len() - 1
         } else {
             let i = self.next;
             self.next = (i + 1) % self.max;
-            let old = self.ring[i].0.hash_code();
+            let old = RequestId::hash_text(&self.ring[i].0);
             if let Ok(entry) = self.table.find_entry(old, |&j| j as usize == i) {
                 entry.remove();
             }
-            self.ring[i] = (id, Tomb::of(state));
+            self.ring[i] = (id.into_text(), Tomb::of(state));
             i
         };
         let ring = &self.ring;
         // `i < max <= u32::MAX`. (An id's hash is keyed per process: ids a peer chooses
         // cannot be made to collide.)
-        self.table
-            .insert_unique(hash, i as u32, |&j| ring[j as usize].0.hash_code());
+        self.table.insert_unique(hash, i as u32, |&j| {
+            RequestId::hash_text(&ring[j as usize].0)
+        });
     }
 
     /// Requests remembered.
@@ -182,5 +187,10 @@ mod tests {
     #[test]
     fn a_done_end_is_one_word() {
         assert_eq!(std::mem::size_of::<Tomb>(), std::mem::size_of::<usize>());
+        // The ring's entry: the id's text (two words) and the tomb.
+        assert_eq!(
+            std::mem::size_of::<(Arc<str>, Tomb)>(),
+            3 * std::mem::size_of::<usize>()
+        );
     }
 }

@@ -33,8 +33,7 @@ impl RequestId {
     }
 
     fn from_arc(text: Arc<str>) -> Self {
-        use std::hash::BuildHasher as _;
-        let hash = id_key().hash_one(&*text);
+        let hash = Self::hash_text(&text);
         Self { text, hash }
     }
 
@@ -47,6 +46,18 @@ impl RequestId {
     /// let it order anything observable).
     pub fn hash_code(&self) -> u64 {
         self.hash
+    }
+
+    /// The hash an id with this text carries ([`RequestId::hash_code`]), for a store that
+    /// keeps ids' texts alone (a word narrower) and hashes them again when it must.
+    pub fn hash_text(text: &str) -> u64 {
+        use std::hash::BuildHasher as _;
+        id_key().hash_one(text)
+    }
+
+    /// The id's shared text, without its hash.
+    pub fn into_text(self) -> Arc<str> {
+        self.text
     }
 }
 

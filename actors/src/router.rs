@@ -23,10 +23,10 @@
 //!   ([`Action::Quarantine`]), until every prefill rank that could still write confirms
 //!   (`AbortAck` or `Done`) or is reported gone ([`Input::WriterGone`]).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
-use handoff_transport::{BlockId, FailureReason, IdMap, RequestId, Role, TransferMode};
+use handoff_transport::{BlockId, FailureReason, RequestId, Role, TransferMode};
 
 use crate::config::{
     PENDING_BYTES_MAX, PENDING_MESSAGES_PER_REQUEST_MAX, PENDING_REQUESTS_MAX, TOMBSTONES_MAX,
@@ -564,10 +564,10 @@ struct Orphan {
 pub struct Router {
     cfg: RouterConfig,
     /// Looked up for every message, walked only on a peer's loss or replacement (then in
-    /// id order, sorted there): hashed by the id's own hash ([`IdMap`]: keyed per process,
-    /// so ids a peer chooses cannot be made to collide), where a B-tree's lookup compared
-    /// the id with others, each behind its own pointer.
-    live: IdMap<Live>,
+    /// id order, sorted there): hashed, with std's keyed hasher (ids a peer chooses cannot
+    /// be made to collide), where a B-tree's lookup compared the id with others, each
+    /// behind its own pointer.
+    live: HashMap<RequestId, Live>,
     /// Live requests whose blocks the engine has not handed over yet (admission control
     /// counts them on every open: kept here rather than counted).
     waiting: usize,
@@ -606,7 +606,7 @@ impl Router {
         let tombstones = Tombstones::new(cfg.limits.tombstones);
         Self {
             cfg,
-            live: IdMap::default(),
+            live: HashMap::new(),
             waiting: 0,
             pending: BTreeMap::new(),
             pending_bytes: 0,

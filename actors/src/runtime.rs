@@ -14,16 +14,14 @@
 //!   stops them all when the runtime stops).
 //! - a request actor that stops after its request ended is the normal case and is ignored.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use handoff_transport::wire::AUX_BYTES_MAX;
-use handoff_transport::{
-    BlockId, EngineId, IdMap, IdSet, RankInfo, Region, RequestId, Role, TransferMode,
-};
+use handoff_transport::{BlockId, EngineId, RankInfo, Region, RequestId, Role, TransferMode};
 use tracing::{debug, error, info, trace, warn, Instrument};
 
 use crate::estate::{Consignment, Deed, Estate, ViewRx};
@@ -133,9 +131,7 @@ struct RootState {
     link: Arc<dyn Link>,
     shared: Arc<Shared>,
     router: Router,
-    /// By id, hashed by the id's own hash: looked up for nearly every message, walked only
-    /// when the runtime stops (then in id order).
-    entries: IdMap<Entry>,
+    entries: BTreeMap<RequestId, Entry>,
     /// The serial of the next request actor spawned.
     serial: u64,
     /// The timers the router armed, by when they fire (and the order they were armed in):
@@ -154,13 +150,13 @@ pub(crate) struct Shared {
     pub(crate) metrics: Arc<Metrics>,
     /// Ids from `sender`/`receiver` returning until the root forgets the request: an id is
     /// not opened twice while the runtime still knows it.
-    ids: Mutex<IdSet>,
+    ids: Mutex<BTreeSet<RequestId>>,
     /// The runtime's memory, which a handle checks the blocks it is given against.
     region: Arc<Region>,
 }
 
 impl Shared {
-    fn ids(&self) -> std::sync::MutexGuard<'_, IdSet> {
+    fn ids(&self) -> std::sync::MutexGuard<'_, BTreeSet<RequestId>> {
         self.ids.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
@@ -256,7 +252,7 @@ impl RootState {
             link,
             shared,
             router,
-            entries: IdMap::default(),
+            entries: BTreeMap::new(),
             serial: 0,
             timers: BTreeMap::new(),
             armed: 0,
@@ -360,9 +356,7 @@ impl RootState {
         // still held blocks (a fence, an orphan) give them back too: the runtime is going
         // away, and nothing it started can land after this. Requests whose `Open` is still
         // in the mailbox are closed when it is dropped.
-        let mut entries: Vec<_> = std::mem::take(&mut self.entries).into_iter().collect();
-        entries.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-        for (_, mut entry) in entries {
+        for (_, mut entry) in std::mem::take(&mut self.entries) {
             entry.unquarantine(&self.shared.metrics, self.cfg.role);
             if let Some(actor) = entry.actor {
                 actor.stop();

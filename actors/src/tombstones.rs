@@ -8,7 +8,8 @@
 //! (a thousand of them in the simulator's scale run) keeps about half the memory a map
 //! from id to state and a queue of ids took. Lookups compare the ids themselves: exact.
 
-use std::sync::Arc;
+use std::collections::hash_map::RandomState;
+use std::hash::BuildHasher;
 
 use handoff_transport::RequestId;
 use hashbrown::HashTable;
@@ -44,13 +45,14 @@ impl Tomb {
 /// How at most `max` requests ended, by id; the oldest forgotten first.
 #[derive(Debug)]
 pub(crate) struct Tombstones {
+    /// Keyed per router (std's SipHash with random keys): ids chosen by a peer cannot be
+    /// made to collide.
+    hasher: RandomState,
     /// Positions in `ring`, found by the hash of the id there.
     table: HashTable<u32>,
     /// The tombstones, in the order they were written until the ring is full; then
-    /// `next` is the oldest, overwritten by the next one. An id's text alone (three words
-    /// an entry, not four): its hash is computed again when the entry is forgotten or the
-    /// table grows, never when an id is looked up (that id carries its own).
-    ring: Vec<(Arc<str>, Tomb)>,
+    /// `next` is the oldest, overwritten by the next one.
+    ring: Vec<(RequestId, Tomb)>,
     next: usize,
     max: usize,
 }
@@ -59,6 +61,7 @@ impl Tombstones {
     /// Remembers at most `max` (at most `u32::MAX`; 0 remembers nothing).
     pub(crate) fn new(max: usize) -> Self {
         Self {
+            hasher: RandomState::new(),
             table: HashTable::new(),
             ring: Vec::new(),
             next: 0,
@@ -69,20 +72,20 @@ impl Tombstones {
     fn position(&self, hash: u64, id: &RequestId) -> Option<usize> {
         let ring = &self.ring;
         self.table
-            .find(hash, |&i| *ring[i as usize].0 == *id.as_str())
+            .find(hash, |&i| ring[i as usize].0 == *id)
             .map(|&i| i as usize)
     }
 
     /// How `id` ended, if it is remembered.
     pub(crate) fn get(&self, id: &RequestId) -> Option<&State> {
-        let i = self.position(id.hash_code(), id)?;
+        let i = self.position(self.hasher.hash_one(id), id)?;
         Some(self.ring[i].1.state())
     }
 
     /// Remembers how `id` ended: a request remembered already keeps its place in the order
     /// and takes the new state; a new one past `max` makes the oldest forgotten.
     pub(crate) fn insert(&mut self, id: RequestId, state: State) {
-        let hash = id.hash_code();
+        let hash = self.hasher.hash_one(&id);
         if let Some(i) = self.position(hash, &id) {
             self.ring[i].1 = Tomb::of(state);
             return;
@@ -91,24 +94,22 @@ impl Tombstones {
             return;
         }
         let i = if self.ring.len() < self.max {
-            self.ring.push((id.into_text(), Tomb::of(state)));
+            self.ring.push((id, Tomb::of(state)));
             self.ring.len() - 1
         } else {
             let i = self.next;
             self.next = (i + 1) % self.max;
-            let old = RequestId::hash_text(&self.ring[i].0);
+            let old = self.hasher.hash_one(&self.ring[i].0);
             if let Ok(entry) = self.table.find_entry(old, |&j| j as usize == i) {
                 entry.remove();
             }
-            self.ring[i] = (id.into_text(), Tomb::of(state));
+            self.ring[i] = (id, Tomb::of(state));
             i
         };
-        let ring = &self.ring;
-        // `i < max <= u32::MAX`. (An id's hash is keyed per process: ids a peer chooses
-        // cannot be made to collide.)
-        self.table.insert_unique(hash, i as u32, |&j| {
-            RequestId::hash_text(&ring[j as usize].0)
-        });
+        let (ring, hasher) = (&self.ring, &self.hasher);
+        // `i < max <= u32::MAX`.
+        self.table
+            .insert_unique(hash, i as u32, |&j| hasher.hash_one(&ring[j as usize].0));
     }
 
     /// Requests remembered.
@@ -187,10 +188,5 @@ mod tests {
     #[test]
     fn a_done_end_is_one_word() {
         assert_eq!(std::mem::size_of::<Tomb>(), std::mem::size_of::<usize>());
-        // The ring's entry: the id's text (two words) and the tomb.
-        assert_eq!(
-            std::mem::size_of::<(Arc<str>, Tomb)>(),
-            3 * std::mem::size_of::<usize>()
-        );
     }
 }

@@ -3,7 +3,7 @@
 //! The server actor feeds it decoded requests and turns its answers into replies; unit tests
 //! drive it directly. Every rule about what a registration may do lives here.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -107,11 +107,7 @@ fn expected_ranks((dp, tp, pp): (u32, u32, u32)) -> Option<u32> {
 /// the wire limits cap at `WORKERS_PER_ENGINE_MAX`), at most [`WORKERS_MAX`] in all.
 #[derive(Default)]
 pub struct Registry {
-    /// Looked up for every query, registration and heartbeat; walked only for a status
-    /// or an expiry (sorted there): hashed, with std's keyed hasher (names a peer chooses
-    /// cannot be made to collide), where a B-tree compared the name with a dozen others,
-    /// each behind its own pointer, at a thousand engines.
-    engines: HashMap<EngineId, Engine>,
+    engines: BTreeMap<EngineId, Engine>,
     workers_total: usize,
     /// Which records each connection registered: heartbeats on a connection refresh these.
     by_conn: BTreeMap<ConnId, BTreeSet<(EngineId, Rank)>>,
@@ -287,7 +283,7 @@ impl Registry {
     /// Removes every record not heard from for `expire_after` or longer, and returns them in
     /// engine and rank order.
     pub fn expire(&mut self, now: Instant, expire_after: Duration) -> Vec<Expired> {
-        let mut stale: Vec<(EngineId, Rank)> = self
+        let stale: Vec<(EngineId, Rank)> = self
             .engines
             .iter()
             .flat_map(|(id, engine)| {
@@ -298,7 +294,6 @@ impl Registry {
                     .map(move |(rank, _)| (id.clone(), *rank))
             })
             .collect();
-        stale.sort_unstable();
         let mut expired = Vec::with_capacity(stale.len());
         for (engine_id, rank) in stale {
             let Some(entry) = self
@@ -337,11 +332,10 @@ impl Registry {
 
     /// Every engine and its workers, in engine and rank order.
     pub fn status(&self) -> StatusReply {
-        let mut engines: Vec<_> = self.engines.iter().collect();
-        engines.sort_unstable_by(|a, b| a.0.cmp(b.0));
         StatusReply {
-            engines: engines
-                .into_iter()
+            engines: self
+                .engines
+                .iter()
                 .map(|(id, e)| EngineStatus {
                     engine_id: id.clone(),
                     role: e.role,

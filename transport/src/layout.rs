@@ -531,12 +531,6 @@ impl KvLayout {
             .fold(0usize, |sum, r| sum.saturating_add(r.bytes))
     }
 
-    /// The most segments [`KvLayout::segments_into`] appends for one block's slice (one
-    /// per range): the capacity that spares its list any growth.
-    pub fn segments_max(&self) -> usize {
-        self.ranges.len()
-    }
-
     /// The physical segments of `len` logical bytes at `offset` of block `block`, in
     /// logical order, appended to `out`. The layout must be validated
     /// ([`KvLayout::validate`]); the arithmetic is checked all the same.

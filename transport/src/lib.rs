@@ -47,10 +47,7 @@ pub use layout::{
     Segment, LAYERS_MAX, LAYOUT_BYTES_MAX, RANGES_MAX,
 };
 pub use region::{BlockSlice, PairingError, Region, RegionError};
-pub use types::{
-    BlockId, EngineId, FailureReason, IdHasher, IdMap, IdSet, Rank, RankInfo, RequestId, Role,
-    TransferMode,
-};
+pub use types::{BlockId, EngineId, FailureReason, Rank, RankInfo, RequestId, Role, TransferMode};
 
 /// The version of the wire protocol this build speaks. A peer on another version is
 /// refused at connect time with an error that names both versions.

@@ -975,7 +975,7 @@ impl Region {
         offset: usize,
         out: &mut [u8],
     ) -> Result<(), RegionError> {
-        let mut segments = Vec::with_capacity(self.layout.segments_max());
+        let mut segments = Vec::new();
         self.segments_into(block, offset, out.len(), &mut segments)?;
         self.read_segments(&segments, out)
     }
@@ -991,7 +991,7 @@ impl Region {
         offset: usize,
         data: &[u8],
     ) -> Result<(), RegionError> {
-        let mut segments = Vec::with_capacity(self.layout.segments_max());
+        let mut segments = Vec::new();
         self.segments_into(block, offset, data.len(), &mut segments)?;
         self.write_segments(&segments, data)
     }
@@ -1089,10 +1089,7 @@ impl Region {
         } else {
             vec![0u8; slice.len]
         };
-        let (mut from, mut to) = (
-            Vec::with_capacity(src.layout.segments_max()),
-            Vec::with_capacity(dst.layout.segments_max()),
-        );
+        let (mut from, mut to) = (Vec::new(), Vec::new());
         for (s, d) in src_blocks.iter().zip(dst_blocks) {
             from.clear();
             to.clear();
@@ -1122,7 +1119,7 @@ impl Region {
         let mut hash = 0xcbf2_9ce4_8422_2325u64;
         // One block's bytes and segments at a time, in buffers kept across the blocks.
         let mut bytes = vec![0u8; self.block_bytes];
-        let mut segments = Vec::with_capacity(self.layout.segments_max());
+        let mut segments = Vec::new();
         for b in blocks {
             segments.clear();
             self.segments_into(*b, 0, self.block_bytes, &mut segments)?;

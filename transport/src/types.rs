@@ -9,119 +9,31 @@ use std::sync::Arc;
 
 /// The engine's name for one request. Prefill and decode use the same id for the same request.
 ///
-/// Cheap to clone (`Arc<str>`): a request id is copied into every message and log span. It
-/// carries its hash, computed once when it is made, with a key drawn at random for the
-/// process (std's SipHash): a peer cannot choose ids that collide, and a map of ids
-/// ([`IdMap`]) hashes a word rather than the string, however often it is looked up (the
-/// root looks a request up for every message). Ordered, compared and sent as its text.
-#[derive(Clone)]
-pub struct RequestId {
-    text: Arc<str>,
-    hash: u64,
-}
-
-/// The process's key for request ids' hashes.
-fn id_key() -> &'static std::hash::RandomState {
-    static KEY: std::sync::OnceLock<std::hash::RandomState> = std::sync::OnceLock::new();
-    KEY.get_or_init(std::hash::RandomState::new)
-}
+/// Cheap to clone (`Arc<str>`): a request id is copied into every message and log span.
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, bincode::Encode, bincode::Decode)]
+pub struct RequestId(pub Arc<str>);
 
 impl RequestId {
     /// Builds a request id from anything string-like.
     pub fn new(id: impl AsRef<str>) -> Self {
-        Self::from_arc(Arc::from(id.as_ref()))
-    }
-
-    fn from_arc(text: Arc<str>) -> Self {
-        let hash = Self::hash_text(&text);
-        Self { text, hash }
+        Self(Arc::from(id.as_ref()))
     }
 
     /// The id as a string slice.
     pub fn as_str(&self) -> &str {
-        &self.text
-    }
-
-    /// The id's hash (keyed per process, so it differs from one run to the next: never
-    /// let it order anything observable).
-    pub fn hash_code(&self) -> u64 {
-        self.hash
-    }
-
-    /// The hash an id with this text carries ([`RequestId::hash_code`]), for a store that
-    /// keeps ids' texts alone (a word narrower) and hashes them again when it must.
-    pub fn hash_text(text: &str) -> u64 {
-        use std::hash::BuildHasher as _;
-        id_key().hash_one(text)
-    }
-
-    /// The id's shared text, without its hash.
-    pub fn into_text(self) -> Arc<str> {
-        self.text
-    }
-}
-
-impl PartialEq for RequestId {
-    fn eq(&self, other: &Self) -> bool {
-        self.hash == other.hash && (Arc::ptr_eq(&self.text, &other.text) || self.text == other.text)
-    }
-}
-
-impl Eq for RequestId {}
-
-impl PartialOrd for RequestId {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl Ord for RequestId {
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        self.text.cmp(&other.text)
-    }
-}
-
-impl std::hash::Hash for RequestId {
-    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
-        state.write_u64(self.hash);
-    }
-}
-
-impl bincode::Encode for RequestId {
-    fn encode<E: bincode::enc::Encoder>(
-        &self,
-        encoder: &mut E,
-    ) -> Result<(), bincode::error::EncodeError> {
-        self.text.encode(encoder)
-    }
-}
-
-impl<Context> bincode::Decode<Context> for RequestId {
-    fn decode<D: bincode::de::Decoder<Context = Context>>(
-        decoder: &mut D,
-    ) -> Result<Self, bincode::error::DecodeError> {
-        Arc::<str>::decode(decoder).map(Self::from_arc)
-    }
-}
-
-impl<'de, Context> bincode::BorrowDecode<'de, Context> for RequestId {
-    fn borrow_decode<D: bincode::de::BorrowDecoder<'de, Context = Context>>(
-        decoder: &mut D,
-    ) -> Result<Self, bincode::error::DecodeError> {
-        <Arc<str> as bincode::BorrowDecode<'de, Context>>::borrow_decode(decoder)
-            .map(Self::from_arc)
+        &self.0
     }
 }
 
 impl fmt::Display for RequestId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.text)
+        f.write_str(&self.0)
     }
 }
 
 impl fmt::Debug for RequestId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:?}", &*self.text)
+        write!(f, "{:?}", &*self.0)
     }
 }
 
@@ -130,36 +42,6 @@ impl From<&str> for RequestId {
         Self::new(s)
     }
 }
-
-/// Passes a [`RequestId`]'s own hash through (see there): the hasher of [`IdMap`] and
-/// [`IdSet`]. Anything else hashed with it is folded a word at a time.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct IdHasher(u64);
-
-impl std::hash::Hasher for IdHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        for chunk in bytes.chunks(8) {
-            let mut word = [0u8; 8];
-            word[..chunk.len()].copy_from_slice(chunk);
-            self.write_u64(u64::from_le_bytes(word));
-        }
-    }
-
-    fn write_u64(&mut self, n: u64) {
-        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ n;
-    }
-
-    fn finish(&self) -> u64 {
-        self.0
-    }
-}
-
-/// A hash map keyed by request ids, hashed by their own hash ([`IdHasher`]).
-pub type IdMap<V> =
-    std::collections::HashMap<RequestId, V, std::hash::BuildHasherDefault<IdHasher>>;
-
-/// A hash set of request ids, hashed by their own hash ([`IdHasher`]).
-pub type IdSet = std::collections::HashSet<RequestId, std::hash::BuildHasherDefault<IdHasher>>;
 
 /// The name of one serving engine (one prefill or decode instance, all its ranks).
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, bincode::Encode, bincode::Decode)]

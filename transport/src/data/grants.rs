@@ -5,10 +5,11 @@
 //! blocks are released, and revoking waits for a copy in flight under that grant to finish,
 //! so no byte lands in a block after the engine got it back.
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use super::{Access, GrantError};
-use crate::types::{BlockId, IdMap, RankInfo, RequestId};
+use crate::types::{BlockId, RankInfo, RequestId};
 
 /// One request's grants: a request has one peer per pipeline rank of the other side
 /// (decode grants each prefill pipeline rank write access to the same blocks), so each
@@ -44,14 +45,13 @@ const GRANTS_PER_REQUEST_MAX: usize = 256;
 /// The grants of one worker, by request.
 #[derive(Default)]
 pub struct GrantTable {
-    /// Looked up by id for every grant, check and revocation; never walked.
-    grants: Mutex<IdMap<Arc<Mutex<RequestGrants>>>>,
+    grants: Mutex<BTreeMap<RequestId, Arc<Mutex<RequestGrants>>>>,
     /// The last generation handed out.
     generations: std::sync::atomic::AtomicU64,
 }
 
 impl GrantTable {
-    fn map(&self) -> std::sync::MutexGuard<'_, IdMap<Arc<Mutex<RequestGrants>>>> {
+    fn map(&self) -> std::sync::MutexGuard<'_, BTreeMap<RequestId, Arc<Mutex<RequestGrants>>>> {
         self.grants.lock().unwrap_or_else(|e| e.into_inner())
     }
 

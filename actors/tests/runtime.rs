@@ -6,7 +6,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use handoff_actors::link::{LinkError, ResolveFuture, TransferFuture};
+use handoff_actors::link::{
+    LinkError, ResolveFuture, TransferFuture, UnwatchedFuture, PLANE_ANSWER_GRACE,
+};
 use handoff_actors::machine::{Peer, PeerMessage};
 use handoff_actors::{
     merge, Attach, BlockId, EngineId, Error, Event, Fabric, FailureReason, Inbox, KvLayout,
@@ -1122,10 +1124,23 @@ async fn layouts_that_do_not_pair_fail_by_name_when_decode_asks_before_prefill_o
 
 /// The in-process link, except that the transfers of one request panic inside the plane's
 /// future (a bug in a data plane, as the request actor polls it), and so does a lookup of
-/// prefill engine `Q` once it was first found pending (a bug in a directory).
+/// prefill engine `Q` once it was first found pending (a bug in a directory); with `hang`,
+/// that request's transfers never answer instead (a stuck plane).
 struct PanickyTransfers {
     inner: Arc<dyn Link>,
     victim: RequestId,
+    hang: bool,
+}
+
+impl PanickyTransfers {
+    /// The victim's transfer: a panic, or no answer ever.
+    fn broken(&self) -> TransferFuture {
+        if self.hang {
+            Box::pin(std::future::pending())
+        } else {
+            Box::pin(async { panic!("a plane bug") })
+        }
+    }
 }
 
 impl Link for PanickyTransfers {
@@ -1156,7 +1171,7 @@ impl Link for PanickyTransfers {
         deadline: std::time::Instant,
     ) -> TransferFuture {
         if *id == self.victim {
-            return Box::pin(async { panic!("a plane bug") });
+            return self.broken();
         }
         self.inner.write(id, to, src, dst, deadline)
     }
@@ -1169,7 +1184,7 @@ impl Link for PanickyTransfers {
         deadline: std::time::Instant,
     ) -> TransferFuture {
         if *id == self.victim {
-            return Box::pin(async { panic!("a plane bug") });
+            return self.broken();
         }
         self.inner.read(id, from, src, dst, deadline)
     }
@@ -1179,11 +1194,23 @@ impl Link for PanickyTransfers {
     fn detach(&self) {
         self.inner.detach()
     }
+    /// A stuck plane is taken as one-sided (a late write or read cannot be refused), whose
+    /// every peer could be watched: push stays push, and the blocks are fenced.
+    fn one_sided(&self) -> bool {
+        self.hang
+    }
+    fn unwatched(&self, peers: &[Peer]) -> UnwatchedFuture {
+        if self.hang {
+            return Box::pin(std::future::ready(Vec::new()));
+        }
+        self.inner.unwatched(peers)
+    }
 }
 
 struct PanickyAttach {
     fabric: Arc<Fabric>,
     victim: RequestId,
+    hang: bool,
 }
 
 impl Attach for PanickyAttach {
@@ -1195,8 +1222,12 @@ impl Attach for PanickyAttach {
         region: Arc<Region>,
     ) -> Result<Arc<dyn Link>, Error> {
         let inner = self.fabric.attach(rank, role, inbox, region)?;
-        let victim = self.victim.clone();
-        Ok(Arc::new(PanickyTransfers { inner, victim }))
+        let (victim, hang) = (self.victim.clone(), self.hang);
+        Ok(Arc::new(PanickyTransfers {
+            inner,
+            victim,
+            hang,
+        }))
     }
 }
 
@@ -1207,9 +1238,22 @@ async fn start_panicky(
     rank: RankInfo,
     mode: TransferMode,
 ) -> Runtime {
+    start_broken(fabric, role, rank, mode, false).await
+}
+
+/// A runtime on the fabric whose transfers for request `bad` panic, or with `hang` never
+/// answer.
+async fn start_broken(
+    fabric: &Arc<Fabric>,
+    role: Role,
+    rank: RankInfo,
+    mode: TransferMode,
+    hang: bool,
+) -> Runtime {
     let attach = PanickyAttach {
         fabric: fabric.clone(),
         victim: RequestId::new("bad"),
+        hang,
     };
     let region = Arc::new(Region::new(BLOCKS, BLOCK_BYTES).unwrap());
     Runtime::builder(role, rank)
@@ -1273,6 +1317,52 @@ async fn a_transfer_that_panics_fails_only_its_request() {
                 "{mode:?}"
             );
         }
+    }
+}
+
+/// A plane that never answers a transfer (stuck) keeps decode's blocks held past the
+/// request's failure at its deadline, for [`PLANE_ANSWER_GRACE`] (the write or read may
+/// still land in them), and no longer: then the request actor that posted it reports it
+/// unanswered itself (push: prefill then owes decode its `AbortAck`), the blocks go back
+/// once, and the actor ends; the next request goes on.
+#[tokio::test(start_paused = true)]
+async fn a_transfer_its_plane_never_answers_holds_its_blocks_for_the_grace_alone() {
+    for mode in [TransferMode::Push, TransferMode::Pull] {
+        let fabric = Fabric::new();
+        let p = start_broken(&fabric, Role::Prefill, rank("P", 0, 1), mode, true).await;
+        let d = start_broken(&fabric, Role::Decode, rank("D", 0, 1), mode, true).await;
+        let s = p.sender("bad").unwrap();
+        let r = d.receiver("bad", spec("P", Some(blocks(10..12)))).unwrap();
+        s.send(blocks(0..2)).unwrap();
+        // Push: prefill's write never answers; pull: decode's read does not.
+        let poster = match mode {
+            TransferMode::Push => s.completion().await,
+            TransferMode::Pull => r.completion().await,
+        };
+        assert_eq!(
+            poster,
+            State::Failed(FailureReason::TransferTimeout),
+            "{mode:?}"
+        );
+        let failed = tokio::time::Instant::now();
+        let mut decode = Outcomes::default();
+        tokio::time::sleep(PLANE_ANSWER_GRACE - Duration::from_millis(10)).await;
+        settle().await;
+        decode.absorb(d.drain_events());
+        assert!(matches!(decode.state("bad"), State::Failed(_)), "{mode:?}");
+        assert_eq!(decode.released("bad"), vec![], "{mode:?}: released early");
+        tokio::time::sleep_until(failed + PLANE_ANSWER_GRACE + Duration::from_millis(10)).await;
+        settle().await;
+        decode.absorb(d.drain_events());
+        assert_eq!(decode.released("bad"), blocks(10..12), "{mode:?}");
+        let s = p.sender("good").unwrap();
+        let r = d.receiver("good", spec("P", Some(blocks(20..22)))).unwrap();
+        s.send(blocks(4..6)).unwrap();
+        assert_eq!(
+            (s.completion().await, r.completion().await),
+            (State::Done, State::Done),
+            "{mode:?}"
+        );
     }
 }
 

@@ -1231,18 +1231,7 @@ impl Attach for PanickyAttach {
     }
 }
 
-/// A runtime on the fabric whose transfers for request `bad` panic.
-async fn start_panicky(
-    fabric: &Arc<Fabric>,
-    role: Role,
-    rank: RankInfo,
-    mode: TransferMode,
-) -> Runtime {
-    start_broken(fabric, role, rank, mode, false).await
-}
-
-/// A runtime on the fabric whose transfers for request `bad` panic, or with `hang` never
-/// answer.
+/// A runtime on the fabric whose transfers for request `bad` panic (`hang`: never answer).
 async fn start_broken(
     fabric: &Arc<Fabric>,
     role: Role,
@@ -1266,15 +1255,22 @@ async fn start_broken(
         .unwrap()
 }
 
+/// Prefill `P` and decode `D` on a fabric of their own, their transfers for request `bad`
+/// broken ([`start_broken`]).
+async fn broken_pair(mode: TransferMode, hang: bool) -> (Runtime, Runtime) {
+    let fabric = Fabric::new();
+    let p = start_broken(&fabric, Role::Prefill, rank("P", 0, 1), mode, hang).await;
+    let d = start_broken(&fabric, Role::Decode, rank("D", 0, 1), mode, hang).await;
+    (p, d)
+}
+
 /// A transfer whose future panics (the request actor polls its transfers itself) fails
 /// only its request, `Internal`, with its blocks given back once on both sides; the
 /// runtime, and the next request, go on.
 #[tokio::test(start_paused = true)]
 async fn a_transfer_that_panics_fails_only_its_request() {
     for mode in [TransferMode::Push, TransferMode::Pull] {
-        let fabric = Fabric::new();
-        let p = start_panicky(&fabric, Role::Prefill, rank("P", 0, 1), mode).await;
-        let d = start_panicky(&fabric, Role::Decode, rank("D", 0, 1), mode).await;
+        let (p, d) = broken_pair(mode, false).await;
         let mut outcomes = (Outcomes::default(), Outcomes::default());
         for (i, id) in ["bad", "good"].into_iter().enumerate() {
             let i = i as u32;
@@ -1328,9 +1324,7 @@ async fn a_transfer_that_panics_fails_only_its_request() {
 #[tokio::test(start_paused = true)]
 async fn a_transfer_its_plane_never_answers_holds_its_blocks_for_the_grace_alone() {
     for mode in [TransferMode::Push, TransferMode::Pull] {
-        let fabric = Fabric::new();
-        let p = start_broken(&fabric, Role::Prefill, rank("P", 0, 1), mode, true).await;
-        let d = start_broken(&fabric, Role::Decode, rank("D", 0, 1), mode, true).await;
+        let (p, d) = broken_pair(mode, true).await;
         let s = p.sender("bad").unwrap();
         let r = d.receiver("bad", spec("P", Some(blocks(10..12)))).unwrap();
         s.send(blocks(0..2)).unwrap();
@@ -1372,9 +1366,7 @@ async fn a_transfer_its_plane_never_answers_holds_its_blocks_for_the_grace_alone
 /// on.
 #[tokio::test(start_paused = true)]
 async fn a_bootstrap_lookup_that_panics_fails_only_its_request() {
-    let fabric = Fabric::new();
-    let p = start_panicky(&fabric, Role::Prefill, rank("P", 0, 1), TransferMode::Push).await;
-    let d = start_panicky(&fabric, Role::Decode, rank("D", 0, 1), TransferMode::Push).await;
+    let (p, d) = broken_pair(TransferMode::Push, false).await;
     let started = tokio::time::Instant::now();
     let r = d.receiver("lost", spec("Q", Some(blocks(20..22)))).unwrap();
     let end = r.completion().await;

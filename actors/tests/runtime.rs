@@ -1122,28 +1122,35 @@ async fn layouts_that_do_not_pair_fail_by_name_when_decode_asks_before_prefill_o
     assert_eq!(d.region().read_block(BlockId(5)).unwrap(), vec![0; 128]);
 }
 
-/// The in-process link, except that the transfers of one request panic inside the plane's
-/// future (a bug in a data plane, as the request actor polls it), and so does a lookup of
-/// prefill engine `Q` once it was first found pending (a bug in a directory); with `hang`,
-/// that request's transfers never answer instead (a stuck plane).
-struct PanickyTransfers {
-    inner: Arc<dyn Link>,
-    victim: RequestId,
-    hang: bool,
+/// How [`BrokenTransfers`] breaks its victim's transfers.
+#[derive(Clone, Copy, PartialEq)]
+enum Fault {
+    /// The plane's future panics (a bug in a data plane, as the request actor polls it).
+    Panics,
+    /// The plane never answers (a stuck plane), which is taken as one-sided.
+    Hangs,
 }
 
-impl PanickyTransfers {
+/// The in-process link, except that the transfers of one request are broken ([`Fault`]),
+/// and a lookup of prefill engine `Q` panics once it was first found pending (a bug in a
+/// directory).
+struct BrokenTransfers {
+    inner: Arc<dyn Link>,
+    victim: RequestId,
+    fault: Fault,
+}
+
+impl BrokenTransfers {
     /// The victim's transfer: a panic, or no answer ever.
     fn broken(&self) -> TransferFuture {
-        if self.hang {
-            Box::pin(std::future::pending())
-        } else {
-            Box::pin(async { panic!("a plane bug") })
+        match self.fault {
+            Fault::Hangs => Box::pin(std::future::pending()),
+            Fault::Panics => Box::pin(async { panic!("a plane bug") }),
         }
     }
 }
 
-impl Link for PanickyTransfers {
+impl Link for BrokenTransfers {
     fn me(&self) -> &RankInfo {
         self.inner.me()
     }
@@ -1197,23 +1204,23 @@ impl Link for PanickyTransfers {
     /// A stuck plane is taken as one-sided (a late write or read cannot be refused), whose
     /// every peer could be watched: push stays push, and the blocks are fenced.
     fn one_sided(&self) -> bool {
-        self.hang
+        self.fault == Fault::Hangs
     }
     fn unwatched(&self, peers: &[Peer]) -> UnwatchedFuture {
-        if self.hang {
+        if self.fault == Fault::Hangs {
             return Box::pin(std::future::ready(Vec::new()));
         }
         self.inner.unwatched(peers)
     }
 }
 
-struct PanickyAttach {
+struct BrokenAttach {
     fabric: Arc<Fabric>,
     victim: RequestId,
-    hang: bool,
+    fault: Fault,
 }
 
-impl Attach for PanickyAttach {
+impl Attach for BrokenAttach {
     fn attach(
         &self,
         rank: RankInfo,
@@ -1222,27 +1229,27 @@ impl Attach for PanickyAttach {
         region: Arc<Region>,
     ) -> Result<Arc<dyn Link>, Error> {
         let inner = self.fabric.attach(rank, role, inbox, region)?;
-        let (victim, hang) = (self.victim.clone(), self.hang);
-        Ok(Arc::new(PanickyTransfers {
+        let (victim, fault) = (self.victim.clone(), self.fault);
+        Ok(Arc::new(BrokenTransfers {
             inner,
             victim,
-            hang,
+            fault,
         }))
     }
 }
 
-/// A runtime on the fabric whose transfers for request `bad` panic (`hang`: never answer).
+/// A runtime on the fabric whose transfers for request `bad` are broken by `fault`.
 async fn start_broken(
     fabric: &Arc<Fabric>,
     role: Role,
     rank: RankInfo,
     mode: TransferMode,
-    hang: bool,
+    fault: Fault,
 ) -> Runtime {
-    let attach = PanickyAttach {
+    let attach = BrokenAttach {
         fabric: fabric.clone(),
         victim: RequestId::new("bad"),
-        hang,
+        fault,
     };
     let region = Arc::new(Region::new(BLOCKS, BLOCK_BYTES).unwrap());
     Runtime::builder(role, rank)
@@ -1257,10 +1264,10 @@ async fn start_broken(
 
 /// Prefill `P` and decode `D` on a fabric of their own, their transfers for request `bad`
 /// broken ([`start_broken`]).
-async fn broken_pair(mode: TransferMode, hang: bool) -> (Runtime, Runtime) {
+async fn broken_pair(mode: TransferMode, fault: Fault) -> (Runtime, Runtime) {
     let fabric = Fabric::new();
-    let p = start_broken(&fabric, Role::Prefill, rank("P", 0, 1), mode, hang).await;
-    let d = start_broken(&fabric, Role::Decode, rank("D", 0, 1), mode, hang).await;
+    let p = start_broken(&fabric, Role::Prefill, rank("P", 0, 1), mode, fault).await;
+    let d = start_broken(&fabric, Role::Decode, rank("D", 0, 1), mode, fault).await;
     (p, d)
 }
 
@@ -1270,7 +1277,7 @@ async fn broken_pair(mode: TransferMode, hang: bool) -> (Runtime, Runtime) {
 #[tokio::test(start_paused = true)]
 async fn a_transfer_that_panics_fails_only_its_request() {
     for mode in [TransferMode::Push, TransferMode::Pull] {
-        let (p, d) = broken_pair(mode, false).await;
+        let (p, d) = broken_pair(mode, Fault::Panics).await;
         let mut outcomes = (Outcomes::default(), Outcomes::default());
         for (i, id) in ["bad", "good"].into_iter().enumerate() {
             let i = i as u32;
@@ -1324,7 +1331,7 @@ async fn a_transfer_that_panics_fails_only_its_request() {
 #[tokio::test(start_paused = true)]
 async fn a_transfer_its_plane_never_answers_holds_its_blocks_for_the_grace_alone() {
     for mode in [TransferMode::Push, TransferMode::Pull] {
-        let (p, d) = broken_pair(mode, true).await;
+        let (p, d) = broken_pair(mode, Fault::Hangs).await;
         let s = p.sender("bad").unwrap();
         let r = d.receiver("bad", spec("P", Some(blocks(10..12)))).unwrap();
         s.send(blocks(0..2)).unwrap();
@@ -1366,7 +1373,7 @@ async fn a_transfer_its_plane_never_answers_holds_its_blocks_for_the_grace_alone
 /// on.
 #[tokio::test(start_paused = true)]
 async fn a_bootstrap_lookup_that_panics_fails_only_its_request() {
-    let (p, d) = broken_pair(TransferMode::Push, false).await;
+    let (p, d) = broken_pair(TransferMode::Push, Fault::Panics).await;
     let started = tokio::time::Instant::now();
     let r = d.receiver("lost", spec("Q", Some(blocks(20..22)))).unwrap();
     let end = r.completion().await;

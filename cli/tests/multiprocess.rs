@@ -45,7 +45,9 @@ impl Proc {
     /// by line and its stderr kept.
     fn spawn_command(name: &str, mut command: Command) -> Proc {
         if !command.get_envs().any(|(k, _)| k == "RUST_LOG") {
-            command.env("RUST_LOG", "warn");
+            // HANDOFF_TEST_LOG: the processes' filter when a failure needs more than warnings.
+            let filter = std::env::var("HANDOFF_TEST_LOG").unwrap_or_else(|_| "warn".into());
+            command.env("RUST_LOG", filter);
         }
         let mut child = command
             .stdin(Stdio::null())
@@ -71,8 +73,10 @@ impl Proc {
                 if n == 0 {
                     return;
                 }
+                // A test that panics while it reads the text poisons the lock: the text
+                // is still whole.
                 sink.lock()
-                    .unwrap()
+                    .unwrap_or_else(|e| e.into_inner())
                     .push_str(&String::from_utf8_lossy(&buf[..n]));
             }
         });
@@ -208,9 +212,15 @@ impl Proc {
 }
 
 impl Drop for Proc {
+    /// Kills the process; when the test failed, prints what it said on stderr (a failure's
+    /// message names one process, and the cause may lie in another).
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if std::thread::panicking() {
+            let stderr = self.stderr.lock().unwrap_or_else(|e| e.into_inner());
+            println!("--- {}'s stderr:\n{stderr}", self.name);
+        }
     }
 }
 
@@ -1786,9 +1796,12 @@ fn replaced_while_stopped(d: &Proc, addr: &str, common: &[&str]) -> Proc {
     args.extend_from_slice(common);
     let restarted = worker("restarted prefill", "prefill", "P1", addr, &args);
     // Decode asks its quarantined writers again every few seconds, at the rank's new
-    // address once the old one is found gone: four answers, each refused by name.
+    // address once the old one is found gone, and an answer from there is refused by name.
+    // One at least: the first ask is what connects decode to the new process, and a
+    // request whose ask falls due after decode learnt of the new process asks no more
+    // (seen: the four asks fall within 2 ms of the connection, and only some are sent).
     assert!(
-        d.stderr_says_times("ends nothing", 4, T),
+        d.stderr_says("ends nothing", T),
         "decode never heard the new process: {}",
         d.stderr.lock().unwrap()
     );

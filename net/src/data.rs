@@ -86,7 +86,9 @@ pub struct PlaneTransfer<'a> {
     /// moves whole blocks of equal size.
     pub slices: Vec<BlockSlice>,
     /// The writer's lease with the peer ([`Lease`]): a one-sided plane posts a write only
-    /// while it holds. Planes that check a grant per operation at the target ignore it.
+    /// while it holds; every plane reports a write seen done only after it ended as
+    /// failed ([`Lease::confirm`]). TCP's target checks a grant per operation instead of
+    /// the writer checking the lease before each.
     pub lease: Option<Arc<Lease>>,
     /// The transfer's one deadline, from the request's machine: the plane posts nothing
     /// after it and answers by it (`Link::write`).

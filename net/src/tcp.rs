@@ -112,6 +112,7 @@ impl TcpDataPlane {
             dst,
             slices,
             deadline,
+            lease,
             ..
         } = t;
         if peer_layout.transport != TransportKind::Tcp {
@@ -123,6 +124,7 @@ impl TcpDataPlane {
             return Box::pin(async move { Err(refused) });
         }
         let (id, addr, local) = (id.clone(), peer_layout.address.clone(), self.region.clone());
+        let peer = peer.to_string();
         let (clients, me, key) = (self.clients.clone(), self.me.clone(), self.key.clone());
         let busy_poll = self.busy_poll.client;
         Box::pin(async move {
@@ -149,7 +151,15 @@ impl TcpDataPlane {
                     .unwrap_or_else(|e| e.into_inner())
                     .remove(&addr);
             }
-            Ok(result?)
+            // The peer's server applied every operation while its grant held, but a write
+            // seen done only after our lease with it ended (we were stopped, or cut off,
+            // past its loss timeout) may be one it has failed since: not done.
+            match (write, lease) {
+                (true, Some(lease)) => {
+                    Ok(lease.confirm(result, &peer, std::time::Instant::now())?)
+                }
+                _ => Ok(result?),
+            }
         })
     }
 }

@@ -109,3 +109,78 @@ async fn push_over_tcp_moves_the_bytes() {
 async fn pull_over_tcp_moves_the_bytes() {
     hands_over(TransferMode::Pull).await;
 }
+
+/// A TCP write is applied by the peer's server only under its grant, but one whose answer
+/// the writer sees only after its lease with the peer ended (it was stopped past the peer's
+/// loss timeout, say) may be one the peer has failed since: it is not done
+/// (`DataError::ConfirmedLate`), as over UCX. Within the lease, the same write is done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tcp_write_seen_done_only_after_its_lease_ended_is_not_done() {
+    use handoff_actors::link::TransferError;
+    use handoff_actors::RequestId;
+    use handoff_net::{Access, PlaneTransfer};
+    use handoff_transport::data::DataError;
+    use handoff_transport::lease::Lease;
+    use handoff_transport::region::BlockSlice;
+
+    let plane = |name: &str| {
+        let rank = RankInfo::single(name);
+        let region = Arc::new(Region::new(8, BLOCK_BYTES).unwrap());
+        async move {
+            TcpDataPlane::bind("127.0.0.1:0", None, region, rank, None)
+                .await
+                .unwrap()
+        }
+    };
+    let (writer, target) = (plane("P").await, plane("D").await);
+    let (p, d) = (RankInfo::single("P"), RankInfo::single("D"));
+    let (descriptor, data) = (target.descriptor(), target.data_descriptor());
+    let blocks: Vec<BlockId> = (0..4).map(BlockId).collect();
+    let write = |id: &'static str, lease: Arc<Lease>| {
+        let id = RequestId::new(id);
+        target.grants().grant(&p, &id, Access::Write, &blocks);
+        let t = PlaneTransfer {
+            id: &id,
+            peer: &d,
+            peer_data: &data,
+            peer_layout: &descriptor,
+            src: blocks.clone(),
+            dst: blocks.clone(),
+            slices: vec![BlockSlice::whole(BLOCK_BYTES)],
+            lease: Some(lease),
+            deadline: std::time::Instant::now() + T,
+            process: None,
+        };
+        writer.write(t)
+    };
+    let held = Arc::new(Lease::new());
+    held.extend_to(std::time::Instant::now() + T);
+    let done = tokio::time::timeout(T, write("held", held)).await.unwrap();
+    assert!(done.is_ok(), "{done:?}");
+    // The peer's grant holds, so its server applies every operation; the lease has ended.
+    let lapsed = Arc::new(Lease::new());
+    let late = tokio::time::timeout(T, write("lapsed", lapsed))
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            &late,
+            Err(TransferError::Data(DataError::ConfirmedLate {
+                ago: Some(_),
+                ..
+            }))
+        ),
+        "{late:?}"
+    );
+    // Revoked (the peer was lost): not done either, and the message says so.
+    let revoked = Arc::new(Lease::new());
+    revoked.extend_to(std::time::Instant::now() + T);
+    revoked.revoke();
+    let lost = tokio::time::timeout(T, write("revoked", revoked))
+        .await
+        .unwrap();
+    let message = lost
+        .map(|()| String::new())
+        .unwrap_or_else(|e| e.to_string());
+    assert!(message.contains("revoked"), "{message}");
+}

@@ -305,8 +305,8 @@ pub struct NetStats {
     /// One-sided writes refused before posting: the writer's lease with the peer had ended
     /// (a loss was declared between them since the peer granted the blocks).
     pub lease_refused: u64,
-    /// One-sided writes that landed but whose writer saw the completion only after its
-    /// lease ended: failed, not done (`ConfirmedLate`).
+    /// Writes that landed but whose writer saw the completion only after its lease ended:
+    /// failed, not done (`ConfirmedLate`, on either plane).
     pub confirmed_late: u64,
     /// Writes a frozen worker posted as it resumed without a lease check (its stop fell
     /// between the check and the post).
@@ -1858,7 +1858,7 @@ impl SimNet {
     /// A leased write that landed, as its writer sees the completion: only once it runs
     /// (a frozen writer sees it as it resumes, after its missed tick), and as done only
     /// while its lease holds, i.e. no loss was declared between it and the target since
-    /// the grant. Otherwise the bytes landed but the write fails, as the UCX plane's
+    /// the grant. Otherwise the bytes landed but the write fails, as every plane's
     /// `ConfirmedLate` does: the target may have failed the request meanwhile.
     fn seen(
         &self,
@@ -1903,27 +1903,28 @@ impl SimNet {
         let write = src_idx == Some(by);
         let end = |idx: Option<usize>| idx.and_then(|i| st.node_at(i)).map(|n| (n.idx, n.inc));
         let mut ends = (end(src_idx), end(dst_idx));
-        let mut leased = None;
-        if st.data_plane == DataPlane::Rdma {
+        let rdma = st.data_plane == DataPlane::Rdma;
+        // On either plane a write seen done only after its lease ended is not done
+        // (`Lease::confirm`).
+        let leased = grant.filter(|_| write).map(|granted| Leased {
+            by,
+            peer: granted.node.0,
+            losses: granted.losses,
+        });
+        if let Some(granted) = grant.filter(|_| rdma) {
             // The remote end is the registration this worker learned for the request.
-            if let Some(granted) = grant {
-                let peer = granted.node.0;
-                if ends.0.is_some_and(|(i, _)| i == peer) {
-                    ends.0 = Some(granted.node);
-                } else if ends.1.is_some_and(|(i, _)| i == peer) {
-                    ends.1 = Some(granted.node);
-                }
-                leased = write.then_some(Leased {
-                    by,
-                    peer,
-                    losses: granted.losses,
-                });
+            let peer = granted.node.0;
+            if ends.0.is_some_and(|(i, _)| i == peer) {
+                ends.0 = Some(granted.node);
+            } else if ends.1.is_some_and(|(i, _)| i == peer) {
+                ends.1 = Some(granted.node);
             }
         }
         // A one-sided writer fences itself: nothing is posted once a loss was declared
-        // between it and the peer since the grant (its lease ended).
+        // between it and the peer since the grant (its lease ended). The fenced plane's
+        // target refuses such a write on arrival instead.
         let lease_ended = leased
-            .filter(|l| !checked && !st.lease_holds(*l))
+            .filter(|l| rdma && !checked && !st.lease_holds(*l))
             .map(|l| l.peer);
         let refused = match ends {
             _ if lease_ended.is_some() => {

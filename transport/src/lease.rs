@@ -18,6 +18,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use crate::data::DataError;
+
 /// The instant leases count from (first use in the process).
 fn epoch() -> Instant {
     static EPOCH: OnceLock<Instant> = OnceLock::new();
@@ -70,6 +72,28 @@ impl Lease {
         (now >= until).then(|| Duration::from_nanos(now - until))
     }
 
+    /// A write's outcome as its writer sees it at `now`: a success seen only after the
+    /// lease ended is [`DataError::ConfirmedLate`]. The bytes landed while the peer still
+    /// counted us alive (a one-sided plane posted each operation under the lease; a
+    /// two-sided one was answered by the peer's grant check), but the peer may have taken
+    /// us for lost since and failed the request: saying `Done` would contradict it.
+    /// Failures stay as they are.
+    pub fn confirm(
+        &self,
+        result: Result<(), DataError>,
+        peer: &str,
+        now: Instant,
+    ) -> Result<(), DataError> {
+        result?;
+        match self.expired_for(now) {
+            None => Ok(()),
+            Some(ago) => Err(DataError::ConfirmedLate {
+                peer: peer.to_string(),
+                ago: (ago != Duration::MAX).then_some(ago),
+            }),
+        }
+    }
+
     /// Whether the lease was revoked.
     pub fn is_revoked(&self) -> bool {
         self.revoked.load(Ordering::Acquire)
@@ -100,5 +124,39 @@ mod tests {
         lease.extend_to(t + Duration::from_secs(60));
         assert!(!lease.holds_at(t), "a revoked lease is not revived");
         assert_eq!(lease.expired_for(t), Some(Duration::MAX));
+    }
+
+    #[test]
+    fn a_leased_write_seen_done_only_after_its_lease_ended_is_not_done() {
+        let t = Instant::now();
+        let lease = Lease::new();
+        lease.extend_to(t + Duration::from_secs(2));
+        // Seen within the lease: done.
+        assert!(lease
+            .confirm(Ok(()), "D", t + Duration::from_secs(1))
+            .is_ok());
+        // Seen after it (the writer stopped between its last post and the answer): refused,
+        // saying how late.
+        let late = lease.confirm(Ok(()), "D", t + Duration::from_secs(5));
+        assert!(
+            matches!(&late, Err(DataError::ConfirmedLate { peer, ago: Some(ago) })
+                if peer == "D" && *ago == Duration::from_secs(3)),
+            "{late:?}"
+        );
+        // A failure stays the failure it was.
+        let timeout = DataError::Timeout {
+            peer: "D".into(),
+            op: "flush",
+            after: Duration::ZERO,
+        };
+        let failed = lease.confirm(Err(timeout), "D", t + Duration::from_secs(5));
+        assert!(
+            matches!(failed, Err(DataError::Timeout { .. })),
+            "{failed:?}"
+        );
+        // Revoked (the peer was lost): refused, and the message says so.
+        lease.revoke();
+        let revoked = lease.confirm(Ok(()), "D", t).unwrap_err();
+        assert!(revoked.to_string().contains("revoked"), "{revoked}");
     }
 }

@@ -325,10 +325,11 @@ pub enum DataError {
         /// The limit.
         max: usize,
     },
-    /// A one-sided write finished (every operation posted under the writer's lease), but
-    /// its completion was seen only after the lease with the peer ended or was revoked: the
-    /// peer may have taken us for lost and failed the request meanwhile, so the write is not
-    /// reported done.
+    /// A write finished (on a one-sided plane every operation posted under the writer's
+    /// lease; on TCP every operation answered by the peer's grant check), but its
+    /// completion was seen only after the lease with the peer ended or was revoked: the
+    /// peer may have taken us for lost and failed the request meanwhile, so the write is
+    /// not reported done ([`crate::lease::Lease::confirm`]).
     #[error("write to {peer} completed only after our lease with it {}: the peer may have failed the request meanwhile", match .ago { Some(ago) => format!("ended {ago:?} earlier"), None => "was revoked (the peer was lost)".to_string() })]
     ConfirmedLate {
         /// The peer.

@@ -769,7 +769,7 @@ impl UcxDataPlane {
                 Some(Arc::clone(&lease)),
             )
             .await;
-        confirm_leased(result, &peer.name, &lease, Instant::now())
+        lease.confirm(result, &peer.name, Instant::now())
     }
 
     /// Pull: reads `peer`'s `src` blocks into our `dst` blocks (`src[i]` → `dst[i]`)
@@ -917,26 +917,6 @@ impl UcxDataPlane {
             }),
             Err(_) => Err(timed_out("waiting for the UCX thread's answer")),
         }
-    }
-}
-
-/// A leased write's outcome as seen at `now`: a success seen only after the lease ended is
-/// [`DataError::ConfirmedLate`] (the bytes landed, every operation posted under the lease,
-/// but the peer may have counted us lost since, and failed the request; saying `Done` here
-/// would contradict it). Failures stay as they are.
-fn confirm_leased(
-    result: Result<(), DataError>,
-    peer: &str,
-    lease: &Lease,
-    now: Instant,
-) -> Result<(), DataError> {
-    result?;
-    match lease.expired_for(now) {
-        None => Ok(()),
-        Some(ago) => Err(DataError::ConfirmedLate {
-            peer: peer.to_string(),
-            ago: (ago != Duration::MAX).then_some(ago),
-        }),
     }
 }
 
@@ -2326,37 +2306,5 @@ mod tests {
             what: "remote keys not vetted: fork: EAGAIN".into(),
         };
         assert_eq!(refusal(&unavailable, &mut (KEYS_UNDECIDED_MAX + 5)), None);
-    }
-
-    #[test]
-    fn a_leased_write_seen_done_only_after_its_lease_ended_is_not_done() {
-        let t = Instant::now();
-        let lease = Lease::new();
-        lease.extend_to(t + Duration::from_secs(2));
-        // Seen within the lease: done.
-        assert!(confirm_leased(Ok(()), "D", &lease, t + Duration::from_secs(1)).is_ok());
-        // Seen after it (the writer stopped between its last post and the answer): refused,
-        // saying how late.
-        let late = confirm_leased(Ok(()), "D", &lease, t + Duration::from_secs(5));
-        assert!(
-            matches!(&late, Err(DataError::ConfirmedLate { peer, ago: Some(ago) })
-                if peer == "D" && *ago == Duration::from_secs(3)),
-            "{late:?}"
-        );
-        // A failure stays the failure it was.
-        let timeout = DataError::Timeout {
-            peer: "D".into(),
-            op: "flush",
-            after: Duration::ZERO,
-        };
-        let failed = confirm_leased(Err(timeout), "D", &lease, t + Duration::from_secs(5));
-        assert!(
-            matches!(failed, Err(DataError::Timeout { .. })),
-            "{failed:?}"
-        );
-        // Revoked (the peer was lost): refused, and the message says so.
-        lease.revoke();
-        let revoked = confirm_leased(Ok(()), "D", &lease, t).unwrap_err();
-        assert!(revoked.to_string().contains("revoked"), "{revoked}");
     }
 }

@@ -1229,11 +1229,10 @@ impl Attach for BrokenAttach {
         region: Arc<Region>,
     ) -> Result<Arc<dyn Link>, Error> {
         let inner = self.fabric.attach(rank, role, inbox, region)?;
-        let (victim, fault) = (self.victim.clone(), self.fault);
         Ok(Arc::new(BrokenTransfers {
             inner,
-            victim,
-            fault,
+            victim: self.victim.clone(),
+            fault: self.fault,
         }))
     }
 }

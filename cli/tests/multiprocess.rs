@@ -1635,7 +1635,13 @@ fn frozen_writer_once(
         // One block a put: over before a stop lands, as for device memory.
         Memory::Allocated => {}
     }
-    let before_hand_over = mode == "pull" || memory != Memory::Host;
+    // REPLACE: stopped with every request's transfer info in, before its hand-over, like
+    // pull mode. Stopped at the first write, another request may still be bootstrapping:
+    // it knows no decode, so the loss of decode fails nothing of it, decode's asks go to
+    // the new process, never to it, and it waits out its own deadline (minutes), holding
+    // decode's quarantine as long (seen once in CI: no second wave within 30 s of the
+    // resume). And waiting for all four to write lets the first finish before the stop.
+    let before_hand_over = mode == "pull" || memory != Memory::Host || then == "REPLACE";
     // The hold runs from prefill's open: decode must have sent its transfer info by then.
     // A GPU decode takes longer to start (a CUDA context, UCX's CUDA transports).
     let hold = match (before_hand_over, memory) {
@@ -1664,21 +1670,7 @@ fn frozen_writer_once(
     d_args.extend_from_slice(&common);
     let d = worker("decode", "decode", "D", &addr, &d_args);
     let state = |v: &Value, s: &str| v["event"] == "state" && v["state"] == s;
-    if then == "REPLACE" {
-        // Every request paired with decode (its transfer info in, so writing) before the
-        // stop: one still bootstrapping knows no decode, so the loss of decode fails
-        // nothing of it; decode's asks go to the new process, never to it; and it waits out
-        // its own deadline (minutes), holding decode's quarantine as long (seen once in CI:
-        // no second wave within 30 s of the resume).
-        p1.until("a write under way for every request", |seen| {
-            let writing: BTreeSet<&str> = seen
-                .iter()
-                .filter(|v| state(v, "Transferring"))
-                .filter_map(|v| v["request"].as_str())
-                .collect();
-            writing.len() == 4
-        });
-    } else if !before_hand_over {
+    if !before_hand_over {
         p1.until("a write under way", |seen| {
             seen.iter().any(|v| state(v, "Transferring"))
         });

@@ -5,7 +5,7 @@
 //! actors, and the heartbeat tick. All connection state lives here, so no lock is held
 //! across an await and no two tasks disagree about a peer.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -153,6 +153,12 @@ struct Control {
     /// Every peer's liveness: incarnations, last heard, heartbeats, leases.
     table: PeerTable,
     conns: BTreeMap<ConnId, Peer>,
+    /// Inbound connections refused (told why, and closed) that have not ended yet: what
+    /// they still deliver was sent before the refusal reached them (a stale process's
+    /// queued heartbeats, the rest of a flood) and is dropped unread, not refused again
+    /// and counted as malformed. One entry per open connection at most: each goes at its
+    /// `Disconnected`.
+    refused: BTreeSet<ConnId>,
     /// Each inbound connection's two ends (ours, the peer's), from its `Connected`.
     conn_addrs: BTreeMap<ConnId, (SocketAddr, SocketAddr)>,
     reports: mpsc::Sender<Report>,
@@ -195,6 +201,7 @@ pub(crate) fn spawn(setup: Setup) -> tokio::task::JoinHandle<()> {
         peers: BTreeMap::new(),
         table,
         conns: BTreeMap::new(),
+        refused: BTreeSet::new(),
         conn_addrs: BTreeMap::new(),
         reports,
         generation: 0,
@@ -238,6 +245,10 @@ impl Control {
                 }
             }
             RouterEvent::Message { conn, peer, frames } => {
+                if self.refused.contains(&conn) {
+                    trace!(%peer, "dropping a message of a refused connection");
+                    return;
+                }
                 if let Err(e) = self.on_conn_message(conn, &frames) {
                     warn!(peer = %peer, error = %e, "refusing malformed control message");
                     self.inbox.metrics().frame_refused(e.cause());
@@ -246,6 +257,7 @@ impl Control {
             }
             RouterEvent::Disconnected { conn, .. } => {
                 self.conn_addrs.remove(&conn);
+                self.refused.remove(&conn);
                 if let Some(peer) = self.conns.remove(&conn) {
                     if let Some(state) = self.peers.get_mut(&peer) {
                         state.inbound = state.inbound.filter(|c| *c != conn);
@@ -264,6 +276,7 @@ impl Control {
             let _ = self.router.send(conn, vec![bytes]);
         }
         self.router.disconnect(conn);
+        self.refused.insert(conn);
     }
 
     fn on_conn_message(&mut self, conn: ConnId, frames: &[Vec<u8>]) -> Result<(), WireError> {

@@ -13,7 +13,7 @@ use handoff_actors::{
 use handoff_net::{DataPlane, GrantTable, NetConfig, NetTransport, PlaneTransfer, StaticDirectory};
 use handoff_transport::wire;
 use handoff_transport::wire::messages::{
-    Hello, HelloAck, LayoutDescriptor, Message, TransportKind, WorkerRecord,
+    Heartbeat, Hello, HelloAck, LayoutDescriptor, Message, TransportKind, WorkerRecord,
 };
 use handoff_transport::zmtp::{Dealer, Router, RouterEvent};
 
@@ -317,7 +317,9 @@ async fn a_peer_on_another_protocol_version_is_refused_by_name() {
 /// A process of a rank older than the one that holds it now (stopped, replaced by a
 /// restart, then resumed) is refused at hello, by name: it must neither displace its
 /// successor (whose requests would fail as "restarted") nor answer for it. A newer one is
-/// taken as a restart, as before.
+/// taken as a restart, as before. What the refused process sent behind its hello (its
+/// heartbeats, queued while it was stopped) is dropped unread: not refused again, one by
+/// one, and counted as malformed frames.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_older_process_of_a_rank_is_refused_after_a_newer_one_took_it() {
     let (p, addr) = prefill_at_its_address().await;
@@ -335,6 +337,17 @@ async fn an_older_process_of_a_rank_is_refused_after_a_newer_one_took_it() {
     assert!(matches!(answer(reply), Message::HelloAck(_)));
     let mut older = Dealer::connect(&addr, b"", T).await.unwrap();
     older.send(hello(10)).unwrap();
+    for seq in 1..=3 {
+        let beat = Message::Heartbeat(Heartbeat {
+            incarnation: 10,
+            seq,
+            echo: 0,
+            lease_ms: 0,
+        });
+        older
+            .send(vec![wire::encode(&beat, None).unwrap()])
+            .unwrap();
+    }
     let reply = tokio::time::timeout(T, older.recv())
         .await
         .unwrap()
@@ -347,12 +360,8 @@ async fn an_older_process_of_a_rank_is_refused_after_a_newer_one_took_it() {
         "{}",
         e.detail
     );
-    let metrics = p.metrics().encode();
-    assert!(
-        metrics.contains(r#"handoff_frames_refused_total{cause="stale_incarnation"} 1"#),
-        "{metrics}"
-    );
-    // A newer one still takes the rank.
+    // A newer one still takes the rank (its hello, answered, comes after the older
+    // connection's heartbeats were read).
     let mut newest = Dealer::connect(&addr, b"", T).await.unwrap();
     newest.send(hello(30)).unwrap();
     let reply = tokio::time::timeout(T, newest.recv())
@@ -360,6 +369,15 @@ async fn an_older_process_of_a_rank_is_refused_after_a_newer_one_took_it() {
         .unwrap()
         .unwrap();
     assert!(matches!(answer(reply), Message::HelloAck(_)));
+    let metrics = p.metrics().encode();
+    assert!(
+        metrics.contains(r#"handoff_frames_refused_total{cause="stale_incarnation"} 1"#),
+        "{metrics}"
+    );
+    assert!(
+        !metrics.contains(r#"handoff_frames_refused_total{cause="unexpected"}"#),
+        "the refused process's heartbeats were counted as malformed: {metrics}"
+    );
     p.shutdown().await;
 }
 

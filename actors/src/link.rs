@@ -279,6 +279,13 @@ impl Inbox {
         self.0.cast(RootMsg::PeerReplaced { peer }).is_ok()
     }
 
+    /// Reports that a newer process holds this worker's own rank (`detail`: who, as the
+    /// directory said): every open request fails `Superseded` at once, and requests opened
+    /// from now on are refused with it. False if the runtime is gone.
+    pub fn superseded(&self, detail: String) -> bool {
+        self.0.cast(RootMsg::Superseded { detail }).is_ok()
+    }
+
     /// The runtime's metrics, for what the transport counts (frames refused, peers).
     pub fn metrics(&self) -> &Arc<crate::metrics::Metrics> {
         &self.1

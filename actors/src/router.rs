@@ -84,6 +84,12 @@ impl MachineEvent {
             (_, Local::PeerReplaced { peer }) => {
                 Self::Receiver(ReceiverEvent::WriterReplaced { peer })
             }
+            (Role::Prefill, Local::Superseded { detail }) => {
+                Self::Sender(SenderEvent::Superseded { detail })
+            }
+            (Role::Decode, Local::Superseded { detail }) => {
+                Self::Receiver(ReceiverEvent::Superseded { detail })
+            }
         }
     }
 
@@ -155,6 +161,11 @@ pub enum Local {
         /// Which.
         peer: Peer,
     },
+    /// A newer process holds this worker's own rank now (`Input::Superseded`).
+    Superseded {
+        /// Who holds it, as the directory said.
+        detail: String,
+    },
 }
 
 /// What happens, in the order the root actor learns it.
@@ -214,6 +225,14 @@ pub enum Input {
         /// Which.
         peer: Peer,
     },
+    /// A newer process holds this worker's own rank now (the directory says so): new
+    /// requests no longer find this one, and peers that know the newer one refuse it.
+    /// Every live request fails `Superseded` at once (each machine keeps its fences), and
+    /// every request opened from then on is refused with the same reason.
+    Superseded {
+        /// Who holds the rank now, as the directory said.
+        detail: String,
+    },
     /// What the driver knows of a writer of a quarantined orphan ([`Action::Quarantine`]):
     /// its process exited (`exited`), or the driver cannot watch it (then the orphan's
     /// blocks go at the bound, as a live request's would).
@@ -254,8 +273,8 @@ pub enum Action {
         /// Admission control refuses it.
         reject: bool,
     },
-    /// The request ended here before (it is remembered): it fails at once with `reason`,
-    /// and no actor runs for it.
+    /// The request ended here before (it is remembered), is open already, or this process
+    /// was superseded: it fails at once with `reason`, and no actor runs for it.
     Refuse {
         /// Which.
         id: RequestId,
@@ -584,6 +603,8 @@ pub struct Router {
     tombstones: Tombstones,
     /// Orphans, with the peers to tell when their blocks go.
     orphans: BTreeMap<RequestId, Orphan>,
+    /// Once a newer process holds this worker's rank: why every request fails here.
+    superseded: Option<FailureReason>,
     stats: RouterStats,
 }
 
@@ -614,6 +635,7 @@ impl Router {
             pending_seq: 0,
             tombstones,
             orphans: BTreeMap::new(),
+            superseded: None,
             stats: RouterStats::default(),
         }
     }
@@ -688,6 +710,23 @@ impl Router {
                 }
             }
             Input::PeerReplaced { peer } => self.peer_replaced(peer, out),
+            Input::Superseded { detail } => {
+                if self.superseded.is_some() {
+                    return;
+                }
+                self.superseded = Some(FailureReason::Superseded {
+                    detail: detail.clone(),
+                });
+                for id in self.live_sorted() {
+                    let what = Local::Superseded {
+                        detail: detail.clone(),
+                    };
+                    out.push(Action::Deliver {
+                        id: id.clone(),
+                        event: MachineEvent::for_role(self.cfg.role, what),
+                    });
+                }
+            }
             Input::Timer(Timer::ExpirePending) => self.expire_pending(now, out),
             Input::Timer(Timer::OrphanDue(id)) => self.orphan_due(id, out),
             Input::Timer(Timer::OrphanAsk(id)) => self.orphan_ask(id, out),
@@ -759,6 +798,13 @@ impl Router {
     }
 
     fn open(&mut self, id: RequestId, out: &mut Vec<Action>) {
+        if let Some(reason) = &self.superseded {
+            // No peer would pair with this process any more: it fails now, by name,
+            // rather than at its bootstrap deadline.
+            let reason = reason.clone();
+            out.push(Action::Refuse { id, reason });
+            return;
+        }
         if let Some(ended) = self.tombstones.get(&id) {
             // Ended here already (or, on prefill, never opened before its bootstrap deadline,
             // with decode told that nothing of ours would be written): it fails at once,

@@ -70,6 +70,8 @@ pub(crate) enum RootMsg {
     PeerLost { peer: Peer },
     /// A new process holds a lost peer's rank (`Input::PeerReplaced`).
     PeerReplaced { peer: Peer },
+    /// A newer process holds this worker's own rank (`Input::Superseded`).
+    Superseded { detail: String },
     /// Fault injection: make the request's actor panic.
     InjectPanic { id: RequestId },
     /// Fault injection: make the root itself panic.
@@ -325,6 +327,10 @@ impl RootState {
                 info!(%peer, "a new process holds this rank: its answers end no fence of a request its old process could still write for");
                 Input::PeerReplaced { peer }
             }
+            RootMsg::Superseded { detail } => {
+                error!(rank = %self.cfg.rank, %detail, open = self.router.live().count(), "a newer process holds this worker's rank: every open request fails superseded, and new ones are refused (stop this process)");
+                Input::Superseded { detail }
+            }
             RootMsg::Timer(timer) => Input::Timer(timer),
             RootMsg::WriterGone { id, peer, exited } => Input::WriterGone { id, peer, exited },
             RootMsg::InjectPanic { id } => {
@@ -414,7 +420,7 @@ impl RootState {
                     }
                 }
                 Action::Refuse { id, reason } => {
-                    warn!(request = %id, %reason, "request opened after it ended here");
+                    warn!(request = %id, %reason, "request refused at open");
                     if let Some(deed) = deed.take() {
                         deed.with(|estate| estate.fail_if_live(reason));
                     }

@@ -48,6 +48,7 @@ fn reason() -> impl Strategy<Value = FailureReason> {
         Just(FailureReason::TtlExpired),
         "[a-z]{0,4}".prop_map(|detail| FailureReason::Protocol { detail }),
         "[a-z]{0,4}".prop_map(|detail| FailureReason::Internal { detail }),
+        "[a-z]{0,4}".prop_map(|detail| FailureReason::Superseded { detail }),
     ]
 }
 
@@ -74,6 +75,7 @@ enum SOp {
     PeerAbort(u8, FailureReason),
     PeerLost(u8),
     Internal,
+    Superseded,
 }
 
 fn sender_op() -> impl Strategy<Value = SOp> {
@@ -89,6 +91,7 @@ fn sender_op() -> impl Strategy<Value = SOp> {
         1 => (0u8..2, reason()).prop_map(|(p, r)| SOp::PeerAbort(p, r)),
         1 => (0u8..2).prop_map(SOp::PeerLost),
         1 => Just(SOp::Internal),
+        1 => Just(SOp::Superseded),
     ]
 }
 
@@ -109,6 +112,7 @@ enum ROp {
     PeerLost(u8),
     Replaced(u8),
     Internal,
+    Superseded,
 }
 
 fn receiver_op() -> impl Strategy<Value = ROp> {
@@ -127,6 +131,7 @@ fn receiver_op() -> impl Strategy<Value = ROp> {
         1 => (0u8..3).prop_map(ROp::PeerLost),
         1 => (0u8..3).prop_map(ROp::Replaced),
         1 => Just(ROp::Internal),
+        1 => Just(ROp::Superseded),
     ]
 }
 
@@ -421,6 +426,7 @@ fn fan_op() -> impl Strategy<Value = SOp> {
         1 => (p(), reason()).prop_map(|(p, r)| SOp::PeerAbort(p, r)),
         1 => p().prop_map(SOp::PeerLost),
         1 => Just(SOp::Internal),
+        1 => Just(SOp::Superseded),
     ]
 }
 
@@ -470,6 +476,7 @@ fn run_sender(tp: (u32, u32), peer: fn(u8) -> RankInfo, ops: &[(u64, SOp)]) {
             },
             SOp::PeerLost(p) => SenderEvent::PeerLost { peer: peer(p) },
             SOp::Internal => SenderEvent::Internal { detail: "x".into() },
+            SOp::Superseded => SenderEvent::Superseded { detail: "y".into() },
         };
         let completion = match &event {
             SenderEvent::TransferComplete { to } => Some(to.clone()),
@@ -597,6 +604,7 @@ proptest! {
                 ROp::PeerLost(p) => ReceiverEvent::PeerLost { peer: peer(p) },
                 ROp::Replaced(p) => ReceiverEvent::WriterReplaced { peer: peer(p) },
                 ROp::Internal => ReceiverEvent::Internal { detail: "x".into() },
+                ROp::Superseded => ReceiverEvent::Superseded { detail: "y".into() },
             };
             // A quarantined writer that comes back (the same process) and confirms ends
             // its part of the quarantine; its new process's answer ends nothing.

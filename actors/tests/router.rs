@@ -153,6 +153,8 @@ enum Op {
     WriterGone(u8, u8, bool),
     /// A new process took the peer's rank.
     Replace(u8),
+    /// A newer process took this worker's own rank (only in setups that allow it).
+    Supersede,
     Wait(u64),
 }
 
@@ -176,6 +178,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0u8..3).prop_map(Op::Lose),
         1 => (0u8..3, 0u8..6, any::<bool>()).prop_map(|(p, i, e)| Op::WriterGone(p, i, e)),
         1 => (0u8..3).prop_map(Op::Replace),
+        1 => Just(Op::Supersede),
         2 => (1u64..150).prop_map(Op::Wait),
     ]
 }
@@ -186,6 +189,9 @@ struct Setup {
     mode: TransferMode,
     one_sided: bool,
     unallocated_max: Option<usize>,
+    /// Whether a newer process may take this worker's rank in the run (a quarter of
+    /// them: the rest run every op on requests that can still open).
+    supersedes: bool,
 }
 
 fn setup() -> impl Strategy<Value = Setup> {
@@ -194,13 +200,17 @@ fn setup() -> impl Strategy<Value = Setup> {
         prop_oneof![Just(TransferMode::Push), Just(TransferMode::Pull)],
         any::<bool>(),
         prop_oneof![Just(None), (0usize..3).prop_map(Some)],
+        prop_oneof![3 => Just(false), 1 => Just(true)],
     )
-        .prop_map(|(role, mode, one_sided, unallocated_max)| Setup {
-            role,
-            mode,
-            one_sided,
-            unallocated_max,
-        })
+        .prop_map(
+            |(role, mode, one_sided, unallocated_max, supersedes)| Setup {
+                role,
+                mode,
+                one_sided,
+                unallocated_max,
+                supersedes,
+            },
+        )
 }
 
 /// Messages for a request not opened yet.
@@ -229,6 +239,8 @@ struct Model {
     unforgotten: BTreeSet<RequestId>,
     /// Orphans' confirmations from a replaced writer, so far.
     unconfirmed: u64,
+    /// A newer process took this worker's rank.
+    superseded: bool,
 }
 
 /// An orphan as the model sees it.
@@ -487,6 +499,28 @@ impl Harness {
                     }
                 }
             }
+            Op::Supersede if self.setup.supersedes => {
+                let detail = "rank held by incarnation 9".to_string();
+                let got = self.feed(Input::Superseded {
+                    detail: detail.clone(),
+                });
+                let expect: Vec<Action> = if self.model.superseded {
+                    Vec::new()
+                } else {
+                    let what = Local::Superseded { detail };
+                    self.model
+                        .live
+                        .keys()
+                        .map(|id| Action::Deliver {
+                            id: id.clone(),
+                            event: MachineEvent::for_role(self.setup.role, what.clone()),
+                        })
+                        .collect()
+                };
+                assert_eq!(got, expect, "every live request fails superseded, once");
+                self.model.superseded = true;
+            }
+            Op::Supersede => {}
             Op::Wait(ms) => self.wait(Duration::from_millis(ms)),
             Op::WriterGone(p, i, exited) => self.writer_gone(peer(p), rid(i), exited),
             Op::Replace(p) => {
@@ -556,6 +590,17 @@ impl Harness {
     fn open(&mut self, id: RequestId) {
         let ended = self.router.ended(&id).cloned();
         let got = self.feed(Input::Open { id: id.clone() });
+        if self.model.superseded {
+            let reason = FailureReason::Superseded {
+                detail: "rank held by incarnation 9".into(),
+            };
+            assert_eq!(
+                got,
+                vec![Action::Refuse { id, reason }],
+                "a superseded worker refuses every open"
+            );
+            return;
+        }
         if ended.is_some()
             || self.model.live.contains_key(&id)
             || self.model.orphans.contains_key(&id)

@@ -25,7 +25,7 @@ use handoff_transport::wire::{
 };
 use handoff_transport::zmtp::{Dealer, ZmtpError};
 use handoff_transport::{EngineId, Rank, RankInfo};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tracing::{debug, error, info, warn};
 
@@ -99,6 +99,28 @@ struct Inner {
     /// the rank registers anew, its process answers a handshake, or the mark expires.
     lost: LostRanks,
     driver: Mutex<Option<DriverHandle>>,
+    /// Registrations the server now holds for a newer process of their rank (what
+    /// [`BootstrapClient::superseded`] waits on), at most [`CLIENT_REGISTRATIONS_MAX`],
+    /// the oldest forgotten first.
+    superseded: Arc<watch::Sender<Vec<Superseded>>>,
+}
+
+/// A registration this client kept alive that the server holds for a newer process of the
+/// same rank now: heard as the `RegisterConflict` answering the client's registration
+/// again after a reconnect (the server closes a replaced record's connection, and a silent
+/// one's, so a replaced process that runs on hears it within a heartbeat or two).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Superseded {
+    /// Our record, as it was kept.
+    pub ours: WorkerRecord,
+    /// The record the server holds for the rank instead.
+    pub holder: WorkerRecord,
+}
+
+impl Superseded {
+    fn of(&self, rank: &RankInfo, incarnation: u64) -> bool {
+        self.ours.rank == *rank && self.ours.incarnation == incarnation
+    }
 }
 
 /// Lost incarnations remembered per client: more than the ranks of the engines one worker
@@ -282,6 +304,7 @@ impl BootstrapClient {
                 cache: Mutex::new(BTreeMap::new()),
                 lost: LostRanks::new(cfg.lost_kept),
                 driver: Mutex::new(None),
+                superseded: Arc::new(watch::Sender::new(Vec::new())),
             }),
         }
     }
@@ -312,6 +335,35 @@ impl BootstrapClient {
             other => Judged::Fail(unexpected(&address, &other)),
         })
         .await
+    }
+
+    /// Resolves once the server holds `rank` for a newer process than our `incarnation`
+    /// (that process's record): this process is no longer found by new requests, and its
+    /// peers refuse it. Pending for as long as that does not happen (a client with no such
+    /// registration waits forever: race it against the caller's own end).
+    pub fn superseded(
+        &self,
+        rank: &RankInfo,
+        incarnation: u64,
+    ) -> impl std::future::Future<Output = WorkerRecord> + Send + 'static {
+        let mut rx = self.inner.superseded.subscribe();
+        let rank = rank.clone();
+        async move {
+            loop {
+                let found = rx
+                    .borrow_and_update()
+                    .iter()
+                    .find(|s| s.of(&rank, incarnation))
+                    .map(|s| s.holder.clone());
+                if let Some(holder) = found {
+                    return holder;
+                }
+                if rx.changed().await.is_err() {
+                    // The client is gone: nothing will say it now.
+                    std::future::pending::<()>().await;
+                }
+            }
+        }
     }
 
     /// Every worker of `engine`, once all its ranks have registered: from the cache if
@@ -582,6 +634,7 @@ impl BootstrapClient {
             dealer: None,
             kept: BTreeMap::new(),
             seq: 0,
+            superseded: self.inner.superseded.clone(),
         };
         let task = tokio::spawn(driver.run(rx));
         *slot = Some(DriverHandle {
@@ -609,6 +662,8 @@ struct Driver {
     kept: BTreeMap<(EngineId, Rank), WorkerRecord>,
     /// Heartbeat sequence number on the current connection.
     seq: u64,
+    /// Where a registration lost to a newer process is told ([`Inner::superseded`]).
+    superseded: Arc<watch::Sender<Vec<Superseded>>>,
 }
 
 impl Driver {
@@ -749,7 +804,10 @@ impl Driver {
         let records: Vec<WorkerRecord> = self.kept.values().cloned().collect();
         for record in records {
             let rank = record.rank.clone();
-            match self.exchange(&Message::Register(record), deadline).await? {
+            match self
+                .exchange(&Message::Register(record.clone()), deadline)
+                .await?
+            {
                 Message::RegisterOk(_) => {
                     info!(address = %self.address, %rank, "registered again after reconnecting");
                 }
@@ -761,6 +819,18 @@ impl Driver {
                         "registration lost: the server now holds a conflicting record; heartbeats for it stop"
                     );
                     self.kept.remove(&(rank.engine_id.clone(), rank.rank()));
+                    if c.existing.rank == rank && c.existing.incarnation > record.incarnation {
+                        let lost = Superseded {
+                            ours: record,
+                            holder: c.existing,
+                        };
+                        self.superseded.send_modify(|all| {
+                            if all.len() >= CLIENT_REGISTRATIONS_MAX {
+                                all.remove(0);
+                            }
+                            all.push(lost);
+                        });
+                    }
                 }
                 other => {
                     return Err(AttemptError::Final(unexpected(&self.address, &other)));

@@ -45,7 +45,7 @@ pub mod server;
 pub mod status;
 
 pub use client::{
-    BootstrapClient, ClientConfig, LostRanks, LOST_INCARNATIONS_MAX, LOST_KEPT_DEFAULT,
+    BootstrapClient, ClientConfig, LostRanks, Superseded, LOST_INCARNATIONS_MAX, LOST_KEPT_DEFAULT,
 };
 pub use error::BootstrapError;
 pub use etcd::EtcdDirectory;

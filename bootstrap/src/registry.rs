@@ -38,6 +38,8 @@ pub enum RegisterOutcome {
     Replaced {
         /// The incarnation that was replaced.
         old_incarnation: u64,
+        /// The connection the replaced record was registered over.
+        old_conn: ConnId,
     },
     /// The registration contradicts what the registry holds; the registry keeps its record.
     Conflict(Box<WorkerRecord>),
@@ -190,6 +192,7 @@ impl Registry {
                 } else {
                     RegisterOutcome::Replaced {
                         old_incarnation: old.record.incarnation,
+                        old_conn: old.origin.conn,
                     }
                 }
             }
@@ -439,7 +442,10 @@ mod tests {
         moved.incarnation = 2;
         assert_eq!(
             reg.register(moved.clone(), origin(3), t),
-            RegisterOutcome::Replaced { old_incarnation: 1 }
+            RegisterOutcome::Replaced {
+                old_incarnation: 1,
+                old_conn: ConnId(2)
+            }
         );
         assert_eq!(
             reg.register(r, origin(1), t),

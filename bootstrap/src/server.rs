@@ -17,7 +17,10 @@
 //! Liveness: any valid message on a connection (heartbeats, in practice) refreshes the
 //! records registered over it; a sweep every `expire_after / 4` removes records silent for
 //! `expire_after`, and closes the connection they registered on if it is still open (its
-//! client then reconnects and registers again). A disconnect alone removes nothing.
+//! client then reconnects and registers again). A record replaced by a newer incarnation
+//! closes the connection the old one came over in the same way: a replaced process still
+//! running learns it on registering again (`RegisterConflict`). A disconnect alone removes
+//! nothing.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -537,8 +540,18 @@ impl ServerState {
                 debug!(peer = %origin.peer, %rank, incarnation, "worker registered again (same record)");
                 Some(ok)
             }
-            RegisterOutcome::Replaced { old_incarnation } => {
+            RegisterOutcome::Replaced {
+                old_incarnation,
+                old_conn,
+            } => {
                 info!(peer = %origin.peer, %rank, %role, incarnation, old_incarnation, %control, "worker restarted: record replaced");
+                if old_conn != origin.conn && self.conns.contains_key(&old_conn) {
+                    // The replaced process may live on (stopped, then resumed): closed, its
+                    // client reconnects, registers again, and hears the conflict, as it
+                    // would after its record expired; kept open, its heartbeats would go
+                    // on answering and it would never learn that it is no longer found.
+                    self.disconnect(old_conn);
+                }
                 Some(ok)
             }
             RegisterOutcome::Conflict(existing) => {

@@ -155,20 +155,43 @@ async fn a_conflicting_registration_is_a_named_error_and_the_original_is_kept() 
     );
 }
 
+/// A restart's registration replaces the old record; the old process, if it runs on (it
+/// was stopped, then resumed), hears that its rank is held by a newer one: the server
+/// closes its connection, and its registration again meets the conflict.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_worker_with_a_new_incarnation_replaces_its_record() {
     let server = server().await;
     let first = record("p", (0, 1), (0, 1), 1);
-    client(&server)
-        .register(first, soon())
+    let old = client(&server);
+    old.register(first.clone(), soon())
         .await
         .expect("first life");
+    let superseded = old.superseded(&first.rank, first.incarnation);
     let mut second = record("p", (0, 1), (0, 1), 2);
     second.control_address = "tcp://10.1.1.1:5001".into();
     client(&server)
         .register(second.clone(), soon())
         .await
         .expect("second life replaces the first");
+    assert_eq!(
+        server.query(&EngineId::new("p")).await.expect("query"),
+        QueryAnswer::Ready {
+            workers: vec![second.clone()]
+        }
+    );
+    let holder = tokio::time::timeout(T, superseded)
+        .await
+        .expect("the old process hears it within a few heartbeats");
+    assert_eq!(holder, second);
+    // Asked afterwards, it answers at once; another incarnation was not superseded.
+    let again = old.superseded(&first.rank, first.incarnation);
+    assert_eq!(
+        tokio::time::timeout(SLACK, again).await.ok(),
+        Some(second.clone())
+    );
+    let other = old.superseded(&first.rank, 2);
+    assert!(tokio::time::timeout(SLACK, other).await.is_err());
+    // And the new record stays: the old one's registration again changed nothing.
     assert_eq!(
         server.query(&EngineId::new("p")).await.expect("query"),
         QueryAnswer::Ready {

@@ -23,6 +23,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tracing::{debug, info, trace, warn};
 
+use super::directory::DirectoryFuture;
 use super::peers::{Incarnation, PeerTable};
 use super::{
     check_named_blocks, Cmd, DataPlane, Directory, NetConfig, PeerData, PeerInfo, WriteGrants,
@@ -213,6 +214,13 @@ impl Control {
     async fn run(mut self, mut cmds: mpsc::Receiver<Cmd>, mut reports: mpsc::Receiver<Report>) {
         let mut tick = tokio::time::interval(self.cfg.heartbeat_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Resolves once the directory holds our rank for a newer process (never, where it
+        // cannot tell): polled until then, and not after.
+        let mut superseded: DirectoryFuture<String> = self
+            .directory
+            .superseded(&self.me, self.incarnation)
+            .unwrap_or_else(|| Box::pin(std::future::pending()));
+        let mut told = false;
         loop {
             tokio::select! {
                 biased;
@@ -220,6 +228,10 @@ impl Control {
                     Some(event) => self.on_router(event),
                     None => return,
                 },
+                detail = &mut superseded, if !told => {
+                    told = true;
+                    self.inbox.superseded(detail);
+                }
                 Some(report) = reports.recv() => self.on_report(report),
                 cmd = cmds.recv() => match cmd {
                     Some(Cmd::Send { to, id, msg }) => self.send(&to, &id, msg),

@@ -57,6 +57,15 @@ pub trait Directory: Send + Sync + 'static {
         let _ = (peer, incarnation);
         false
     }
+
+    /// Resolves once the directory holds `rank` for a newer process than this one
+    /// (`incarnation`), saying which: new requests no longer find this process, and peers
+    /// that know the newer one refuse it, so its open requests cannot end well. `None`
+    /// where the directory cannot tell (the default).
+    fn superseded(&self, rank: &RankInfo, incarnation: u64) -> Option<DirectoryFuture<String>> {
+        let _ = (rank, incarnation);
+        None
+    }
 }
 
 /// A directory with a fixed set of workers: every registration is kept in memory, and
@@ -201,6 +210,18 @@ impl Directory for handoff_bootstrap::BootstrapClient {
 
     fn found(&self, peer: &RankInfo, incarnation: u64) -> bool {
         self.mark_found(peer, incarnation)
+    }
+
+    fn superseded(&self, rank: &RankInfo, incarnation: u64) -> Option<DirectoryFuture<String>> {
+        let address = self.address().to_string();
+        let holder = handoff_bootstrap::BootstrapClient::superseded(self, rank, incarnation);
+        Some(Box::pin(async move {
+            let holder = holder.await;
+            format!(
+                "the bootstrap server at {address} holds rank {} for incarnation {} (at {}) now, not this process's {incarnation}",
+                holder.rank, holder.incarnation, holder.control_address
+            )
+        }))
     }
 }
 

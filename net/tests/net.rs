@@ -534,3 +534,67 @@ async fn a_peer_that_leaves_one_dial_unanswered_is_dialed_again_not_lost() {
         s.poll()
     );
 }
+
+/// A worker whose rank a newer process takes (it was stopped, say, and a supervisor started
+/// another in its place) hears it from the bootstrap server, which closes the replaced
+/// registration's connection so that registering again meets the newer record. Its open
+/// requests then fail `Superseded` at once, not at their deadlines (nothing would pair
+/// with them: new requests find the newer process, and peers that know it refuse this
+/// one), and a request opened afterwards is refused by the same name. The newer process
+/// goes on as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_rank_a_newer_process_takes_fails_its_requests_superseded() {
+    use handoff_bootstrap::{serve, BootstrapClient, ClientConfig, ServerConfig};
+    let server = serve(ServerConfig::new("tcp://127.0.0.1:0")).await.unwrap();
+    let client = ClientConfig {
+        heartbeat_interval: Duration::from_millis(100),
+        attempt_timeout: Duration::from_millis(500),
+        backoff_min: Duration::from_millis(20),
+        backoff_max: Duration::from_millis(200),
+        ..ClientConfig::default()
+    };
+    let start = || async {
+        let rank = RankInfo::single("P");
+        let dir = Arc::new(BootstrapClient::new(&server.address(), None, client));
+        let transport = NetTransport::bind(
+            net_cfg(),
+            rank.clone(),
+            Role::Prefill,
+            dir,
+            Arc::new(NoData::default()),
+        )
+        .await
+        .unwrap();
+        let incarnation = transport.incarnation();
+        let rt = Runtime::builder(Role::Prefill, rank)
+            .timeouts(timeouts())
+            .transport(TransportChoice::Custom(Arc::new(transport)))
+            .region(Arc::new(Region::new(16, 4096).unwrap()))
+            .start()
+            .await
+            .unwrap();
+        (rt, incarnation)
+    };
+    let (old, _) = start().await;
+    let waiting = old.sender("r").unwrap();
+    waiting.send(vec![BlockId(1)]).unwrap();
+    let (newer, incarnation) = start().await;
+    let end = tokio::time::timeout(T, waiting.completion())
+        .await
+        .expect("failed before its 20 s bootstrap deadline");
+    let State::Failed(FailureReason::Superseded { detail }) = &end else {
+        panic!("expected superseded, got {end:?}");
+    };
+    assert!(detail.contains(&incarnation.to_string()), "{detail}");
+    let late = old.sender("r2").unwrap();
+    assert_eq!(
+        tokio::time::timeout(T, late.completion()).await.unwrap(),
+        end,
+        "a request opened after is refused the same way"
+    );
+    let fresh = newer.sender("r3").unwrap();
+    assert!(!fresh.poll().is_terminal(), "{:?}", fresh.poll());
+    old.shutdown().await;
+    newer.shutdown().await;
+    server.stop().await;
+}

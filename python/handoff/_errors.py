@@ -86,6 +86,13 @@ class InternalError(RequestFailed):
     reason = "internal_error"
 
 
+class Superseded(RequestFailed):
+    """A newer process holds this worker's rank (the directory says so): every open request
+    fails with it, and new ones are refused. Stop this process; the newer one serves."""
+
+    reason = "superseded"
+
+
 # --- the API's own errors -----------------------------------------------------------------
 
 

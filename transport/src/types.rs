@@ -283,6 +283,14 @@ pub enum FailureReason {
         /// What happened.
         detail: String,
     },
+    /// A newer process holds this worker's rank now (this one was stopped, say, and a
+    /// supervisor started another in its place): new requests no longer find this one and
+    /// peers that know the newer one refuse it, so its open requests fail at once and new
+    /// ones are refused. Last, so that every earlier reason keeps its encoding.
+    Superseded {
+        /// Who holds the rank now, as the directory said.
+        detail: String,
+    },
 }
 
 impl FailureReason {
@@ -301,6 +309,7 @@ impl FailureReason {
             FailureReason::AbortedByPeer { .. } => "aborted_by_peer",
             FailureReason::Protocol { .. } => "protocol_error",
             FailureReason::Internal { .. } => "internal_error",
+            FailureReason::Superseded { .. } => "superseded",
         }
     }
 }
@@ -327,6 +336,9 @@ impl fmt::Display for FailureReason {
             }
             FailureReason::Protocol { detail } => write!(f, "protocol error: {detail}"),
             FailureReason::Internal { detail } => write!(f, "internal error: {detail}"),
+            FailureReason::Superseded { detail } => {
+                write!(f, "superseded by a newer process of this rank: {detail}")
+            }
         }
     }
 }

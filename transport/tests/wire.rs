@@ -869,6 +869,7 @@ fn any_failure_reason() -> impl Strategy<Value = FailureReason> {
         (text(40), text(40)).prop_map(|(peer, cause)| FailureReason::AbortedByPeer { peer, cause }),
         text(40).prop_map(|detail| FailureReason::Protocol { detail }),
         text(40).prop_map(|detail| FailureReason::Internal { detail }),
+        text(40).prop_map(|detail| FailureReason::Superseded { detail }),
     ]
 }
 

@@ -127,6 +127,11 @@ pub enum ReceiverEvent {
         /// What.
         detail: String,
     },
+    /// A newer process holds this worker's rank now ([`FailureReason::Superseded`]).
+    Superseded {
+        /// Who holds it, as the directory said.
+        detail: String,
+    },
 }
 
 /// How far one prefill rank has got.
@@ -341,6 +346,9 @@ impl ReceiverMachine {
             }
             ReceiverEvent::Internal { detail } => {
                 self.fail(FailureReason::Internal { detail }, None)
+            }
+            ReceiverEvent::Superseded { detail } => {
+                self.fail(FailureReason::Superseded { detail }, None)
             }
             // Only after the end: a replaced rank was lost, and a loss ends the request.
             ReceiverEvent::WriterReplaced { .. } | ReceiverEvent::WriterGone { .. } => {}

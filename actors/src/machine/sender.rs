@@ -103,6 +103,11 @@ pub enum SenderEvent {
         /// What.
         detail: String,
     },
+    /// A newer process holds this worker's rank now ([`FailureReason::Superseded`]).
+    Superseded {
+        /// Who holds it, as the directory said.
+        detail: String,
+    },
 }
 
 /// One decode rank this prefill rank serves, and how far it has got.
@@ -318,6 +323,9 @@ impl SenderMachine {
                 self.fail(protocol(&from, format!("unexpected {what}")), None)
             }
             SenderEvent::Internal { detail } => self.fail(FailureReason::Internal { detail }, None),
+            SenderEvent::Superseded { detail } => {
+                self.fail(FailureReason::Superseded { detail }, None)
+            }
         }
     }
 

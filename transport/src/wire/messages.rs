@@ -453,6 +453,9 @@ pub fn bounded_reason(reason: FailureReason) -> FailureReason {
         FailureReason::Internal { detail } => FailureReason::Internal {
             detail: bounded_text(detail),
         },
+        FailureReason::Superseded { detail } => FailureReason::Superseded {
+            detail: bounded_text(detail),
+        },
         other @ (FailureReason::BootstrapTimeout
         | FailureReason::WaitingTimeout
         | FailureReason::TransferTimeout
@@ -1075,7 +1078,8 @@ impl Validate for FailureReason {
             FailureReason::AbortedByPeer { peer, cause } => text(peer).and_then(|()| text(cause)),
             FailureReason::TransferFailed { detail }
             | FailureReason::Protocol { detail }
-            | FailureReason::Internal { detail } => text(detail),
+            | FailureReason::Internal { detail }
+            | FailureReason::Superseded { detail } => text(detail),
             FailureReason::PeerLost { peer } => text(peer),
             FailureReason::BootstrapTimeout
             | FailureReason::WaitingTimeout

@@ -12,7 +12,8 @@
 //! Between calls the driver keeps registrations alive: every
 //! [`ClientConfig::heartbeat_interval`] it sends a `Heartbeat` (reconnecting first if
 //! needed), and on every new connection it registers again every record it holds, since the
-//! server may have expired them or restarted.
+//! server may have expired them or restarted. A record that meets a newer process of its
+//! rank there is dropped and told to [`BootstrapClient::superseded`].
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -100,9 +101,8 @@ struct Inner {
     lost: LostRanks,
     driver: Mutex<Option<DriverHandle>>,
     /// Registrations the server now holds for a newer process of their rank (what
-    /// [`BootstrapClient::superseded`] waits on), at most [`CLIENT_REGISTRATIONS_MAX`],
-    /// the oldest forgotten first.
-    superseded: Arc<watch::Sender<Vec<Superseded>>>,
+    /// [`BootstrapClient::superseded`] waits on).
+    superseded: SupersededBoard,
 }
 
 /// A registration this client kept alive that the server holds for a newer process of the
@@ -120,6 +120,64 @@ pub struct Superseded {
 impl Superseded {
     fn of(&self, rank: &RankInfo, incarnation: u64) -> bool {
         self.ours.rank == *rank && self.ours.incarnation == incarnation
+    }
+}
+
+/// Registrations lost to a newer process of their rank, at most
+/// [`CLIENT_REGISTRATIONS_MAX`] (the oldest forgotten first): told by a directory's
+/// keep-alive, waited on by its callers. Cheap to clone.
+#[derive(Clone)]
+pub(crate) struct SupersededBoard(Arc<watch::Sender<Vec<Superseded>>>);
+
+impl SupersededBoard {
+    pub(crate) fn new() -> SupersededBoard {
+        SupersededBoard(Arc::new(watch::Sender::new(Vec::new())))
+    }
+
+    /// `holder` holds the rank of our record `ours` now: told, and true, if it is that
+    /// rank at a newer incarnation (anything else is a conflict, not a successor).
+    pub(crate) fn tell(&self, ours: &WorkerRecord, holder: &WorkerRecord) -> bool {
+        if holder.rank != ours.rank || holder.incarnation <= ours.incarnation {
+            return false;
+        }
+        let lost = Superseded {
+            ours: ours.clone(),
+            holder: holder.clone(),
+        };
+        self.0.send_modify(|all| {
+            if all.len() >= CLIENT_REGISTRATIONS_MAX {
+                all.remove(0);
+            }
+            all.push(lost);
+        });
+        true
+    }
+
+    /// Resolves with the holder once our `rank` at `incarnation` is told superseded;
+    /// pending until then (forever, if never).
+    pub(crate) fn wait(
+        &self,
+        rank: &RankInfo,
+        incarnation: u64,
+    ) -> impl std::future::Future<Output = WorkerRecord> + Send + 'static {
+        let mut rx = self.0.subscribe();
+        let rank = rank.clone();
+        async move {
+            loop {
+                let found = rx
+                    .borrow_and_update()
+                    .iter()
+                    .find(|s| s.of(&rank, incarnation))
+                    .map(|s| s.holder.clone());
+                if let Some(holder) = found {
+                    return holder;
+                }
+                if rx.changed().await.is_err() {
+                    // Everything that could tell is gone.
+                    std::future::pending::<()>().await;
+                }
+            }
+        }
     }
 }
 
@@ -304,7 +362,7 @@ impl BootstrapClient {
                 cache: Mutex::new(BTreeMap::new()),
                 lost: LostRanks::new(cfg.lost_kept),
                 driver: Mutex::new(None),
-                superseded: Arc::new(watch::Sender::new(Vec::new())),
+                superseded: SupersededBoard::new(),
             }),
         }
     }
@@ -346,24 +404,7 @@ impl BootstrapClient {
         rank: &RankInfo,
         incarnation: u64,
     ) -> impl std::future::Future<Output = WorkerRecord> + Send + 'static {
-        let mut rx = self.inner.superseded.subscribe();
-        let rank = rank.clone();
-        async move {
-            loop {
-                let found = rx
-                    .borrow_and_update()
-                    .iter()
-                    .find(|s| s.of(&rank, incarnation))
-                    .map(|s| s.holder.clone());
-                if let Some(holder) = found {
-                    return holder;
-                }
-                if rx.changed().await.is_err() {
-                    // The client is gone: nothing will say it now.
-                    std::future::pending::<()>().await;
-                }
-            }
-        }
+        self.inner.superseded.wait(rank, incarnation)
     }
 
     /// Every worker of `engine`, once all its ranks have registered: from the cache if
@@ -663,7 +704,7 @@ struct Driver {
     /// Heartbeat sequence number on the current connection.
     seq: u64,
     /// Where a registration lost to a newer process is told ([`Inner::superseded`]).
-    superseded: Arc<watch::Sender<Vec<Superseded>>>,
+    superseded: SupersededBoard,
 }
 
 impl Driver {
@@ -819,18 +860,7 @@ impl Driver {
                         "registration lost: the server now holds a conflicting record; heartbeats for it stop"
                     );
                     self.kept.remove(&(rank.engine_id.clone(), rank.rank()));
-                    if c.existing.rank == rank && c.existing.incarnation > record.incarnation {
-                        let lost = Superseded {
-                            ours: record,
-                            holder: c.existing,
-                        };
-                        self.superseded.send_modify(|all| {
-                            if all.len() >= CLIENT_REGISTRATIONS_MAX {
-                                all.remove(0);
-                            }
-                            all.push(lost);
-                        });
-                    }
+                    self.superseded.tell(&record, &c.existing);
                 }
                 other => {
                     return Err(AttemptError::Final(unexpected(&self.address, &other)));

@@ -9,7 +9,9 @@
 //! Keys, per cluster: `handoff/CLUSTER/w/ENGINE-HEX/DP.TP.PP`, each holding one worker's
 //! record as a wire frame (`Register`, HMAC-tagged under the cluster's shared key when one is
 //! set, so a writer without the key cannot plant a worker), attached to a lease the worker
-//! keeps alive: a dead worker's record expires with its lease.
+//! keeps alive: a dead worker's record expires with its lease. Each renewal reads the key
+//! back: a newer process of the rank that rewrote it under its own lease supersedes this
+//! one ([`EtcdDirectory::superseded`]), and the lease is renewed no more.
 //!
 //! The rules are the bootstrap server's own ([`Registry`]): a registration reads its
 //! engine's records, replays them into a fresh registry, applies itself there (the same
@@ -36,7 +38,7 @@ use handoff_transport::wire::{self, Message, QueryAnswer, StatusReply, WorkerRec
 use handoff_transport::zmtp::ConnId;
 use handoff_transport::{EngineId, RankInfo};
 
-use crate::client::{Lost, LostRanks};
+use crate::client::{Lost, LostRanks, SupersededBoard};
 use crate::registry::{Origin, RegisterOutcome, Registry};
 use crate::{BootstrapError, CACHED_ENGINES_MAX};
 
@@ -640,6 +642,8 @@ struct Inner {
     lost: LostRanks,
     keeper: Mutex<Option<JoinHandle<()>>>,
     watch: Mutex<Watch>,
+    /// Registrations whose key a newer process of their rank holds now.
+    superseded: SupersededBoard,
 }
 
 /// What the watch on the cluster's records has established.
@@ -708,6 +712,7 @@ impl EtcdDirectory {
                 lost: LostRanks::new(LOST_KEPT),
                 keeper: Mutex::new(None),
                 watch: Mutex::new(Watch::default()),
+                superseded: SupersededBoard::new(),
             }),
         })
     }
@@ -756,8 +761,35 @@ impl EtcdDirectory {
         registry
     }
 
+    /// Resolves once etcd holds `rank` for a newer process than our `incarnation` (that
+    /// process's record), as the keep-alive finds it: on every renewal it reads the rank's
+    /// key back (a newer process's registration rewrites it under its own lease while ours
+    /// lives on), and a registration again after a lapsed lease may meet the newer record.
+    /// Pending for as long as that does not happen.
+    pub fn superseded(
+        &self,
+        rank: &RankInfo,
+        incarnation: u64,
+    ) -> impl std::future::Future<Output = WorkerRecord> + Send + 'static {
+        self.inner.superseded.wait(rank, incarnation)
+    }
+
+    /// The record etcd holds for `ours`'s rank, if it holds one a newer process wrote.
+    async fn newer_holder(&self, ours: &WorkerRecord, deadline: Instant) -> Option<WorkerRecord> {
+        let prefix = self
+            .inner
+            .members
+            .address
+            .engine_prefix(&ours.rank.engine_id);
+        let (records, _) = self.records(&prefix, deadline).await.ok()?;
+        records
+            .into_iter()
+            .find(|r| r.rank == ours.rank && r.incarnation > ours.incarnation)
+    }
+
     /// Registers `record` under a new lease and keeps the lease alive in the background
-    /// (re-registering if etcd loses it), until the directory is dropped.
+    /// (re-registering if etcd loses it), until the directory is dropped or a newer process
+    /// of the rank holds its key ([`superseded`](Self::superseded)).
     ///
     /// # Errors
     /// [`BootstrapError::Conflict`] when the cluster holds a contradicting record (never
@@ -778,11 +810,21 @@ impl EtcdDirectory {
                 let dir = EtcdDirectory { inner };
                 let deadline = Instant::now() + LEASE_TTL / 3;
                 match dir.inner.members.keep_alive(lease, deadline).await {
-                    Ok(ttl) if ttl > 0 => {}
+                    Ok(ttl) if ttl > 0 => {
+                        if let Some(holder) = dir.newer_holder(&record, deadline).await {
+                            return dir.lost_to(&record, &holder);
+                        }
+                    }
                     Ok(_) => {
                         tracing::warn!(rank = %record.rank, "etcd lost this worker's lease; registering again");
                         match dir.put_record(&record, Instant::now() + LEASE_TTL).await {
                             Ok(id) => lease = id,
+                            Err(BootstrapError::Conflict { existing, .. })
+                                if existing.rank == record.rank
+                                    && existing.incarnation > record.incarnation =>
+                            {
+                                return dir.lost_to(&record, &existing);
+                            }
                             Err(e) => {
                                 tracing::warn!(rank = %record.rank, error = %e, "registering again on etcd failed; retrying")
                             }
@@ -798,6 +840,19 @@ impl EtcdDirectory {
             old.abort();
         }
         Ok(())
+    }
+
+    /// The keep-alive of `ours` ends: `holder`, a newer process of the rank, holds its key
+    /// (told to [`superseded`](Self::superseded)).
+    fn lost_to(&self, ours: &WorkerRecord, holder: &WorkerRecord) {
+        self.inner.superseded.tell(ours, holder);
+        tracing::error!(
+            rank = %ours.rank,
+            incarnation = ours.incarnation,
+            holder_incarnation = holder.incarnation,
+            holder_control = %holder.control_address,
+            "registration lost: etcd holds this rank for a newer process; its lease is no longer renewed"
+        );
     }
 
     /// Grants a lease and writes `record` under it by the registry's rules: the lease id.

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use handoff_bootstrap::etcd::{b64, CACHE_AGE_MAX, KNOWN_FALLBACK_AFTER};
+use handoff_bootstrap::etcd::{b64, CACHE_AGE_MAX, KNOWN_FALLBACK_AFTER, LEASE_TTL};
 use handoff_bootstrap::{BootstrapError, EtcdDirectory, Key, WorkerRecord};
 use handoff_testkit::etcd::{address, Etcd};
 use handoff_transport::EngineId;
@@ -188,6 +188,45 @@ async fn racing_registrations_of_one_rank_have_one_winner() {
     }
     assert_eq!(winners.len(), 1, "{winners:?}");
     assert!(keepers.iter().all(|k| *k == winners[0]), "{keepers:?}");
+}
+
+/// A newer process that takes a rank writes its key under its own lease, while the old
+/// process (stopped, then resumed, say) renews a lease that no longer holds it: the old
+/// one's keep-alive reads the key back, finds the newer record and says so (`superseded`),
+/// and renews no more. The newer record is what lookups find.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_newer_process_of_a_rank_supersedes_the_old_one() {
+    let Some(etcd) = Etcd::single("a_newer_process_of_a_rank_supersedes_the_old_one") else {
+        return;
+    };
+    let old = dir(&etcd, "superseded", None);
+    let first = record("S", (0, 1), 1);
+    old.register(first.clone(), soon())
+        .await
+        .expect("first life");
+    let superseded = old.superseded(&first.rank, first.incarnation);
+    let other = old.superseded(&first.rank, 7);
+    let mut second = record("S", (0, 1), 2);
+    second.control_address = "tcp://10.1.1.1:5001".into();
+    let newer = dir(&etcd, "superseded", None);
+    newer
+        .register(second.clone(), soon())
+        .await
+        .expect("second life replaces the first");
+    let holder = tokio::time::timeout(LEASE_TTL, superseded)
+        .await
+        .expect("found at the next renewal");
+    assert_eq!(holder, second);
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), other)
+            .await
+            .is_err(),
+        "only the superseded incarnation is told"
+    );
+    assert_eq!(
+        newer.query(&EngineId::new("S"), soon()).await.unwrap(),
+        vec![second]
+    );
 }
 
 /// A cached answer is dropped when the watch sees the engine change: a restart elsewhere is

@@ -213,16 +213,25 @@ impl Directory for handoff_bootstrap::BootstrapClient {
     }
 
     fn superseded(&self, rank: &RankInfo, incarnation: u64) -> Option<DirectoryFuture<String>> {
-        let address = self.address().to_string();
         let holder = handoff_bootstrap::BootstrapClient::superseded(self, rank, incarnation);
-        Some(Box::pin(async move {
-            let holder = holder.await;
-            format!(
-                "the bootstrap server at {address} holds rank {} for incarnation {} (at {}) now, not this process's {incarnation}",
-                holder.rank, holder.incarnation, holder.control_address
-            )
-        }))
+        Some(held_by(self.address().to_string(), holder, incarnation))
     }
+}
+
+/// What [`Directory::superseded`] says once `holder` resolves: who holds the rank now, and
+/// which directory (`address`) says so.
+fn held_by(
+    address: String,
+    holder: impl Future<Output = WorkerRecord> + Send + 'static,
+    incarnation: u64,
+) -> DirectoryFuture<String> {
+    Box::pin(async move {
+        let holder = holder.await;
+        format!(
+            "{address} holds rank {} for incarnation {} (at {}) now, not this process's {incarnation}",
+            holder.rank, holder.incarnation, holder.control_address
+        )
+    })
 }
 
 impl Directory for handoff_bootstrap::EtcdDirectory {
@@ -264,5 +273,10 @@ impl Directory for handoff_bootstrap::EtcdDirectory {
 
     fn found(&self, peer: &RankInfo, incarnation: u64) -> bool {
         self.mark_found(peer, incarnation)
+    }
+
+    fn superseded(&self, rank: &RankInfo, incarnation: u64) -> Option<DirectoryFuture<String>> {
+        let holder = handoff_bootstrap::EtcdDirectory::superseded(self, rank, incarnation);
+        Some(held_by(self.address(), holder, incarnation))
     }
 }

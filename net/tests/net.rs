@@ -10,7 +10,9 @@ use handoff_actors::{
     BlockId, EngineId, FailureReason, RankInfo, ReceiverSpec, Region, Role, Runtime, State,
     Timeouts, TransportChoice,
 };
-use handoff_net::{DataPlane, GrantTable, NetConfig, NetTransport, PlaneTransfer, StaticDirectory};
+use handoff_net::{
+    DataPlane, Directory, GrantTable, NetConfig, NetTransport, PlaneTransfer, StaticDirectory,
+};
 use handoff_transport::wire;
 use handoff_transport::wire::messages::{
     Heartbeat, Hello, HelloAck, LayoutDescriptor, Message, TransportKind, WorkerRecord,
@@ -247,7 +249,13 @@ async fn a_silent_peer_is_lost_after_its_missed_heartbeats() {
 /// A prefill worker "P" and its control address, for a test that speaks the protocol
 /// to it by hand.
 async fn prefill_at_its_address() -> (Runtime, String) {
-    let dir = Arc::new(StaticDirectory::new());
+    let (p, addr, _) = prefill_in(Arc::new(StaticDirectory::new())).await;
+    (p, addr)
+}
+
+/// A prefill worker "P" registered in `dir` (default timeouts): its runtime, control address
+/// and incarnation.
+async fn prefill_in(dir: Arc<dyn Directory>) -> (Runtime, String, u64) {
     let rank = RankInfo::single("P");
     let transport = NetTransport::bind(
         net_cfg(),
@@ -259,13 +267,14 @@ async fn prefill_at_its_address() -> (Runtime, String) {
     .await
     .unwrap();
     let addr = transport.control_address().to_string();
+    let incarnation = transport.incarnation();
     let p = Runtime::builder(Role::Prefill, rank)
         .transport(TransportChoice::Custom(Arc::new(transport)))
         .region(Arc::new(Region::new(16, 4096).unwrap()))
         .start()
         .await
         .unwrap();
-    (p, addr)
+    (p, addr, incarnation)
 }
 
 /// A peer on another protocol version is refused at hello, by name, and the worker goes on.
@@ -553,35 +562,20 @@ async fn a_worker_whose_rank_a_newer_process_takes_fails_its_requests_superseded
         backoff_max: Duration::from_millis(200),
         ..ClientConfig::default()
     };
-    let start = || async {
-        let rank = RankInfo::single("P");
-        let dir = Arc::new(BootstrapClient::new(&server.address(), None, client));
-        let transport = NetTransport::bind(
-            net_cfg(),
-            rank.clone(),
-            Role::Prefill,
-            dir,
-            Arc::new(NoData::default()),
-        )
-        .await
-        .unwrap();
-        let incarnation = transport.incarnation();
-        let rt = Runtime::builder(Role::Prefill, rank)
-            .timeouts(timeouts())
-            .transport(TransportChoice::Custom(Arc::new(transport)))
-            .region(Arc::new(Region::new(16, 4096).unwrap()))
-            .start()
-            .await
-            .unwrap();
-        (rt, incarnation)
+    let start = || {
+        prefill_in(Arc::new(BootstrapClient::new(
+            &server.address(),
+            None,
+            client,
+        )))
     };
-    let (old, _) = start().await;
+    let (old, _, _) = start().await;
     let waiting = old.sender("r").unwrap();
     waiting.send(vec![BlockId(1)]).unwrap();
-    let (newer, incarnation) = start().await;
+    let (newer, _, incarnation) = start().await;
     let end = tokio::time::timeout(T, waiting.completion())
         .await
-        .expect("failed before its 20 s bootstrap deadline");
+        .expect("failed long before its 300 s bootstrap deadline");
     let State::Failed(FailureReason::Superseded { detail }) = &end else {
         panic!("expected superseded, got {end:?}");
     };

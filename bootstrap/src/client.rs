@@ -118,6 +118,12 @@ pub struct Superseded {
 }
 
 impl Superseded {
+    /// Whether `holder` is a newer process of `ours`'s rank (anything else holding it is a
+    /// conflict, not a successor).
+    pub(crate) fn succeeds(ours: &WorkerRecord, holder: &WorkerRecord) -> bool {
+        holder.rank == ours.rank && holder.incarnation > ours.incarnation
+    }
+
     fn of(&self, rank: &RankInfo, incarnation: u64) -> bool {
         self.ours.rank == *rank && self.ours.incarnation == incarnation
     }
@@ -137,7 +143,7 @@ impl SupersededBoard {
     /// `holder` holds the rank of our record `ours` now: told, and true, if it is that
     /// rank at a newer incarnation (anything else is a conflict, not a successor).
     pub(crate) fn tell(&self, ours: &WorkerRecord, holder: &WorkerRecord) -> bool {
-        if holder.rank != ours.rank || holder.incarnation <= ours.incarnation {
+        if !Superseded::succeeds(ours, holder) {
             return false;
         }
         let lost = Superseded {

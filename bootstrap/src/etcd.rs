@@ -38,7 +38,7 @@ use handoff_transport::wire::{self, Message, QueryAnswer, StatusReply, WorkerRec
 use handoff_transport::zmtp::ConnId;
 use handoff_transport::{EngineId, RankInfo};
 
-use crate::client::{Lost, LostRanks, SupersededBoard};
+use crate::client::{Lost, LostRanks, Superseded, SupersededBoard};
 use crate::registry::{Origin, RegisterOutcome, Registry};
 use crate::{BootstrapError, CACHED_ENGINES_MAX};
 
@@ -782,9 +782,7 @@ impl EtcdDirectory {
             .address
             .engine_prefix(&ours.rank.engine_id);
         let (records, _) = self.records(&prefix, deadline).await.ok()?;
-        records
-            .into_iter()
-            .find(|r| r.rank == ours.rank && r.incarnation > ours.incarnation)
+        records.into_iter().find(|r| Superseded::succeeds(ours, r))
     }
 
     /// Registers `record` under a new lease and keeps the lease alive in the background
@@ -820,8 +818,7 @@ impl EtcdDirectory {
                         match dir.put_record(&record, Instant::now() + LEASE_TTL).await {
                             Ok(id) => lease = id,
                             Err(BootstrapError::Conflict { existing, .. })
-                                if existing.rank == record.rank
-                                    && existing.incarnation > record.incarnation =>
+                                if Superseded::succeeds(&record, &existing) =>
                             {
                                 return dir.lost_to(&record, &existing);
                             }

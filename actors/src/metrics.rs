@@ -20,6 +20,7 @@
 //! | `handoff_block_bytes` | gauge | | bytes of one local block (all of its layers): blocks × this is bytes |
 //! | `handoff_peers_lost_total` | counter | | peers declared lost (silent, restarted, unreachable) |
 //! | `handoff_peers_live` | gauge | | peers with a live control connection (counted each heartbeat) |
+//! | `handoff_superseded` | gauge | | 1 once a newer process holds this worker's rank (every request fails `superseded`: stop this process), else 0 |
 //! | `handoff_messages_refused_total` | counter | `cause` | peer messages the runtime refused or dropped (`late`, `too_many_pending`, `bytes_full`, `buffer_full`, `never_opened`; `replaced_writer`: a confirmation from a new process in a lost writer's rank, which ends nothing) |
 //! | `handoff_pushes_as_pull_total` | counter | | decode requests made for push over a one-sided plane that ran as pull, since a prefill rank was a process this worker cannot watch (another host) |
 //! | `handoff_frames_refused_total` | counter | `cause` | control frames refused (`auth`, `oversized`, `truncated`, `version`, `unexpected`, `malformed`, `stale_incarnation`, `queue_full`) |
@@ -104,6 +105,7 @@ pub struct Metrics {
     block_bytes: Gauge,
     peers_lost: Counter,
     peers_live: Gauge,
+    superseded: Gauge,
     refused: Family<CauseLabel, Counter>,
     frames_refused: Family<CauseLabel, Counter>,
     pushes_as_pull: Counter,
@@ -376,6 +378,12 @@ impl Metrics {
             "Peers with a live control connection, counted each heartbeat",
             peers_live.clone(),
         );
+        let superseded = Gauge::default();
+        registry.register(
+            "superseded",
+            "1 once a newer process holds this worker's rank (it refuses every request: stop it), else 0",
+            superseded.clone(),
+        );
         let refused = Family::default();
         registry.register(
             "messages_refused",
@@ -405,6 +413,7 @@ impl Metrics {
             block_bytes,
             peers_lost,
             peers_live,
+            superseded,
             refused,
             frames_refused,
             pushes_as_pull,
@@ -566,6 +575,11 @@ impl Metrics {
     /// `n` peers have a live control connection now.
     pub fn set_peers_live(&self, n: usize) {
         self.peers_live.set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    /// A newer process holds this worker's rank: it refuses every request from now on.
+    pub fn superseded(&self) {
+        self.superseded.set(1);
     }
 
     /// A peer message refused or dropped for `cause`.

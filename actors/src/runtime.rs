@@ -155,6 +155,9 @@ pub(crate) struct Shared {
     ids: Mutex<BTreeSet<RequestId>>,
     /// The runtime's memory, which a handle checks the blocks it is given against.
     region: Arc<Region>,
+    /// Set once, by the root, when a newer process holds this worker's rank: what the
+    /// directory said (`Runtime::superseded`).
+    superseded: std::sync::OnceLock<String>,
 }
 
 impl Shared {
@@ -328,6 +331,8 @@ impl RootState {
                 Input::PeerReplaced { peer }
             }
             RootMsg::Superseded { detail } => {
+                let _ = self.shared.superseded.set(detail.clone());
+                self.shared.metrics.superseded();
                 error!(rank = %self.cfg.rank, %detail, open = self.router.live().count(), "a newer process holds this worker's rank: every open request fails superseded, and new ones are refused (stop this process)");
                 Input::Superseded { detail }
             }
@@ -811,6 +816,7 @@ impl RuntimeBuilder {
             metrics,
             ids: Mutex::default(),
             region: cfg.region.clone(),
+            superseded: std::sync::OnceLock::new(),
         });
         let (tx, rx) = crate::mailbox::channel();
         let root = RootRef {
@@ -975,6 +981,15 @@ impl Runtime {
     /// Requests open now: live, or ended with their final event not yet drained.
     pub fn open_requests(&self) -> usize {
         self.shared.events.open()
+    }
+
+    /// What the directory said if a newer process holds this worker's rank (it was stopped
+    /// or cut off long enough for its record to lapse, and a supervisor started another in
+    /// its place), else `None`. From then on every open request has failed `Superseded` and
+    /// every new one is refused the same way: the process should stop (`handoff worker
+    /// --serve` exits on it). Also the `handoff_superseded` gauge.
+    pub fn superseded(&self) -> Option<String> {
+        self.shared.superseded.get().cloned()
     }
 
     /// Tells the runtime a peer is gone: every request depending on it fails at once with

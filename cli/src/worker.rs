@@ -22,12 +22,18 @@
 //!   shutdown) are printed before the summary;
 //! - with `--keep-done` (decode), `{"event":"recheck", "request", "verified"}` per request
 //!   that arrived, its blocks checked again when the worker stops;
-//! - `{"event":"summary", "done", "failed", "corrupted", "recheck_bad", "by_kind"}` at the end.
+//! - `{"event":"superseded", "detail"}` once, if a newer process took this worker's rank
+//!   (this one was stopped or cut off past its record's lease, and another started in its
+//!   place): every open request fails `superseded`, none more is opened, and the worker
+//!   exits once they have all ended, `--serve` or not;
+//! - `{"event":"summary", "done", "failed", "corrupted", "recheck_bad", "by_kind",
+//!   "superseded"}` at the end (`superseded`: the detail above, or null).
 //!
 //! stdout holds nothing else: logs, UCX's included, go to stderr.
 //!
 //! It exits 0 when every request ended `Done` and verified (or, with `--serve`, when
-//! stopped by SIGINT/SIGTERM), 1 otherwise. Used by the multi-process tests and by hand.
+//! stopped by SIGINT/SIGTERM), 1 otherwise (a superseded worker always exits 1). Used by
+//! the multi-process tests and by hand.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -270,7 +276,8 @@ pub struct WorkerArgs {
     /// ...this long after the first ones were opened (both of the above).
     #[arg(long, default_value_t = 1000)]
     pub then_after_ms: u64,
-    /// Stay up until SIGINT/SIGTERM instead of exiting when the requests end.
+    /// Stay up until SIGINT/SIGTERM instead of exiting when the requests end (or until a
+    /// newer process takes this worker's rank: then it exits 1 once its requests ended).
     #[arg(long)]
     pub serve: bool,
     /// Decode: keep the blocks of requests that arrived (as an engine decoding from them
@@ -606,9 +613,18 @@ async fn drive(
     // `--keep-done`: the requests whose blocks arrived, kept out of the pool.
     let mut kept: Vec<(RequestId, Vec<BlockId>)> = Vec::new();
     let mut stop = Box::pin(shutdown_signal());
+    // Once a newer process holds this rank, what the directory said.
+    let mut superseded: Option<String> = None;
     loop {
+        if superseded.is_none() {
+            superseded = rt.superseded();
+            if let Some(detail) = &superseded {
+                emit(json!({"event": "superseded", "detail": detail}));
+            }
+        }
         // Open what is due: the first wave at once, the second after `then_after_ms`.
-        while next < total
+        while superseded.is_none()
+            && next < total
             && (next < first_wave || started.elapsed() >= Duration::from_millis(a.then_after_ms))
             && plan.pool.len() >= a.blocks_per_request as usize
         {
@@ -687,8 +703,10 @@ async fn drive(
                 }
             }
         }
-        let all_ended = next == total && (done + failed) as usize >= total;
-        if all_ended && !a.serve {
+        // Every request opened (or refused) so far has ended.
+        let opened_ended = (done + failed) as usize >= next;
+        let all_ended = next == total && opened_ended;
+        if (all_ended && !a.serve) || (superseded.is_some() && opened_ended) {
             break;
         }
         tokio::select! {
@@ -706,8 +724,9 @@ async fn drive(
             recheck_bad += 1;
         }
     }
-    let summary = json!({"event": "summary", "done": done, "failed": failed, "corrupted": corrupted, "recheck_bad": recheck_bad, "by_kind": by_kind});
-    let code = if a.serve || (done as usize == total && corrupted == 0 && recheck_bad == 0) {
+    let summary = json!({"event": "summary", "done": done, "failed": failed, "corrupted": corrupted, "recheck_bad": recheck_bad, "by_kind": by_kind, "superseded": superseded});
+    let clean = done as usize == total && corrupted == 0 && recheck_bad == 0;
+    let code = if superseded.is_none() && (a.serve || clean) {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE

@@ -977,6 +977,46 @@ fn a_restarted_worker_registers_again_and_replaces_its_record() {
     drop(second);
 }
 
+/// A serving worker whose rank a newer process takes (a supervisor that gave up on it
+/// started another) says so, fails its open requests `superseded` (they were waiting on
+/// their 300 s bootstrap deadline: no decode ever asked) and exits 1: a process that
+/// would refuse every request does not stay up. The newer one serves on, untold.
+#[test]
+fn a_superseded_serving_worker_fails_its_requests_and_exits() {
+    let (_boot, addr) = bootstrap();
+    let mut first = worker(
+        "prefill",
+        "prefill",
+        "P",
+        &addr,
+        &["--serve", "--requests", "2"],
+    );
+    first.until("both requests opened", |seen| {
+        seen.iter().filter(|v| v["event"] == "opened").count() == 2
+    });
+    let mut args = common::worker_args("prefill", "P", &addr);
+    args.extend(["--serve", "--heartbeat-ms", "100"]);
+    let newer = Proc::spawn("newer prefill", &args);
+    let ready = newer.expect("ready", |v| v["event"] == "ready");
+    let incarnation = ready["incarnation"].to_string();
+    let said = first.expect("superseded", |v| v["event"] == "superseded");
+    assert!(
+        said["detail"].as_str().unwrap_or("").contains(&incarnation),
+        "{said} does not name the newer process ({incarnation})"
+    );
+    let (ends, summary) = first.ends();
+    assert_eq!(kinds(&ends), ["superseded", "superseded"], "{ends:?}");
+    assert_eq!(summary["superseded"], said["detail"], "{summary}");
+    first.rest();
+    let status = first.child.wait().expect("wait for the superseded worker");
+    assert_eq!(status.code(), Some(1), "a superseded worker exits 1");
+    assert!(
+        !newer.stderr_says("superseded", Duration::ZERO),
+        "the newer process was told too: {}",
+        newer.stderr.lock().unwrap()
+    );
+}
+
 /// Decode asks for an engine nobody registered: its requests fail by name at their
 /// bootstrap deadline, the bootstrap server answers "not ready", nothing crashes.
 #[test]

@@ -580,6 +580,20 @@ async fn a_worker_whose_rank_a_newer_process_takes_fails_its_requests_superseded
         panic!("expected superseded, got {end:?}");
     };
     assert!(detail.contains(&incarnation.to_string()), "{detail}");
+    // The failure and the runtime's own word come from the same decision, the failure last.
+    assert_eq!(old.superseded().as_deref(), Some(detail.as_str()));
+    assert_eq!(
+        newer.superseded(),
+        None,
+        "the newer process is not superseded"
+    );
+    let gauge = |rt: &Runtime| {
+        let text = rt.metrics().encode();
+        text.lines()
+            .find_map(|l| l.strip_prefix("handoff_superseded ").map(str::to_string))
+    };
+    assert_eq!(gauge(&old).as_deref(), Some("1"));
+    assert_eq!(gauge(&newer).as_deref(), Some("0"));
     let late = old.sender("r2").unwrap();
     assert_eq!(
         tokio::time::timeout(T, late.completion()).await.unwrap(),

@@ -249,6 +249,11 @@ class Runtime:
     num_blocks = property(lambda self: self._native.num_blocks)
     block_bytes = property(lambda self: self._native.block_bytes)
     running = property(lambda self: self._native.running, doc="True until `shutdown`.")
+    superseded = property(
+        lambda self: self._native.superseded,
+        doc="What the directory said once a newer process holds this worker's rank (every "
+        "request then fails `Superseded`: stop this process), else None.",
+    )
     metrics_address = property(
         lambda self: self._native.metrics_address,
         doc="Where ``metrics_listen`` serves Prometheus metrics (``HOST:PORT``), or None.",

@@ -938,6 +938,15 @@ impl Runtime {
         self.metrics.encode()
     }
 
+    /// What the directory said if a newer process holds this worker's rank (every open
+    /// request failed `Superseded`, and new ones are refused the same way: stop this
+    /// process), else `None` (also once shut down).
+    #[getter]
+    fn superseded(&self) -> Option<String> {
+        let rt = self.runtime.lock().unwrap_or_else(|e| e.into_inner());
+        rt.as_ref().and_then(|rt| rt.superseded())
+    }
+
     /// True until `shutdown`.
     #[getter]
     fn running(&self) -> bool {

@@ -143,6 +143,24 @@ def test_shutdown_fails_live_requests_and_releases_their_blocks(bootstrap):
     assert not p.running
 
 
+def test_a_runtime_whose_rank_a_newer_one_takes_says_so_and_fails_its_requests(bootstrap):
+    kv_old, kv_new = np.zeros((8, 256), np.uint8), np.zeros((8, 256), np.uint8)
+    with runtime("prefill", "P2", bootstrap, kv_old) as old:
+        s = old.sender("waiting")
+        s.send([1, 2])
+        assert old.superseded is None
+        with runtime("prefill", "P2", bootstrap, kv_new) as newer:
+            with pytest.raises(handoff.Superseded) as failed:
+                s.wait(30)
+            assert old.superseded is not None
+            assert str(newer.incarnation) in old.superseded
+            assert old.superseded in str(failed.value)
+            assert newer.superseded is None
+            assert "handoff_superseded 1" in old.metrics_text()
+            ev: list[handoff.Event] = []
+            assert released(old, ev) == [1, 2]
+
+
 def test_blocking_calls_release_the_gil(pair):
     import threading
 

@@ -43,8 +43,16 @@ const MEMORY_TYPES: [u8; 2] = [MEMORY_TYPE_HOST, 1];
 /// The first UCX whose failed unpack cleans up only what it unpacked.
 const CLEANUP_FIXED: (u32, u32) = (1, 19);
 
-/// How long a vetting child may take to unpack every key.
+/// How long the vetting of a peer's keys may take, every child it makes together.
 pub(crate) const VET_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long the first child of a vetting may take before a second is made for the rest of
+/// [`VET_TIMEOUT`]. A child that inherited a lock held at the fork (see
+/// [`VetError::Undecided`]) never gets past it, while a new fork, made once that thread has
+/// let go, usually does. An unpacking takes milliseconds and a fork of a large engine about
+/// a second at worst (seen once on a busy core), so an honest peer's keys are not turned
+/// away for one unlucky fork.
+pub(crate) const VET_FIRST_TRY: Duration = Duration::from_secs(2);
 
 /// The longest a vetting child waits for its release (it also dies with this process).
 const VET_HOLD_MS: i32 = 60_000;
@@ -286,6 +294,22 @@ pub(crate) fn vet(
     }
 }
 
+/// A vetting that began at `started`: `vet_by(deadline)` makes one child, answering by that
+/// deadline. The first child gets [`VET_FIRST_TRY`]; if it ends undecided, a second gets the
+/// rest of [`VET_TIMEOUT`]. A child's refusal or success is final.
+pub(crate) fn vet_again_once<T>(
+    started: Instant,
+    mut vet_by: impl FnMut(Instant) -> Result<T, VetError>,
+) -> Result<T, VetError> {
+    match vet_by(started + VET_FIRST_TRY.min(VET_TIMEOUT)) {
+        Err(VetError::Undecided(detail)) => {
+            tracing::debug!(%detail, "a vetting process stalled (a lock held at the fork, or the keys): vetting again in a new one");
+            vet_by(started + VET_TIMEOUT)
+        }
+        done => done,
+    }
+}
+
 /// Closes every descriptor from `first` on but `keep` (in a forked child: only syscalls).
 fn close_from(first: i32, keep: [i32; 2]) {
     let (a, b) = (keep[0].min(keep[1]), keep[0].max(keep[1]));
@@ -388,6 +412,49 @@ mod tests {
             1
         );
         assert!(matches!(read_answer(&r, later), Ok(true)));
+    }
+
+    #[test]
+    fn a_stalled_vetting_gets_one_more_child_for_the_rest_of_the_bound_and_no_more() {
+        let started = Instant::now();
+        let stalled = || VetError::Undecided("stuck".into());
+        // Undecided, then undecided again: two children, the second by the whole bound.
+        let mut asked = Vec::new();
+        let r: Result<(), _> = vet_again_once(started, |by| {
+            asked.push(by);
+            Err(stalled())
+        });
+        assert!(matches!(r, Err(VetError::Undecided(_))), "{r:?}");
+        assert_eq!(
+            asked,
+            [started + VET_FIRST_TRY, started + VET_TIMEOUT],
+            "a first try, then the rest of the bound"
+        );
+        // Undecided, then done: the second child's answer stands.
+        let mut n = 0;
+        let r = vet_again_once(started, |_| {
+            n += 1;
+            if n == 1 {
+                Err(stalled())
+            } else {
+                Ok(n)
+            }
+        });
+        assert_eq!(r.ok(), Some(2));
+        // A refusal, a success, or no child at all is final: one child only.
+        for first in [
+            Err(VetError::Refused("killed".into())),
+            Ok(()),
+            Err(VetError::Unavailable("fork".into())),
+        ] {
+            let mut calls = 0;
+            let mut first = Some(first);
+            let _ = vet_again_once(started, |_| {
+                calls += 1;
+                first.take().unwrap_or(Ok(()))
+            });
+            assert_eq!(calls, 1);
+        }
     }
 
     #[test]

@@ -493,8 +493,9 @@ impl Endpoint {
     ///   type this runtime moves, else [`UcxError::MalformedKey`]; UCX gets it padded;
     /// - where the loaded UCX (before 1.19) dies when one domain of a key fails to unpack,
     ///   the host keys are unpacked first in a forked child, and a key that kills it (or
-    ///   that UCX refuses) is [`UcxError::MalformedKey`]; a child that takes longer than a
-    ///   bound is [`UcxError::KeysUndecided`];
+    ///   that UCX refuses) is [`UcxError::MalformedKey`]; a child that stalls is followed
+    ///   by one more (a lock held at the fork stalls one child, not the next), and a
+    ///   vetting still unanswered at its bound is [`UcxError::KeysUndecided`];
     /// - where UCX reaches the key's memory by pointer (the shared-memory transports, whose
     ///   puts and gets are an unbounded `memcpy` into a mapping of the peer's segment), the
     ///   range must lie inside the mapping this unpacking made, else
@@ -519,7 +520,8 @@ impl Endpoint {
             let ep = self.inner.live().map_err(|e| (host[0], e))?;
             let vetted: Vec<&[u8]> = host.iter().map(|&i| padded[i].as_slice()).collect();
             let started = Instant::now();
-            let held = rkey::vet(api, ep, &vetted, started + rkey::VET_TIMEOUT).map_err(|e| {
+            let vetting = rkey::vet_again_once(started, |by| rkey::vet(api, ep, &vetted, by));
+            let held = vetting.map_err(|e| {
                 // Which key: the child does not say; the first host key stands for them.
                 let error = match e {
                     rkey::VetError::Refused(detail) => UcxError::MalformedKey { detail },
